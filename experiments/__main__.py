@@ -1,0 +1,88 @@
+"""The reproduction runner.
+
+    python -m experiments reproduce [--full] [--only U1,E4] [--weights PATH ...]
+    python -m experiments table      # the table from stored results, running nothing
+    python -m experiments paper      # rebuild paper/report.md from stored results
+    python -m experiments list       # implemented experiments and their quick-run times
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+
+from experiments.claims import CLAIM_IDS
+from experiments.registry import RESULTS_DIR, Context, discover
+from experiments.report import build_paper, load_results, print_table, table_rows, write_result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m experiments", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("reproduce", help="run experiments, write results, print the table")
+    rep.add_argument("--full", action="store_true", help="full sizes (slow); default is quick sizes")
+    rep.add_argument("--only", default="", help="comma-separated claim ids, e.g. U1,E4")
+    rep.add_argument("--weights", action="append", default=[], metavar="PATH",
+                     help="also measure this checkpoint (safetensors file/dir or GGUF); repeatable")
+    sub.add_parser("table", help="print the table from stored results")
+    sub.add_parser("paper", help="rebuild paper/report.md from stored results")
+    sub.add_parser("list", help="list implemented experiments")
+    args = parser.parse_args(argv)
+
+    experiments = discover()
+    if args.command == "list":
+        for cid, exp in experiments.items():
+            print(f"{cid:4s} {exp.title}  (quick run ~{exp.quick_minutes:g} min)")
+        return 0
+    if args.command == "table":
+        print_table(table_rows(experiments, load_results(), ran=set()))
+        return 0
+    if args.command == "paper":
+        print(f"wrote {build_paper(experiments)}")
+        return 0
+
+    wanted = [c.strip().upper() for c in args.only.split(",") if c.strip()] or list(CLAIM_IDS)
+    unknown = [c for c in wanted if c not in CLAIM_IDS]
+    if unknown:
+        parser.error(f"unknown claim id(s) {', '.join(unknown)}; known: {', '.join(CLAIM_IDS)}")
+    to_run = [experiments[c] for c in wanted if c in experiments]
+    ctx = Context(full=args.full, weights=args.weights, results_dir=RESULTS_DIR,
+                  progress_factory=_progress_factory())
+    ran, failed = set(), []
+    for exp in to_run:
+        print(f"== {exp.claim}: {exp.title}", flush=True)
+        start = time.perf_counter()
+        try:
+            result = exp.run(ctx)
+        except Exception:  # report, keep going with the other claims, exit non-zero at the end
+            traceback.print_exc()
+            failed.append(exp.claim)
+            continue
+        path = write_result(exp, result, args.full, time.perf_counter() - start, RESULTS_DIR)
+        print(f"   {result.summary}  ->  {path.relative_to(RESULTS_DIR.parent.parent)}"
+              f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+        ran.add(exp.claim)
+    rows = [r for r in table_rows(experiments, load_results(), ran) if r[0] in wanted]
+    print_table(rows)
+    build_paper(experiments)
+    if failed:
+        print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _progress_factory():  # noqa: ANN202 - returns a callable making rich Progress objects
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    def make() -> Progress:
+        return Progress(TextColumn("   {task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeElapsedColumn(), transient=True)
+
+    return make
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The experiment registry: one module per claim, found by its file name.
+
+To add an experiment, add a module ``experiments/<claim>_<topic>.py`` (e.g. ``u3_ratio.py``) that
+defines ``EXPERIMENT = Experiment(claim="U3", title=..., run=...)``. Nothing else changes: the
+runner discovers it, the table gets its row, the paper gets its section.
+
+``run(ctx)`` does the work and returns a ``Result``; the runner adds the setup (machine, commit,
+date), writes ``experiments/results/<claim>.json`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import re
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+_MODULE_RE = re.compile(r"^[a-z]\d+_\w+$")  # u1_entropy, e10_cpu_load, ...
+
+
+@dataclass
+class Result:
+    """What an experiment measured, and how it compares with the article."""
+
+    measured: dict[str, Any]  # our numbers (the JSON's "measured")
+    summary: str  # one short line for the table's "ours" column
+    verdict: str  # "matches", "differs", "partly matches", ...
+    why: str  # one or two sentences: the basis of the verdict
+    setup: dict[str, Any] = field(default_factory=dict)  # weights, workload, sizes
+    article: dict[str, Any] = field(default_factory=dict)  # the article's numbers, quoted
+    figures: list[str] = field(default_factory=list)  # paths relative to experiments/results
+
+
+@dataclass
+class Context:
+    """What the runner hands an experiment."""
+
+    full: bool = False  # --full: full sizes; otherwise quick sizes (the whole quick run < 15 min)
+    weights: list[str] = field(default_factory=list)  # extra checkpoints given with --weights
+    results_dir: Path = RESULTS_DIR
+    progress_factory: Callable[[], Any] | None = None  # returns a rich Progress, or None
+
+    @contextmanager
+    def progress(self) -> Iterator[Any]:
+        """A rich Progress to add tasks to (a silent stand-in when not on a terminal)."""
+        if self.progress_factory is None:
+            yield _SilentProgress()
+            return
+        with self.progress_factory() as p:
+            yield p
+
+    def track(self, items: Iterable[Any], description: str, total: int | None = None) -> Iterator[Any]:
+        """Iterate with a progress bar."""
+        items = list(items) if total is None else items
+        total = len(items) if total is None else total  # type: ignore[arg-type]
+        with self.progress() as p:
+            task = p.add_task(description, total=total)
+            for item in items:
+                yield item
+                p.advance(task)
+
+
+class _SilentProgress:
+    def add_task(self, *args: Any, **kwargs: Any) -> int:
+        return 0
+
+    def advance(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class Experiment:
+    claim: str  # the claim id in CLAIMS.md, e.g. "U1"
+    title: str
+    run: Callable[[Context], Result]
+    quick_minutes: float = 1.0  # rough time of the quick run on a 2-core machine
+
+
+def discover() -> dict[str, Experiment]:
+    """Every experiment module's EXPERIMENT, by claim id."""
+    import experiments
+
+    found: dict[str, Experiment] = {}
+    for mod in pkgutil.iter_modules(experiments.__path__):
+        if not _MODULE_RE.match(mod.name):
+            continue
+        module = importlib.import_module(f"experiments.{mod.name}")
+        exp = getattr(module, "EXPERIMENT", None)
+        if not isinstance(exp, Experiment):
+            raise TypeError(f"experiments/{mod.name}.py must define EXPERIMENT = Experiment(...)")
+        if exp.claim in found:
+            raise ValueError(f"two experiments claim {exp.claim}: {mod.name} and another module")
+        found[exp.claim] = exp
+    return found

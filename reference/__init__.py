@@ -1,0 +1,1 @@
+"""The reference implementation: readable NumPy, the specification in code. No torch below here."""
