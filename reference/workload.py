@@ -59,7 +59,10 @@ def iter_sharegpt(path: str | Path | None = None, limit: int | None = None,
                 obj, end = decoder.raw_decode(buf, pos)
             except json.JSONDecodeError:
                 if eof:
-                    return  # the cut at the end of the file: everything before it was yielded
+                    if buf[pos:pos + 1] != "{":
+                        raise WorkloadError(f"{path}: malformed JSON after {count} conversations: "
+                                            f"{buf[pos:pos + 40]!r}") from None
+                    return  # cut inside the last object: everything before it was yielded
                 more = f.read(chunk_bytes)
                 eof = not more
                 buf, pos = buf[pos:] + more, 0
