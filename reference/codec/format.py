@@ -18,6 +18,7 @@ import numpy as np
 from reference.codec.errors import CodecError
 from reference.codec.huffman import MAX_SUPPORTED_LENGTH, check_lengths
 from reference.codec.layout import Layout
+from reference.codec.palette import NOT_IN_PALETTE, symbol_table
 
 FORMAT_NAME = "unweight"
 VERSION = 1
@@ -155,6 +156,9 @@ class CompressedTensor:
         pad = np.arange(self.chunk_size) >= layout.chunk_length(v)[:, None]
         if np.any(self.vexp[pad]):
             raise CodecError(f"{where}padding bytes of short verbatim chunks must be 0")
+        outside = (symbol_table(self.palette)[self.vexp] == NOT_IN_PALETTE) & ~pad
+        if not outside.any(axis=1).all():
+            raise CodecError(f"{where}a verbatim chunk holds only palette exponents (the verbatim rule is iff)")
         n_coded = layout.n - int(layout.chunk_length(v).sum())
         if n_coded > 0 and not any(self.code_lengths):
             raise CodecError(f"{where}{n_coded} weights are coded but no symbol has a code")
