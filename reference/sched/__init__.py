@@ -6,7 +6,8 @@ API:
                    predicted_output_len=None, eos_token_id=None, stop_token_ids=(), cache_salt=None,
                    request=None)            # request: the engine's own object, never read here
     sched = Scheduler(BlockManager(num_blocks, block_size),
-                      SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=None),
+                      SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=None,
+                                      watermark=0.0),
                       policy=FCFS(), tenants=None)
     sched.add(seq, now)                     # RequestError / UnknownTenantError, nothing changed
     batch = sched.schedule(now)             # Batch: entries, block_copies (src, dst), preempted
