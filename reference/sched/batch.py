@@ -1,0 +1,89 @@
+"""What one scheduler step asks the data plane to do, and the scheduler's configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from reference.sched.errors import ConfigError
+from reference.sched.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one step, and of a request.
+
+    max_num_batched_tokens: the token budget of one step (decode tokens + prefill chunk tokens).
+    max_num_seqs: most sequences running at once (and so in one step). Must be <= the budget, so
+        that every running decode fits in every step.
+    max_model_len: context length; a request's prompt must be shorter, and it finishes ("length")
+        when it reaches it. None: limited by max_tokens and the cache only.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            value = getattr(self, name)
+            if value is None and name == "max_model_len":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_num_seqs > self.max_num_batched_tokens:
+            raise ConfigError(f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
+                              f"({self.max_num_batched_tokens}): every running decode must fit in a step")
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: compute K/V for tokens ``start .. start + num_new_tokens - 1``.
+
+    ``token_ids`` are those tokens, ``positions`` their positions; attention reads the K/V of
+    positions ``0 .. start + num_new_tokens - 1`` through ``block_table``. When ``samples`` is true
+    this is the sequence's last uncomputed token, so the logits at the last position give its next
+    token (pass it to ``Scheduler.postprocess``); otherwise this is a prefill chunk and no token is
+    sampled.
+    """
+
+    seq: Sequence
+    start: int
+    num_new_tokens: int
+    token_ids: list[int]
+    block_table: list[int]
+    samples: bool
+    is_prefill: bool  # False: a decode (the one token sampled last step)
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.start + self.num_new_tokens)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens attention covers after this step: the cached ones and the new ones."""
+        return self.start + self.num_new_tokens
+
+    def slot_mapping(self, block_size: int) -> list[int]:
+        """The cache slot (``block * block_size + offset``) of each new token."""
+        return [self.block_table[p // block_size] * block_size + p % block_size for p in self.positions]
+
+
+@dataclass
+class Batch:
+    """Everything one step computes. Apply ``block_copies`` (src, dst) to the K/V arrays first."""
+
+    entries: list[ScheduledSeq] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to the waiting queue this step
+    now: float = 0.0
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(e.num_new_tokens for e in self.entries if e.is_prefill)
+
+    def __len__(self) -> int:
+        return len(self.entries)

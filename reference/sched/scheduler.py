@@ -1,0 +1,197 @@
+"""The continuous batcher: every step, which tokens of which sequences to compute.
+
+Each step has a token budget (``max_num_batched_tokens``) and a sequence limit (``max_num_seqs``):
+
+1. Running sequences that are decoding (one uncomputed token: the one sampled last step) go first,
+   most urgent first by the policy's key. Then running sequences still in their prefill get the
+   rest of the budget in chunks.
+2. If a running sequence needs a new block and none is free, the least urgent running sequence not
+   yet scheduled in this step is preempted by recompute: its blocks are freed, it goes back to the
+   waiting queue, and its tokens (prompt and outputs so far) are computed again once readmitted.
+3. Then waiting sequences are admitted, best key first, while the budget lasts, fewer than
+   ``max_num_seqs`` run, and ``BlockManager.can_allocate`` says their blocks fit. Admission is
+   strict: if the best waiting sequence does not fit, nobody behind it is admitted this step; and
+   nothing is admitted in a step that preempted. An admitted sequence gets blocks for all its
+   tokens at once (reusing its cached prefix) and a first prefill chunk as large as the remaining
+   budget allows.
+
+Use: ``add(seq)``; loop ``batch = schedule(now)``; run the model on ``batch``; ``postprocess(batch,
+token_ids, now)``. ``abort(seq_id)`` frees everything of a request at any time between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+
+from reference.kv.block_manager import BlockManager
+from reference.sched.batch import Batch, ScheduledSeq, SchedulerConfig
+from reference.sched.errors import RequestError, SchedulerError
+from reference.sched.policy import FCFS, Policy
+from reference.sched.sequence import Sequence, SequenceStatus
+from reference.sched.tenants import Tenants
+
+
+class Scheduler:
+    """Continuous batching over a paged KV cache, with a pluggable policy."""
+
+    def __init__(self, block_manager: BlockManager, config: SchedulerConfig | None = None,
+                 policy: Policy | None = None, tenants: Tenants | None = None) -> None:
+        self.block_manager = block_manager
+        self.config = config or SchedulerConfig()
+        self.policy = policy or FCFS()
+        self.tenants = tenants if tenants is not None else getattr(self.policy, "tenants", None)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._in_flight: Batch | None = None  # scheduled, not yet postprocessed
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence, now: float | None = None) -> None:
+        """Queue a new request. Raises RequestError / UnknownTenantError; then nothing has changed."""
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise RequestError(f"sequence {seq.seq_id} was already scheduled; add a new Sequence")
+        limit = self.config.max_model_len
+        if limit is not None and seq.num_prompt_tokens >= limit:
+            raise RequestError(f"prompt of {seq.num_prompt_tokens} tokens does not fit the context of {limit} "
+                               "tokens (at least one output token must fit)")
+        max_len = seq.num_prompt_tokens + seq.max_tokens if limit is None else limit
+        bm = self.block_manager
+        if bm.blocks_for(max_len) > bm.num_blocks:
+            raise RequestError(f"a request of up to {max_len} tokens needs {bm.blocks_for(max_len)} KV blocks; "
+                               f"the cache has {bm.num_blocks}")
+        if self.tenants is not None:
+            self.tenants.plan(seq.tenant)
+        self.policy.on_add(seq)
+        if seq.arrival_time is None:
+            seq.arrival_time = time.monotonic() if now is None else now
+        self.waiting.append(seq)
+
+    def schedule(self, now: float | None = None) -> Batch:
+        """Choose this step's work (see the module docstring). Call ``postprocess`` with its result."""
+        if self._in_flight is not None:
+            raise SchedulerError("schedule() called again before postprocess() of the previous batch")
+        now = time.monotonic() if now is None else now
+        batch, budget = Batch(now=now), self.config.max_num_batched_tokens
+        key = self.policy.key
+        # 1. running sequences: decodes first, then prefill chunks; preempt when blocks run out
+        ordered = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, key(s, now)))
+        unscheduled = list(ordered)
+        for seq in ordered:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            is_prefill = seq.num_uncomputed_tokens > 1
+            while not self.block_manager.can_append(seq, n):
+                victim = max(unscheduled, key=lambda s: key(s, now))
+                self._preempt(victim, batch)
+                unscheduled.remove(victim)
+                if victim is seq:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                unscheduled.remove(seq)
+                budget -= self._schedule_one(seq, n, is_prefill, batch)
+        # 2. admissions (static batching: only into an empty system, then not until it is empty again);
+        # none in a step that had to preempt: memory is short, and a victim must not come straight back
+        admit = (self.policy.admit_while_running or not self.running) and not batch.preempted
+        while admit and self.waiting and len(self.running) < self.config.max_num_seqs:
+            if budget == 0 and self.policy.admit_while_running:
+                break
+            seq = min(self.waiting, key=lambda s: key(s, now))
+            if not self.block_manager.can_allocate(seq):
+                break
+            self.block_manager.allocate(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            if budget > 0:
+                budget -= self._schedule_one(seq, min(seq.num_uncomputed_tokens, budget), True, batch)
+        if batch.entries:
+            self._in_flight = batch
+        return batch
+
+    def postprocess(self, batch: Batch, new_token_ids: Seq[int | None], now: float | None = None) -> list[Sequence]:
+        """Record a step's results; returns the sequences that finished in it.
+
+        ``new_token_ids[i]`` is the token sampled for ``batch.entries[i]``; it is read only where
+        ``entries[i].samples`` is true (pass None elsewhere). Sequences aborted since ``schedule``
+        are skipped.
+        """
+        if not batch.entries:
+            return []
+        if batch is not self._in_flight:
+            raise SchedulerError("postprocess() needs the batch returned by the last schedule()")
+        if len(new_token_ids) != len(batch.entries):
+            raise SchedulerError(f"{len(new_token_ids)} tokens for a batch of {len(batch.entries)} entries")
+        self._in_flight = None
+        now = time.monotonic() if now is None else now
+        finished = []
+        for entry, token in zip(batch.entries, new_token_ids, strict=True):
+            seq = entry.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            if not entry.samples:
+                continue
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise SchedulerError(f"sequence {seq.seq_id}: sampled token must be an int >= 0, got {token!r}")
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._finish_reason(seq, token)
+            if reason is not None:
+                self._finish(seq, SequenceStatus.FINISHED, reason, now)
+                finished.append(seq)
+        return finished
+
+    def abort(self, seq_id: int, now: float | None = None) -> Sequence | None:
+        """Abort a live request and free its blocks; returns it, or None if no live request has that id."""
+        for seq in (*self.running, *self.waiting):
+            if seq.seq_id == seq_id:
+                self._finish(seq, SequenceStatus.ABORTED, "abort", time.monotonic() if now is None else now)
+                return seq
+        return None
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _schedule_one(self, seq: Sequence, n: int, is_prefill: bool, batch: Batch) -> int:
+        batch.block_copies += self.block_manager.may_append(seq, n)
+        start = seq.num_computed_tokens
+        batch.entries.append(ScheduledSeq(seq, start, n, seq.token_ids[start:start + n], list(seq.block_table),
+                                          samples=start + n == seq.num_tokens, is_prefill=is_prefill))
+        self.policy.on_schedule(seq, n)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = batch.now
+        return n
+
+    def _preempt(self, seq: Sequence, batch: Batch) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.append(seq)
+        batch.preempted.append(seq)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if token == seq.eos_token_id or token in seq.stop_token_ids:
+            return "stop"
+        limit = self.config.max_model_len
+        if seq.num_output_tokens >= seq.max_tokens or (limit is not None and seq.num_tokens >= limit):
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, reason: str, now: float) -> None:
+        self.block_manager.free(seq)
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+        seq.status, seq.finish_reason, seq.finish_time = status, reason, now
+        self.policy.on_finish(seq)

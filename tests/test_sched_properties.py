@@ -1,0 +1,109 @@
+"""Stateful property test of the batcher under random arrivals, aborts and policies, with a fake model.
+
+Properties, checked after every step: no step exceeds its token budget or sequence limit; every
+entry reads back the right cached context from the fake plane (so preemption, prefix sharing and
+copy-on-write never lose or mix tokens); the block-manager audit passes; waiting requests hold no
+blocks. At the end, with arrivals stopped: every admitted request finishes (or was aborted) within a
+bounded number of steps, its output is exactly the fake model's tokens, and every block is free or
+evictable again.
+"""
+
+from __future__ import annotations
+
+from hypothesis import event
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from reference.kv import BlockManager, check_block_manager
+from reference.sched import Scheduler, SchedulerConfig, Sequence, SequenceStatus, Tenants, make_policy
+from tests.fake_plane import FakeKV, fake_token, run_step
+
+TENANTS = Tenants({"paid-1": "paid", "free-1": "free", "free-2": "free"})
+POLICIES = ["fcfs", "sjf", "wfq", "sjf+wfq", "static"]
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(4, 30), block_size=st.integers(1, 4), budget=st.integers(1, 12),
+                max_seqs=st.integers(1, 6), prefix=st.booleans(), policy=st.sampled_from(POLICIES),
+                max_model_len=st.sampled_from([None, 12, 24]))
+    def setup(self, num_blocks, block_size, budget, max_seqs, prefix, policy, max_model_len):
+        max_seqs = min(max_seqs, budget)
+        self.config = SchedulerConfig(budget, max_seqs, max_model_len)
+        bm = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix)
+        self.sched = Scheduler(bm, self.config, make_policy(policy, TENANTS, aging=0.5))
+        self.kv = FakeKV(num_blocks, block_size)
+        self.now = 0.0
+        self.added: list[Sequence] = []
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=16), max_tokens=st.integers(1, 10),
+          tenant=st.sampled_from(sorted(TENANTS.plan_of)), predicted=st.none() | st.integers(0, 12),
+          eos=st.none() | st.integers(0, 49))
+    def arrive(self, prompt, max_tokens, tenant, predicted, eos):
+        seq = Sequence(prompt, max_tokens=max_tokens, tenant=tenant, predicted_output_len=predicted,
+                       eos_token_id=eos, cache_salt=tenant if tenant.startswith("paid") else None,
+                       seq_id=len(self.added))  # ids from the test case, so runs replay exactly
+        try:
+            self.sched.add(seq, self.now)
+        except ValueError:
+            self.added.append(None)  # too long for this cache / context: rejected, nothing changed
+            return
+        self.added.append(seq)
+
+    @rule(n=st.integers(2, 6), prompt_len=st.integers(1, 12), max_tokens=st.integers(4, 12))
+    def burst(self, n, prompt_len, max_tokens):
+        """Several similar requests at once: memory pressure, preemption, shared prefixes."""
+        for i in range(n):
+            self.arrive([i % 2] * prompt_len, max_tokens, "free-1" if i % 3 else "paid-1", None, None)
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule()
+    def step(self):
+        self._step()
+
+    def _step(self):
+        self.now += 1.0
+        batch, _ = run_step(self.sched, self.kv, self.now)
+        assert batch.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(batch) <= self.config.max_num_seqs
+        assert len(self.sched.running) <= self.config.max_num_seqs
+        assert len({id(e.seq) for e in batch.entries}) == len(batch)
+        assert not set(map(id, batch.preempted)) & {id(e.seq) for e in batch.entries}
+        for what, happened in [("preemption", batch.preempted), ("block copy", batch.block_copies),
+                               ("prefix hit", any(e.seq.num_cached_tokens for e in batch.entries))]:
+            if happened:
+                event(what)
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule(data=st.data())
+    def abort(self, data):
+        seq = data.draw(st.sampled_from(self.sched.running + self.sched.waiting))
+        assert self.sched.abort(seq.seq_id, self.now) is seq
+        assert seq.block_table == [] and seq.status is SequenceStatus.ABORTED
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "sched"):
+            return
+        check_block_manager(self.sched.block_manager, self.sched.running)
+        assert all(not s.block_table and s.num_computed_tokens == 0 for s in self.sched.waiting)
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        steps = 0
+        while self.sched.has_unfinished():
+            self._step()
+            steps += 1
+            assert steps < 2000, "requests did not finish"
+        bm = self.sched.block_manager
+        check_block_manager(bm, [])
+        assert bm.num_free_blocks == bm.num_blocks
+        for seq in filter(None, self.added):
+            assert seq.is_finished
+            if seq.status is SequenceStatus.FINISHED:
+                want = [fake_token(0, seq.seq_id, p) for p in range(seq.num_prompt_tokens, seq.num_tokens)]
+                assert seq.output_token_ids == want
+                assert seq.num_output_tokens <= seq.max_tokens
+
+
+TestSchedulerMachine = SchedulerMachine.TestCase
