@@ -56,15 +56,16 @@ class Engine:
     def __init__(self, model: LlamaModel, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
                  kv_dtype: str = "float32", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
                  max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
-                 aging: float | None = None, prefix_cache: bool = True, seed: int = 0,
+                 aging: float = 0.0, prefix_cache: bool = True, seed: int = 0,
                  clock: Callable[[], float] = time.monotonic):
         self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
-        context = model.config.max_position
-        self.max_model_len = context if max_model_len is None else min(max_model_len, context)
+        # the context: the checkpoint's, or less if asked, and never more than the whole KV cache holds
+        limits = [model.config.max_position, num_blocks * block_size] + ([max_model_len] if max_model_len else [])
+        self.max_model_len = min(limits)
         self.cache = model.new_cache(num_blocks, block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
         if isinstance(policy, str):
-            policy = make_policy(policy, tenants, aging) if aging is not None else make_policy(policy, tenants)
+            policy = make_policy(policy, tenants, aging)
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.block_manager, config, policy, tenants)
         self.requests: dict[str, Request] = {}

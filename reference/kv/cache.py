@@ -17,10 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from reference.kv import fp8
-
-
-class KVCacheError(ValueError):
-    """A slot, block id or table that does not fit the cache."""
+from reference.kv.errors import KVCacheError
 
 
 class KVCache:
