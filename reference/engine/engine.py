@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from reference.engine.cost import StepShape
 from reference.engine.params import EngineError, SamplingParams, SamplingParamsError
 from reference.engine.request import Request, RequestMetrics, RequestOutput, TokenEvent
 from reference.engine.sampling import sample
@@ -50,6 +51,9 @@ class StepRecord:
     is_prefill: tuple[bool, ...]
     num_sampled: int
     num_preempted: int
+
+    def shape(self) -> StepShape:
+        return StepShape(self.new_tokens, self.context_lens, self.num_sampled)
 
 
 class Engine:
