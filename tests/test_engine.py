@@ -99,6 +99,8 @@ def test_bad_input_is_rejected_and_nothing_admitted_is_lost():
             SamplingParams(**bad)
     with pytest.raises(EngineError, match="tokenizer"):
         Engine(smollm2_model(), None, num_blocks=8).add_request("text")
+    with pytest.raises(EngineError, match="empty"):
+        eng.stream([], tenant="acme")  # raised at once, not at the first next()
     while eng.has_unfinished():
         eng.step()
     assert eng.output(good).output_token_ids == one_at_a_time_greedy(chat(QUESTIONS[0]), 6)

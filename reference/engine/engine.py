@@ -180,9 +180,11 @@ class Engine:
     # -- convenience ------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | dict | None = None,
                **kwargs: Any) -> Iterator[TokenEvent]:
-        """Add one request and yield its tokens (with timestamps) as they come; other requests also
-        advance. Closing the iterator early aborts the request."""
-        request_id = self.add_request(prompt, params, **kwargs)
+        """Add one request now (bad input raises here) and return an iterator of its tokens, with
+        timestamps, as they come; other requests advance too. Closing the iterator early aborts it."""
+        return self._follow(self.add_request(prompt, params, **kwargs))
+
+    def _follow(self, request_id: str) -> Iterator[TokenEvent]:
         req = self.requests[request_id]
         try:
             while not req.finished:

@@ -7,7 +7,9 @@ belongs to whom is the control plane's business (``reference/kv/block_manager.py
 stores numbers where it is told to.
 
 Two storage kinds: ``"float32"`` (exact) and ``"fp8"`` (e4m3 codes with one power-of-two scale per
-(block, kv-head); rules in ``reference/kv/fp8.py``).
+(block, kv-head); rules in ``reference/kv/fp8.py``). The model writes a step's new K/V first and then
+reads every position back through the table, the new ones included, so with fp8 attention always
+sees the stored (rounded) values, in prefill and decode alike.
 """
 
 from __future__ import annotations
