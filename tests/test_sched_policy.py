@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from reference.kv import BlockManager
 from reference.sched import (
@@ -129,3 +131,18 @@ def test_configuration_errors():
     assert Tenants({}, default_plan="free").plan("x") == "free"
     for name in ("fcfs", "sjf", "wfq", "sjf+wfq", "static"):
         assert make_policy(name, TENANTS).name == name
+
+
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 20), st.none() | st.integers(0, 25),
+                          st.sampled_from(["acme", "bob", "eve"]), st.integers(0, 5)), min_size=1, max_size=12),
+       st.sampled_from(["fcfs", "sjf", "wfq", "sjf+wfq", "static"]),
+       st.dictionaries(st.sampled_from(["acme", "bob", "eve"]), st.integers(0, 3).map(float)))
+def test_pick_is_the_smallest_key(requests, name, counters):
+    policy = make_policy(name, TENANTS, aging=0.7)
+    seqs = [Sequence([1] * p, max_tokens=m, predicted_output_len=pred, tenant=t, arrival_time=float(a))
+            for p, m, pred, t, a in requests]
+    for s in seqs:
+        policy.on_add(s)
+    if isinstance(policy, WFQ):
+        policy.counters.update(counters)
+    assert policy.pick(seqs, 9.0) is min(seqs, key=lambda s: policy.key(s, 9.0))

@@ -4,7 +4,7 @@ Plain Python, shared by reference/ and fast/ (only the K/V arrays differ). API:
 
     bm = BlockManager(num_blocks, block_size, enable_prefix_cache=True)
     bm.num_free_blocks                  # free + evictable (cached, unreferenced) blocks
-    bm.can_allocate(seq) -> bool        # admission check (counts prefix-cache hits)
+    bm.can_allocate(seq, keep_free=0) -> bool   # admission check (counts prefix-cache hits)
     bm.allocate(seq)                    # sets seq.block_table (blocks for ALL its tokens), seq.block_keys,
                                         #   seq.num_cached_tokens (<= len(tokens) - 1: the last token is computed)
     bm.can_append(seq, n=1) -> bool

@@ -77,9 +77,9 @@ class BlockManager:
 
     # ---- admission ------------------------------------------------------------------------------
 
-    def can_allocate(self, seq: KVSequence) -> bool:
-        """Whether ``allocate(seq)`` would succeed now."""
-        return self._blocks_needed_to_allocate(seq) <= self.num_free_blocks
+    def can_allocate(self, seq: KVSequence, keep_free: int = 0) -> bool:
+        """Whether ``allocate(seq)`` would succeed now and leave at least ``keep_free`` blocks free."""
+        return self._blocks_needed_to_allocate(seq) + keep_free <= self.num_free_blocks
 
     def allocate(self, seq: KVSequence) -> None:
         """Give a new (or preempted) sequence blocks for all its tokens, reusing its cached prefix.

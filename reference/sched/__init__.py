@@ -6,7 +6,8 @@ API:
                    predicted_output_len=None, eos_token_id=None, stop_token_ids=(), cache_salt=None,
                    request=None)            # request: the engine's own object, never read here
     sched = Scheduler(BlockManager(num_blocks, block_size),
-                      SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=None),
+                      SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=None,
+                                      watermark=0.0),
                       policy=FCFS(), tenants=None)
     sched.add(seq, now)                     # RequestError / UnknownTenantError, nothing changed
     batch = sched.schedule(now)             # Batch: entries, block_copies (src, dst), preempted
@@ -22,7 +23,10 @@ output_token_ids, num_computed_tokens, num_cached_tokens, block_table, finish_re
 ("length"/"stop"/"abort"), num_preemptions, first_scheduled_time, first_token_time, finish_time.
 
 Policies (``policy.py``): FCFS(), SJF(aging), WFQ(tenants, within), sjf_wfq(tenants, aging),
-Static() (static batching baseline), make_policy(name, tenants, aging). Tenants (``tenants.py``):
+Static() (static batching baseline), make_policy(name, tenants, aging). A policy is ``key(seq, now)``
+(smaller: admitted first; largest running: preempted first), ``pick(waiting, now)`` (the smallest
+key, possibly faster) and hooks ``on_add``, ``on_schedule(seq, n)``, ``on_finish``.
+Sequence's constructor arguments keep their order (callers pass them positionally). Tenants (``tenants.py``):
 ``Tenants({"acme": "paid", "bob": "free"}, {"paid": 4, "free": 1})``; ``Tenants.open()`` accepts all.
 Errors: SchedulerError > ConfigError, RequestError, UnknownTenantError (all ValueError).
 """

@@ -17,13 +17,18 @@ class SchedulerConfig:
         that every running decode fits in every step.
     max_model_len: context length; a request's prompt must be shorter, and it finishes ("length")
         when it reaches it. None: limited by max_tokens and the cache only.
+    watermark: share of the KV blocks that admission leaves free, as room for running sequences to
+        grow (fewer preemptions; vLLM uses 0.01). 0: admit while the blocks fit.
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    watermark: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.watermark < 1.0:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
             if value is None and name == "max_model_len":

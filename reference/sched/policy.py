@@ -45,6 +45,10 @@ class Policy:
         """Sort key: smaller is admitted first; the largest running one is preempted first."""
         return (seq.arrival_time, seq.seq_id)
 
+    def pick(self, waiting: list[Sequence], now: float) -> Sequence:
+        """The waiting request to admit next: the one with the smallest key."""
+        return min(waiting, key=lambda s: self.key(s, now))
+
     def on_add(self, seq: Sequence) -> None:
         """A request entered the system."""
 
@@ -88,6 +92,11 @@ class WFQ(Policy):
 
     def key(self, seq: Sequence, now: float) -> tuple:
         return (self.counters[seq.tenant], *self.within.key(seq, now))
+
+    def pick(self, waiting: list[Sequence], now: float) -> Sequence:
+        """Same as the smallest key, faster: only the least-served tenants' requests are compared."""
+        lowest = min(self.counters[s.tenant] for s in waiting)
+        return self.within.pick([s for s in waiting if self.counters[s.tenant] == lowest], now)
 
     def on_add(self, seq: Sequence) -> None:
         self.tenants.weight(seq.tenant)  # unknown tenant -> UnknownTenantError, before any state changes

@@ -104,8 +104,9 @@ class Scheduler:
         while admit and self.waiting and len(self.running) < self.config.max_num_seqs:
             if budget == 0 and self.policy.admit_while_running:
                 break
-            seq = min(self.waiting, key=lambda s: key(s, now))
-            if not self.block_manager.can_allocate(seq):
+            seq = self.policy.pick(self.waiting, now)
+            keep_free = int(self.config.watermark * self.block_manager.num_blocks) if self.running else 0
+            if not self.block_manager.can_allocate(seq, keep_free):
                 break
             self.block_manager.allocate(seq)
             seq.num_computed_tokens = seq.num_cached_tokens

@@ -93,5 +93,7 @@ class Sequence:
 
     def predicted_remaining_work(self) -> int:
         """Tokens still to compute, predicted: uncomputed tokens + predicted outputs not yet made."""
-        predicted = self.max_tokens if self.predicted_output_len is None else self.predicted_output_len
-        return self.num_uncomputed_tokens + max(0, min(predicted, self.max_tokens) - self.num_output_tokens)
+        predicted = self.max_tokens if self.predicted_output_len is None else min(self.predicted_output_len,
+                                                                                  self.max_tokens)
+        num_tokens, num_prompt = len(self.token_ids), len(self.prompt_token_ids)
+        return num_tokens - self.num_computed_tokens + max(0, predicted - (num_tokens - num_prompt))
