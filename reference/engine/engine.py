@@ -60,7 +60,7 @@ class Engine:
     def __init__(self, model: LlamaModel, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
                  kv_dtype: str = "float32", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
                  max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
-                 aging: float = 0.0, prefix_cache: bool = True, seed: int = 0,
+                 aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0, seed: int = 0,
                  clock: Callable[[], float] = time.monotonic):
         self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
         # the context: the checkpoint's, or less if asked, and never more than the whole KV cache holds
@@ -70,7 +70,7 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
         if isinstance(policy, str):
             policy = make_policy(policy, tenants, aging)
-        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len)
+        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len, watermark)
         self.scheduler = Scheduler(self.block_manager, config, policy, tenants)
         self.requests: dict[str, Request] = {}
         self.step_log: list[StepRecord] = []
