@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import one_blas_thread, run_jobs, sharegpt_jobs, smollm2
+from experiments.engine_bench import CpuClock, one_blas_thread, run_jobs, sharegpt_jobs, smollm2
 from experiments.registry import Context, Experiment, Result
 from reference.engine import Engine
 from reference.engine.cost import StepShape, intensity, step_bytes, step_flops
@@ -54,7 +54,8 @@ def run(ctx: Context) -> Result:
     model, tok = smollm2()
     n, max_prompt, budget, seqs = (64, 1024, 1024, 32) if ctx.full else (24, 512, 512, 16)
     jobs = sharegpt_jobs(tok, n, max_prompt, max_output=16, output_scale=1 / 16)
-    engine = Engine(model, tok, num_blocks=1024, block_size=16, max_num_batched_tokens=budget, max_num_seqs=seqs,
+    engine = Engine(model, tok, clock=CpuClock(),
+                    num_blocks=1024, block_size=16, max_num_batched_tokens=budget, max_num_seqs=seqs,
                     prefix_cache=False)
     with one_blas_thread():
         run_jobs(engine, jobs)
@@ -92,7 +93,9 @@ def run(ctx: Context) -> Result:
              "for both model shapes. A prefill step is compute-bound only when it carries more tokens than "
              "about the ridge point (see prefill_tokens_to_be_compute_bound_*); decode steps with a few "
              "sequences stay far below it."),
-        setup={"weights": "smollm2 (NumPy engine, float32, 1 BLAS thread) for the batches; Llama-3.1-8B shape "
+        setup={"clock": "engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped), "
+                        "so other load on the shared machine does not count",
+               "weights": "smollm2 (NumPy engine, float32, 1 BLAS thread) for the batches; Llama-3.1-8B shape "
                           "(config only) for its numbers",
                "workload": (f"first {n} ShareGPT prompts truncated to {max_prompt} tokens, outputs = answer/16 "
                             f"capped at 16; token budget {budget}/step, {seqs} sequences max, all at t=0"),

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import Job, one_blas_thread, pct, run_jobs, smollm2
+from experiments.engine_bench import CpuClock, Job, one_blas_thread, pct, run_jobs, smollm2
 from experiments.registry import Context, Experiment, Result
 from reference.engine import Engine
 from reference.kv import prefix_keys
@@ -46,7 +46,8 @@ def jobs_for(tok: Any, n: int, rate: float, seed: int = 0) -> list[Job]:
 
 def measure(jobs: list[Job], prefix_cache: bool, salted: bool) -> dict[str, Any]:
     model, tok = smollm2()
-    engine = Engine(model, tok, num_blocks=256, block_size=BLOCK, max_num_batched_tokens=512, max_num_seqs=8,
+    engine = Engine(model, tok, clock=CpuClock(),
+                    num_blocks=256, block_size=BLOCK, max_num_batched_tokens=512, max_num_seqs=8,
                     prefix_cache=prefix_cache)
     outs = run_jobs(engine, jobs, salt_by_tenant=salted)
     bm = engine.block_manager
@@ -65,7 +66,8 @@ def measure(jobs: list[Job], prefix_cache: bool, salted: bool) -> dict[str, Any]
 def unloaded_ttft(jobs: list[Job], prefix_cache: bool) -> list[float]:
     """TTFT of requests sent one at a time (no queueing); the first one warms the cache."""
     model, tok = smollm2()
-    engine = Engine(model, tok, num_blocks=256, block_size=BLOCK, max_num_batched_tokens=512, max_num_seqs=8,
+    engine = Engine(model, tok, clock=CpuClock(),
+                    num_blocks=256, block_size=BLOCK, max_num_batched_tokens=512, max_num_seqs=8,
                     prefix_cache=prefix_cache)
     return [run_jobs(engine, [Job(j.prompt, 1)])[0].metrics.ttft for j in jobs]
 
@@ -106,7 +108,9 @@ def run(ctx: Context) -> Result:
              "and with per-tenant salts no tenant's first request hits another tenant's blocks. At this arrival "
              "rate the engine without sharing is overloaded on this CPU (queueing inflates its TTFT); "
              "unloaded_ttft_ms sends requests one at a time, so it shows the prefill saving alone."),
-        setup={"weights": "smollm2 (NumPy engine, float32, 1 BLAS thread)",
+        setup={"clock": "engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped), "
+                        "so other load on the shared machine does not count",
+               "weights": "smollm2 (NumPy engine, float32, 1 BLAS thread)",
                "workload": (f"{n} requests, Poisson arrivals at {rate}/s; chat template with one shared system "
                             f"prompt ({len(tok.encode(SYSTEM))} tokens) + the first {n} ShareGPT questions truncated "
                             f"to 48 tokens; 8 output tokens each; prompts {min(len(j.prompt) for j in jobs)}-"

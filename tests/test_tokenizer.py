@@ -54,3 +54,16 @@ def test_missing_template_is_a_clear_error():
     bare = Tokenizer(tok.backend, None, None, None)
     with pytest.raises(TokenizerError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_tokenizer_from_a_hugging_face_folder(tmp_path):
+    """tokenizer.json + tokenizer_config.json (as transformers saves them) load the same tokenizer."""
+    from reference.model.tokenizer import _from_hf_folder
+
+    hf_tokenizer().save_pretrained(tmp_path)
+    tok = _from_hf_folder(tmp_path)
+    text = "Hello world, how are you?"
+    assert tok.encode(text) == hf_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    assert tok.eos_token_ids == (2,)
+    messages = [{"role": "user", "content": "Hi!"}]
+    assert tok.apply_chat_template(messages) == smollm2_tokenizer().apply_chat_template(messages)
