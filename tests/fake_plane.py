@@ -49,6 +49,12 @@ def run_step(sched: Scheduler, kv: FakeKV, now: float, seed: int = 0, vocab: int
     """One engine step against the fake plane; checks that each entry's cached context is right."""
     batch = sched.schedule(now)
     kv.copy_blocks(batch.block_copies)
+    bm, written = sched.block_manager, set()
+    for e in batch.entries:  # copy-on-write: every block written is private and not in the prefix cache
+        blocks = {e.block_table[p // kv.block_size] for p in e.positions}
+        assert not blocks & written, "two sequences write the same block"
+        assert all(bm.ref_count[b] == 1 and bm.block_key[b] is None for b in blocks)
+        written |= blocks
     tokens = []
     for e in batch.entries:
         seen = kv.read(e.block_table, e.start)

@@ -143,7 +143,17 @@ def test_schedule_twice_without_postprocess_is_an_error():
         sched.schedule(2.0)
     with pytest.raises(SchedulerError, match="tokens for a batch"):
         sched.postprocess(batch, [], 1.0)
+    with pytest.raises(SchedulerError, match="int >= 0"):
+        sched.postprocess(batch, [-1], 1.0)
+    assert batch.entries[0].seq.num_computed_tokens == 0  # a rejected postprocess changes nothing
     sched.postprocess(batch, [7], 1.0)
+
+
+def test_context_limit_does_not_inflate_the_block_check():
+    sched, _ = make(num_blocks=4, block_size=4, max_model_len=1000)  # 16 slots, context 1000
+    sched.add(Sequence([1] * 6, max_tokens=10), 0.0)  # 16 tokens at most: fits
+    with pytest.raises(RequestError, match="KV blocks"):
+        sched.add(Sequence([1] * 6, max_tokens=11), 0.0)
 
 
 def test_static_batching_admits_only_into_an_empty_system():

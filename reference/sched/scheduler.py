@@ -60,7 +60,8 @@ class Scheduler:
         if limit is not None and seq.num_prompt_tokens >= limit:
             raise RequestError(f"prompt of {seq.num_prompt_tokens} tokens does not fit the context of {limit} "
                                "tokens (at least one output token must fit)")
-        max_len = seq.num_prompt_tokens + seq.max_tokens if limit is None else limit
+        max_len = seq.num_prompt_tokens + seq.max_tokens if limit is None else min(
+            seq.num_prompt_tokens + seq.max_tokens, limit)
         bm = self.block_manager
         if bm.blocks_for(max_len) > bm.num_blocks:
             raise RequestError(f"a request of up to {max_len} tokens needs {bm.blocks_for(max_len)} KV blocks; "
@@ -132,6 +133,9 @@ class Scheduler:
             raise SchedulerError("postprocess() needs the batch returned by the last schedule()")
         if len(new_token_ids) != len(batch.entries):
             raise SchedulerError(f"{len(new_token_ids)} tokens for a batch of {len(batch.entries)} entries")
+        for entry, token in zip(batch.entries, new_token_ids, strict=True):  # check all before changing any
+            if entry.samples and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
+                raise SchedulerError(f"sequence {entry.seq.seq_id}: sampled token must be an int >= 0, got {token!r}")
         self._in_flight = None
         now = time.monotonic() if now is None else now
         finished = []
@@ -143,8 +147,6 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
             if not entry.samples:
                 continue
-            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-                raise SchedulerError(f"sequence {seq.seq_id}: sampled token must be an int >= 0, got {token!r}")
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
