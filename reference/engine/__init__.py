@@ -1,0 +1,15 @@
+"""The engine: requests, sampling, streaming and metrics around the model and the scheduler.
+
+    engine = Engine(LlamaModel.load("smollm2"), load_tokenizer("smollm2"), policy="fcfs")
+    engine.add_request(prompt, SamplingParams(...), tenant="default") -> request id
+    engine.step() -> [TokenEvent]; engine.events(); engine.stream(prompt, params); engine.generate(prompts)
+    engine.abort(request_id); engine.output(request_id) -> RequestOutput (tokens, text, metrics)
+"""
+
+from reference.engine.engine import Engine, RequestRejected, StepRecord
+from reference.engine.params import EngineError, SamplingParams, SamplingParamsError
+from reference.engine.request import RequestMetrics, RequestOutput, TokenEvent
+from reference.engine.sampling import probabilities, sample
+
+__all__ = ["Engine", "EngineError", "RequestMetrics", "RequestOutput", "RequestRejected", "SamplingParams",
+           "SamplingParamsError", "StepRecord", "TokenEvent", "probabilities", "sample"]

@@ -1,0 +1,99 @@
+"""What one engine step costs: FLOPs, bytes moved, and a step-time model fitted to measured steps.
+
+FLOPs count the multiply-adds of the step (2 per multiply-add): the q/k/v/o projections and the
+SwiGLU MLP for every token, attention scores and weighted sums for every (query, attended key)
+pair, and the output head for every sequence that samples. Bytes are what must cross the memory
+bus at least once (an ideal on-chip cache): every weight matrix once per step, the embedding rows
+of the step's tokens, the output head if any sequence samples, each sequence's cached K/V once per
+layer, and the new K/V written. Activations are left out (they fit on chip for these batch sizes).
+Arithmetic intensity = FLOPs / bytes; a step is compute-bound on a device when its intensity is
+above the device's ridge point, peak FLOP/s / peak bytes/s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.model.config import LlamaConfig
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The shape of one step: per scheduled sequence, its new tokens and its context after the step."""
+
+    new_tokens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+    num_sampled: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.new_tokens)
+
+    def attention_pairs(self) -> int:
+        """(query, key) pairs of causal attention: a new token at position p attends to p + 1 keys."""
+        total = 0
+        for n, ctx in zip(self.new_tokens, self.context_lens, strict=True):
+            start = ctx - n
+            total += n * start + n * (n + 1) // 2
+        return total
+
+
+def layer_weight_params(c: LlamaConfig) -> int:
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    return c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+
+
+def step_flops(c: LlamaConfig, s: StepShape) -> float:
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_token = 2 * c.hidden_size * (2 * q + 2 * kv) + 2 * 3 * c.hidden_size * c.intermediate_size
+    attention = 4 * c.num_heads * c.head_dim * s.attention_pairs()  # QK^T and PV
+    head = 2 * s.num_sampled * c.hidden_size * c.vocab_size
+    return float(c.num_layers * (s.num_tokens * per_token + attention) + head)
+
+
+def step_bytes(c: LlamaConfig, s: StepShape, weight_bytes: float = 2, kv_bytes: float = 2) -> float:
+    """Bytes moved, with weights and K/V stored at ``weight_bytes`` / ``kv_bytes`` per element."""
+    kv_per_token_layer = 2 * c.num_kv_heads * c.head_dim * kv_bytes
+    weights = c.num_layers * layer_weight_params(c) * weight_bytes
+    embed = s.num_tokens * c.hidden_size * weight_bytes
+    head = c.vocab_size * c.hidden_size * weight_bytes if s.num_sampled else 0
+    kv_read = c.num_layers * kv_per_token_layer * sum(ctx - n for n, ctx in zip(s.new_tokens, s.context_lens,
+                                                                                strict=True))
+    kv_write = c.num_layers * kv_per_token_layer * s.num_tokens
+    return float(weights + embed + head + kv_read + kv_write)
+
+
+def intensity(c: LlamaConfig, s: StepShape, weight_bytes: float = 2, kv_bytes: float = 2) -> float:
+    return step_flops(c, s) / step_bytes(c, s, weight_bytes, kv_bytes)
+
+
+@dataclass(frozen=True)
+class StepTimeModel:
+    """seconds = base + per_token * tokens + per_pair * attention pairs + per_sample * sampled sequences."""
+
+    base: float
+    per_token: float
+    per_pair: float
+    per_sample: float
+
+    def __call__(self, s: StepShape) -> float:
+        return self.base + self.per_token * s.num_tokens + self.per_pair * s.attention_pairs() + \
+            self.per_sample * s.num_sampled
+
+    @classmethod
+    def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepTimeModel:
+        """Least squares on measured steps; a coefficient that comes out negative is dropped (set 0)."""
+        features = np.array([[1.0, s.num_tokens, s.attention_pairs(), s.num_sampled] for s in shapes])
+        y = np.asarray(seconds, dtype=np.float64)
+        keep = [0, 1, 2, 3]
+        while True:
+            coef, *_ = np.linalg.lstsq(features[:, keep], y, rcond=None)
+            if (coef >= 0).all() or len(keep) == 1:
+                break
+            keep.pop(int(np.argmin(coef)))
+        full = np.zeros(4)
+        full[keep] = np.maximum(coef, 0)
+        return cls(*full)

@@ -1,0 +1,222 @@
+"""The engine: requests in, tokens out. It joins the control plane and the data plane.
+
+Each ``step()``:
+  1. the scheduler (``reference/sched``) picks this step's work within its token budget: decodes of
+     running sequences first, then prefill chunks, admitting waiting requests while KV blocks last;
+  2. copy-on-write block copies it asks for are applied to the KV arrays;
+  3. the model runs every scheduled chunk in one forward pass over the paged KV cache;
+  4. a token is sampled for each sequence whose prompt is complete, with the request's own generator;
+  5. the scheduler records the tokens and finishes requests (end token, stop id, max_tokens, context).
+
+Typical use::
+
+    engine = Engine(LlamaModel.load("smollm2"), load_tokenizer("smollm2"))
+    outputs = engine.generate(["Hello"], SamplingParams(max_tokens=20))
+    for event in engine.stream("Tell me a story", SamplingParams(temperature=0.8, seed=1)):
+        print(event.text, end="")
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reference.engine.cost import StepShape
+from reference.engine.params import EngineError, SamplingParams, SamplingParamsError
+from reference.engine.request import Request, RequestMetrics, RequestOutput, TokenEvent
+from reference.engine.sampling import sample
+from reference.kv.block_manager import BlockManager
+from reference.model.llama import Chunk, LlamaModel
+from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError, Tenants, make_policy
+from reference.sched import Sequence as SchedSequence
+
+
+class RequestRejected(EngineError):
+    """A request was refused (bad prompt, unknown tenant, does not fit); nothing else changed."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one step computed (for throughput and arithmetic-intensity accounting)."""
+
+    time: float  # engine clock at the end of the step
+    duration: float  # seconds the step took (schedule + forward + sample)
+    new_tokens: tuple[int, ...]  # tokens computed per scheduled sequence
+    context_lens: tuple[int, ...]  # tokens attention covered per sequence (cached + new)
+    is_prefill: tuple[bool, ...]
+    num_sampled: int
+    num_preempted: int
+
+    def shape(self) -> StepShape:
+        return StepShape(self.new_tokens, self.context_lens, self.num_sampled)
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
+                 kv_dtype: str = "float32", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
+                 max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
+                 aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0, seed: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
+        # the context: the checkpoint's, or less if asked, and never more than the whole KV cache holds
+        limits = [model.config.max_position, num_blocks * block_size] + ([max_model_len] if max_model_len else [])
+        self.max_model_len = min(limits)
+        self.cache = model.new_cache(num_blocks, block_size, kv_dtype)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
+        if isinstance(policy, str):
+            policy = make_policy(policy, tenants, aging)
+        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len, watermark)
+        self.scheduler = Scheduler(self.block_manager, config, policy, tenants)
+        self.requests: dict[str, Request] = {}
+        self.step_log: list[StepRecord] = []
+        self._counter = itertools.count()
+        eos = tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else \
+            model.config.eos_token_ids
+        self.eos_token_ids: tuple[int, ...] = tuple(eos)
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | dict | None = None, *,
+                    tenant: str = "default", request_id: str | None = None, arrival_time: float | None = None,
+                    cache_salt: str | None = None, predicted_output_len: int | None = None) -> str:
+        """Queue a request; returns its id. Raises ``EngineError`` and changes nothing on bad input."""
+        params = _as_params(params)
+        ids = self._prompt_ids(prompt)
+        number = next(self._counter)
+        request_id = str(number) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise RequestRejected(f"request id {request_id!r} is already in use")
+        eos = () if params.ignore_eos else self.eos_token_ids
+        now = self.clock() if arrival_time is None else arrival_time
+        rng = np.random.default_rng(params.seed if params.seed is not None else [self.seed, number])
+        req = Request(request_id, ids, params, tenant, rng, RequestMetrics(now))
+        try:
+            req.seq = SchedSequence(ids, params.max_tokens, tenant, now, predicted_output_len,
+                                    eos[0] if eos else None, tuple(eos[1:]) + params.stop_token_ids,
+                                    cache_salt, request=req)
+            self.scheduler.add(req.seq, now)
+        except (RequestError, SchedulerError) as e:  # includes an unknown tenant
+            raise RequestRejected(f"request {request_id!r} rejected: {e}") from e
+        self.requests[request_id] = req
+        return request_id
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestRejected("a text prompt needs an engine with a tokenizer; pass token ids instead")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids):
+                raise RequestRejected("prompt token ids must be integers")
+            ids = [int(t) for t in ids]
+        if not ids:
+            raise RequestRejected("empty prompt: a request needs at least one token")
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise RequestRejected(f"prompt of {len(ids)} tokens is too long for the context of "
+                                  f"{self.max_model_len} tokens (at least one output token must fit)")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its KV blocks. False if it is unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        now = self.clock()
+        self.scheduler.abort(req.seq.seq_id, now)
+        req.finish_reason, req.metrics.finish_time = "abort", now
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        """Run one scheduler step and the model on it; returns the tokens it produced."""
+        started = self.clock()
+        batch = self.scheduler.schedule(started)
+        if not batch.entries:
+            if self.has_unfinished():
+                raise EngineError("the scheduler scheduled nothing although requests are waiting")
+            return []
+        for src, dst in batch.block_copies:
+            self.cache.copy_block(src, dst)
+        chunks = [Chunk(e.token_ids, e.start, e.block_table, logits=e.samples) for e in batch.entries]
+        logits = self.model.forward(chunks, self.cache)
+        tokens = [sample(lg, e.seq.request.params, e.seq.request.rng) if e.samples else None
+                  for e, lg in zip(batch.entries, logits, strict=True)]
+        now = self.clock()
+        self.scheduler.postprocess(batch, tokens, now)
+        events = []
+        for e, token in zip(batch.entries, tokens, strict=True):
+            if token is None:
+                continue
+            req: Request = e.seq.request
+            req.output_token_ids.append(token)
+            req.metrics.token_times.append(now)
+            if e.seq.is_finished:
+                req.finish_reason, req.metrics.finish_time = e.seq.finish_reason, now
+            text = self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+            events.append(TokenEvent(req.request_id, token, len(req.output_token_ids) - 1, now, req.finished,
+                                     req.finish_reason, text))
+        self.step_log.append(StepRecord(now, now - started, tuple(e.num_new_tokens for e in batch.entries),
+                                        tuple(e.context_len for e in batch.entries),
+                                        tuple(e.is_prefill for e in batch.entries),
+                                        sum(t is not None for t in tokens), len(batch.preempted)))
+        return events
+
+    def events(self) -> Iterator[TokenEvent]:
+        """Step until every request has finished, yielding each token as it is produced."""
+        while self.has_unfinished():
+            yield from self.step()
+
+    # -- convenience ------------------------------------------------------------------------
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | dict | None = None,
+               **kwargs: Any) -> Iterator[TokenEvent]:
+        """Add one request now (bad input raises here) and return an iterator of its tokens, with
+        timestamps, as they come; other requests advance too. Closing the iterator early aborts it."""
+        return self._follow(self.add_request(prompt, params, **kwargs))
+
+    def _follow(self, request_id: str) -> Iterator[TokenEvent]:
+        req = self.requests[request_id]
+        try:
+            while not req.finished:
+                for event in self.step():
+                    if event.request_id == request_id:
+                        yield event
+        finally:
+            self.abort(request_id)  # no-op when it finished
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | dict | None = None,
+                 **kwargs: Any) -> list[RequestOutput]:
+        """Run a list of prompts to completion (continuous batching) and return their outputs in order."""
+        ids = [self.add_request(p, params, **kwargs) for p in prompts]
+        while not all(self.requests[i].finished for i in ids):
+            self.step()
+        return [self.output(i) for i in ids]
+
+    def output(self, request_id: str) -> RequestOutput:
+        req = self.requests[request_id]
+        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else ""
+        return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
+                             req.finish_reason, req.tenant, req.metrics, req.seq.num_cached_tokens)
+
+
+def _as_params(params: SamplingParams | dict | None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    if isinstance(params, dict):
+        try:
+            return SamplingParams(**params)
+        except TypeError as e:
+            raise SamplingParamsError(f"unknown sampling parameter: {e}") from None
+    raise SamplingParamsError(f"params must be SamplingParams, a dict or None, not {type(params).__name__}")

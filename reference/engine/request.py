@@ -1,0 +1,78 @@
+"""What the engine keeps per request: its parameters, random stream, tokens and latency metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from reference.engine.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token, as the streaming API yields it."""
+
+    request_id: str
+    token_id: int
+    index: int  # 0 for the first generated token
+    time: float  # engine clock when the token was ready
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    text: str = ""  # the token's text when the engine has a tokenizer
+
+
+@dataclass
+class RequestMetrics:
+    """Latency of one request, from the engine clock (seconds)."""
+
+    arrival_time: float
+    token_times: list[float] = field(default_factory=list)
+    finish_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: arrival to the first generated token."""
+        return self.token_times[0] - self.arrival_time if self.token_times else None
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        """Every gap between consecutive generated tokens."""
+        return list(np.diff(self.token_times)) if len(self.token_times) > 1 else []
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival to finish."""
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    tenant: str
+    rng: np.random.Generator
+    metrics: RequestMetrics
+    seq: Any = None  # the scheduler's Sequence
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A finished request, as ``Engine.generate`` returns it."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    tenant: str
+    metrics: RequestMetrics
+    num_cached_tokens: int  # prompt tokens served from the prefix cache (at the last admission)
