@@ -212,7 +212,7 @@ def write_safetensors(
     offset = 0
     arrays = []
     for name, array in tensors.items():
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array, order="C")  # (np.ascontiguousarray turns a 0-D array 1-D)
         dtype = dtypes.get(name) or _DEFAULT_NAME.get(array.dtype.newbyteorder("="))
         if dtype is None:
             raise TypeError(f"tensor {name!r}: no safetensors dtype for NumPy dtype {array.dtype}")

@@ -1,0 +1,35 @@
+"""Unweight in NumPy: lossless compression of bf16 weights (the format is FORMAT.md, beside this file).
+
+Public API (bf16 tensors are uint16 arrays of bit patterns, see reference/bf16.py):
+
+    encode(bits, *, palette_size=16, chunk_size=64, chunks_per_group=32, max_code_length=12)
+        -> CompressedTensor            the Huffman form (header fields + arrays sm, stream,
+                                       offsets, vchunks, vexp; .header(), .nbytes, .check())
+    decode(ct) -> bits                 bit-exact; verifies every check and CRC, raises CodecError
+    decode_many([ct, ...]) -> [bits]   one lockstep pass over all their groups (fast for many tensors)
+    CompressedTensor.from_parts(header, arrays, name)   rebuild from stored parts, fully checked
+    to_palette(ct) -> PaletteTensor    transcode to the palette form (palette[16], idx[R, ceil(C/2)],
+                                       sm[R, C], vchunks, vexp, row_vstart[R+1])
+    from_palette(pt) -> CompressedTensor   back to the Huffman form (byte-identical)
+    palette_to_bf16(pt) -> bits        decode the palette form
+    decode_table(code_lengths, max_code_length) -> (symbols, lengths)   the 2^L decoding LUT
+    canonical_codes(code_lengths), code_lengths(counts, max_length)     the Huffman pieces
+    compress_checkpoint(source, out, to_bf16=False), decompress_checkpoint(path, out), Container(path)
+    CodecError                         the one exception for corrupt / malformed / unsupported input
+
+Command line: ``python -m reference.codec compress IN OUT [--to-bf16] | decompress IN OUT | inspect FILE``.
+"""
+
+from reference.codec.codec import decode, decode_many, decode_symbols, encode
+from reference.codec.container import Container, compress_checkpoint, decompress_checkpoint
+from reference.codec.errors import CodecError
+from reference.codec.format import CompressedTensor
+from reference.codec.huffman import canonical_codes, code_lengths, decode_table
+from reference.codec.layout import Layout
+from reference.codec.paletteform import PaletteTensor, from_palette, palette_to_bf16, to_palette
+
+__all__ = [
+    "CodecError", "CompressedTensor", "Container", "Layout", "PaletteTensor", "canonical_codes", "code_lengths",
+    "compress_checkpoint", "decode", "decode_many", "decode_symbols", "decode_table", "decompress_checkpoint",
+    "encode", "from_palette", "palette_to_bf16", "to_palette",
+]

@@ -1,0 +1,203 @@
+"""Encode a bf16 tensor into the Huffman form and decode it back, bit for bit (FORMAT.md 2-3).
+
+    ct = encode(bits)          # bits: uint16 array of bf16 patterns, any shape
+    assert (decode(ct) == bits).all()
+
+``decode_many`` decodes a list of tensors in one lockstep pass (much faster for many small ones).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from reference.bf16 import sign_mantissa_byte
+from reference.codec.bitstream import pack_codes, read_groups
+from reference.codec.errors import CodecError
+from reference.codec.format import MAX_CHUNK_SIZE, MAX_CHUNKS_PER_GROUP, UINT32_LIMIT, CompressedTensor, crc32
+from reference.codec.huffman import MAX_SUPPORTED_LENGTH, canonical_codes, code_lengths, decode_table
+from reference.codec.layout import Layout
+from reference.codec.palette import (
+    NOT_IN_PALETTE,
+    choose_palette,
+    chunk_slices,
+    exponent_field,
+    find_verbatim_chunks,
+    symbol_table,
+)
+
+PALETTE_SIZE, CHUNK_SIZE, CHUNKS_PER_GROUP, MAX_CODE_LENGTH = 16, 64, 32, 12
+
+
+def encode(
+    bits: np.ndarray,
+    *,
+    palette_size: int = PALETTE_SIZE,
+    chunk_size: int = CHUNK_SIZE,
+    chunks_per_group: int = CHUNKS_PER_GROUP,
+    max_code_length: int = MAX_CODE_LENGTH,
+    palette: Sequence[int] | None = None,
+    name: str = "",
+) -> CompressedTensor:
+    """Compress a bf16 tensor (uint16 bit patterns, any shape) into the Huffman form.
+
+    ``palette`` overrides the palette choice (used by the palette-form transcode, which must keep
+    the palette it was given); by default it is the ``palette_size`` most frequent exponents.
+    """
+    bits = _as_bf16(bits, name)
+    layout = Layout(tuple(int(d) for d in bits.shape), chunk_size, chunks_per_group)
+    _check_parameters(layout, palette_size, max_code_length)
+    flat = bits.reshape(-1)
+    exponent = exponent_field(flat)
+    if palette is None:
+        palette = choose_palette(np.bincount(exponent, minlength=256), palette_size)
+    palette = [int(e) for e in palette]
+    symbol_of = symbol_table(palette)
+    verbatim, vexp, coded_counts = find_verbatim_chunks(exponent, symbol_of, layout, len(palette))
+    lengths = code_lengths(coded_counts, max_code_length)
+    stream, offsets, stream_bits = _write_stream(exponent, symbol_of, verbatim, lengths, layout)
+    ct = CompressedTensor(
+        shape=layout.shape, chunk_size=chunk_size, chunks_per_group=chunks_per_group,
+        max_code_length=max_code_length, palette=tuple(palette), code_lengths=tuple(lengths),
+        stream_bits=stream_bits, crc={}, sm=sign_mantissa_byte(flat), stream=stream, offsets=offsets,
+        vchunks=np.flatnonzero(verbatim).astype(np.uint32), vexp=vexp, name=name,
+    )
+    ct.crc = {key: crc32(a) for key, a in ct.arrays().items()} | {"data": crc32(flat)}
+    return ct
+
+
+def _write_stream(
+    exponent: np.ndarray, symbol_of: np.ndarray, verbatim: np.ndarray, lengths: list[int], layout: Layout
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """The Huffman codes of every coded chunk's exponents: (stream words, group offsets, bit count)."""
+    codes = np.array(canonical_codes(lengths) or [0], np.uint64)
+    length_of = np.array(lengths or [0], np.int64)
+    group_bits = np.zeros(layout.n_groups, np.int64)
+    chunks_per_group = layout.chunks_per_group
+    pieces, position = [], 0
+    for k0, k1 in chunk_slices(layout):
+        symbols = symbol_of[layout.chunk_matrix(exponent, k0, k1)]
+        coded = layout.column_mask(k0, k1) & ~verbatim[k0:k1, None]
+        symbols = np.where(coded, symbols, 0)  # verbatim and padding slots: symbol 0, length 0
+        bit_lengths = np.where(coded, length_of[symbols], 0)
+        chunk_bits = bit_lengths.sum(axis=1)
+        group_bits[k0 // chunks_per_group : -(-k1 // chunks_per_group)] = np.add.reduceat(
+            chunk_bits, np.arange(0, k1 - k0, chunks_per_group))
+        s, n = symbols[coded], bit_lengths[coded]
+        starts = position + np.cumsum(n) - n
+        pieces.append((codes[s], n, starts))
+        position += int(n.sum())
+    if position >= UINT32_LIMIT:
+        raise CodecError(f"the Huffman stream would be {position} bits, beyond the format's 2^32 - 1")
+    acc = np.zeros(-(-position // 32) + 1, np.uint64)
+    for piece_codes, piece_lengths, starts in pieces:
+        pack_codes(acc, piece_codes, piece_lengths, starts)
+    offsets = np.concatenate([[0], np.cumsum(group_bits)]).astype(np.uint32)
+    return acc.astype(np.uint32), offsets, position
+
+
+def decode(ct: CompressedTensor) -> np.ndarray:
+    """Decompress one tensor: its bf16 bit patterns (uint16, original shape). Raises CodecError."""
+    return decode_many([ct])[0]
+
+
+def decode_many(tensors: Sequence[CompressedTensor]) -> list[np.ndarray]:
+    """Decompress several tensors, decoding all their groups in one lockstep pass."""
+    for ct in tensors:
+        ct.check()
+    symbols = decode_symbols(tensors)
+    return [_assemble(ct, s) for ct, s in zip(tensors, symbols, strict=True)]
+
+
+def decode_symbols(tensors: Sequence[CompressedTensor]) -> list[np.ndarray]:
+    """The Huffman symbols (palette indices) of each tensor's coded weights, in stream order.
+
+    Builds one work list over the groups of all tensors (their streams and decoding tables
+    concatenated) and hands it to ``read_groups``. Tensors must have passed ``check()``.
+    """
+    streams, starts, ends, counts, max_lengths, bases, table_symbols, table_lengths = [], [], [], [], [], [], [], []
+    word_base = table_base = 0
+    for ct in tensors:
+        layout = ct.layout
+        per_group = _coded_weights_per_group(ct)
+        offsets = ct.offsets.astype(np.int64) + 32 * word_base
+        starts.append(offsets[:-1])
+        ends.append(offsets[1:])
+        counts.append(per_group)
+        max_lengths.append(np.full(layout.n_groups, ct.max_code_length, np.int64))
+        bases.append(np.full(layout.n_groups, table_base, np.int64))
+        symbols, lengths = decode_table(ct.code_lengths, ct.max_code_length)
+        table_symbols.append(symbols)
+        table_lengths.append(lengths)
+        streams.append(ct.stream)
+        word_base += len(ct.stream)
+        table_base += len(symbols)
+    if not tensors:
+        return []
+    try:
+        decoded = read_groups(np.concatenate(streams), *(np.concatenate(a) for a in (
+            starts, ends, counts, max_lengths, bases, table_symbols, table_lengths)))
+    except CodecError as e:
+        names = ", ".join(repr(ct.name) for ct in tensors[:4]) + (" ..." if len(tensors) > 4 else "")
+        raise CodecError(f"tensor(s) {names}: {e}") from None
+    return np.split(decoded, np.cumsum([int(c.sum()) for c in counts])[:-1])
+
+
+def _coded_weights_per_group(ct: CompressedTensor) -> np.ndarray:
+    """How many coded weights (= Huffman symbols) each group of ``ct`` holds (int64 per group)."""
+    layout = ct.layout
+    per_chunk = layout.chunk_length(np.arange(layout.n_chunks, dtype=np.int64))
+    per_chunk[ct.vchunks.astype(np.int64)] = 0
+    if layout.n_chunks == 0:
+        return np.zeros(0, np.int64)
+    return np.add.reduceat(per_chunk, np.arange(0, layout.n_chunks, layout.chunks_per_group))
+
+
+def _assemble(ct: CompressedTensor, symbols: np.ndarray) -> np.ndarray:
+    """Rebuild the bf16 bits from decoded symbols, the verbatim chunks and sm; verify the data CRC."""
+    layout = ct.layout
+    exponents = exponent_matrix(ct, np.asarray(ct.palette, np.uint8)[symbols])
+    sm = ct.sm.astype(np.uint16)
+    exponent = layout.unchunk(exponents, 0, layout.n_chunks).astype(np.uint16)
+    bits = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
+    if crc32(bits) != ct.crc["data"]:
+        raise CodecError(f"tensor {ct.name!r}: decoded data fails its CRC-32 check (corrupt header or stream)")
+    return bits.reshape(ct.shape)
+
+
+def exponent_matrix(ct: CompressedTensor, coded_values: np.ndarray) -> np.ndarray:
+    """A (n_chunks, chunk_size) matrix: ``coded_values`` in the coded chunks' real slots, vexp in
+    the verbatim chunks. Checks that every verbatim chunk really holds an out-of-palette exponent."""
+    layout = ct.layout
+    matrix = np.zeros((layout.n_chunks, layout.chunk_size), coded_values.dtype)
+    verbatim = np.zeros(layout.n_chunks, bool)
+    verbatim[ct.vchunks.astype(np.int64)] = True
+    matrix[layout.column_mask(0, layout.n_chunks) & ~verbatim[:, None]] = coded_values
+    matrix[verbatim] = ct.vexp
+    real = layout.column_mask(0, layout.n_chunks)[verbatim]
+    outside = (symbol_table(ct.palette)[ct.vexp] == NOT_IN_PALETTE) & real
+    if not outside.any(axis=1).all():
+        raise CodecError(f"tensor {ct.name!r}: a verbatim chunk holds only palette exponents (not canonical)")
+    return matrix
+
+
+def _as_bf16(bits: np.ndarray, name: str) -> np.ndarray:
+    bits = np.asarray(bits)
+    if bits.dtype.newbyteorder("=") != np.dtype(np.uint16):
+        raise CodecError(f"tensor {name!r}: bf16 tensors are uint16 bit patterns, got dtype {bits.dtype}")
+    return np.asarray(bits, dtype=np.uint16, order="C")  # (ascontiguousarray makes 0-D 1-D)
+
+
+def _check_parameters(layout: Layout, palette_size: int, max_code_length: int) -> None:
+    if not 1 <= layout.chunk_size <= MAX_CHUNK_SIZE:
+        raise CodecError(f"chunk_size must be 1..{MAX_CHUNK_SIZE}, got {layout.chunk_size}")
+    if not 1 <= layout.chunks_per_group <= MAX_CHUNKS_PER_GROUP:
+        raise CodecError(f"chunks_per_group must be 1..{MAX_CHUNKS_PER_GROUP}, got {layout.chunks_per_group}")
+    if not 1 <= palette_size <= 256:
+        raise CodecError(f"palette_size must be 1..256, got {palette_size}")
+    if not 1 <= max_code_length <= MAX_SUPPORTED_LENGTH or 2**max_code_length < min(palette_size, 256):
+        raise CodecError(f"max_code_length {max_code_length} cannot code {palette_size} symbols "
+                         f"(needs 2^L >= palette size, L <= {MAX_SUPPORTED_LENGTH})")
+    if layout.n_chunks >= UINT32_LIMIT:
+        raise CodecError(f"shape {layout.shape} has too many chunks for 32-bit chunk ids")

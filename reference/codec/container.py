@@ -1,0 +1,223 @@
+"""The checkpoint container: a safetensors file of compressed streams (FORMAT.md section 6).
+
+    compress_checkpoint("minilm", "minilm.unweight.safetensors", to_bf16=True)
+    with Container("minilm.unweight.safetensors") as c:
+        bits = c.get("encoder.layer.0.intermediate.dense.weight")   # bf16 bits, verified
+    decompress_checkpoint("minilm.unweight.safetensors", "minilm.bf16.safetensors")
+
+Any safetensors tool opens the container: each compressed tensor is five plain arrays
+(``name::sm`` ...), its header is a JSON string in ``__metadata__``. Big checkpoints never sit in
+memory at once: arrays are parked in a scratch file next to the output and memory-mapped back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from reference.bf16 import float32_to_bf16
+from reference.codec.codec import decode_many, encode
+from reference.codec.errors import CodecError
+from reference.codec.format import ARRAY_DTYPES, FORMAT_NAME, VERSION, CompressedTensor, crc32
+from reference.model.errors import WeightError
+from reference.model.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, write_safetensors
+from reference.model.weights import open_weights
+
+MIN_ELEMENTS = 4096  # smaller tensors (norms, biases) pass through: their header would cost more than they save
+CASTABLE = ("F32", "F16")  # cast to bf16 (round-to-nearest-even) with to_bf16=True
+DECODE_BATCH = 1 << 24  # weights decoded together in one lockstep pass
+SEP = "::"
+
+
+def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = False,
+                        min_elements: int = MIN_ELEMENTS, progress: bool = False, **params: Any) -> dict[str, int]:
+    """Compress every bf16 tensor of ``source`` (anything ``open_weights`` accepts) into ``out``.
+
+    Returns counts: ``compressed``, ``passed`` (through unchanged) and ``castable_passed`` (float
+    tensors left as they were because ``to_bf16`` was not given). ``params`` go to ``encode``.
+    """
+    from tqdm import tqdm
+
+    try:
+        weights = open_weights(source)
+    except (WeightError, SafetensorsError) as e:
+        raise CodecError(str(e)) from None
+    out = Path(out)
+    metadata = _source_metadata(weights)
+    names, counts = weights.names(), {"compressed": 0, "passed": 0, "castable_passed": 0}
+    with _Scratch(out) as scratch:
+        for name in tqdm(names, desc=f"compress {weights.label}", disable=not progress, unit="tensor"):
+            array, dtype = np.asarray(weights.get(name)), weights.dtype(name)
+            if dtype in CASTABLE and to_bf16:
+                array, source_dtype, dtype = float32_to_bf16(array.astype(np.float32)), dtype, "BF16"
+            else:
+                source_dtype = dtype
+            if dtype == "BF16" and array.size >= min_elements:
+                ct = encode(array, name=name, **params)
+                for key, a in ct.arrays().items():
+                    scratch.put(f"{name}{SEP}{key}", a, "U8" if a.dtype == np.uint8 else "U32")
+                metadata[f"{FORMAT_NAME}{SEP}{name}"] = json.dumps(ct.header() | {"source_dtype": source_dtype},
+                                                                  separators=(",", ":"))
+                counts["compressed"] += 1
+            else:
+                scratch.put(name, array, dtype)
+                metadata[f"{FORMAT_NAME}{SEP}{name}"] = _raw_header(array, dtype)
+                counts["passed"] += 1
+                counts["castable_passed"] += dtype in CASTABLE
+        metadata[FORMAT_NAME] = json.dumps({"format": FORMAT_NAME, "version": VERSION, "tensors": names})
+        scratch.write(out, metadata)
+    return counts
+
+
+def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool = False) -> int:
+    """Write every tensor of a container back as a plain safetensors file (compressed ones as BF16)."""
+    out = Path(out)
+    with Container(path) as c, _Scratch(out) as scratch:
+        for name, array, dtype in c.items(progress=progress):
+            scratch.put(name, array, dtype)
+        scratch.write(out, c.user_metadata)
+        return len(c.names)
+
+
+class Container:
+    """A container file, opened and checked. ``get(name)`` decodes and verifies one tensor."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self._file = SafetensorsFile(self.path)
+        except SafetensorsError as e:
+            raise CodecError(f"not a readable container: {e}") from None
+        meta = self._file.metadata
+        try:
+            top = json.loads(meta[FORMAT_NAME])
+            assert isinstance(top, dict) and isinstance(top.get("tensors"), list)
+        except (KeyError, ValueError, AssertionError):
+            raise CodecError(f"{self.path}: no valid '{FORMAT_NAME}' entry in the metadata: not a container") from None
+        if top.get("format") != FORMAT_NAME or top.get("version") != VERSION:
+            raise CodecError(f"{self.path}: unsupported container version {top.get('version')!r} "
+                             f"(this reader: {VERSION})")
+        self.names: list[str] = top["tensors"]
+        if not all(isinstance(n, str) for n in self.names) or len(set(self.names)) != len(self.names):
+            raise CodecError(f"{self.path}: the tensor list must hold distinct names")
+        self.headers = {n: self._header(n) for n in self.names}
+        expected: set[str] = set()
+        for n in self.names:
+            expected |= {f"{n}{SEP}{k}" for k in ARRAY_DTYPES} if self.is_compressed(n) else {n}
+        if set(self._file) != expected:
+            extra, missing = sorted(set(self._file) - expected)[:3], sorted(expected - set(self._file))[:3]
+            raise CodecError(f"{self.path}: stored tensors do not match the metadata "
+                             f"(extra: {extra}, missing: {missing})")
+        self.user_metadata = {k: v for k, v in meta.items() if not k.startswith(FORMAT_NAME)}
+
+    def _header(self, name: str) -> dict[str, Any]:
+        try:
+            header = json.loads(self._file.metadata[f"{FORMAT_NAME}{SEP}{name}"])
+        except (KeyError, ValueError):
+            raise CodecError(f"{self.path}: tensor {name!r} has no valid header in the metadata") from None
+        if not isinstance(header, dict):
+            raise CodecError(f"{self.path}: tensor {name!r}: header must be a JSON object")
+        return header
+
+    def is_compressed(self, name: str) -> bool:
+        return self.headers[name].get("form") != "raw"
+
+    def compressed(self, name: str) -> CompressedTensor:
+        """The Huffman form of a compressed tensor, every field checked."""
+        header = dict(self.headers[name])
+        source_dtype = header.pop("source_dtype", None)
+        if source_dtype not in ("BF16", *CASTABLE):
+            raise CodecError(f"{self.path}: tensor {name!r}: bad source_dtype {source_dtype!r}")
+        arrays = {k: self._file[f"{name}{SEP}{k}"] for k in ARRAY_DTYPES}
+        return CompressedTensor.from_parts(header, arrays, name=name)
+
+    def get(self, name: str) -> np.ndarray:
+        return next(a for _, a, _ in self.items([name]))
+
+    def items(self, names: list[str] | None = None, progress: bool = False) -> Iterator[tuple[str, np.ndarray, str]]:
+        """(name, array, safetensors dtype) for each tensor, decoded and verified, in file order."""
+        from tqdm import tqdm
+
+        names = self.names if names is None else names
+        pending: list[str] = []  # names read but not yet yielded: their batch is not decoded yet
+        batch: list[CompressedTensor] = []
+        for i, name in enumerate(tqdm(names, desc=f"decompress {self.path.name}", disable=not progress, unit="tensor")):
+            pending.append(name)
+            if self.is_compressed(name):
+                batch.append(self.compressed(name))
+            if i + 1 == len(names) or sum(ct.layout.n for ct in batch) >= DECODE_BATCH:
+                decoded = {ct.name: bits for ct, bits in zip(batch, decode_many(batch), strict=True)}
+                for n in pending:
+                    yield (n, decoded[n], "BF16") if n in decoded else (n, self._raw(n), self.headers[n]["dtype"])
+                pending, batch = [], []
+
+    def _raw(self, name: str) -> np.ndarray:
+        header, info = self.headers[name], self._file.info(name)
+        array = self._file[name]
+        expected = {"format": FORMAT_NAME, "version": VERSION, "form": "raw", "dtype": info.dtype,
+                    "shape": list(info.shape), "crc32": header.get("crc32")}
+        if header != expected:
+            raise CodecError(f"{self.path}: tensor {name!r}: raw header {header} does not match the stored tensor")
+        if header["crc32"] != {"data": crc32(array)}:
+            raise CodecError(f"{self.path}: tensor {name!r} fails its CRC-32 check: the data is corrupt")
+        return np.array(array)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> Container:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _raw_header(array: np.ndarray, dtype: str) -> str:
+    return json.dumps({"format": FORMAT_NAME, "version": VERSION, "form": "raw", "dtype": dtype,
+                       "shape": list(array.shape), "crc32": {"data": crc32(array)}}, separators=(",", ":"))
+
+
+def _source_metadata(weights: Any) -> dict[str, str]:
+    """The source safetensors files' own metadata (GGUF key/values are not strings: not kept)."""
+    meta: dict[str, str] = {}
+    for f in weights.files:
+        if isinstance(f, SafetensorsFile):
+            for k, v in f.metadata.items():
+                if not k.startswith(FORMAT_NAME):
+                    meta.setdefault(k, v)
+    return meta
+
+
+class _Scratch:
+    """Arrays parked in a temporary file beside the output, then memory-mapped back for writing."""
+
+    def __init__(self, out: Path):
+        fd, name = tempfile.mkstemp(prefix=out.name + ".", suffix=".scratch", dir=out.parent)
+        self.path, self._f = Path(name), os.fdopen(fd, "wb")
+        self.entries: dict[str, tuple[int, np.dtype, tuple[int, ...], str]] = {}
+
+    def put(self, name: str, array: np.ndarray, dtype: str) -> None:
+        if name in self.entries:
+            raise CodecError(f"two tensors would be stored as {name!r}")
+        array = np.asarray(array, order="C")
+        self.entries[name] = (self._f.tell(), DTYPES[dtype], array.shape, dtype)
+        self._f.write(array.astype(DTYPES[dtype].newbyteorder("<"), copy=False).tobytes())
+
+    def write(self, out: Path, metadata: dict[str, str]) -> None:
+        self._f.close()
+        arrays = {name: np.memmap(self.path, dtype, "r", offset, shape) if np.prod(shape) else np.zeros(shape, dtype)
+                  for name, (offset, dtype, shape, _) in self.entries.items()}
+        write_safetensors(out, arrays, dtypes={n: e[3] for n, e in self.entries.items()}, metadata=metadata)
+
+    def __enter__(self) -> _Scratch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._f.close()
+        self.path.unlink(missing_ok=True)
