@@ -42,7 +42,7 @@ def from_numpy_bits(bits: np.ndarray, device: str | torch.device = "cpu") -> tor
     bits = np.asarray(bits)
     if bits.dtype != np.uint16:
         raise KernelInputError(f"from_numpy_bits: expected uint16 bit patterns, got {bits.dtype}")
-    t = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16))
+    t = torch.from_numpy(np.array(bits, dtype=np.uint16, order="C").view(np.int16))  # keeps 0-D tensors 0-D
     return t.view(torch.bfloat16).to(device)
 
 
