@@ -59,30 +59,40 @@ def choose_device(requested: str | None) -> str:
 
 
 def print_results(results: list, device: str, large: bool, seconds: float) -> None:
+    bounds = sorted({r.bound for r in results if r.bound})
+    label = {b: f"B{i + 1}" for i, b in enumerate(bounds)}
+
+    def note(r) -> str:
+        if r.status == "skip":
+            return r.detail
+        if r.bound:
+            used = f"{100 * r.bound_used:.0f}% of " if r.bound_used is not None else ""
+            return f"{used}bound {label[r.bound]}"
+        return ""
+
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:  # plain text when rich is missing
         for r in results:
-            print(f"{r.status:5}  {r.level:17}  {r.elements:>10}  {r.seconds:7.2f}s  {r.name}  {r.bound}")
-        Console = None
-    if Console is not None:
-        console = Console(width=max(120, Console().width))
+            print(f"{r.status:5}  {r.level:17}  {r.elements:>10}  {r.seconds:7.2f}s  {r.name}  {note(r)}")
+    else:
+        probe = Console()
+        console = Console(width=probe.width if probe.is_terminal else 140)
         table = Table(title=f"conformance on {device} ({'large' if large else 'small'} shapes)")
-        for col, kw in [("case", {}), ("level", {}), ("elements", {"justify": "right"}), ("result", {}),
-                        ("time", {"justify": "right"}), ("bound (share used)", {})]:
+        for col, kw in [("case", {"no_wrap": True}), ("level", {}), ("elements", {"justify": "right"}),
+                        ("result", {}), ("time", {"justify": "right"}), ("note", {})]:
             table.add_column(col, **kw)
         style = {"pass": "green", "FAIL": "bold red", "error": "bold red", "skip": "yellow"}
         for r in results:
-            note = r.bound + (f" ({100 * r.bound_used:.2g}%)" if r.bound_used is not None else "")
-            if r.status == "skip":
-                note = r.detail
             table.add_row(r.name, r.level, f"{r.elements:,}", f"[{style[r.status]}]{r.status}[/]",
-                          f"{r.seconds:.2f}s", note)
+                          f"{r.seconds:.2f}s", note(r))
         console.print(table)
-    failed = [r for r in results if r.failed]
-    for r in failed:
-        print(f"\n{r.status}: {r.name} ({r.level})\n  {r.detail}")
+    for b in bounds:
+        print(f"bound {label[b]}: {b}")
+    for r in results:
+        if r.failed:
+            print(f"\n{r.status}: {r.name} ({r.level})\n  {r.detail}")
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "error", "skip")}
     print(f"\n{counts['pass']} passed, {counts['FAIL']} failed, {counts['error']} errors, "
           f"{counts['skip']} skipped in {seconds:.1f}s")
@@ -119,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     from conformance.registry import load_cases
     from conformance.runner import run_cases, select
 
-    cases = select(load_cases(), args.patterns)
+    cases = select(load_cases(), args.patterns, large)
     if not cases:
         print(f"no conformance case matches {args.patterns}", file=sys.stderr)
         return 2

@@ -47,6 +47,7 @@ class Gen:
     device: Any  # a torch.device (kept untyped so this module needs no torch)
     large: bool  # large shapes (GPU runs) or small ones (CPU under the interpreter)
     rng: np.random.Generator
+    seed: int = 0  # the run's base seed (for inputs shared by several cases, seeded by their own name)
 
     def size(self, small: Any, large: Any) -> Any:
         """Pick the small or the large variant of a size."""
@@ -69,6 +70,7 @@ class Case:
     bound: Bound | None = None
     about: str = ""
     requires: Callable[[], str | None] | None = None
+    large_only: bool = False  # too slow for the interpreter: runs only with large shapes (on a GPU)
 
     def __post_init__(self) -> None:
         if (self.level is Level.BOUNDED) != (self.bound is not None):

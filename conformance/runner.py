@@ -31,12 +31,16 @@ class CaseResult:
         return asdict(self)
 
 
-def select(cases: dict[str, Case], patterns: list[str] | None) -> list[Case]:
-    """Cases whose name matches any pattern: a glob if it has * ? [, else a substring (case-insensitive)."""
+def select(cases: dict[str, Case], patterns: list[str] | None, large: bool = True) -> list[Case]:
+    """Cases whose name matches any pattern: a glob if it has * ? [, else a substring (case-insensitive).
+
+    Without ``large``, cases marked large_only are left out.
+    """
+    pool = [c for c in cases.values() if large or not c.large_only]
     if not patterns:
-        return list(cases.values())
+        return pool
     chosen = []
-    for case in cases.values():
+    for case in pool:
         name = case.name.lower()
         for p in patterns:
             p = p.lower()
@@ -55,7 +59,7 @@ def run_case(case: Case, device: Any, large: bool, seed: int = 0) -> CaseResult:
         if reason:
             result.status, result.detail = "skip", reason
             return result
-        inputs = case.inputs(Gen(device=device, large=large, rng=case.seed_for(seed)))
+        inputs = case.inputs(Gen(device=device, large=large, rng=case.seed_for(seed), seed=seed))
         ref = flatten_outputs(case.reference(inputs))
         fast = flatten_outputs(case.fast(inputs))
         if set(ref) != set(fast):
