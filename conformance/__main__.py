@@ -41,10 +41,10 @@ def choose_device(requested: str | None) -> str:
         if os.environ.get("TRITON_INTERPRET", "1") != "1":
             raise SystemExit("--device cpu runs the Triton kernels in the interpreter: unset TRITON_INTERPRET "
                              "or set it to 1 (it is 0 now)")
-        if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("--device cpu: triton was imported before TRITON_INTERPRET=1 could be set; "
-                             "run `TRITON_INTERPRET=1 python -m conformance --device cpu`")
         os.environ["TRITON_INTERPRET"] = "1"
+        if _native_kernels_loaded():
+            raise SystemExit("--device cpu: triton was imported in this process before TRITON_INTERPRET=1 was set; "
+                             "run `TRITON_INTERPRET=1 python -m conformance --device cpu` in a fresh process")
         return "cpu"
     import torch
 
@@ -56,6 +56,12 @@ def choose_device(requested: str | None) -> str:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("--device cuda: TRITON_INTERPRET=1 is set; unset it to run the kernels natively")
     return "cuda"
+
+
+def _native_kernels_loaded() -> bool:
+    """True if triton was already imported in this process without the interpreter."""
+    tl = sys.modules.get("triton.language")
+    return tl is not None and type(tl.zeros).__name__ != "InterpretedFunction"
 
 
 def print_results(results: list, device: str, large: bool, seconds: float) -> None:

@@ -14,6 +14,17 @@ def on_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
+def triton_imported_for_interpreter() -> bool:
+    """True if triton was imported with TRITON_INTERPRET=1 (its own library functions are then interpreted).
+
+    Setting the variable after ``import triton`` is too late: kernels would call triton's compiled
+    library functions (``tl.zeros``, ``tl.sum``, ...) from the interpreter and fail.
+    """
+    import triton.language as tl
+
+    return type(tl.zeros).__name__ == "InterpretedFunction"
+
+
 def check_kernel_device(t: torch.Tensor, name: str) -> None:
     """Raise unless a Triton kernel can read ``t`` where it lives.
 
@@ -21,6 +32,11 @@ def check_kernel_device(t: torch.Tensor, name: str) -> None:
     interpreter runs the kernel in NumPy on the host).
     """
     if on_interpreter():
+        if not triton_imported_for_interpreter():
+            raise KernelInputError(
+                "TRITON_INTERPRET=1 was set after triton was imported: set it in the environment before "
+                "starting Python (or import fast before triton)"
+            )
         if t.device.type != "cpu":
             raise KernelInputError(f"{name}: TRITON_INTERPRET=1 runs kernels on the CPU, but {name} is on {t.device}")
     elif t.device.type != "cuda":

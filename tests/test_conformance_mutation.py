@@ -37,3 +37,58 @@ def test_wrong_shift_in_rounding_fails_the_suite(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "FAIL: bf16.round_rne.special (bit-exact)" in out
     assert "first difference at index" in out and "fast 0x" in out and "vs reference 0x" in out
+
+
+def _mutant(module, old: str, new: str, tmp_path, monkeypatch):
+    """Import a copy of ``module`` with one textual change to its source (a mutation of its kernel)."""
+    import importlib.util
+    import inspect
+
+    source = inspect.getsource(module)
+    assert source.count(old) == 1, f"the mutation target {old!r} must occur once in {module.__name__}"
+    path = tmp_path / f"mutant_{module.__name__.replace('.', '_')}.py"
+    path.write_text(source.replace(old, new))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mutant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutant)
+    return mutant
+
+
+def test_wrong_exponent_shift_in_palette_decode_fails(monkeypatch, capsys, tmp_path):
+    from fast.codec import matmul, palette_decode
+
+    mutant = _mutant(palette_decode, "((s & 0x80) << 8) | (e << 7) | (s & 0x7F), vptr",
+                     "((s & 0x80) << 8) | (e << 6) | (s & 0x7F), vptr", tmp_path, monkeypatch)
+    monkeypatch.setattr(palette_decode, "decode_palette", mutant.decode_palette)
+    monkeypatch.setattr(matmul, "palette_tile", mutant.palette_tile)  # the fused kernel's tile loader
+    code = main(["--device", "cpu", "-k", "codec.palette_decode.random", "-k", "fused_vs_plain.many_exponents"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: codec.palette_decode.random (bit-exact)" in out
+    assert "FAIL: matmul.fused_vs_plain.many_exponents.b2 (same-kernel exact)" not in out  # both sides share it
+    assert "output vs reference decoder: first difference at index [0, 0]" in out
+
+
+def test_verbatim_patch_off_by_one_fails_the_fused_matmul(monkeypatch, capsys, tmp_path):
+    from fast.codec import matmul, palette_decode
+
+    mutant = _mutant(palette_decode, "(cols[None, :] < start[:, None] + CS)", "(cols[None, :] < start[:, None] + CS - 1)",
+                     tmp_path, monkeypatch)
+    monkeypatch.setattr(matmul, "palette_tile", mutant.palette_tile)  # only the fused kernel is broken
+    code = main(["--device", "cpu", "-k", "matmul.fused_vs_*.verbatim_rows*"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: matmul.fused_vs_plain.verbatim_rows.b3 (same-kernel exact)" in out
+    assert "FAIL: matmul.fused_vs_float64.verbatim_rows.b3 (bounded)" in out
+    assert "outside the bound at index" in out
+
+
+def test_wrong_window_in_huffman_decoder_fails(monkeypatch, capsys, tmp_path):
+    from fast.codec import huffman_decode
+
+    mutant = _mutant(huffman_decode, "(pos & 31).to(tl.uint64)", "(pos & 15).to(tl.uint64)", tmp_path, monkeypatch)
+    monkeypatch.setattr(huffman_decode, "decode_huffman", mutant.decode_huffman)
+    code = main(["--device", "cpu", "-k", "codec.huffman_decode.specials"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "error: codec.huffman_decode.specials" in out and "CodecError: corrupt Huffman stream" in out

@@ -17,7 +17,7 @@ from reference.codec.format import crc32
 def huffman_from_reference(ct: CompressedTensor, device: str | torch.device = "cpu") -> HuffmanForm:
     """The reference's CompressedTensor as a HuffmanForm on ``device`` (call ``ct.check()`` first)."""
     def t(a: np.ndarray, dtype: np.dtype | None = None) -> torch.Tensor:
-        a = np.ascontiguousarray(a if dtype is None else a.astype(dtype))
+        a = np.array(a if dtype is None else a.astype(dtype), order="C")  # a copy: file arrays are read-only
         return torch.from_numpy(a).to(device)
 
     return HuffmanForm(
@@ -48,7 +48,7 @@ def huffman_to_reference(form: HuffmanForm, data_crc: int | None = None, name: s
 def palette_from_reference(pt: PaletteTensor, device: str | torch.device = "cpu") -> PaletteForm:
     """The reference's PaletteTensor as a PaletteForm on ``device``."""
     def t(a: np.ndarray, dtype: np.dtype | None = None) -> torch.Tensor:
-        a = np.ascontiguousarray(a if dtype is None else a.astype(dtype))
+        a = np.array(a if dtype is None else a.astype(dtype), order="C")
         return torch.from_numpy(a).to(device)
 
     return PaletteForm(

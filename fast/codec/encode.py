@@ -31,6 +31,9 @@ NONE = 255  # "not in the palette" in the uint8 symbol map (palettes of up to 16
 
 def split_bytes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(exponent, sign/mantissa) uint8 tensors of a bf16 tensor, flat, C order."""
+    if x.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.uint8, device=x.device)
+        return empty, empty.clone()
     pairs = x.reshape(-1).view(torch.uint8).view(-1, 2)  # little-endian: [low byte, high byte]
     lo, hi = pairs[:, 0], pairs[:, 1]
     exponent = ((hi & 0x7F) << 1) | (lo >> 7)
