@@ -72,8 +72,8 @@ def test_wrong_exponent_shift_in_palette_decode_fails(monkeypatch, capsys, tmp_p
 def test_verbatim_patch_off_by_one_fails_the_fused_matmul(monkeypatch, capsys, tmp_path):
     from fast.codec import matmul, palette_decode
 
-    mutant = _mutant(palette_decode, "(cols[None, :] < start[:, None] + CS)", "(cols[None, :] < start[:, None] + CS - 1)",
-                     tmp_path, monkeypatch)
+    mutant = _mutant(palette_decode, "(cols[None, :] < start[:, None] + CS)",
+                     "(cols[None, :] < start[:, None] + CS - 1)", tmp_path, monkeypatch)
     monkeypatch.setattr(matmul, "palette_tile", mutant.palette_tile)  # only the fused kernel is broken
     code = main(["--device", "cpu", "-k", "matmul.fused_vs_*.verbatim_rows*"])
     out = capsys.readouterr().out
