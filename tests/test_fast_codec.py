@@ -36,10 +36,16 @@ def same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(a[k].shape == b[k].shape and np.array_equal(a[k], b[k]) for k in a)
 
 
-@given(bits=bf16_tensors(), params=codec_params())
-def test_torch_encoder_equals_reference(bits: np.ndarray, params: dict[str, int]) -> None:
+@given(bits=bf16_tensors(), params=codec_params(), block=st.sampled_from([1, 5000, 1 << 18]))
+def test_torch_encoder_equals_reference(bits: np.ndarray, params: dict[str, int], block: int) -> None:
+    import fast.codec.encode as enc
+
     ct = rc.encode(bits, **params)
-    assert same_arrays(huffman_arrays(encode(from_numpy_bits(bits), **params)), huffman_arrays(ct))
+    saved, enc.BLOCK_WEIGHTS = enc.BLOCK_WEIGHTS, block  # 1: one group per block, many blocks
+    try:
+        assert same_arrays(huffman_arrays(encode(from_numpy_bits(bits), **params)), huffman_arrays(ct))
+    finally:
+        enc.BLOCK_WEIGHTS = saved
 
 
 @given(bits=bf16_tensors(), params=codec_params())
