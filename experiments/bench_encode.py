@@ -80,6 +80,7 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
         ours_bytes += ct.nbytes
         if i == 0:
             results["first_tensor"] = name
+    saved_threads = torch.get_num_threads()
     for th in threads:
         torch.set_num_threads(th)
         z = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=th)
@@ -102,6 +103,7 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
             "ours_MBps": total_bytes / t_ours / 1e6, "zipnn_MBps": total_bytes / t_zip / 1e6,
             "ours_over_zipnn": t_zip / t_ours, "ours_seconds": t_ours, "zipnn_seconds": t_zip,
         }
+    torch.set_num_threads(saved_threads)
     results["reference_numpy_MBps"] = total_bytes / t_ref / 1e6
     results["ratio_ours"] = total_bytes / ours_bytes
     results["ratio_zipnn"] = total_bytes / zipnn_bytes
