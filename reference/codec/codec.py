@@ -15,11 +15,17 @@ import numpy as np
 from reference.bf16 import sign_mantissa_byte
 from reference.codec.bitstream import pack_codes, read_groups
 from reference.codec.errors import CodecError
-from reference.codec.format import MAX_CHUNK_SIZE, MAX_CHUNKS_PER_GROUP, UINT32_LIMIT, CompressedTensor, crc32
+from reference.codec.format import (
+    MAX_CHUNK_SIZE,
+    MAX_CHUNKS_PER_GROUP,
+    MAX_GROUP_WEIGHTS,
+    UINT32_LIMIT,
+    CompressedTensor,
+    crc32,
+)
 from reference.codec.huffman import MAX_SUPPORTED_LENGTH, canonical_codes, code_lengths, decode_table
 from reference.codec.layout import Layout
 from reference.codec.palette import (
-    NOT_IN_PALETTE,
     choose_palette,
     chunk_slices,
     exponent_field,
@@ -106,38 +112,39 @@ def decode_many(tensors: Sequence[CompressedTensor]) -> list[np.ndarray]:
     """Decompress several tensors, decoding all their groups in one lockstep pass."""
     for ct in tensors:
         ct.check()
-    symbols = decode_symbols(tensors)
-    return [_assemble(ct, s) for ct, s in zip(tensors, symbols, strict=True)]
+    exponents = decode_symbols(tensors, as_exponents=True)
+    return [_assemble(ct, e) for ct, e in zip(tensors, exponents, strict=True)]
 
 
-def decode_symbols(tensors: Sequence[CompressedTensor]) -> list[np.ndarray]:
+def decode_symbols(tensors: Sequence[CompressedTensor], as_exponents: bool = False) -> list[np.ndarray]:
     """The Huffman symbols (palette indices) of each tensor's coded weights, in stream order.
 
-    Builds one work list over the groups of all tensors (their streams and decoding tables
-    concatenated) and hands it to ``read_groups``. Tensors must have passed ``check()``.
+    With ``as_exponents`` the decoding tables hold palette[symbol], so what comes out is exponents.
+
+    Builds one work list over the groups of all tensors (their streams concatenated, one decoding
+    table each) and hands it to ``read_groups``. All tables are built for the batch's longest
+    ``max_code_length`` (a table for fewer bits simply repeats each entry), so every group peeks the
+    same number of bits. Tensors must have passed ``check()``.
     """
-    streams, starts, ends, counts, max_lengths, bases, table_symbols, table_lengths = [], [], [], [], [], [], [], []
-    word_base = table_base = 0
-    for ct in tensors:
-        layout = ct.layout
-        per_group = _coded_weights_per_group(ct)
+    if not tensors:
+        return []
+    window_bits = max(ct.max_code_length for ct in tensors)
+    starts, ends, counts, table_of_group, tables = [], [], [], [], []
+    word_base = 0
+    for i, ct in enumerate(tensors):
         offsets = ct.offsets.astype(np.int64) + 32 * word_base
         starts.append(offsets[:-1])
         ends.append(offsets[1:])
-        counts.append(per_group)
-        max_lengths.append(np.full(layout.n_groups, ct.max_code_length, np.int64))
-        bases.append(np.full(layout.n_groups, table_base, np.int64))
-        symbols, lengths = decode_table(ct.code_lengths, ct.max_code_length)
-        table_symbols.append(symbols)
-        table_lengths.append(lengths)
-        streams.append(ct.stream)
+        counts.append(_coded_weights_per_group(ct))
+        table_of_group.append(np.full(ct.layout.n_groups, i, np.int64))
+        symbols, lengths = decode_table(ct.code_lengths, window_bits)
+        tables.append((np.asarray(ct.palette, np.uint8)[symbols] if as_exponents and ct.palette else symbols, lengths))
         word_base += len(ct.stream)
-        table_base += len(symbols)
-    if not tensors:
-        return []
     try:
-        decoded = read_groups(np.concatenate(streams), *(np.concatenate(a) for a in (
-            starts, ends, counts, max_lengths, bases, table_symbols, table_lengths)))
+        decoded = read_groups(
+            np.concatenate([ct.stream for ct in tensors]), np.concatenate(starts), np.concatenate(ends),
+            np.concatenate(counts), window_bits, np.stack([s for s, _ in tables]), np.stack([n for _, n in tables]),
+            np.concatenate(table_of_group) if len(tensors) > 1 else None)
     except CodecError as e:
         names = ", ".join(repr(ct.name) for ct in tensors[:4]) + (" ..." if len(tensors) > 4 else "")
         raise CodecError(f"tensor(s) {names}: {e}") from None
@@ -154,31 +161,35 @@ def _coded_weights_per_group(ct: CompressedTensor) -> np.ndarray:
     return np.add.reduceat(per_chunk, np.arange(0, layout.n_chunks, layout.chunks_per_group))
 
 
-def _assemble(ct: CompressedTensor, symbols: np.ndarray) -> np.ndarray:
-    """Rebuild the bf16 bits from decoded symbols, the verbatim chunks and sm; verify the data CRC."""
+def _assemble(ct: CompressedTensor, exponents: np.ndarray) -> np.ndarray:
+    """Rebuild the bf16 bits from the coded weights' exponents, the verbatim chunks and sm; check the CRC."""
     layout = ct.layout
-    exponents = exponent_matrix(ct, np.asarray(ct.palette, np.uint8)[symbols])
-    sm = ct.sm.astype(np.uint16)
-    exponent = layout.unchunk(exponents, 0, layout.n_chunks).astype(np.uint16)
-    bits = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
+    coded = exponents.astype(np.uint16)
+    coded <<= 7  # the exponent field of a bf16
+    chunks = place_chunks(ct, coded, ct.vexp.astype(np.uint16) << 7)
+    bits = ct.sm.astype(np.uint16)  # sm = s mmmmmmm (sign in bit 7)
+    bits |= bits << 8  # a copy of the sign lands in bit 15
+    bits &= 0x807F  # keep the sign (bit 15) and the mantissa (bits 6..0)
+    bits |= layout.unchunk(chunks, 0, layout.n_chunks)
     if crc32(bits) != ct.crc["data"]:
         raise CodecError(f"tensor {ct.name!r}: decoded data fails its CRC-32 check (corrupt header or stream)")
     return bits.reshape(ct.shape)
 
 
-def exponent_matrix(ct: CompressedTensor, coded_values: np.ndarray) -> np.ndarray:
-    """A (n_chunks, chunk_size) matrix: ``coded_values`` in the coded chunks' real slots, vexp in
-    the verbatim chunks. Checks that every verbatim chunk really holds an out-of-palette exponent."""
+def place_chunks(ct: CompressedTensor, coded_values: np.ndarray, verbatim_values: np.ndarray) -> np.ndarray:
+    """A (n_chunks, chunk_size) matrix: ``coded_values`` (one per coded weight, in order) in the coded
+    chunks, the rows of ``verbatim_values`` in the verbatim chunks; slots past a row's end are 0."""
     layout = ct.layout
-    matrix = np.zeros((layout.n_chunks, layout.chunk_size), coded_values.dtype)
+    if layout.aligned and ct.n_verbatim == 0:  # the common case: a reshape, no copy
+        return coded_values.reshape(layout.n_chunks, layout.chunk_size)
     verbatim = np.zeros(layout.n_chunks, bool)
     verbatim[ct.vchunks.astype(np.int64)] = True
-    matrix[layout.column_mask(0, layout.n_chunks) & ~verbatim[:, None]] = coded_values
-    matrix[verbatim] = ct.vexp
-    real = layout.column_mask(0, layout.n_chunks)[verbatim]
-    outside = (symbol_table(ct.palette)[ct.vexp] == NOT_IN_PALETTE) & real
-    if not outside.any(axis=1).all():
-        raise CodecError(f"tensor {ct.name!r}: a verbatim chunk holds only palette exponents (not canonical)")
+    matrix = np.zeros((layout.n_chunks, layout.chunk_size), coded_values.dtype)
+    if layout.aligned:
+        matrix[~verbatim] = coded_values.reshape(-1, layout.chunk_size)
+    else:
+        matrix[layout.column_mask(0, layout.n_chunks) & ~verbatim[:, None]] = coded_values
+    matrix[verbatim] = verbatim_values
     return matrix
 
 
@@ -194,6 +205,8 @@ def _check_parameters(layout: Layout, palette_size: int, max_code_length: int) -
         raise CodecError(f"chunk_size must be 1..{MAX_CHUNK_SIZE}, got {layout.chunk_size}")
     if not 1 <= layout.chunks_per_group <= MAX_CHUNKS_PER_GROUP:
         raise CodecError(f"chunks_per_group must be 1..{MAX_CHUNKS_PER_GROUP}, got {layout.chunks_per_group}")
+    if layout.chunk_size * layout.chunks_per_group > MAX_GROUP_WEIGHTS:
+        raise CodecError(f"chunk_size * chunks_per_group must be <= {MAX_GROUP_WEIGHTS}")
     if not 1 <= palette_size <= 256:
         raise CodecError(f"palette_size must be 1..256, got {palette_size}")
     if not 1 <= max_code_length <= MAX_SUPPORTED_LENGTH or 2**max_code_length < min(palette_size, 256):

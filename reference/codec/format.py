@@ -18,6 +18,7 @@ import numpy as np
 from reference.codec.errors import CodecError
 from reference.codec.huffman import MAX_SUPPORTED_LENGTH, check_lengths
 from reference.codec.layout import Layout
+from reference.codec.palette import NOT_IN_PALETTE, symbol_table
 
 FORMAT_NAME = "unweight"
 VERSION = 1
@@ -26,6 +27,7 @@ CRC_KEYS = (*ARRAY_DTYPES, "data")
 HEADER_KEYS = ("format", "version", "form", "shape", "chunk_size", "chunks_per_group", "max_code_length",
                "palette", "code_lengths", "n_verbatim", "stream_bits", "crc32")
 MAX_CHUNK_SIZE, MAX_CHUNKS_PER_GROUP = 4096, 65536
+MAX_GROUP_WEIGHTS = 65536  # chunk_size * chunks_per_group: bounds the sequential work of decoding a group
 UINT32_LIMIT = 2**32
 
 
@@ -125,6 +127,8 @@ class CompressedTensor:
         """Validate header ranges, array dtypes and lengths, offsets, verbatim ids and array CRCs."""
         where = f"tensor {self.name!r}: " if self.name else ""
         layout = self.layout
+        if self.chunk_size * self.chunks_per_group > MAX_GROUP_WEIGHTS:
+            raise CodecError(f"{where}chunk_size * chunks_per_group must be <= {MAX_GROUP_WEIGHTS}")
         if len(set(self.palette)) != len(self.palette) or len(self.palette) > 256:
             raise CodecError(f"{where}palette must hold distinct exponents, got {list(self.palette)}")
         if len(self.code_lengths) != len(self.palette):
@@ -155,6 +159,9 @@ class CompressedTensor:
         pad = np.arange(self.chunk_size) >= layout.chunk_length(v)[:, None]
         if np.any(self.vexp[pad]):
             raise CodecError(f"{where}padding bytes of short verbatim chunks must be 0")
+        outside = (symbol_table(self.palette)[self.vexp] == NOT_IN_PALETTE) & ~pad
+        if not outside.any(axis=1).all():
+            raise CodecError(f"{where}a verbatim chunk holds only palette exponents (the verbatim rule is iff)")
         n_coded = layout.n - int(layout.chunk_length(v).sum())
         if n_coded > 0 and not any(self.code_lengths):
             raise CodecError(f"{where}{n_coded} weights are coded but no symbol has a code")

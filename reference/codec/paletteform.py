@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.codec.codec import CHUNKS_PER_GROUP, MAX_CODE_LENGTH, decode_symbols, encode, exponent_matrix
+from reference.codec.codec import CHUNKS_PER_GROUP, MAX_CODE_LENGTH, decode_symbols, encode, place_chunks
 from reference.codec.errors import CodecError
 from reference.codec.format import CompressedTensor, crc32
 from reference.codec.layout import Layout
@@ -50,8 +50,8 @@ def to_palette(ct: CompressedTensor, verify: bool = True) -> PaletteTensor:
         raise CodecError(f"tensor {ct.name!r}: a palette of {len(ct.palette)} does not fit 4-bit indices")
     layout = ct.layout
     symbols = decode_symbols([ct])[0]
-    nibbles = layout.unchunk(exponent_matrix(ct, symbols), 0, layout.n_chunks)
-    nibbles[_verbatim_weights(layout, ct.vchunks)] = 0  # verbatim weights get index 0
+    verbatim_nibbles = np.zeros((ct.n_verbatim, ct.chunk_size), np.uint8)  # verbatim weights get index 0
+    nibbles = layout.unchunk(place_chunks(ct, symbols, verbatim_nibbles), 0, layout.n_chunks)
     palette = np.zeros(PALETTE_FORM_SLOTS, np.uint8)
     palette[: len(ct.palette)] = ct.palette
     pt = PaletteTensor(

@@ -1,0 +1,103 @@
+"""Benchmark of the reference codec: encode and decode MB/s (of bf16 data) on this machine.
+
+    python -m experiments.bench_codec [--repeat 5] [--json PATH]
+
+The acceptance target for the NumPy reference is >= 100 MB/s of bf16 output when decoding. Cases:
+all compressible MiniLM tensors decoded together (as the container does), one 4096 x 4096
+trained-like tensor (a typical LLM projection), and the palette-form paths. Times are the best of
+``--repeat`` runs (the machine is shared; the best run is the least disturbed one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from reference.bf16 import float32_to_bf16
+from reference.codec import decode, decode_many, encode, palette_to_bf16, to_palette
+from reference.codec.container import DECODE_BATCH, MIN_ELEMENTS
+
+TARGET_MBPS = 100.0
+
+
+def best_time(fn: Callable[[], object], repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def minilm_tensors() -> list[np.ndarray]:
+    """Every MiniLM tensor the container compresses (float32 cast to bf16, >= MIN_ELEMENTS weights)."""
+    from reference.model.weights import open_weights
+
+    w = open_weights("minilm")
+    return [float32_to_bf16(np.asarray(w.get(n))) for n in w.names()
+            if w.dtype(n) == "F32" and int(np.prod(w.shape(n))) >= MIN_ELEMENTS]
+
+
+def batches(cts: list, limit: int = DECODE_BATCH) -> list[list]:
+    out, cur = [], []
+    for ct in cts:
+        cur.append(ct)
+        if sum(c.layout.n for c in cur) >= limit:
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
+
+
+def run(repeat: int) -> dict:
+    rng = np.random.default_rng(0)
+    big = float32_to_bf16((rng.standard_normal((4096, 4096)) * 0.02).astype(np.float32))
+    cases = {"minilm (all compressed tensors)": minilm_tensors(), "4096x4096 normal(0, 0.02)": [big]}
+    rows = []
+    for label, tensors in cases.items():
+        nbytes = sum(t.nbytes for t in tensors)
+        cts = [encode(t) for t in tensors]
+        assert all(np.array_equal(a, b) for a, b in zip(decode_many(cts), tensors, strict=True))
+        encode_s = best_time(lambda ts=tensors: [encode(t) for t in ts], repeat)
+        decode_s = best_time(lambda cs=cts: [decode_many(b) for b in batches(cs)], repeat)
+        single_s = best_time(lambda cs=cts: [decode(c) for c in cs], repeat)
+        pts = [to_palette(c) for c in cts]
+        transcode_s = best_time(lambda cs=cts: [to_palette(c, verify=False) for c in cs], repeat)
+        palette_s = best_time(lambda ps=pts: [palette_to_bf16(p) for p in ps], repeat)
+        rows.append({
+            "case": label, "mb": nbytes / 1e6, "ratio": nbytes / sum(c.nbytes for c in cts),
+            "encode_mbps": nbytes / encode_s / 1e6, "decode_mbps": nbytes / decode_s / 1e6,
+            "decode_one_by_one_mbps": nbytes / single_s / 1e6,
+            "huffman_to_palette_mbps": nbytes / transcode_s / 1e6, "palette_to_bf16_mbps": nbytes / palette_s / 1e6,
+        })
+    return {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+            "repeat": repeat, "target_decode_mbps": TARGET_MBPS, "rows": rows,
+            "meets_target": all(r["decode_mbps"] >= TARGET_MBPS for r in rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    args = parser.parse_args()
+    result = run(args.repeat)
+    print(f"machine: {result['machine']}; MB/s of bf16 data, best of {args.repeat}")
+    print(f"{'case':34s} {'MB':>6s} {'ratio':>7s} {'encode':>7s} {'decode':>7s} {'1-by-1':>7s} "
+          f"{'->pal':>7s} {'pal->bf16':>9s}")
+    for r in result["rows"]:
+        speeds = [r[k] for k in ("encode_mbps", "decode_mbps", "decode_one_by_one_mbps", "huffman_to_palette_mbps")]
+        print(f"{r['case']:34s} {r['mb']:6.1f} {r['ratio']:6.4f}x " + " ".join(f"{v:7.0f}" for v in speeds)
+              + f" {r['palette_to_bf16_mbps']:9.0f}")
+    print(f"decode >= {TARGET_MBPS:.0f} MB/s: {'yes' if result['meets_target'] else 'NO'}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
