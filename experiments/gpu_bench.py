@@ -77,6 +77,15 @@ def configs_for(batch: int, tiny: bool) -> list[Any]:
     return [C(128, 128, 64, 1, 8, 3), C(128, 64, 64, 1, 4, 3), C(64, 128, 64, 1, 4, 4)]
 
 
+def copy_bandwidth(device: Any, size: int, reps: int) -> float:
+    """Bytes per second of ``dst.copy_(src)`` (read + write), the roofline's bandwidth."""
+    import torch
+
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * size / timer(device, reps)(lambda: dst.copy_(src))
+
+
 def make_weights(shape: tuple[int, int], seed: int, chunks_per_group: int = 32) -> tuple[Any, Any, Any]:
     """(bf16 weights, Huffman form, palette form), on the CPU, from MiniLM's exponent distribution."""
     import numpy as np
@@ -107,12 +116,9 @@ def bench(tiny: bool, budget: float, log: Any = print) -> dict[str, Any]:
     out: dict[str, Any] = {"tiny": tiny, "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
                            "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (interpreter)"}
 
-    size = (1 << 20) if tiny else (1 << 30)
-    src, dst = torch.empty(size, dtype=torch.uint8, device=device), torch.empty(size, dtype=torch.uint8, device=device)
-    bw = 2 * size / timer(device, reps)(lambda: dst.copy_(src))  # read + write
+    bw = copy_bandwidth(device, (1 << 20) if tiny else (1 << 30), reps)
     out["copy_bandwidth_GBps"] = bw / 1e9
     log(f"copy bandwidth {bw / 1e9:.1f} GB/s")
-    del src, dst
 
     shapes, batches = (TINY_SHAPES, TINY_BATCHES) if tiny else (SHAPES, BATCHES)
     forms = {}
@@ -132,8 +138,8 @@ def bench(tiny: bool, budget: float, log: Any = print) -> dict[str, Any]:
     dec["palette"] = {"seconds": best[0], "config": list(best[1]), "out_GBps": 2 * n / best[0] / 1e9,
                       "floor_seconds": moved / bw, "of_floor": (moved / bw) / best[0]}
     assert torch.equal(decode_palette(pform, *best[1]).view(torch.int16), w.view(torch.int16)), "palette decode"
-    best = min(((timeit(lambda b=b: decode_huffman_block(hform, b)), b) for b in ((32, 64, 128) if not tiny else (64,))),
-               key=lambda r: r[0])
+    lanes = (32, 64, 128) if not tiny else (64,)
+    best = min(((timeit(lambda b=b: decode_huffman_block(hform, b)), b) for b in lanes), key=lambda r: r[0])
     moved = hform.nbytes() + 2 * n
     dec["huffman"] = {"seconds": best[0], "lanes_per_program": best[1], "out_GBps": 2 * n / best[0] / 1e9,
                       "floor_seconds": moved / bw, "of_floor": (moved / bw) / best[0]}
@@ -142,7 +148,8 @@ def bench(tiny: bool, budget: float, log: Any = print) -> dict[str, Any]:
     dec["copy_bf16_out_GBps"] = bw / 2 / 1e9  # a plain copy of bf16 weights: the decode's ceiling
     out["decode"] = dec
     log(f"palette decode {dec['palette']['out_GBps']:.0f} GB/s of bf16 ({100 * dec['palette']['of_floor']:.0f}% of "
-        f"floor); Huffman decode {dec['huffman']['out_GBps']:.0f} GB/s; transcode {1e3 * dec['transcode_seconds']:.2f} ms")
+        f"floor); Huffman decode {dec['huffman']['out_GBps']:.0f} GB/s; "
+        f"transcode {1e3 * dec['transcode_seconds']:.2f} ms")
 
     rows = []
     for shape in shapes:
@@ -160,14 +167,14 @@ def bench(tiny: bool, budget: float, log: Any = print) -> dict[str, Any]:
             trials = []
             for cfg in [default_config(batch, n_out, k)] + configs_for(batch, tiny):
                 try:
-                    trials.append((timeit(lambda x=x, cfg=cfg: fused_matmul(x, pform, config=cfg)), cfg))
+                    trials.append((timeit(lambda x=x, p=pform, cfg=cfg: fused_matmul(x, p, config=cfg)), cfg))
                 except Exception as e:  # a config the GPU cannot run (shared memory): skip it, say so
                     log(f"  config {cfg} failed: {type(e).__name__}: {str(e)[:120]}")
             r["fused_s"], cfg = min(trials, key=lambda t: t[0])
             r["fused_config"] = [cfg.block_m, cfg.block_n, cfg.block_k, cfg.split_k, cfg.num_warps, cfg.num_stages]
             r["plain_triton_s"] = timeit(lambda x=x, w=w, cfg=cfg: matmul(x, w, config=cfg))
-            r["decode_then_cublas_s"] = timeit(lambda x=x: F.linear(x, decode_palette(pform)))
-            r["unweight_linear_s"] = timeit(lambda x=x: layer(x))
+            r["decode_then_cublas_s"] = timeit(lambda x=x, p=pform: F.linear(x, decode_palette(p)))
+            r["unweight_linear_s"] = timeit(lambda x=x, f=layer: f(x))
             y_fused = fused_matmul(x, pform, config=cfg)
             r["fused_equals_plain_on_decoded"] = bool(torch.equal(
                 y_fused.view(torch.int16), matmul(x, decode_palette(pform), config=cfg).view(torch.int16)))
@@ -178,9 +185,11 @@ def bench(tiny: bool, budget: float, log: Any = print) -> dict[str, Any]:
             r["cublas_of_floor"] = r["floor_bf16_s"] / r["cublas_s"]
             r["fused_of_floor"] = r["floor_palette_s"] / r["fused_s"]
             rows.append(r)
-            log(f"{shape} b{batch:>3}: cuBLAS {1e6 * r['cublas_s']:8.1f} us ({100 * r['cublas_of_floor']:3.0f}% of floor)"
-                f" | fused {1e6 * r['fused_s']:8.1f} us ({100 * r['fused_of_floor']:3.0f}% of floor) -> "
-                f"{r['fused_speedup_vs_cublas']:.2f}x cuBLAS | decode+cuBLAS {1e6 * r['decode_then_cublas_s']:8.1f} us")
+            log(f"{shape} b{batch:>3}: cuBLAS {1e6 * r['cublas_s']:8.1f} us "
+                f"({100 * r['cublas_of_floor']:3.0f}% of floor) | fused {1e6 * r['fused_s']:8.1f} us "
+                f"({100 * r['fused_of_floor']:3.0f}% of floor) -> "
+                f"{r['fused_speedup_vs_cublas']:.2f}x cuBLAS | decode+cuBLAS "
+                f"{1e6 * r['decode_then_cublas_s']:8.1f} us")
     out["matmul"] = rows
     b1 = [r["fused_speedup_vs_cublas"] for r in rows if r["batch"] == 1]
     out["goals"] = {

@@ -35,7 +35,8 @@ def step(name: str, cmd: list[str], timeout: float, env: dict[str, str]) -> dict
         proc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True)
         rc, output = proc.returncode, proc.stdout + proc.stderr
     except subprocess.TimeoutExpired as e:
-        rc, output = "timeout", (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else str(e.stdout)
+        partial = e.stdout or b""
+        rc, output = "timeout", partial.decode(errors="replace") if isinstance(partial, bytes) else str(partial)
     print(output[-6000:], flush=True)
     return {"cmd": cmd, "rc": rc, "seconds": time.perf_counter() - start, "tail": output[-3000:]}
 

@@ -61,9 +61,9 @@ def _check_input(x: torch.Tensor, chunk_size: int, chunks_per_group: int, palett
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise KernelInputError(f"encode: expected a torch.bfloat16 tensor, got {got}")
-    if not 1 <= chunk_size <= 4096 or not 1 <= chunks_per_group <= 65536:
-        raise KernelInputError(f"encode: chunk_size must be 1..4096 and chunks_per_group 1..65536, "
-                               f"got {chunk_size}, {chunks_per_group}")
+    if not 1 <= chunk_size <= 4096 or not 1 <= chunks_per_group <= 65536 or chunk_size * chunks_per_group > 65536:
+        raise KernelInputError(f"encode: chunk_size must be 1..4096 and chunks_per_group 1..65536 with at most "
+                               f"65536 weights per group, got {chunk_size}, {chunks_per_group}")
     if not 1 <= palette_size <= 256 or not 1 <= max_code_length <= 16:
         raise KernelInputError(f"encode: palette_size must be 1..256 and max_code_length 1..16, "
                                f"got {palette_size}, {max_code_length}")
