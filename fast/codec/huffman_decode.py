@@ -59,7 +59,8 @@ def _huffman_kernel(windows_ptr, last_word, offsets_ptr, gvstart_ptr, vchunks_pt
             coded = coded_chunk & (w < clen)
             word = tl.minimum(pos >> 5, last_word)  # a corrupt stream may run on; never read past the end
             window = tl.load(windows_ptr + word, mask=coded, other=0).to(tl.uint64, bitcast=True)
-            entry = tl.load(lut_ptr + ((window << (pos & 31).to(tl.uint64)) >> (64 - L)), mask=coded, other=0)
+            peek = ((window << (pos & 31).to(tl.uint64)) >> (64 - L)).to(tl.int64)
+            entry = tl.load(lut_ptr + peek, mask=coded, other=0)
             length = entry >> 8  # 0 where not coded (other=0) or on an invalid window
             bad = bad | (coded & (length == 0))
             pos += length
