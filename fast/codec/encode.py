@@ -140,7 +140,7 @@ def _words32(words: torch.Tensor, total: int) -> torch.Tensor:
     return words.view(torch.int32).view(-1, 2).flip(1).reshape(-1)[: (total + 31) // 32 + 1].contiguous()
 
 
-BLOCK_WEIGHTS = 1 << 18  # per-weight work runs in blocks of about this many weights (cache-sized temporaries)
+BLOCK_WEIGHTS = 1 << 19  # per-weight work runs in blocks of about this many weights (cache-sized temporaries)
 
 
 def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, palette_size: int = 16,
