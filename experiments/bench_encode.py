@@ -66,7 +66,7 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
     total_bytes = sum(2 * a.size for _, a in tensors)
     results: dict[str, Any] = {"weights": source, "tensors": len(tensors), "bf16_bytes": total_bytes,
                                "repeats": repeats, "by_threads": {}}
-    ours_bytes = zipnn_bytes = 0
+    ours_bytes = 0
     t_ref = 0.0
     for i, (name, bits) in enumerate(tensors):
         start = time.perf_counter()
@@ -102,11 +102,11 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
         results["by_threads"][str(th)] = {
             "ours_MBps": total_bytes / t_ours / 1e6, "zipnn_MBps": total_bytes / t_zip / 1e6,
             "ours_over_zipnn": t_zip / t_ours, "ours_seconds": t_ours, "zipnn_seconds": t_zip,
+            "zipnn_ratio": total_bytes / zipnn_bytes,  # ZipNN's output can depend on its thread count
         }
     torch.set_num_threads(saved_threads)
     results["reference_numpy_MBps"] = total_bytes / t_ref / 1e6
     results["ratio_ours"] = total_bytes / ours_bytes
-    results["ratio_zipnn"] = total_bytes / zipnn_bytes
     return results
 
 
@@ -125,11 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     res["machine"], res["commit"] = machine(), commit()
     res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(f"{res['weights']}: {res['tensors']} tensors, {res['bf16_bytes'] / 1e6:.1f} MB of bf16; ratio ours "
-          f"{res['ratio_ours']:.3f}, ZipNN {res['ratio_zipnn']:.3f}; reference NumPy encoder "
-          f"{res['reference_numpy_MBps']:.0f} MB/s")
+          f"{res['ratio_ours']:.3f}; reference NumPy encoder {res['reference_numpy_MBps']:.0f} MB/s")
     for th, r in res["by_threads"].items():
-        print(f"  {th} thread(s): ours {r['ours_MBps']:.0f} MB/s, ZipNN {r['zipnn_MBps']:.0f} MB/s "
-              f"-> ours is {r['ours_over_zipnn']:.2f}x ZipNN's speed")
+        print(f"  {th} thread(s): ours {r['ours_MBps']:.0f} MB/s, ZipNN {r['zipnn_MBps']:.0f} MB/s (ratio "
+              f"{r['zipnn_ratio']:.3f}) -> ours is {r['ours_over_zipnn']:.2f}x ZipNN's speed")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=1) + "\n")
