@@ -65,3 +65,4 @@ def check_numel(t: torch.Tensor, name: str, expected: int) -> None:
     """Raise unless ``t`` holds exactly ``expected`` elements (a length read from a header, say)."""
     if t.numel() != expected:
         raise KernelInputError(f"{name}: expected {expected} elements, got {t.numel()}")
+

@@ -92,3 +92,15 @@ def test_wrong_window_in_huffman_decoder_fails(monkeypatch, capsys, tmp_path):
     out = capsys.readouterr().out
     assert code == 1
     assert "error: codec.huffman_decode.specials" in out and "CodecError: corrupt Huffman stream" in out
+
+
+def test_write_past_the_end_is_caught_by_the_nan_guard(monkeypatch, capsys, tmp_path):
+    from fast.codec import palette_decode
+
+    mutant = _mutant(palette_decode, "bits.to(tl.int16), mask=mask)",
+                     "bits.to(tl.int16), mask=row_ok[:, None] & (cols < c_end + 1)[None, :])", tmp_path, monkeypatch)
+    monkeypatch.setattr(palette_decode, "decode_palette", mutant.decode_palette)
+    code = main(["--device", "cpu", "-k", "codec.palette_decode.specials"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "output guard cells around the output (must stay NaN 0x7fc1): first difference at index" in out

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.inputs import FAMILIES, LARGE_ONLY, Family, encoded, minilm_missing
+from conformance.poison import GUARD, PoisonedOutput, embed_form, expected_guards
 from conformance.registry import Case, Gen, Level, register
 
 
@@ -30,8 +31,8 @@ def _requires(family: Family):
     return minilm_missing if family.needs_minilm else None
 
 
-def _both(decoded: Any) -> dict[str, Any]:
-    return {"vs reference decoder": decoded, "vs original": decoded}
+def _both(decoded: Any, out: Any) -> dict[str, Any]:
+    return {"vs reference decoder": decoded, "vs original": decoded, GUARD: out.guards()}
 
 
 # ---- reference sides ----
@@ -45,13 +46,15 @@ def _ref_encode(inputs: dict[str, Any]) -> dict[str, Any]:
 def _ref_decode(inputs: dict[str, Any]) -> dict[str, Any]:
     import reference.codec as rc
 
-    return {"vs reference decoder": rc.decode(inputs["enc"].ct), "vs original": inputs["enc"].bits}
+    return {"vs reference decoder": rc.decode(inputs["enc"].ct), "vs original": inputs["enc"].bits,
+            GUARD: expected_guards()}
 
 
 def _ref_palette_decode(inputs: dict[str, Any]) -> dict[str, Any]:
     import reference.codec as rc
 
-    return {"vs reference decoder": rc.palette_to_bf16(inputs["enc"].pt), "vs original": inputs["enc"].bits}
+    return {"vs reference decoder": rc.palette_to_bf16(inputs["enc"].pt), "vs original": inputs["enc"].bits,
+            GUARD: expected_guards()}
 
 
 def _ref_transcode(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -75,14 +78,17 @@ def _fast_huffman_decode(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec import huffman_decode
     from fast.codec.convert import huffman_from_reference
 
-    return _both(huffman_decode.decode_huffman(huffman_from_reference(inputs["enc"].ct, inputs["device"])))
+    form = embed_form(huffman_from_reference(inputs["enc"].ct, inputs["device"]))  # inputs amid poison
+    out = PoisonedOutput(form.shape, inputs["device"])  # the output amid NaNs
+    return _both(huffman_decode.decode_huffman(form, out=out.view), out)
 
 
 def _fast_transcode(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec import huffman_decode
     from fast.codec.convert import huffman_from_reference, palette_arrays
 
-    return palette_arrays(huffman_decode.transcode(huffman_from_reference(inputs["enc"].ct, inputs["device"])))
+    form = embed_form(huffman_from_reference(inputs["enc"].ct, inputs["device"]))
+    return palette_arrays(huffman_decode.transcode(form))
 
 
 def _fast_transcode_torch(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -96,23 +102,35 @@ def _fast_palette_decode(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec import palette_decode
     from fast.codec.convert import palette_from_reference
 
-    return _both(palette_decode.decode_palette(palette_from_reference(inputs["enc"].pt, inputs["device"])))
+    form = embed_form(palette_from_reference(inputs["enc"].pt, inputs["device"]))
+    out = PoisonedOutput(form.shape, inputs["device"])
+    return _both(palette_decode.decode_palette(form, out=out.view), out)
 
 
 def _fast_palette_decode_torch(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec import torch_ops
     from fast.codec.convert import palette_from_reference
 
-    return _both(torch_ops.decode_palette_torch(palette_from_reference(inputs["enc"].pt, inputs["device"])))
+    decoded = torch_ops.decode_palette_torch(palette_from_reference(inputs["enc"].pt, inputs["device"]))
+    return {"vs reference decoder": decoded, "vs original": decoded}
+
+
+def _ref_palette_decode_plain(inputs: dict[str, Any]) -> dict[str, Any]:
+    out = _ref_palette_decode(inputs)
+    del out[GUARD]
+    return out
 
 
 KERNELS = [  # (name, reference, fast, needs a palette form, what it checks)
     ("encode", _ref_encode, _fast_encode, False, "torch encoder vs reference.codec.encode, every array"),
-    ("huffman_decode", _ref_decode, _fast_huffman_decode, False, "Triton Huffman -> bf16"),
+    ("huffman_decode", _ref_decode, _fast_huffman_decode, False,
+     "Triton Huffman -> bf16 (inputs and output amid poison)"),
     ("transcode", _ref_transcode, _fast_transcode, True, "Triton Huffman -> palette form, every array"),
     ("transcode_torch", _ref_transcode, _fast_transcode_torch, True, "torch Huffman -> palette form"),
-    ("palette_decode", _ref_palette_decode, _fast_palette_decode, True, "Triton palette form -> bf16"),
-    ("palette_decode_torch", _ref_palette_decode, _fast_palette_decode_torch, True, "torch palette form -> bf16"),
+    ("palette_decode", _ref_palette_decode, _fast_palette_decode, True,
+     "Triton palette form -> bf16 (inputs and output amid poison)"),
+    ("palette_decode_torch", _ref_palette_decode_plain, _fast_palette_decode_torch, True,
+     "torch palette form -> bf16"),
 ]
 
 

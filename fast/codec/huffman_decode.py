@@ -24,6 +24,7 @@ import triton.language as tl
 from fast.codec.forms import HuffmanForm, PaletteForm
 from fast.errors import KernelInputError
 from fast.triton_util import cdiv, check_kernel_device, on_interpreter
+from fast.validate import check_tensor
 from reference.codec.errors import CodecError
 from reference.codec.huffman import check_lengths, decode_table
 
@@ -138,11 +139,14 @@ def _check_form(form: HuffmanForm) -> None:
         raise CodecError("offsets must start at 0, end at stream_bits and never decrease")
 
 
-def _run(form: HuffmanForm, mode: int, block: int | None = None) -> torch.Tensor:
+def _run(form: HuffmanForm, mode: int, block: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     _check_form(form)
     g = form.geometry
     device = form.device
-    out = torch.empty(g.n, dtype=torch.int16 if mode == 0 else torch.uint8, device=device)
+    if out is not None:  # checked by the caller: contiguous, the tensor's shape, bf16 or int16
+        out = out.view(torch.int16).view(-1)
+    else:
+        out = torch.empty(g.n, dtype=torch.int16 if mode == 0 else torch.uint8, device=device)
     if g.n == 0:
         return out
     lut = lookup_table(form, exponents=(mode == 0))
@@ -173,9 +177,11 @@ def _run(form: HuffmanForm, mode: int, block: int | None = None) -> torch.Tensor
     return out
 
 
-def decode_huffman(form: HuffmanForm) -> torch.Tensor:
-    """Decode a Huffman-form tensor to torch.bfloat16 (same shape), bit for bit."""
-    return _run(form, mode=0).view(torch.bfloat16).view(form.shape)
+def decode_huffman(form: HuffmanForm, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode a Huffman-form tensor to torch.bfloat16 (same shape), bit for bit; into ``out`` if given."""
+    if out is not None:
+        check_tensor(out, "out", dtype=(torch.bfloat16, torch.int16), shape=form.shape, device=form.device)
+    return _run(form, mode=0, out=out).view(torch.bfloat16).view(form.shape)
 
 
 def transcode(form: HuffmanForm) -> PaletteForm:

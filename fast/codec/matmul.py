@@ -123,16 +123,21 @@ def default_config(m: int, n: int, k: int) -> MatmulConfig:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor | None, form: PaletteForm | None, n: int, k: int,
-            bias: torch.Tensor | None, config: MatmulConfig | None) -> torch.Tensor:
+            bias: torch.Tensor | None, config: MatmulConfig | None, out: torch.Tensor | None = None) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    out = torch.empty((m, n), dtype=torch.int16, device=x.device)
+    if out is not None:
+        check_tensor(out, "out", dtype=(torch.bfloat16, torch.int16), shape=(*lead, n), device=x.device)
+        out = out.view(torch.int16).view(m, n)
+    else:
+        out = torch.empty((m, n), dtype=torch.int16, device=x.device)
     if m == 0 or n == 0:
         return out.view(torch.bfloat16).view(*lead, n)
-    if k == 0:
+    if k == 0:  # an empty sum: the bias alone
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device) + (bias.float() if bias is not None else 0)
-        return y.to(torch.bfloat16).view(*lead, n)
+        out.copy_(y.to(torch.bfloat16).view(torch.int16))
+        return out.view(torch.bfloat16).view(*lead, n)
     cfg = config or default_config(m, n, k)
     if cfg.block_k % 16 or cfg.split_k < 1:
         raise KernelInputError(f"matmul config: block_k must be a multiple of 16 and split_k >= 1, got {cfg}")
@@ -174,18 +179,18 @@ def _check_bias(bias: torch.Tensor | None, n: int, device: torch.device) -> None
 
 
 def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-           config: MatmulConfig | None = None) -> torch.Tensor:
+           config: MatmulConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ w.T (+ bias) for bf16 x [..., K] and bf16 w [N, K]; the plain-weights twin of ``fused_matmul``."""
     check_tensor(w, "w", dtype=torch.bfloat16, ndim=2)
     n, k = w.shape
     _check_x(x, k)
     check_tensor(w, "w", device=x.device)
     _check_bias(bias, n, x.device)
-    return _launch(x, w, None, n, k, bias, config)
+    return _launch(x, w, None, n, k, bias, config, out)
 
 
 def fused_matmul(x: torch.Tensor, form: PaletteForm, bias: torch.Tensor | None = None,
-                 config: MatmulConfig | None = None) -> torch.Tensor:
+                 config: MatmulConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W.T (+ bias) with W [N, K] in palette form, decoded tile by tile in registers."""
     check_palette_form(form)
     if len(form.shape) != 2:
@@ -195,4 +200,4 @@ def fused_matmul(x: torch.Tensor, form: PaletteForm, bias: torch.Tensor | None =
     if form.device != x.device:
         raise KernelInputError(f"fused_matmul: x is on {x.device}, the weight on {form.device}")
     _check_bias(bias, n, x.device)
-    return _launch(x, None, form, n, k, bias, config)
+    return _launch(x, None, form, n, k, bias, config, out)

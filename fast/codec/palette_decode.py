@@ -21,6 +21,7 @@ import triton.language as tl
 
 from fast.codec.forms import PaletteForm
 from fast.triton_util import cdiv, check_kernel_device, on_interpreter
+from fast.validate import check_tensor
 
 
 @triton.jit
@@ -96,11 +97,15 @@ def kernel_arrays(form: PaletteForm) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode_palette(form: PaletteForm, block_rows: int | None = None, block_cols: int | None = None,
-                   splits: int | None = None) -> torch.Tensor:
-    """Decode a palette-form tensor to torch.bfloat16 (same shape), bit for bit."""
+                   splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode a palette-form tensor to torch.bfloat16 (same shape), bit for bit; into ``out`` if given."""
     check_palette_form(form)
     g = form.geometry
-    out = torch.empty((g.rows, g.cols), dtype=torch.int16, device=form.device)
+    if out is not None:
+        check_tensor(out, "out", dtype=(torch.bfloat16, torch.int16), shape=g.shape, device=form.device)
+        out = out.view(torch.int16).view(g.rows, g.cols)
+    else:
+        out = torch.empty((g.rows, g.cols), dtype=torch.int16, device=form.device)
     if g.n == 0:
         return out.view(torch.bfloat16).view(g.shape)
     if on_interpreter():  # few, wide steps: the interpreter pays per operation, not per element
