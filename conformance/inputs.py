@@ -9,9 +9,11 @@ several cases (encode, decode, transcode, ...) share one tensor and its referenc
 from __future__ import annotations
 
 import functools
+import json
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -59,13 +61,25 @@ def minilm_bits(name: str) -> np.ndarray:
     return float32_to_bf16(np.ascontiguousarray(open_weights("minilm").get(name), dtype=np.float32))
 
 
+EXPONENTS_FILE = Path(__file__).resolve().parent / "data" / "minilm_mlp_exponents.json"
+MLP_NAMES = [f"encoder.layer.{i}.{part}.dense.weight" for i in range(6) for part in ("intermediate", "output")]
+
+
 @functools.lru_cache(maxsize=1)
 def minilm_exponent_counts() -> np.ndarray:
-    """Exponent histogram (256 counts) pooled over MiniLM's MLP matrices: a real exponent distribution."""
+    """Exponent histogram (256 counts) pooled over MiniLM's 12 MLP matrices: a real exponent distribution.
+
+    Read from conformance/data (so that machines without the MiniLM package, like the GPU machine,
+    draw the same weights); ``tests/test_fast_codec.py`` checks it against the package's weights.
+    """
+    return np.asarray(json.loads(EXPONENTS_FILE.read_text())["counts"], dtype=np.int64)
+
+
+def minilm_exponent_counts_from_weights() -> np.ndarray:
+    """The same histogram computed from the installed MiniLM weights."""
     from reference.bf16 import exponent_frequencies
 
-    names = [f"encoder.layer.{i}.{part}.dense.weight" for i in range(6) for part in ("intermediate", "output")]
-    return sum(exponent_frequencies(minilm_bits(n)) for n in names)
+    return sum(exponent_frequencies(minilm_bits(n)) for n in MLP_NAMES)
 
 
 def synthetic_weights(shape: tuple[int, ...], rng: np.random.Generator, counts: np.ndarray | None = None) -> np.ndarray:

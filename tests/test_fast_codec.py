@@ -185,3 +185,11 @@ def test_split_k_is_deterministic_and_matches_no_split() -> None:
     assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     assert (a.double() - c.double()).abs().max() <= 2**-6 * c.double().abs().max() + 1e-6
     assert math.isfinite(float(a.double().abs().max()))
+
+
+def test_stored_minilm_exponent_histogram_matches_the_weights() -> None:
+    from conformance.inputs import minilm_exponent_counts, minilm_exponent_counts_from_weights, minilm_missing
+
+    if minilm_missing():
+        pytest.skip(minilm_missing())
+    assert np.array_equal(minilm_exponent_counts(), minilm_exponent_counts_from_weights())

@@ -157,8 +157,7 @@ def _register_all() -> None:
         ("minilm_query.b1", fam["minilm_query"], (1, 1), True, 0),
     ]
     for label, source, batch, bias, split in setups:
-        synthetic = isinstance(source, str)  # synthetic weights draw exponents from MiniLM's histogram
-        needs = minilm_missing if synthetic or source.needs_minilm else None
+        needs = minilm_missing if isinstance(source, Family) and source.needs_minilm else None
         make = _inputs(source, batch, bias)
         register(Case(f"matmul.fused_vs_plain.{label}", Level.SAME_KERNEL, make, _plain_on_decoded(split),
                       _fused(split), about="fused palette matmul vs the same Triton kernel on decoded weights",
@@ -167,8 +166,7 @@ def _register_all() -> None:
                       about="fused palette matmul vs the float64 product", requires=needs))
     for label, fused in [("fused_path", True), ("decode_then_matmul", False)]:
         register(Case(f"matmul.linear.{label}", Level.BOUNDED, _inputs("70x200", (6, 64), True), _float64_y,
-                      _linear(fused), bound=BOUND, about=f"UnweightLinear ({label}) vs the float64 product",
-                      requires=minilm_missing))
+                      _linear(fused), bound=BOUND, about=f"UnweightLinear ({label}) vs the float64 product"))
 
 
 _register_all()
