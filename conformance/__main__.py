@@ -17,6 +17,10 @@ import time
 from pathlib import Path
 
 
+class UsageError(Exception):
+    """A bad combination of options or environment: printed, exit status 2."""
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m conformance", description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -39,11 +43,11 @@ def choose_device(requested: str | None) -> str:
         requested = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
     if requested == "cpu":
         if os.environ.get("TRITON_INTERPRET", "1") != "1":
-            raise SystemExit("--device cpu runs the Triton kernels in the interpreter: unset TRITON_INTERPRET "
+            raise UsageError("--device cpu runs the Triton kernels in the interpreter: unset TRITON_INTERPRET "
                              "or set it to 1 (it is 0 now)")
         os.environ["TRITON_INTERPRET"] = "1"
         if _native_kernels_loaded():
-            raise SystemExit("--device cpu: triton was imported in this process before TRITON_INTERPRET=1 was set; "
+            raise UsageError("--device cpu: triton was imported in this process before TRITON_INTERPRET=1 was set; "
                              "run `TRITON_INTERPRET=1 python -m conformance --device cpu` in a fresh process")
         return "cpu"
     import torch
@@ -52,9 +56,9 @@ def choose_device(requested: str | None) -> str:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
         return choose_device(requested) if requested == "cpu" else requested
     if not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available (use --device cpu to run under the interpreter)")
+        raise UsageError("--device cuda: no CUDA device is available (use --device cpu to run under the interpreter)")
     if os.environ.get("TRITON_INTERPRET") == "1":
-        raise SystemExit("--device cuda: TRITON_INTERPRET=1 is set; unset it to run the kernels natively")
+        raise UsageError("--device cuda: TRITON_INTERPRET=1 is set; unset it to run the kernels natively")
     return "cuda"
 
 
@@ -127,7 +131,11 @@ def write_json(path: Path, results: list, device: str, large: bool, seed: int, s
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = choose_device(args.device)
+    try:
+        device = choose_device(args.device)
+    except UsageError as e:
+        print(f"python -m conformance: {e}", file=sys.stderr)
+        return 2
     large = (device == "cuda") if args.large is None else args.large
 
     import torch
