@@ -6,11 +6,20 @@ of the test id, so the same ones run every time). ``UNFIRE_SLOW=all`` runs all, 
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import zlib
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+# Triton kernels (fast/) run in Triton's interpreter where there is no GPU. triton reads the variable
+# when it is imported, so it is set here, before any test module imports triton.
+if "TRITON_INTERPRET" not in os.environ and importlib.util.find_spec("torch") is not None:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 settings.register_profile("ci", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,165 @@
+"""``python -m conformance [--device cpu|cuda] [-k PATTERN] [--json FILE]``: run the suite.
+
+Prints one row per case (level, elements, result, time, bound), then the first difference of each
+failure, and exits 1 if any case failed or crashed (2 on a usage error, e.g. no case matched).
+With ``--device cpu`` the Triton kernels run in the interpreter: TRITON_INTERPRET=1 is set here,
+before triton is imported (an explicit TRITON_INTERPRET=0 is refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+class UsageError(Exception):
+    """A bad combination of options or environment: printed, exit status 2."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m conformance", description=__doc__.splitlines()[0])
+    p.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="where the fast side runs (default: cuda if present, else cpu under TRITON_INTERPRET=1)")
+    p.add_argument("-k", dest="patterns", action="append", metavar="PATTERN",
+                   help="run only cases whose name contains PATTERN (or matches it as a glob); repeatable")
+    p.add_argument("--json", type=Path, metavar="FILE", help="also write the results as JSON")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--large", dest="large", action="store_true", default=None,
+                      help="large shapes (the default on cuda)")
+    size.add_argument("--small", dest="large", action="store_false", help="small shapes (the default on cpu)")
+    p.add_argument("--seed", type=int, default=0, help="base seed of the input generators (default 0)")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    return p.parse_args(argv)
+
+
+def choose_device(requested: str | None) -> str:
+    """Decide the device and switch the interpreter on for cpu, before triton is imported."""
+    if requested is None:
+        requested = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+    if requested == "cpu":
+        if os.environ.get("TRITON_INTERPRET", "1") != "1":
+            raise UsageError("--device cpu runs the Triton kernels in the interpreter: unset TRITON_INTERPRET "
+                             "or set it to 1 (it is 0 now)")
+        os.environ["TRITON_INTERPRET"] = "1"
+        if _native_kernels_loaded():
+            raise UsageError("--device cpu: triton was imported in this process before TRITON_INTERPRET=1 was set; "
+                             "run `TRITON_INTERPRET=1 python -m conformance --device cpu` in a fresh process")
+        return "cpu"
+    import torch
+
+    if requested is None:
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+        return choose_device(requested) if requested == "cpu" else requested
+    if not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available (use --device cpu to run under the interpreter)")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise UsageError("--device cuda: TRITON_INTERPRET=1 is set; unset it to run the kernels natively")
+    return "cuda"
+
+
+def _native_kernels_loaded() -> bool:
+    """True if triton was already imported in this process without the interpreter."""
+    tl = sys.modules.get("triton.language")
+    return tl is not None and type(tl.zeros).__name__ != "InterpretedFunction"
+
+
+def print_results(results: list, device: str, large: bool, seconds: float) -> None:
+    bounds = sorted({r.bound for r in results if r.bound})
+    label = {b: f"B{i + 1}" for i, b in enumerate(bounds)}
+
+    def note(r) -> str:
+        if r.status == "skip":
+            return r.detail
+        if r.bound:
+            used = f"{100 * r.bound_used:.0f}% of " if r.bound_used is not None else ""
+            return f"{used}bound {label[r.bound]}"
+        return ""
+
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:  # plain text when rich is missing
+        for r in results:
+            print(f"{r.status:5}  {r.level:17}  {r.elements:>10}  {r.seconds:7.2f}s  {r.name}  {note(r)}")
+    else:
+        probe = Console()
+        console = Console(width=probe.width if probe.is_terminal else 140)
+        table = Table(title=f"conformance on {device} ({'large' if large else 'small'} shapes)")
+        for col, kw in [("case", {"no_wrap": True}), ("level", {}), ("elements", {"justify": "right"}),
+                        ("result", {}), ("time", {"justify": "right"}), ("note", {})]:
+            table.add_column(col, **kw)
+        style = {"pass": "green", "FAIL": "bold red", "error": "bold red", "skip": "yellow"}
+        for r in results:
+            table.add_row(r.name, r.level, f"{r.elements:,}", f"[{style[r.status]}]{r.status}[/]",
+                          f"{r.seconds:.2f}s", note(r))
+        console.print(table)
+    for b in bounds:
+        print(f"bound {label[b]}: {b}")
+    for r in results:
+        if r.failed:
+            print(f"\n{r.status}: {r.name} ({r.level})\n  {r.detail}")
+    counts = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "error", "skip")}
+    print(f"\n{counts['pass']} passed, {counts['FAIL']} failed, {counts['error']} errors, "
+          f"{counts['skip']} skipped in {seconds:.1f}s")
+
+
+def write_json(path: Path, results: list, device: str, large: bool, seed: int, seconds: float) -> None:
+    from experiments.setup_info import commit, machine
+
+    info = machine()
+    try:
+        import torch
+
+        if device == "cuda":
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:  # pragma: no cover
+        pass
+    doc = {
+        "device": device, "large": large, "seed": seed, "seconds": seconds,
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit(), "machine": info,
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "passed": all(not r.failed for r in results), "cases": [r.to_json() for r in results],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        device = choose_device(args.device)
+    except UsageError as e:
+        print(f"python -m conformance: {e}", file=sys.stderr)
+        return 2
+    large = (device == "cuda") if args.large is None else args.large
+
+    import torch
+
+    from conformance.registry import load_cases
+    from conformance.runner import run_cases, select
+
+    cases = select(load_cases(), args.patterns, large)
+    if not cases:
+        print(f"no conformance case matches {args.patterns}", file=sys.stderr)
+        return 2
+    if args.list:
+        for c in cases:
+            print(f"{c.name:50} {c.level.value:18} {c.bound.text if c.bound else ''}")
+        return 0
+    start = time.perf_counter()
+    results = run_cases(cases, torch.device(device), large, args.seed,
+                        on_result=lambda r: print(f"  {r.status:5} {r.seconds:6.2f}s  {r.name}", flush=True))
+    seconds = time.perf_counter() - start
+    print_results(results, device, large, seconds)
+    if args.json:
+        write_json(args.json, results, device, large, args.seed, seconds)
+    return 1 if any(r.failed for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

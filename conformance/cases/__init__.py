@@ -1,0 +1,1 @@
+"""Conformance case modules. Each module here registers its cases when imported (see registry.py)."""

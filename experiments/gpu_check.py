@@ -1,0 +1,95 @@
+"""One command for a GPU session: the conformance suite natively on CUDA (large shapes), then the benchmark.
+
+Each step runs in its own process with its own time limit, so a failure in one still leaves the
+other's results. Writes experiments/results/conformance_cuda.json, gpu_bench.json and a summary
+gpu_check.json (GPU name, date, commit, pass/fail, the goals). Sized for one 10-minute call:
+conformance <= 240 s, benchmark <= 300 s (it stops starting new rows at ``--bench-budget``).
+
+``--tiny`` runs the same steps on the CPU under TRITON_INTERPRET=1 (a few conformance cases, the
+benchmark's tiny shapes) and writes to a temporary folder: a smoke test that the script works,
+not a GPU measurement.
+
+    python -m experiments.gpu_check [--tiny] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO = RESULTS.parent.parent
+
+
+def step(name: str, cmd: list[str], timeout: float, env: dict[str, str]) -> dict[str, object]:
+    """Run one step; return its exit code, time and the tail of its output."""
+    print(f"== {name}: {' '.join(cmd)}", flush=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True)
+        rc, output = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        partial = e.stdout or b""
+        rc, output = "timeout", partial.decode(errors="replace") if isinstance(partial, bytes) else str(partial)
+    print(output[-6000:], flush=True)
+    return {"cmd": cmd, "rc": rc, "seconds": time.perf_counter() - start, "tail": output[-3000:]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="CPU smoke test under the interpreter")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default experiments/results; "
+                   "a temporary folder with --tiny)")
+    p.add_argument("--conformance-timeout", type=float, default=240)
+    p.add_argument("--bench-timeout", type=float, default=300)
+    p.add_argument("--bench-budget", type=float, default=240)
+    args = p.parse_args(argv)
+    out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_check_")) if args.tiny else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    py = sys.executable
+    if args.tiny:
+        env["TRITON_INTERPRET"] = "1"
+        conf = [py, "-m", "conformance", "--device", "cpu", "-k", "bf16.", "-k", "codec.palette_decode.random",
+                "-k", "matmul.fused_vs_plain.synthetic_96x320.b1", "--json", str(out / "conformance_cpu.json")]
+        bench = [py, "-m", "experiments.gpu_bench", "--tiny", "--json", str(out / "gpu_bench_tiny.json")]
+    else:
+        env.pop("TRITON_INTERPRET", None)
+        conf = [py, "-m", "conformance", "--device", "cuda", "--large", "--json", str(out / "conformance_cuda.json")]
+        bench = [py, "-m", "experiments.gpu_bench", "--budget", str(args.bench_budget),
+                 "--json", str(out / "gpu_bench.json")]
+    summary: dict[str, object] = {"tiny": args.tiny, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    sys.path.insert(0, str(REPO))
+    from experiments.setup_info import commit, machine
+
+    summary.update({"commit": commit(), "machine": machine()})
+    try:
+        import torch
+
+        summary["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        summary["gpu"] = None
+    summary["conformance"] = step("conformance", conf, args.conformance_timeout, env)
+    summary["benchmark"] = step("benchmark", bench, args.bench_timeout, env)
+    for key, name in (("conformance", "conformance_cpu.json" if args.tiny else "conformance_cuda.json"),
+                      ("benchmark", "gpu_bench_tiny.json" if args.tiny else "gpu_bench.json")):
+        path = out / name
+        if path.exists():
+            doc = json.loads(path.read_text())
+            summary[key]["result_file"] = str(path)
+            summary[key]["passed" if key == "conformance" else "goals"] = doc.get("passed" if key == "conformance"
+                                                                                  else "goals")
+    (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {out / 'gpu_check.json'}")
+    ok = summary["conformance"]["rc"] == 0 and summary["benchmark"]["rc"] == 0
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""U4: decompression on-chip, fused into the matmul; lossless; speed against the bf16 matmul.
+
+What runs without a GPU (the quick run, on CPU): every MiniLM weight matrix goes through the fast
+path a serving process would take: the torch encoder (Huffman form, byte-identical to the reference
+encoder is checked by the conformance suite), the Huffman -> palette transcode (plain torch), then
+the Triton palette decoder (under TRITON_INTERPRET=1) and, for a few matrices, the fused
+palette-decode matmul against the same Triton kernel on the decoded weights. Counted: weights that
+come back bit-exact, bits per weight of each form, fused results equal bit for bit.
+
+The speed claim needs a Hopper GPU: ``python -m experiments.gpu_check`` writes
+experiments/results/gpu_bench.json; this experiment reports it when present (the verdict on speed
+stays "not measured" otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from experiments.registry import RESULTS_DIR, Context, Experiment, Result
+from experiments.u1_entropy import to_bf16_bits
+from reference.model.names import MLP_KINDS, tensor_kind
+from reference.model.weights import open_weights
+
+ARTICLE = {"slowdown_vs_bf16_h100": "30-40% lower throughput than bf16 (public Unweight kernels)",
+           "memory_bound_limit": "16/12 = 1.33x faster than bf16 at batch 1", "lossless": True}
+
+
+def lossless(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    import fast  # noqa: F401  (without CUDA this switches Triton's interpreter on, before triton is imported)
+    from fast.bf16 import from_numpy_bits
+    from fast.codec.encode import encode
+    from fast.codec.matmul import MatmulConfig, fused_matmul, matmul
+    from fast.codec.palette_decode import decode_palette
+    from fast.codec.torch_ops import transcode_torch
+
+    source = open_weights("minilm")
+    rows, fused = [], []
+    names = [n for n in source.names() if source.dtype(n) == "F32" and len(source.get(n).shape) == 2
+             and source.get(n).size >= 4096]
+    for name in ctx.track(names, "U4: encode, transcode, decode (Triton, interpreter)"):
+        bits = to_bf16_bits(source.get(name), source.dtype(name))
+        w = from_numpy_bits(bits)
+        hform = encode(w)
+        pform = transcode_torch(hform)
+        decoded = decode_palette(pform)
+        exact = torch.equal(decoded.view(torch.int16), w.view(torch.int16))
+        rows.append({"name": name, "kind": tensor_kind(name), "shape": list(bits.shape), "n": int(bits.size),
+                     "bit_exact": bool(exact), "huffman_bits_per_weight": 8 * hform.nbytes() / bits.size,
+                     "palette_bits_per_weight": 8 * pform.nbytes() / bits.size,
+                     "verbatim_chunks": int(pform.vchunks.numel())})
+        if tensor_kind(name) in MLP_KINDS and len(fused) < (6 if ctx.full else 2):
+            x = torch.randn(3, bits.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+            cfg = MatmulConfig(16, 64, 64, 2)
+            same = torch.equal(fused_matmul(x, pform, config=cfg).view(torch.int16),
+                               matmul(x, decoded, config=cfg).view(torch.int16))
+            fused.append({"name": name, "batch": 3, "fused_equals_plain_on_decoded": bool(same)})
+    return {"tensors": rows, "fused": fused}
+
+
+def gpu_results() -> dict[str, Any] | None:
+    path = RESULTS_DIR / "gpu_bench.json"
+    if not path.exists():
+        return None
+    doc = json.loads(path.read_text())
+    return None if doc.get("tiny") else doc
+
+
+def run(ctx: Context) -> Result:
+    measured = lossless(ctx)
+    rows = measured["tensors"]
+    n = sum(r["n"] for r in rows)
+    all_exact = all(r["bit_exact"] for r in rows) and all(f["fused_equals_plain_on_decoded"] for f in measured["fused"])
+    pal = sum(r["palette_bits_per_weight"] * r["n"] for r in rows) / n
+    huf = sum(r["huffman_bits_per_weight"] * r["n"] for r in rows) / n
+    gpu = gpu_results()
+    measured["gpu"] = gpu
+    lossless_text = (f"{len(rows)} MiniLM matrices ({n / 1e6:.1f} M weights) decode bit-exact: "
+                     f"{'yes' if all_exact else 'NO'}; palette form {pal:.2f} bits/weight, Huffman {huf:.2f}")
+    if gpu is None:
+        summary = f"lossless on CPU ({pal:.2f} bits/weight in palette form); speed not measured (no GPU run)"
+        verdict = "partly measured"
+        why = (lossless_text + ". The speed claim needs a Hopper GPU: run `python -m experiments.gpu_check` there; "
+               "its results (experiments/results/gpu_bench.json) are picked up here.")
+    else:
+        goals = gpu["goals"]
+        b1 = goals.get("fused_b1_speedup_vs_cublas")
+        summary = (f"{gpu['device']}: fused at batch 1 = {b1:.2f}x cuBLAS bf16; palette decode "
+                   f"{goals['palette_decode_TBps']:.2f} TB/s; lossless")
+        verdict = "measured"
+        why = lossless_text + f". GPU numbers from {gpu.get('date')} at commit {gpu.get('commit')}."
+    figure = plot(rows, gpu, ctx)
+    return Result(
+        measured=measured, summary=summary, verdict=verdict, why=why, figures=[figure],
+        setup={"weights": "minilm (every 2-D float tensor with >= 4096 weights, cast to bf16 with RNE)",
+               "kernels": "Triton under TRITON_INTERPRET=1 on CPU; natively on a GPU via experiments/gpu_check.py"},
+        article=ARTICLE,
+    )
+
+
+def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, ctx: Context) -> str:
+    """Bits per weight of each form per matrix; with GPU results, fused / cuBLAS speed by batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if gpu else 1, figsize=(13 if gpu else 7, 3.8), squeeze=False)
+    ax = axes[0][0]
+    idx = range(len(rows))
+    ax.axhline(16, color="k", lw=0.8, ls="--", label="bf16")
+    ax.plot(idx, [r["palette_bits_per_weight"] for r in rows], "o", ms=3, label="palette form (inference)")
+    ax.plot(idx, [r["huffman_bits_per_weight"] for r in rows], "s", ms=3, label="Huffman form (storage)")
+    ax.set_xlabel("MiniLM weight matrix (file order)")
+    ax.set_ylabel("bits per weight")
+    ax.set_ylim(0, 17)
+    ax.set_title("U4: every matrix decodes bit-exact; size of each form", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    if gpu:
+        ax = axes[0][1]
+        for shape in sorted({tuple(r["shape"]) for r in gpu["matmul"]}):
+            pts = [(r["batch"], r["fused_speedup_vs_cublas"]) for r in gpu["matmul"] if tuple(r["shape"]) == shape]
+            ax.plot(*zip(*pts, strict=True), "o-", label=f"W {shape[0]}x{shape[1]}")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--", label="cuBLAS bf16")
+        ax.axhline(16 / 12, color="g", lw=0.8, ls=":", label="memory-bound limit 16/12")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch")
+        ax.set_ylabel("fused speed / cuBLAS speed")
+        ax.set_title(f"{gpu['device']}", fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    ctx.results_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(ctx.results_dir / "U4.png", dpi=110)
+    plt.close(fig)
+    return "U4.png"
+
+
+EXPERIMENT = Experiment(claim="U4", title="On-chip decode fused into the matmul: lossless, and its speed",
+                        run=run, quick_minutes=1.0)

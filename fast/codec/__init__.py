@@ -1,0 +1,51 @@
+"""Unweight in torch + Triton: the kernels that decode the format of reference/codec/FORMAT.md.
+
+Public API (bf16 tensors are torch.bfloat16; forms are ``fast.codec.forms.HuffmanForm`` / ``PaletteForm``;
+``encode`` and ``matmul`` are imported from their modules, ``fast.codec.encode`` and ``fast.codec.matmul``)::
+
+    encode(x, chunk_size=64, chunks_per_group=32, palette_size=16, max_code_length=12,
+           with_palette_form=False)          torch encoder, CPU or GPU; byte-identical to reference.codec.encode
+    decode_huffman(hform) -> bf16            Triton: Huffman form -> bf16, one lane per group
+    transcode(hform) -> PaletteForm          Triton: Huffman form -> palette form (done once at load)
+    decode_palette(pform) -> bf16            Triton: palette form -> bf16, tiles with verbatim patching
+    fused_matmul(x, pform, bias=None, config=None)   Triton: y = x @ W.T, W decoded tile by tile in registers
+    matmul(x, w, bias=None, config=None)     the same kernel on plain bf16 weights (the same-kernel twin)
+    UnweightLinear(pform, bias)              nn.Linear drop-in: fused kernel for small batches, decode +
+                                             F.linear (cuBLAS) above ``fused_max_rows``; .from_container(),
+                                             .from_huffman(), .from_linear()
+    transcode_torch(hform), decode_palette_torch(pform)   plain-torch versions (CPU fallback)
+    huffman_from_reference(ct), palette_from_reference(pt), huffman_to_reference(hform)   adapters
+
+Conformance levels (``python -m conformance``): encode, decode_huffman, transcode, decode_palette and
+the torch versions are bit-exact against the reference and the original tensor; fused_matmul is
+same-kernel exact against ``matmul`` on the decoded weights (same config), and bounded against a
+float64 product: |y - y64| <= 2^-8 |y64| + (K + 1) 2^-23 (|x| @ |W|^T + |b|).
+
+What the format costs a kernel (notes for whoever changes FORMAT.md):
+
+* Huffman form: decoding is sequential within a group (up to 64 Ki weights, 2,048 by default), so
+  the parallelism is one lane per group and a lane's stores are a group apart (no coalescing).
+  Decoding is a load-time step (transcode); inference reads the palette form.
+* The 2-word peek of FORMAT.md 3.4 is done with one 64-bit load from a derived array of
+  overlapping word pairs (built on the fly, 2x the stream's size) instead of two 32-bit loads.
+* Palette form: a weight's 12 bits live in two arrays (nibble in ``idx``, byte in ``sm``): two load
+  streams per tile, and each nibble's byte is loaded for both of its columns (adjacent addresses,
+  the same cache sectors). The palette lookup is a gather from a 16-byte table.
+* Verbatim chunks are rare, but every tile must know whether it holds one: each row carries a
+  pointer into its (sorted) verbatim chunks, so a tile costs one gathered load per row when it has
+  none. Chunks never straddle rows, which keeps this per-row walk simple.
+"""
+
+from fast.codec.convert import huffman_from_reference, huffman_to_reference, palette_from_reference
+from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
+from fast.codec.huffman_decode import decode_huffman, transcode
+from fast.codec.linear import UnweightLinear
+from fast.codec.matmul import MatmulConfig, fused_matmul
+from fast.codec.palette_decode import decode_palette
+from fast.codec.torch_ops import decode_palette_torch, transcode_torch
+
+__all__ = [
+    "Geometry", "HuffmanForm", "MatmulConfig", "PaletteForm", "UnweightLinear", "decode_huffman", "decode_palette",
+    "decode_palette_torch", "fused_matmul", "huffman_from_reference", "huffman_to_reference",
+    "palette_from_reference", "transcode", "transcode_torch",
+]

@@ -1,0 +1,279 @@
+"""A vectorised torch encoder: bf16 tensor -> Huffman form (and palette form), on CPU or GPU.
+
+It produces, byte for byte, what the reference encoder produces (FORMAT.md sections 2 and 3),
+but in a handful of whole-tensor passes instead of loops:
+
+1. split each bf16 into its exponent and sign/mantissa bytes (int16 arithmetic);
+2. histogram the exponents and pick the palette; give every weight a 4-bit symbol. When the
+   palette is 16 consecutive exponents (the usual case in trained weights) the symbol is simply
+   ``exponent - smallest`` and an exponent outside the palette shows as a value >= 16; otherwise a
+   256-entry table maps exponents to palette indices (255 = none). The tables of step 4 are
+   indexed by these stored symbols, so both cases share the rest;
+3. a chunk is verbatim iff one of its symbols is >= 16: viewed as int64, eight symbols are tested at
+   once against 0xF0F0...F0;
+4. four consecutive symbols form a 16-bit "quad" index; one lookup in a 65,536-entry table gives the
+   four concatenated codes (left-aligned in an int64) and their total length. A verbatim chunk's
+   quads get length 0: nothing is removed, so the stream needs no compaction;
+5. an inclusive prefix sum of the quad lengths gives every quad's bit position: its code goes into
+   one or two 64-bit words (``index_add_``: the bits never overlap, so adding is OR).
+
+Group offsets are read off the same prefix sum at each group's first quad. Tensors whose chunk
+lengths are not multiples of 4 (or palettes of more than 16 entries) use single symbols instead of
+quads; rows whose length is not a multiple of chunk_size are gathered chunk by chunk first.
+torch's elementwise ops are used with care: ``torch.where``, ``clamp_max`` and boolean-mask
+indexing are several times slower on CPU than shifts, masks and ``index_select``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+
+from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
+from fast.errors import KernelInputError
+from reference.codec.huffman import canonical_codes, code_lengths
+
+NONE = 255  # "not in the palette" in the table-mapped symbols (palettes of up to 255 entries)
+HIGH_NIBBLES = -0x0F0F0F0F0F0F0F10  # 0xF0F0F0F0F0F0F0F0 as int64: any of 8 packed symbols >= 16
+_LOW_MASK = torch.tensor([-1] + [(1 << (64 - o)) - 1 for o in range(1, 64)], dtype=torch.int64)
+
+
+def split_bytes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exponent, sign/mantissa) uint8 tensors of a bf16 tensor, flat, C order."""
+    b = x.reshape(-1).view(torch.int16)
+    exponent = (b >> 7).to(torch.uint8)  # the cast keeps the low 8 bits: bits 7..14 of b
+    s = b & -32641  # 0x807F as int16: the sign and mantissa bits
+    sm = (s | (s >> 8)).to(torch.uint8)  # the arithmetic shift moves the sign bit into bit 7
+    return exponent, sm
+
+
+def choose_palette(counts: np.ndarray, palette_size: int) -> list[int]:
+    """The most frequent exponent values that occur, by count descending then value ascending."""
+    used = np.flatnonzero(counts)
+    order = used[np.lexsort((used, -counts[used]))]
+    return [int(v) for v in order[:palette_size]]
+
+
+def _check_input(x: torch.Tensor, chunk_size: int, chunks_per_group: int, palette_size: int,
+                 max_code_length: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise KernelInputError(f"encode: expected a torch.bfloat16 tensor, got {got}")
+    if not 1 <= chunk_size <= 4096 or not 1 <= chunks_per_group <= 65536 or chunk_size * chunks_per_group > 65536:
+        raise KernelInputError(f"encode: chunk_size must be 1..4096 and chunks_per_group 1..65536 with at most "
+                               f"65536 weights per group, got {chunk_size}, {chunks_per_group}")
+    if not 1 <= palette_size <= 256 or not 1 <= max_code_length <= 16:
+        raise KernelInputError(f"encode: palette_size must be 1..256 and max_code_length 1..16, "
+                               f"got {palette_size}, {max_code_length}")
+
+
+def _chunk_matrix(values: torch.Tensor, g: Geometry, fill: int) -> torch.Tensor:
+    """Per-weight values as a [n_chunks, chunk_size] matrix (a view when the rows are aligned)."""
+    if g.cols % g.chunk_size == 0:
+        return values.view(g.n_chunks, g.chunk_size)
+    padded = torch.full((g.rows, g.chunks_per_row * g.chunk_size), fill, dtype=values.dtype, device=values.device)
+    padded[:, : g.cols] = values.view(g.rows, g.cols)
+    return padded.view(g.n_chunks, g.chunk_size)
+
+
+def _chunk_lengths(g: Geometry, device: torch.device) -> torch.Tensor:
+    """int64 [n_chunks]: weights in each chunk (chunk_size, less for a row's short last chunk)."""
+    lengths = torch.full((g.rows, g.chunks_per_row), g.chunk_size, dtype=torch.int64, device=device)
+    if g.chunks_per_row:
+        lengths[:, -1] = g.cols - (g.chunks_per_row - 1) * g.chunk_size
+    return lengths.reshape(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _unit_tables(codes: tuple[int, ...], lengths: tuple[int, ...], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Code (left-aligned in an int64) and length of every k-tuple (k = 1 or 4) of stored symbols.
+
+    ``codes[j]``/``lengths[j]`` belong to stored symbol j (length 0 = never coded). For k = 4 the
+    first symbol sits in the lowest nibble of the 16-bit tuple index; for k = 1 the index is the symbol.
+    """
+    bits = 8 if k == 1 else 4
+    c = np.zeros(1 << bits, np.int64)
+    ln = np.zeros(1 << bits, np.int64)
+    c[: len(codes)], ln[: len(lengths)] = codes, lengths
+    if k == 4:  # pairs (index s0 | s1 << 4), then quads (pair0 | pair1 << 8)
+        s0, s1 = np.arange(256) & 15, np.arange(256) >> 4
+        pc, pl = (c[s0] << ln[s1]) | c[s1], ln[s0] + ln[s1]
+        p0, p1 = np.arange(65536) & 255, np.arange(65536) >> 8
+        c, ln = (pc[p0] << pl[p1]) | pc[p1], pl[p0] + pl[p1]
+    left = (c.astype(np.uint64) << (64 - ln).astype(np.uint64)) * (ln > 0)  # top `length` bits hold the code
+    return left.view(np.int64), ln
+
+
+def _units(sym: torch.Tensor, k: int, code_t: torch.Tensor, len_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(left-aligned code, length) of each run of k symbols (k = 4: four nibbles -> one 16-bit index)."""
+    if k == 4:  # four symbols (< 16) are the bytes of one int32; s0 goes to the low nibble
+        quads = sym.contiguous().view(torch.int32)
+        unit = (quads & 0xF) | ((quads >> 4) & 0xF0) | ((quads >> 8) & 0xF00) | ((quads >> 12) & 0xF000)
+    else:
+        unit = sym.to(torch.int32)
+    return code_t.index_select(0, unit), len_t.index_select(0, unit)
+
+
+def _pack_into(words: torch.Tensor, code: torch.Tensor, length: torch.Tensor, first_bit: int) -> torch.Tensor:
+    """OR consecutive left-aligned codes into 64-bit words (MSB first) from bit ``first_bit`` on.
+
+    A code starting at bit o of word w puts ``code >>> o`` (an arithmetic shift, then a mask) into
+    word w and ``code << (64 - o)`` into word w + 1 (0 unless the code crosses the word boundary).
+    Returns each code's starting bit.
+    """
+    ends = torch.cumsum(length, 0) + first_bit
+    starts = ends - length
+    if starts.numel():
+        w = starts >> 6
+        o = starts & 63
+        high = (code >> o) & _LOW_MASK.to(words.device).index_select(0, o)
+        low = (code << (63 - o)) << 1  # two shifts: a shift by 64 is undefined
+        words.index_add_(0, w, high)  # bits never overlap: adding is OR (and wraps like uint64)
+        words.index_add_(0, w + 1, low)
+    return starts
+
+
+def _words32(words: torch.Tensor, total: int) -> torch.Tensor:
+    """64-bit words, MSB first -> the format's 32-bit words, MSB first ([high half, low half]), trimmed."""
+    return words.view(torch.int32).view(-1, 2).flip(1).reshape(-1)[: (total + 31) // 32 + 1].contiguous()
+
+
+BLOCK_WEIGHTS = 1 << 19  # per-weight work runs in blocks of about this many weights (cache-sized temporaries)
+
+
+def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, palette_size: int = 16,
+           max_code_length: int = 12, *,
+           with_palette_form: bool = False) -> HuffmanForm | tuple[HuffmanForm, PaletteForm]:
+    """Compress a bf16 tensor into the Huffman form (FORMAT.md), identical to the reference encoder's output.
+
+    With ``with_palette_form=True`` also returns the palette form. When the rows are whole chunks, the
+    per-weight passes run block by block (whole groups per block), so temporaries stay in cache.
+    """
+    _check_input(x, chunk_size, chunks_per_group, palette_size, max_code_length)
+    device = x.device
+    g = Geometry(tuple(x.shape), chunk_size, chunks_per_group)
+    bits = x.contiguous().reshape(-1).view(torch.int16) if g.n else torch.zeros(0, dtype=torch.int16, device=device)
+    aligned = g.cols % chunk_size == 0
+    group_weights = chunks_per_group * chunk_size
+    block = max(1, BLOCK_WEIGHTS // group_weights) * group_weights if aligned else max(g.n, 1)
+    blocks = [(s, min(s + block, g.n)) for s in range(0, g.n, block)]
+
+    # pass 1: the exponent histogram and the sm bytes
+    sm = torch.empty(g.n, dtype=torch.uint8, device=device)
+    counts_t = torch.zeros(256, dtype=torch.int64, device=device)
+    for s0, s1 in blocks:
+        exponent, sm[s0:s1] = split_bytes(bits[s0:s1])
+        counts_t += torch.bincount(exponent, minlength=256)
+    counts = counts_t.cpu().numpy()
+    palette = choose_palette(counts, palette_size)
+    p = len(palette)
+    symbol_of = np.full(256, NONE, np.int64)  # exponent -> palette index
+    symbol_of[palette] = np.arange(p)
+
+    # stored symbols: exponent - base for a palette of 16 consecutive exponents, else the palette index
+    base = min(palette) if p == 16 and max(palette) - min(palette) == 15 else None
+    if base is not None:
+        palette_index_of = np.append(symbol_of[base: base + 16], [NONE] * 240)  # stored symbol -> palette index
+    else:
+        palette_index_of = np.arange(256)
+    symbol_table = torch.from_numpy(symbol_of.astype(np.uint8)).to(device)
+
+    def stored(s0: int, s1: int) -> torch.Tensor:
+        exponent = (bits[s0:s1] >> 7).to(torch.uint8)
+        if base is not None:
+            return exponent - base  # uint8 arithmetic wraps: exponents outside the palette become >= 16
+        return symbol_table.index_select(0, exponent.to(torch.int32))
+
+    # pass 2: verbatim chunks, those holding an exponent outside the palette (none if it covers all)
+    vchunks = torch.zeros(0, dtype=torch.int64, device=device)
+    if counts.sum() > counts[palette].sum():
+        found = []
+        for s0, s1 in blocks:
+            chunks = _chunk_matrix(stored(s0, s1), Geometry((s1 - s0,) if aligned else g.shape, chunk_size), 0) \
+                if aligned else _chunk_matrix(stored(s0, s1), g, fill=0)
+            if p <= 16 and chunk_size % 8 == 0:  # 8 stored symbols per int64: is any >= 16?
+                is_verbatim = ((chunks.view(torch.int64) & HIGH_NIBBLES) != 0).any(dim=1)
+            else:
+                is_verbatim = chunks.amax(dim=1) >= (16 if p <= 16 else NONE)
+            found.append(torch.nonzero(is_verbatim).flatten() + s0 // chunk_size)
+        vchunks = torch.cat(found)
+    v = vchunks.numel()
+    if v:
+        vexp = _chunk_matrix((bits >> 7).to(torch.uint8), g, fill=0).index_select(0, vchunks).contiguous() \
+            if not aligned else (bits.view(g.n_chunks, chunk_size).index_select(0, vchunks) >> 7).to(torch.uint8)
+    else:
+        vexp = torch.zeros((0, chunk_size), dtype=torch.uint8, device=device)
+
+    # code lengths from the symbol counts over coded chunks (all counts less those in verbatim chunks)
+    sym_counts = counts[palette] if p else np.zeros(0, np.int64)
+    if v:
+        in_v = torch.bincount(vexp.reshape(-1), minlength=256).cpu().numpy()
+        if not aligned:  # the zero tails of short verbatim chunks are not weights
+            in_v[0] -= (chunk_size - g.cols % chunk_size) * int((vchunks % g.chunks_per_row
+                                                                 == g.chunks_per_row - 1).sum())
+        sym_counts = sym_counts - in_v[palette]
+    lengths = code_lengths(sym_counts, max_code_length) if p else []
+    codes = canonical_codes(lengths) if p else []
+    stream_bits = int(np.dot(np.asarray(sym_counts, np.int64), np.asarray(lengths, np.int64))) if p else 0
+    if stream_bits >= 1 << 32:
+        raise KernelInputError(f"encode: the stream of {stream_bits} bits exceeds the format's 2^32 - 1 limit")
+
+    # pass 3: the coded symbols in stream order, k at a time, as (code, length) units, packed
+    short = g.cols % chunk_size
+    k = 4 if (p <= 16 and chunk_size % 4 == 0 and short % 4 == 0) else 1
+    in_palette = [palette_index_of[j] < p for j in range(16 if k == 4 else 256)]
+    code_t, len_t = (torch.from_numpy(t).to(device) for t in _unit_tables(
+        tuple(codes[palette_index_of[j]] if ok else 0 for j, ok in enumerate(in_palette)),
+        tuple(lengths[palette_index_of[j]] if ok else 0 for j, ok in enumerate(in_palette)), k))
+    words = torch.zeros(stream_bits // 64 + 2, dtype=torch.int64, device=device)
+    group_starts, position = [], 0
+    for s0, s1 in blocks:
+        if aligned:  # all chunks in order; a verbatim chunk's units get length 0
+            unit_code, unit_len = _units(stored(s0, s1), k, code_t, len_t)
+            units_per_chunk = chunk_size // k
+            c0, c1 = s0 // chunk_size, s1 // chunk_size
+            local = vchunks[torch.searchsorted(vchunks, c0): torch.searchsorted(vchunks, c1)] - c0 if v else vchunks
+            if local.numel():
+                unit_len.view(-1, units_per_chunk)[local] = 0
+                unit_code.view(-1, units_per_chunk)[local] = 0
+            group_first = torch.arange(0, unit_len.numel(), chunks_per_group * units_per_chunk, device=device)
+        else:  # short chunks (one block): gather the real, coded weights' symbols first
+            keep = torch.arange(chunk_size, device=device)[None, :] < _chunk_lengths(g, device)[:, None]
+            keep[vchunks] = False
+            unit_code, unit_len = _units(_chunk_matrix(stored(s0, s1), g, fill=0)[keep], k, code_t, len_t)
+            units = torch.sum(keep, dim=1) // k
+            group_first = (torch.cumsum(units, 0) - units)[::chunks_per_group]
+        starts = _pack_into(words, unit_code, unit_len, position)
+        position += int(unit_len.sum())
+        group_starts.append(torch.cat([starts, torch.tensor([position], device=device)])[group_first])
+    offsets = torch.cat([*group_starts, torch.tensor([stream_bits], dtype=torch.int64, device=device)])
+
+    form = HuffmanForm(g, max_code_length, palette, lengths, sm, _words32(words, stream_bits), stream_bits,
+                       offsets, vchunks, vexp)
+    if not with_palette_form:
+        return form
+    sym = symbol_table.index_select(0, (bits >> 7).to(torch.uint8).to(torch.int32))
+    return form, palette_form_from_symbols(g, palette, sym, sm, vchunks, vexp)
+
+
+def palette_form_from_symbols(g: Geometry, palette: list[int], sym: torch.Tensor, sm: torch.Tensor,
+                              vchunks: torch.Tensor, vexp: torch.Tensor) -> PaletteForm:
+    """Assemble the palette form from per-weight palette indices (any value in verbatim chunks)."""
+    device = sm.device
+    if len(palette) > 16:
+        raise KernelInputError(f"the palette form needs a palette of at most 16 entries, this one has {len(palette)}")
+    nib = sym.view(g.rows, g.cols).clone() if g.n else torch.zeros((g.rows, g.cols), dtype=torch.uint8, device=device)
+    if vchunks.numel():  # verbatim weights get nibble 0
+        nib_chunks = _chunk_matrix(nib.reshape(-1), g, fill=0)  # a view of nib when the rows are aligned
+        nib_chunks[vchunks] = 0
+        if g.cols % g.chunk_size:
+            nib = nib_chunks.view(g.rows, -1)[:, : g.cols]
+    if g.cols % 2:
+        nib = torch.cat([nib, torch.zeros((g.rows, 1), dtype=torch.uint8, device=device)], dim=1)
+    idx = (nib[:, 0::2] | (nib[:, 1::2] << 4)).contiguous()
+    pal = torch.zeros(16, dtype=torch.uint8, device=device)
+    pal[: len(palette)] = torch.tensor(palette, dtype=torch.uint8)
+    row_vstart = torch.searchsorted(vchunks, torch.arange(g.rows + 1, device=device) * g.chunks_per_row)
+    return PaletteForm(g, pal, idx, sm.view(g.rows, g.cols), vchunks, vexp, row_vstart, n_palette=len(palette))

@@ -1,0 +1,106 @@
+"""Mutation checks: a deliberately broken kernel must make the suite fail, with a readable message.
+
+Each test swaps a correct kernel for a broken copy (a wrong bit shift, a wrong mask) and runs the
+real conformance CLI in-process; it must exit 1 and print the first differing element in hex.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+import fast  # noqa: F401  (switches the Triton interpreter on when there is no GPU)
+from conformance.__main__ import main
+from fast import bf16
+
+
+@triton.jit
+def _broken_round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    bits = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.uint32, bitcast=True)
+    lsb = (bits >> 15) & 1  # the mutation: the lowest kept bit is bit 16, not 15 (only ties notice)
+    rounded = (bits + 0x7FFF + lsb) >> 16
+    tl.store(out_ptr + offs, rounded.to(tl.int16), mask=mask)
+
+
+def _broken_float32_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
+    _broken_round_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    return out.view(torch.bfloat16)
+
+
+def test_wrong_shift_in_rounding_fails_the_suite(monkeypatch, capsys):
+    monkeypatch.setattr(bf16, "float32_to_bf16", _broken_float32_to_bf16)
+    assert main(["--device", "cpu", "-k", "bf16.round_rne"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: bf16.round_rne.special (bit-exact)" in out
+    assert "first difference at index" in out and "fast 0x" in out and "vs reference 0x" in out
+
+
+def _mutant(module, old: str, new: str, tmp_path, monkeypatch):
+    """Import a copy of ``module`` with one textual change to its source (a mutation of its kernel)."""
+    import importlib.util
+    import inspect
+
+    source = inspect.getsource(module)
+    assert source.count(old) == 1, f"the mutation target {old!r} must occur once in {module.__name__}"
+    path = tmp_path / f"mutant_{module.__name__.replace('.', '_')}.py"
+    path.write_text(source.replace(old, new))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    mutant = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutant)
+    return mutant
+
+
+def test_wrong_exponent_shift_in_palette_decode_fails(monkeypatch, capsys, tmp_path):
+    from fast.codec import matmul, palette_decode
+
+    mutant = _mutant(palette_decode, "((s & 0x80) << 8) | (e << 7) | (s & 0x7F), vptr",
+                     "((s & 0x80) << 8) | (e << 6) | (s & 0x7F), vptr", tmp_path, monkeypatch)
+    monkeypatch.setattr(palette_decode, "decode_palette", mutant.decode_palette)
+    monkeypatch.setattr(matmul, "palette_tile", mutant.palette_tile)  # the fused kernel's tile loader
+    code = main(["--device", "cpu", "-k", "codec.palette_decode.random", "-k", "fused_vs_plain.many_exponents"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: codec.palette_decode.random (bit-exact)" in out
+    assert "FAIL: matmul.fused_vs_plain.many_exponents.b2 (same-kernel exact)" not in out  # both sides share it
+    assert "output vs reference decoder: first difference at index [0, 0]" in out
+
+
+def test_verbatim_patch_off_by_one_fails_the_fused_matmul(monkeypatch, capsys, tmp_path):
+    from fast.codec import matmul, palette_decode
+
+    mutant = _mutant(palette_decode, "(cols[None, :] < start[:, None] + CS)",
+                     "(cols[None, :] < start[:, None] + CS - 1)", tmp_path, monkeypatch)
+    monkeypatch.setattr(matmul, "palette_tile", mutant.palette_tile)  # only the fused kernel is broken
+    code = main(["--device", "cpu", "-k", "matmul.fused_vs_*.verbatim_rows*"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: matmul.fused_vs_plain.verbatim_rows.b3 (same-kernel exact)" in out
+    assert "FAIL: matmul.fused_vs_float64.verbatim_rows.b3 (bounded)" in out
+    assert "outside the bound at index" in out
+
+
+def test_wrong_window_in_huffman_decoder_fails(monkeypatch, capsys, tmp_path):
+    from fast.codec import huffman_decode
+
+    mutant = _mutant(huffman_decode, "(pos & 31).to(tl.uint64)", "(pos & 15).to(tl.uint64)", tmp_path, monkeypatch)
+    monkeypatch.setattr(huffman_decode, "decode_huffman", mutant.decode_huffman)
+    code = main(["--device", "cpu", "-k", "codec.huffman_decode.specials"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "error: codec.huffman_decode.specials" in out and "CodecError: corrupt Huffman stream" in out
+
+
+def test_write_past_the_end_is_caught_by_the_nan_guard(monkeypatch, capsys, tmp_path):
+    from fast.codec import palette_decode
+
+    mutant = _mutant(palette_decode, "bits.to(tl.int16), mask=mask)",
+                     "bits.to(tl.int16), mask=row_ok[:, None] & (cols < c_end + 1)[None, :])", tmp_path, monkeypatch)
+    monkeypatch.setattr(palette_decode, "decode_palette", mutant.decode_palette)
+    code = main(["--device", "cpu", "-k", "codec.palette_decode.specials"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "output guard cells around the output (must stay NaN 0x7fc1): first difference at index" in out
