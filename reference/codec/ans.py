@@ -176,8 +176,9 @@ def decode_lanes(
         need = new < STATE_LOW  # these lanes take the next words of their block's stream, in lane order
         taken = np.cumsum(need)  # over all k blocks' lanes: a block's own count is the rise across its lanes
         before = np.concatenate([[0], taken[lanes - 1 :: lanes]])
+        # a lane that reads nothing gets some word, unused; a read past the block's end is caught below
         word = np.take(words, ((pos[:k] - before[:-1] - 1)[:, None] + taken.reshape(k, lanes)).reshape(-1),
-                       mode="clip")  # a lane that reads nothing gets some word, unused; a read past the end is caught below
+                       mode="clip")
         pos[:k] += np.diff(before)
         x[:n] = np.where(need, (new << WORD_BITS) | word, new)
         buffer[t % TRANSPOSE_BLOCK, :n] = entry >> 16  # the value (the cast to uint16 drops f)

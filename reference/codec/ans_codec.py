@@ -91,9 +91,10 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
 def _encode_batch(models: list[dict[str, Any]], block_size: int, lanes: int, prob_bits: int,
                   mantissa_bits: int) -> list[RansTensor]:
     """The rANS coding of several modelled tensors in one lockstep pass, and their RansTensors."""
-    steps = -(-block_size // lanes)
     n_blocks = [len(m["block_table"]) for m in models]
-    symbols = np.zeros((sum(n_blocks), steps * lanes), np.int64)
+    longest = max((min(block_size, m["n"]) for m in models), default=0)
+    steps = -(-longest // lanes)  # a tensor smaller than a block needs fewer steps
+    symbols = np.zeros((sum(n_blocks), max(steps * lanes, block_size)), np.int64)
     freqs = np.zeros((sum(n_blocks), max(m["freqs"].shape[1] for m in models)), np.int64)
     lengths = np.zeros(sum(n_blocks), np.int64)
     b0 = 0
@@ -104,7 +105,8 @@ def _encode_batch(models: list[dict[str, Any]], block_size: int, lanes: int, pro
         freqs[b0 : b0 + nb, : m["freqs"].shape[1]] = m["freqs"][m["block_table"]]
         lengths[b0 : b0 + nb] = np.minimum(block_size, m["n"] - block_size * np.arange(nb))
         b0 += nb
-    words, per_block, states = encode_lanes(symbols.reshape(-1, steps, lanes), lengths, freqs, prob_bits)
+    words, per_block, states = encode_lanes(symbols[:, : steps * lanes].reshape(len(symbols), steps, lanes), lengths,
+                                            freqs, prob_bits)
     out, b0, w0 = [], 0, 0
     for m, nb in zip(models, n_blocks, strict=True):
         count = int(per_block[b0 : b0 + nb].sum())

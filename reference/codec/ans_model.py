@@ -108,7 +108,8 @@ def choose_alphabet(counts: np.ndarray, prob_bits: int, escape_bits: int, escape
     m = 1 << prob_bits
     if not escapes:
         if len(order) > m - 1:
-            raise CodecError(f"{len(order)} distinct values need more than the {m - 1} symbols of 2^prob_bits slots (an escape keeps one)")
+            raise CodecError(f"{len(order)} distinct values, but 2^prob_bits slots hold at most {m - 1} symbols "
+                             "(one is kept for the escape)")
         return [int(v) for v in order]
     n = float(counts.sum())
     if n == 0:
