@@ -3,6 +3,7 @@
 Each method returns, per tensor, the compressed size in bytes (every overhead counted), plus the
 total encode and decode seconds over all tensors, and it verifies that decoding gives the input
 back bit for bit (a method that does not round-trip is reported as an error, not measured).
+Encoding is timed once; decoding is the best of DECODE_REPEAT passes (the machine is shared).
 
 * ``unweight``: our codec (palette 16, chunks of 64, max code length 12), decoded as the container
   does (many tensors per lockstep pass);
@@ -17,11 +18,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from reference.codec import decode_many, encode
 from reference.codec.container import DECODE_BATCH
+
+DECODE_REPEAT = 3  # decode timings are the best of this many passes
 
 
 @dataclass
@@ -41,12 +45,22 @@ def run_unweight(tensors: list[np.ndarray], **params: int) -> MethodResult:
         j = i + 1
         while j < len(cts) and sum(c.layout.n for c in cts[i:j]) < DECODE_BATCH:
             j += 1
-        start = time.perf_counter()
-        out = decode_many(cts[i:j])
-        decode_s += time.perf_counter() - start
+        seconds, out = best_of(lambda b=cts[i:j]: decode_many(b))
+        decode_s += seconds
         ok &= all(np.array_equal(a, b) for a, b in zip(out, tensors[i:j], strict=True))
         i = j
     return MethodResult([c.nbytes for c in cts], encode_s, decode_s, ok)
+
+
+def best_of(fn: Callable[[], Any], repeat: int = DECODE_REPEAT) -> tuple[float, Any]:
+    """(seconds, result) of the fastest of ``repeat`` calls: the machine is shared, the best run is
+    the least disturbed one. Used for decoding, which is cheap next to encoding."""
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - start)
+    return best, result
 
 
 def run_bytes_codec(tensors: list[np.ndarray], compress: Callable[[bytes], bytes],
@@ -57,9 +71,8 @@ def run_bytes_codec(tensors: list[np.ndarray], compress: Callable[[bytes], bytes
         start = time.perf_counter()
         blob = compress(bytearray(raw))  # a copy: zipnn 0.5.4 rewrites its input buffer in place
         encode_s += time.perf_counter() - start
-        start = time.perf_counter()
-        back = decompress(blob)
-        decode_s += time.perf_counter() - start
+        seconds, back = best_of(lambda blob=blob: decompress(blob))
+        decode_s += seconds
         ok &= bytes(back) == raw
         sizes.append(len(blob))
     return MethodResult(sizes, encode_s, decode_s, ok)

@@ -27,6 +27,7 @@ from reference.codec import (
     Container,
     compress_checkpoint,
     decode,
+    decode_symbols,
     encode,
     from_palette,
     palette_to_bf16,
@@ -49,7 +50,7 @@ def check_tensor(name: str, bits: np.ndarray) -> dict[str, Any]:
     exps = exponent_field(bits.reshape(-1))
     counts = np.bincount(exps, minlength=256)
     in_palette = counts[list(ct.palette)].sum() / max(bits.size, 1)
-    symbol_counts = np.bincount(decode_symbol_counts(ct), minlength=len(ct.palette)) if ct.palette else np.zeros(0)
+    symbol_counts = np.bincount(decode_symbols([ct])[0], minlength=len(ct.palette)) if ct.palette else np.zeros(0)
     coded = int(symbol_counts.sum())
     chunk_weights = ct.layout.chunk_length(ct.vchunks.astype(np.int64)).sum()
     return {
@@ -67,12 +68,6 @@ def check_tensor(name: str, bits: np.ndarray) -> dict[str, Any]:
         "coded_symbol_entropy": shannon_entropy(symbol_counts),
         "ratio": 2 * bits.size / ct.nbytes,
     }
-
-
-def decode_symbol_counts(ct: CompressedTensor) -> np.ndarray:
-    from reference.codec import decode_symbols
-
-    return decode_symbols([ct])[0]
 
 
 def check_model(label: str, ctx: Context) -> dict[str, Any]:

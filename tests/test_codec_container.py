@@ -159,3 +159,27 @@ def test_minilm_through_the_container(tmp_path: Path) -> None:
             want = source.get(name)
             want = float32_to_bf16(want) if source.dtype(name) == "F32" else want
             assert np.array_equal(array, want), name
+
+
+def test_checkpoint_directory_of_shards(tmp_path: Path) -> None:
+    shards = tmp_path / "ckpt"
+    shards.mkdir()
+    names = list(TENSORS)
+    write_safetensors(shards / "a.safetensors", {n: TENSORS[n] for n in names[:4]}, dtypes=DTYPES)
+    write_safetensors(shards / "b.safetensors", {n: TENSORS[n] for n in names[4:]}, dtypes=DTYPES)
+    compress_checkpoint(shards, tmp_path / "c.safetensors", to_bf16=True)
+    with Container(tmp_path / "c.safetensors") as c:
+        assert sorted(c.names) == sorted(names)
+        assert np.array_equal(c.get("all_patterns"), TENSORS["all_patterns"])
+
+
+NOT_CONTAINERS = [b"", b"garbage", b"\xff" * 64, (16).to_bytes(8, "little") + b'{"a": 1}' + b" " * 8]
+
+
+@pytest.mark.parametrize("content", NOT_CONTAINERS)
+def test_not_a_container(tmp_path: Path, content: bytes) -> None:
+    (tmp_path / "x.safetensors").write_bytes(content)
+    with pytest.raises(CodecError):
+        Container(tmp_path / "x.safetensors")
+    with pytest.raises(CodecError):
+        compress_checkpoint(tmp_path / "missing.safetensors", tmp_path / "out.safetensors")

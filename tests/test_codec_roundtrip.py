@@ -125,3 +125,5 @@ def test_bad_inputs_raise_codec_error() -> None:
         encode(np.zeros(10, np.uint16), palette_size=32, max_code_length=4)
     with pytest.raises(CodecError):
         to_palette(encode(ALL_PATTERNS, palette_size=32))
+    with pytest.raises(CodecError):
+        encode(ALL_PATTERNS, chunk_size=4096, chunks_per_group=32)  # groups of more than 64 Ki weights

@@ -15,7 +15,14 @@ import numpy as np
 from reference.bf16 import sign_mantissa_byte
 from reference.codec.bitstream import pack_codes, read_groups
 from reference.codec.errors import CodecError
-from reference.codec.format import MAX_CHUNK_SIZE, MAX_CHUNKS_PER_GROUP, UINT32_LIMIT, CompressedTensor, crc32
+from reference.codec.format import (
+    MAX_CHUNK_SIZE,
+    MAX_CHUNKS_PER_GROUP,
+    MAX_GROUP_WEIGHTS,
+    UINT32_LIMIT,
+    CompressedTensor,
+    crc32,
+)
 from reference.codec.huffman import MAX_SUPPORTED_LENGTH, canonical_codes, code_lengths, decode_table
 from reference.codec.layout import Layout
 from reference.codec.palette import (
@@ -198,6 +205,8 @@ def _check_parameters(layout: Layout, palette_size: int, max_code_length: int) -
         raise CodecError(f"chunk_size must be 1..{MAX_CHUNK_SIZE}, got {layout.chunk_size}")
     if not 1 <= layout.chunks_per_group <= MAX_CHUNKS_PER_GROUP:
         raise CodecError(f"chunks_per_group must be 1..{MAX_CHUNKS_PER_GROUP}, got {layout.chunks_per_group}")
+    if layout.chunk_size * layout.chunks_per_group > MAX_GROUP_WEIGHTS:
+        raise CodecError(f"chunk_size * chunks_per_group must be <= {MAX_GROUP_WEIGHTS}")
     if not 1 <= palette_size <= 256:
         raise CodecError(f"palette_size must be 1..256, got {palette_size}")
     if not 1 <= max_code_length <= MAX_SUPPORTED_LENGTH or 2**max_code_length < min(palette_size, 256):

@@ -27,6 +27,7 @@ CRC_KEYS = (*ARRAY_DTYPES, "data")
 HEADER_KEYS = ("format", "version", "form", "shape", "chunk_size", "chunks_per_group", "max_code_length",
                "palette", "code_lengths", "n_verbatim", "stream_bits", "crc32")
 MAX_CHUNK_SIZE, MAX_CHUNKS_PER_GROUP = 4096, 65536
+MAX_GROUP_WEIGHTS = 65536  # chunk_size * chunks_per_group: bounds the sequential work of decoding a group
 UINT32_LIMIT = 2**32
 
 
@@ -126,6 +127,8 @@ class CompressedTensor:
         """Validate header ranges, array dtypes and lengths, offsets, verbatim ids and array CRCs."""
         where = f"tensor {self.name!r}: " if self.name else ""
         layout = self.layout
+        if self.chunk_size * self.chunks_per_group > MAX_GROUP_WEIGHTS:
+            raise CodecError(f"{where}chunk_size * chunks_per_group must be <= {MAX_GROUP_WEIGHTS}")
         if len(set(self.palette)) != len(self.palette) or len(self.palette) > 256:
             raise CodecError(f"{where}palette must hold distinct exponents, got {list(self.palette)}")
         if len(self.code_lengths) != len(self.palette):
