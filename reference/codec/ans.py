@@ -115,7 +115,7 @@ def encode_lanes(
     x = np.full(n_blocks * lanes, STATE_LOW, np.int64)
     lane_pos = np.tile(np.arange(lanes), n_blocks)
     block_len = np.repeat(lengths, lanes)
-    emitted: list[tuple[int, np.ndarray, np.ndarray]] = []  # (step, lane index, word) of every emitted word
+    emitted: list[tuple[np.ndarray, np.ndarray]] = []  # (lane indices, words) emitted at each step
     for t in reversed(range(steps)):
         active = t * lanes + lane_pos < block_len
         fc = np.take(packed, row_base + np.where(active, symbols[:, t].reshape(-1), 0))
@@ -123,15 +123,17 @@ def encode_lanes(
         if np.any(f == 0):
             raise CodecError("a symbol with frequency 0 cannot be coded (the tables do not fit the data)")
         emit = np.flatnonzero(active & (x >= f << (STATE_BITS - prob_bits)))
-        emitted.append((t, emit, x[emit] & WORD_MASK))
+        emitted.append((emit, x[emit] & WORD_MASK))
         x[emit] >>= WORD_BITS
         q, r = np.divmod(x, f)
         x = np.where(active, (q << prob_bits) + r + c, x)
-    lane_index = np.concatenate([i for _, i, _ in emitted] or [np.zeros(0, np.int64)])
-    step = np.concatenate([np.full(len(i), t) for t, i, _ in emitted] or [np.zeros(0, np.int64)])
+    # The emitted words, steps in increasing order, each step's in (block, lane) order; a stable sort by
+    # block then gives the decoder's reading order: block, step, lane.
+    emitted.reverse()
+    lane_index = np.concatenate([i for i, _ in emitted] or [np.zeros(0, np.int64)])
     block = lane_index // lanes
-    order = np.lexsort((lane_index % lanes, step, block))  # the decoder's reading order: block, step, lane
-    words = np.concatenate([w for _, _, w in emitted] or [np.zeros(0, np.int64)])[order].astype(np.uint16)
+    order = np.argsort(block.astype(np.uint16) if n_blocks <= 1 << 16 else block, kind="stable")  # a radix sort
+    words = np.concatenate([w for _, w in emitted] or [np.zeros(0, np.int64)])[order].astype(np.uint16)
     return words, np.bincount(block, minlength=n_blocks), x.reshape(n_blocks, lanes).astype(np.uint32)
 
 

@@ -64,12 +64,19 @@ def pack_fields(fields: np.ndarray, width: int) -> np.ndarray:
     [width * i, width * (i + 1)) of the packed bit string, and bit j of the string is bit j mod 8 of
     byte j // 8. The last group (``field_group``) is padded with zero fields."""
     per_group, nbytes = field_group(width)
-    padded = np.zeros(-(-len(fields) // per_group) * per_group, np.int64)
+    padded = np.zeros(-(-len(fields) // per_group) * per_group, np.uint16)
     padded[: len(fields)] = fields
     if nbytes <= 7:  # a group fits an int64: shift the fields into place, then cut it into bytes
-        value = (padded.reshape(-1, per_group) << (width * np.arange(per_group))).sum(axis=1)
-        return ((value[:, None] >> (8 * np.arange(nbytes))) & 0xFF).astype(np.uint8).reshape(-1)
-    bits = (padded[:, None] >> np.arange(width)) & 1  # wide fields (rare: escapes): go through single bits
+        groups = padded.reshape(-1, per_group)
+        dtype = np.uint32 if nbytes <= 4 else np.uint64
+        value = np.zeros(len(groups), dtype)
+        for i in range(per_group):
+            value |= groups[:, i].astype(dtype) << dtype(width * i)
+        out = np.empty((len(groups), nbytes), np.uint8)
+        for j in range(nbytes):
+            out[:, j] = value >> dtype(8 * j)  # (the cast to uint8 keeps the low byte)
+        return out.reshape(-1)
+    bits = (padded[:, None].astype(np.int64) >> np.arange(width)) & 1  # wide fields (escapes): single bits
     return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little")
 
 
