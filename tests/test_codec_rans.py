@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from reference.bf16 import float32_to_bf16
 from reference.codec import RansTensor, decode_rans, decode_rans_many, encode, encode_rans, encode_rans_many
-from reference.codec.ans import quantize
+from reference.codec.ans import quantize, slot_tables
 from reference.codec.ans_model import pack_fields, unpack_fields
 from reference.codec.errors import CodecError
 from tests.codec_strategies import bf16_tensors
@@ -161,10 +161,20 @@ def test_packed_fields(width: int, n: int, seed: int) -> None:
 
 
 def test_bad_parameters_raise_codec_error() -> None:
-    for params in [{"block_size": 0}, {"lanes": 0}, {"prob_bits": 16}, {"mantissa_bits": 8}, {"max_tables": 0}]:
+    for params in [{"block_size": 0}, {"lanes": 0}, {"prob_bits": 16}, {"mantissa_bits": 8}, {"max_tables": 0},
+                   {"block_size": 65537, "lanes": 1}]:
         with pytest.raises(CodecError):
             encode_rans(np.zeros(10, np.uint16), **params)
     with pytest.raises(CodecError):
         encode_rans(np.zeros(10, np.float32))
     with pytest.raises(CodecError):
         encode_rans(ALL_PATTERNS, escapes=False, prob_bits=8)  # 256 exponents need more than 255 slots
+
+
+def test_worked_examples_from_the_spec() -> None:
+    assert pack_fields(np.array([1, 2, 3]), 6).tolist() == [0x81, 0x30, 0x00]  # FORMAT.md 9.1
+    table = slot_tables(np.array([[3, 1]]), np.array([[5, 0xFFFF]]), 2)  # FORMAT.md 9.4: p = 2, f = (3, 1)
+    x = 0x0001_0004
+    entry = int(table[x % 4])  # one decode step, as the lockstep decoder does it
+    x = (entry >> 32) * (x >> 2) + (entry & 0xFFFF)
+    assert (entry >> 16) & 0xFFFF == 5 and x == 0xC003 and (x << 16 | 0xABCD) == 0xC003_ABCD

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from reference.codec.ans import MAX_PROB_BITS, decode_lanes, encode_lanes, slot_tables
-from reference.codec.ans_format import MAX_BLOCK_SIZE, MAX_LANES, MAX_TABLES, MIN_PROB_BITS, RansTensor
+from reference.codec.ans_format import MAX_BLOCK_SIZE, MAX_LANE_STEPS, MAX_LANES, MAX_TABLES, MIN_PROB_BITS, RansTensor
 from reference.codec.ans_model import (
     choose_alphabet,
     choose_tables,
@@ -199,6 +199,8 @@ def _check_parameters(block_size: int, lanes: int, prob_bits: int, mantissa_bits
         raise CodecError(f"block_size must be 1..{MAX_BLOCK_SIZE}, got {block_size}")
     if not 1 <= lanes <= MAX_LANES:
         raise CodecError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
+    if -(-block_size // lanes) > MAX_LANE_STEPS:
+        raise CodecError(f"ceil(block_size / lanes) must be <= {MAX_LANE_STEPS} (one lane's sequential work)")
     if not MIN_PROB_BITS <= prob_bits <= MAX_PROB_BITS:
         raise CodecError(f"prob_bits must be {MIN_PROB_BITS}..{MAX_PROB_BITS}, got {prob_bits}")
     if not 0 <= mantissa_bits <= 7:

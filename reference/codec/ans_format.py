@@ -27,6 +27,7 @@ CRC_KEYS = (*ARRAY_DTYPES, "data")
 HEADER_KEYS = ("format", "version", "form", "shape", "block_size", "lanes", "prob_bits", "mantissa_bits",
                "alphabet_size", "n_tables", "stream_words", "n_escapes", "crc32")
 MAX_BLOCK_SIZE, MAX_LANES, MAX_TABLES, MAX_ALPHABET = 1 << 24, 1024, 256, 1 << MAX_PROB_BITS
+MAX_LANE_STEPS = 65536  # ceil(block_size / lanes): bounds the sequential work of one lane (a GPU thread)
 MIN_PROB_BITS = 1
 
 
@@ -136,6 +137,8 @@ class RansTensor:
                 and 0 <= self.alphabet_size < 1 << self.prob_bits and 0 <= self.n_tables <= MAX_TABLES):
             raise CodecError(f"{where}block_size, lanes, prob_bits, mantissa_bits, alphabet_size or n_tables "
                              "out of range (the alphabet needs fewer than 2^prob_bits symbols)")
+        if -(-self.block_size // self.lanes) > MAX_LANE_STEPS:
+            raise CodecError(f"{where}ceil(block_size / lanes) must be <= {MAX_LANE_STEPS}")
         if self.n_blocks >= UINT32_LIMIT:
             raise CodecError(f"{where}shape {self.shape} has too many blocks")
         a, nb = self.alphabet_size, self.n_blocks
