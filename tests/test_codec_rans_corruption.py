@@ -113,6 +113,14 @@ def test_truncated_arrays(key: str, keep: int, flat: bool) -> None:
         RansTensor.from_parts(BASE.header(), arrays)
 
 
+def test_huge_shapes_are_rejected() -> None:
+    empty = encode_rans(np.zeros((0,), np.uint16))
+    for base in (BASE, empty):
+        for shape in ([2**32, 2**32], [2**62, 4], [0, 2**70], [0, 2**40, 2**40], [0] * 40):
+            with pytest.raises(CodecError):
+                decode_rans(RansTensor.from_parts(base.header() | {"shape": shape}, base.arrays()))
+
+
 def test_wrong_types_of_arrays_are_rejected() -> None:
     for key in ARRAYS:
         arrays = dict(BASE.arrays())

@@ -8,6 +8,7 @@ that can be validated before decoding, the decoder checks the rest.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,7 @@ HEADER_KEYS = ("format", "version", "form", "shape", "block_size", "lanes", "pro
                "alphabet_size", "n_tables", "stream_words", "n_escapes", "crc32")
 MAX_BLOCK_SIZE, MAX_LANES, MAX_TABLES, MAX_ALPHABET = 1 << 24, 1024, 256, 1 << MAX_PROB_BITS
 MAX_LANE_STEPS = 65536  # ceil(block_size / lanes): bounds the sequential work of one lane (a GPU thread)
+MAX_DIMS = 32  # NumPy's limit
 MIN_PROB_BITS = 1
 
 
@@ -58,7 +60,7 @@ class RansTensor:
 
     @property
     def n(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape)  # Python integers: a huge shape cannot wrap around
 
     @property
     def n_blocks(self) -> int:
@@ -137,6 +139,8 @@ class RansTensor:
                 and 0 <= self.alphabet_size < 1 << self.prob_bits and 0 <= self.n_tables <= MAX_TABLES):
             raise CodecError(f"{where}block_size, lanes, prob_bits, mantissa_bits, alphabet_size or n_tables "
                              "out of range (the alphabet needs fewer than 2^prob_bits symbols)")
+        if len(self.shape) > MAX_DIMS or math.prod(max(d, 1) for d in self.shape) >= 1 << 62:
+            raise CodecError(f"{where}shape {list(self.shape)} is beyond what an array can hold")
         if -(-self.block_size // self.lanes) > MAX_LANE_STEPS:
             raise CodecError(f"{where}ceil(block_size / lanes) must be <= {MAX_LANE_STEPS}")
         if self.n_blocks >= UINT32_LIMIT:
