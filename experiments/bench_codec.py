@@ -6,6 +6,10 @@ The acceptance target for the NumPy reference is >= 100 MB/s of bf16 output when
 all compressible MiniLM tensors decoded together (as the container does), one 4096 x 4096
 trained-like tensor (a typical LLM projection), and the palette-form paths. Times are the best of
 ``--repeat`` runs (the machine is shared; the best run is the least disturbed one).
+
+The rANS mode (FORMAT.md section 9) is measured on the same cases (``rans_*`` keys): its ratio,
+encode and decode speeds, and its decode speed relative to the Unweight mode's (the issue asks
+for no worse than half).
 """
 
 from __future__ import annotations
@@ -21,8 +25,17 @@ from pathlib import Path
 import numpy as np
 
 from reference.bf16 import float32_to_bf16
-from reference.codec import decode, decode_many, encode, palette_to_bf16, to_palette
-from reference.codec.container import DECODE_BATCH, MIN_ELEMENTS
+from reference.codec import (
+    decode,
+    decode_many,
+    decode_rans,
+    decode_rans_many,
+    encode,
+    encode_rans_many,
+    palette_to_bf16,
+    to_palette,
+)
+from reference.codec.container import DECODE_BATCH, MIN_ELEMENTS, weight_count
 
 TARGET_MBPS = 100.0
 
@@ -49,7 +62,7 @@ def batches(cts: list, limit: int = DECODE_BATCH) -> list[list]:
     out, cur = [], []
     for ct in cts:
         cur.append(ct)
-        if sum(c.layout.n for c in cur) >= limit:
+        if sum(weight_count(c) for c in cur) >= limit:
             out.append(cur)
             cur = []
     return out + ([cur] if cur else [])
@@ -75,10 +88,22 @@ def run(repeat: int) -> dict:
             "encode_mbps": nbytes / encode_s / 1e6, "decode_mbps": nbytes / decode_s / 1e6,
             "decode_one_by_one_mbps": nbytes / single_s / 1e6,
             "huffman_to_palette_mbps": nbytes / transcode_s / 1e6, "palette_to_bf16_mbps": nbytes / palette_s / 1e6,
-        })
+        } | rans_row(tensors, nbytes, decode_s, repeat))
     return {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
             "repeat": repeat, "target_decode_mbps": TARGET_MBPS, "rows": rows,
             "meets_target": all(r["decode_mbps"] >= TARGET_MBPS for r in rows)}
+
+
+def rans_row(tensors: list[np.ndarray], nbytes: int, unweight_decode_s: float, repeat: int) -> dict:
+    """The rANS mode on the same tensors: ratio, speeds, and decode speed relative to the Unweight mode's."""
+    rts = encode_rans_many(tensors)
+    assert all(np.array_equal(a, b) for a, b in zip(decode_rans_many(rts), tensors, strict=True))
+    encode_s = best_time(lambda: encode_rans_many(tensors), max(1, repeat // 2))
+    decode_s = best_time(lambda: [decode_rans_many(b) for b in batches(rts)], repeat)
+    single_s = best_time(lambda: [decode_rans(t) for t in rts], repeat)
+    return {"rans_ratio": nbytes / sum(t.nbytes for t in rts), "rans_encode_mbps": nbytes / encode_s / 1e6,
+            "rans_decode_mbps": nbytes / decode_s / 1e6, "rans_decode_one_by_one_mbps": nbytes / single_s / 1e6,
+            "rans_decode_vs_unweight": unweight_decode_s / decode_s}
 
 
 def main() -> None:
@@ -95,6 +120,11 @@ def main() -> None:
         print(f"{r['case']:34s} {r['mb']:6.1f} {r['ratio']:6.4f}x " + " ".join(f"{v:7.0f}" for v in speeds)
               + f" {r['palette_to_bf16_mbps']:9.0f}")
     print(f"decode >= {TARGET_MBPS:.0f} MB/s: {'yes' if result['meets_target'] else 'NO'}")
+    print(f"\nrANS mode: {'case':34s} {'ratio':>7s} {'encode':>7s} {'decode':>7s} {'1-by-1':>7s} {'vs Unweight':>11s}")
+    for r in result["rows"]:
+        print(f"           {r['case']:34s} {r['rans_ratio']:6.4f}x {r['rans_encode_mbps']:7.0f} "
+              f"{r['rans_decode_mbps']:7.0f} {r['rans_decode_one_by_one_mbps']:7.0f} "
+              f"{r['rans_decode_vs_unweight']:10.2f}x")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -7,6 +7,8 @@ Encoding is timed once; decoding is the best of DECODE_REPEAT passes (the machin
 
 * ``unweight``: our codec (palette 16, chunks of 64, max code length 12), decoded as the container
   does (many tensors per lockstep pass);
+* ``rans``: our own rANS mode (FORMAT.md section 9: exponent and 2 mantissa bits coded jointly,
+  clustered tables, escapes, 32 interleaved lanes per 65536-weight block), batched the same way;
 * ``full_alphabet``: the same code with a 256-entry palette (every exponent has a code, no verbatim
   chunk: the DFloat11 idea), max code length 16;
 * ``zipnn``: the ``zipnn`` package (byte-grouped bf16, Huffman/zstd), single-threaded;
@@ -22,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
-from reference.codec import decode_many, encode
-from reference.codec.container import DECODE_BATCH
+from reference.codec import decode_many, decode_rans_many, encode, encode_rans_many
+from reference.codec.container import DECODE_BATCH, weight_count
 
 DECODE_REPEAT = 3  # decode timings are the best of this many passes
 
@@ -39,13 +41,24 @@ class MethodResult:
 def run_unweight(tensors: list[np.ndarray], **params: int) -> MethodResult:
     start = time.perf_counter()
     cts = [encode(t, **params) for t in tensors]
-    encode_s = time.perf_counter() - start
+    return decode_in_batches(cts, tensors, decode_many, time.perf_counter() - start)
+
+
+def run_rans(tensors: list[np.ndarray], **params: Any) -> MethodResult:
+    start = time.perf_counter()
+    cts = encode_rans_many(tensors, **params)
+    return decode_in_batches(cts, tensors, decode_rans_many, time.perf_counter() - start)
+
+
+def decode_in_batches(cts: list[Any], tensors: list[np.ndarray], decode: Callable[[list[Any]], list[np.ndarray]],
+                      encode_s: float) -> MethodResult:
+    """Decode in batches of about DECODE_BATCH weights, as the container does; time it, check it."""
     decode_s, ok, i = 0.0, True, 0
-    while i < len(cts):  # batches of about DECODE_BATCH weights, as the container decodes
+    while i < len(cts):
         j = i + 1
-        while j < len(cts) and sum(c.layout.n for c in cts[i:j]) < DECODE_BATCH:
+        while j < len(cts) and sum(weight_count(c) for c in cts[i:j]) < DECODE_BATCH:
             j += 1
-        seconds, out = best_of(lambda b=cts[i:j]: decode_many(b))
+        seconds, out = best_of(lambda b=cts[i:j]: decode(b))
         decode_s += seconds
         ok &= all(np.array_equal(a, b) for a, b in zip(out, tensors[i:j], strict=True))
         i = j
@@ -94,6 +107,7 @@ def run_zstd(tensors: list[np.ndarray], level: int) -> MethodResult:
 
 METHODS: dict[str, Callable[[list[np.ndarray]], MethodResult]] = {
     "unweight": run_unweight,
+    "rans": run_rans,
     "full_alphabet": lambda ts: run_unweight(ts, palette_size=256, max_code_length=16),
     "zipnn": run_zipnn,
     "zstd3": lambda ts: run_zstd(ts, 3),

@@ -8,7 +8,7 @@ import numpy as np
 
 from experiments.registry import Context
 
-METHOD_LABELS = {"bound": "entropy bound (8+H)/16", "unweight": "Unweight (ours)",
+METHOD_LABELS = {"bound": "entropy bound (8+H)/16", "unweight": "Unweight (ours)", "rans": "rANS mode (ours, new)",
                  "full_alphabet": "full-alphabet Huffman", "zipnn": "ZipNN", "zstd3": "zstd-3", "zstd19": "zstd-19"}
 
 
@@ -35,7 +35,7 @@ def plot(models: list[dict[str, Any]], mlp_check: list[dict[str, Any]], ctx: Con
 def _kinds(ax: Any, m: dict[str, Any]) -> None:
     groups = [k for k, v in m["per_kind"].items() if not v["passed_through"]]
     rows = [(k, m["per_kind"][k]) for k in groups] + [("MLP", m["mlp"]), ("whole model", m["whole_model"])]
-    methods = ["bound", "unweight", "full_alphabet", "zipnn", "zstd3"]
+    methods = ["bound", "unweight", "rans", "full_alphabet", "zipnn", "zstd3"]
     width = 0.8 / len(methods)
     x = np.arange(len(rows))
     for i, method in enumerate(methods):

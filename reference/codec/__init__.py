@@ -14,12 +14,25 @@ Public API (bf16 tensors are uint16 arrays of bit patterns, see reference/bf16.p
     palette_to_bf16(pt) -> bits        decode the palette form
     decode_table(code_lengths, max_code_length) -> (symbols, lengths)   the 2^L decoding LUT
     canonical_codes(code_lengths), code_lengths(counts, max_length)     the Huffman pieces
-    compress_checkpoint(source, out, to_bf16=False), decompress_checkpoint(path, out), Container(path)
+    compress_checkpoint(source, out, to_bf16=False, mode="unweight"|"rans"), decompress_checkpoint(path, out),
+    Container(path)                    (a container may hold tensors of both forms)
     CodecError                         the one exception for corrupt / malformed / unsupported input
 
-Command line: ``python -m reference.codec compress IN OUT [--to-bf16] | decompress IN OUT | inspect FILE``.
+The rANS mode (our own, FORMAT.md section 9; smaller than every peer, decoded by interleaved lanes):
+
+    encode_rans(bits, *, block_size=65536, lanes=32, prob_bits=12, mantissa_bits=2, max_tables=16)
+        -> RansTensor                  header fields + arrays raw, alphabet, tables, stream, block_words,
+                                       states, block_table, escapes, block_escapes; .header(), .nbytes, .check()
+    decode_rans(t) -> bits             bit-exact; verifies every check and CRC, raises CodecError
+    encode_rans_many([bits, ...]), decode_rans_many([t, ...])   many tensors per lockstep pass
+    RansTensor.from_parts(header, arrays, name)
+
+Command line: ``python -m reference.codec compress IN OUT [--to-bf16] [--mode rans] | decompress IN OUT |
+inspect FILE``.
 """
 
+from reference.codec.ans_codec import decode_rans, decode_rans_many, encode_rans, encode_rans_many
+from reference.codec.ans_format import RansTensor
 from reference.codec.codec import decode, decode_many, decode_symbols, encode
 from reference.codec.container import Container, compress_checkpoint, decompress_checkpoint
 from reference.codec.errors import CodecError
@@ -29,7 +42,8 @@ from reference.codec.layout import Layout
 from reference.codec.paletteform import PaletteTensor, from_palette, palette_to_bf16, to_palette
 
 __all__ = [
-    "CodecError", "CompressedTensor", "Container", "Layout", "PaletteTensor", "canonical_codes", "code_lengths",
-    "compress_checkpoint", "decode", "decode_many", "decode_symbols", "decode_table", "decompress_checkpoint",
-    "encode", "from_palette", "palette_to_bf16", "to_palette",
+    "CodecError", "CompressedTensor", "Container", "Layout", "PaletteTensor", "RansTensor", "canonical_codes",
+    "code_lengths", "compress_checkpoint", "decode", "decode_many", "decode_rans", "decode_rans_many",
+    "decode_symbols", "decode_table", "decompress_checkpoint", "encode", "encode_rans", "encode_rans_many",
+    "from_palette", "palette_to_bf16", "to_palette",
 ]

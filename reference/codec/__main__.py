@@ -1,8 +1,10 @@
-"""Command line: ``python -m reference.codec compress IN OUT | decompress IN OUT | inspect FILE``.
+"""Command line: ``python -m reference.codec compress IN OUT [--mode rans] | decompress IN OUT | inspect FILE``.
 
 IN for ``compress`` is anything the weight loaders accept: a packaged model name (minilm, smollm2),
 a .safetensors file, a checkpoint directory, a .gguf file. float32/float16 tensors are compressed
 only with ``--to-bf16`` (round-to-nearest-even; ``decompress`` then writes that bf16 checkpoint).
+``--mode unweight`` (default) writes the Unweight Huffman form; ``--mode rans`` our rANS form
+(FORMAT.md section 9: smaller, decoded by interleaved lanes). Each mode takes its own parameters.
 """
 
 from __future__ import annotations
@@ -13,10 +15,26 @@ import sys
 import numpy as np
 
 from reference.bf16 import field_stats
+from reference.codec.ans_codec import BLOCK_SIZE, LANES, MANTISSA_BITS, PROB_BITS, TABLES
+from reference.codec.ans_format import RansTensor
 from reference.codec.codec import CHUNK_SIZE, CHUNKS_PER_GROUP, MAX_CODE_LENGTH, PALETTE_SIZE
-from reference.codec.container import MIN_ELEMENTS, Container, compress_checkpoint, decompress_checkpoint
+from reference.codec.container import (
+    MIN_ELEMENTS,
+    MODES,
+    Container,
+    compress_checkpoint,
+    decompress_checkpoint,
+    weight_count,
+)
 from reference.codec.errors import CodecError
 from reference.model.names import tensor_kind
+
+MODE_PARAMS = {
+    "unweight": {"palette-size": PALETTE_SIZE, "chunk-size": CHUNK_SIZE, "chunks-per-group": CHUNKS_PER_GROUP,
+                 "max-code-length": MAX_CODE_LENGTH},
+    "rans": {"block-size": BLOCK_SIZE, "lanes": LANES, "prob-bits": PROB_BITS, "mantissa-bits": MANTISSA_BITS,
+             "max-tables": TABLES},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,22 +46,30 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("out", help="the container file to write (.safetensors)")
     c.add_argument("--to-bf16", action="store_true", help="cast float32/float16 tensors to bf16 (RNE) and compress")
     c.add_argument("--min-elements", type=int, default=MIN_ELEMENTS, help="smaller tensors pass through")
-    c.add_argument("--palette-size", type=int, default=PALETTE_SIZE)
-    c.add_argument("--chunk-size", type=int, default=CHUNK_SIZE)
-    c.add_argument("--chunks-per-group", type=int, default=CHUNKS_PER_GROUP)
-    c.add_argument("--max-code-length", type=int, default=MAX_CODE_LENGTH)
+    c.add_argument("--mode", choices=MODES, default="unweight",
+                   help="unweight: the Unweight Huffman form; rans: our rANS form (FORMAT.md section 9)")
+    for flag, default in MODE_PARAMS["unweight"].items():
+        c.add_argument(f"--{flag}", type=int, default=None, help=f"unweight mode (default {default})")
+    for flag, default in MODE_PARAMS["rans"].items():
+        c.add_argument(f"--{flag}", type=int, default=None, help=f"rans mode (default {default})")
     d = sub.add_parser("decompress", help="write a container back as a plain bf16 safetensors file")
     d.add_argument("container")
     d.add_argument("out")
-    i = sub.add_parser("inspect", help="per-tensor table: shape, ratio, entropy bound, verbatim share")
+    i = sub.add_parser("inspect", help="per-tensor table: form, shape, ratio, entropy bound, rare-exponent share")
     i.add_argument("container")
     args = parser.parse_args(argv)
     try:
         if args.command == "compress":
-            counts = compress_checkpoint(
-                args.source, args.out, to_bf16=args.to_bf16, min_elements=args.min_elements, progress=True,
-                palette_size=args.palette_size, chunk_size=args.chunk_size,
-                chunks_per_group=args.chunks_per_group, max_code_length=args.max_code_length)
+            params = {}
+            for mode, flags in MODE_PARAMS.items():
+                for flag in flags:
+                    value = getattr(args, flag.replace("-", "_"))
+                    if value is not None and mode != args.mode:
+                        raise CodecError(f"--{flag} is a parameter of --mode {mode}, not of --mode {args.mode}")
+                    if value is not None:
+                        params[flag.replace("-", "_")] = value
+            counts = compress_checkpoint(args.source, args.out, to_bf16=args.to_bf16, min_elements=args.min_elements,
+                                         progress=True, mode=args.mode, **params)
             print(f"wrote {args.out}: {counts['compressed']} tensors compressed, {counts['passed']} passed through")
             if counts["castable_passed"]:
                 print(f"note: {counts['castable_passed']} float32/float16 tensors were passed through unchanged; "
@@ -62,23 +88,28 @@ def main(argv: list[str] | None = None) -> int:
 def inspect(path: str) -> None:
     """Print one row per tensor; decodes (and so verifies) every tensor to measure its entropy."""
     total_in = total_out = 0
-    print(f"{'tensor':52s} {'kind':9s} {'shape':>14s} {'dtype':>9s} {'ratio':>7s} {'bound':>7s} {'verbatim':>9s}")
+    print(f"{'tensor':52s} {'kind':9s} {'form':>7s} {'shape':>14s} {'dtype':>9s} {'ratio':>7s} {'bound':>7s} "
+          f"{'rare':>8s}")
     with Container(path) as c:
         for name, array, dtype in c.items(progress=True):
             shape = "x".join(map(str, array.shape)) or "scalar"
             if c.is_compressed(name):
                 ct = c.compressed(name)
+                n = weight_count(ct)
                 h = field_stats(array).exponent_entropy
-                ratio, bound = 2 * ct.layout.n / ct.nbytes, 16 / (8 + h)
-                share = ct.n_verbatim / max(ct.layout.n_chunks, 1)
+                ratio, bound = 2 * n / ct.nbytes, 16 / (8 + h)
+                if isinstance(ct, RansTensor):  # rare: the escaped weights' share
+                    form, share = "rans", ct.n_escapes / max(n, 1)
+                else:  # rare: the verbatim chunks' share
+                    form, share = "huffman", ct.n_verbatim / max(ct.layout.n_chunks, 1)
                 src = c.headers[name]["source_dtype"]
-                total_in, total_out = total_in + 2 * ct.layout.n, total_out + ct.nbytes
+                total_in, total_out = total_in + 2 * n, total_out + ct.nbytes
                 src = "BF16" if src == "BF16" else f"{src}>bf16"
-                print(f"{name[:52]:52s} {tensor_kind(name):9s} {shape:>14s} {src:>9s} "
-                      f"{ratio:6.4f}x {bound:6.4f}x {100 * share:8.3f}%")
+                print(f"{name[:52]:52s} {tensor_kind(name):9s} {form:>7s} {shape:>14s} {src:>9s} "
+                      f"{ratio:6.4f}x {bound:6.4f}x {100 * share:7.3f}%")
             else:
                 total_in, total_out = total_in + array.nbytes, total_out + array.nbytes
-                print(f"{name[:52]:52s} {tensor_kind(name):9s} {shape:>14s} {dtype:>9s} {'raw':>7s}")
+                print(f"{name[:52]:52s} {tensor_kind(name):9s} {'raw':>7s} {shape:>14s} {dtype:>9s}")
     print(f"whole file: {total_in / 2**20:.2f} MiB of tensors in {total_out / 2**20:.2f} MiB: "
           f"{total_in / max(total_out, 1):.4f}x ({np.float64(1 - total_out / max(total_in, 1)):.1%} smaller)")
 

@@ -5,9 +5,11 @@
         bits = c.get("encoder.layer.0.intermediate.dense.weight")   # bf16 bits, verified
     decompress_checkpoint("minilm.unweight.safetensors", "minilm.bf16.safetensors")
 
-Any safetensors tool opens the container: each compressed tensor is five plain arrays
+Any safetensors tool opens the container: each compressed tensor is a few plain arrays
 (``name::sm`` ...), its header is a JSON string in ``__metadata__``. Big checkpoints never sit in
 memory at once: arrays are parked in a scratch file next to the output and memory-mapped back.
+``mode="rans"`` stores the tensors in the rANS form (FORMAT.md section 9) instead of the Unweight
+Huffman form; a container may hold both, each tensor's header says which.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from typing import Any
 import numpy as np
 
 from reference.bf16 import float32_to_bf16
+from reference.codec import ans_format
+from reference.codec.ans_codec import ENCODE_BATCH, decode_rans_many, encode_rans_many
+from reference.codec.ans_format import RansTensor
 from reference.codec.codec import decode_many, encode
 from reference.codec.errors import CodecError
 from reference.codec.format import ARRAY_DTYPES, FORMAT_NAME, VERSION, CompressedTensor, crc32
@@ -33,17 +38,24 @@ MIN_ELEMENTS = 4096  # smaller tensors (norms, biases) pass through: their heade
 CASTABLE = ("F32", "F16")  # cast to bf16 (round-to-nearest-even) with to_bf16=True
 DECODE_BATCH = 1 << 24  # weights decoded together in one lockstep pass
 SEP = "::"
+MODES = ("unweight", "rans")  # the Huffman form of sections 3-5, the rANS form of section 9
+FORM_ARRAYS = {"huffman": ARRAY_DTYPES, ans_format.FORM: ans_format.ARRAY_DTYPES}  # the arrays of each form
+STORED_DTYPE = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32"}
 
 
 def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = False,
-                        min_elements: int = MIN_ELEMENTS, progress: bool = False, **params: Any) -> dict[str, int]:
+                        min_elements: int = MIN_ELEMENTS, progress: bool = False, mode: str = "unweight",
+                        **params: Any) -> dict[str, int]:
     """Compress every bf16 tensor of ``source`` (anything ``open_weights`` accepts) into ``out``.
 
     Returns counts: ``compressed``, ``passed`` (through unchanged) and ``castable_passed`` (float
-    tensors left as they were because ``to_bf16`` was not given). ``params`` go to ``encode``.
+    tensors left as they were because ``to_bf16`` was not given). ``mode`` is "unweight" (the
+    Huffman form) or "rans"; ``params`` go to ``encode`` or ``encode_rans_many``.
     """
     from tqdm import tqdm
 
+    if mode not in MODES:
+        raise CodecError(f"unknown mode {mode!r}; the modes are {list(MODES)}")
     try:
         weights = open_weights(source)
     except (WeightError, SafetensorsError) as e:
@@ -52,6 +64,20 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
     metadata = _source_metadata(weights)
     names, counts = weights.names(), {"compressed": 0, "passed": 0, "castable_passed": 0}
     with _Scratch(out) as scratch:
+        pending: list[tuple[str, np.ndarray, str]] = []  # rANS mode: tensors waiting to be encoded as one batch
+
+        def store(ct: CompressedTensor | RansTensor, source_dtype: str) -> None:
+            for key, a in ct.arrays().items():
+                scratch.put(f"{ct.name}{SEP}{key}", a, STORED_DTYPE[a.dtype])
+            metadata[f"{FORMAT_NAME}{SEP}{ct.name}"] = json.dumps(ct.header() | {"source_dtype": source_dtype},
+                                                                 separators=(",", ":"))
+
+        def flush() -> None:
+            batch = encode_rans_many([a for _, a, _ in pending], names=[n for n, _, _ in pending], **params)
+            for ct, (_, _, source_dtype) in zip(batch, pending, strict=True):
+                store(ct, source_dtype)
+            pending.clear()
+
         for name in tqdm(names, desc=f"compress {weights.label}", disable=not progress, unit="tensor"):
             array, dtype = np.asarray(weights.get(name)), weights.dtype(name)
             if dtype in CASTABLE and to_bf16:
@@ -59,17 +85,20 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
             else:
                 source_dtype = dtype
             if dtype == "BF16" and array.size >= min_elements:
-                ct = encode(array, name=name, **params)
-                for key, a in ct.arrays().items():
-                    scratch.put(f"{name}{SEP}{key}", a, "U8" if a.dtype == np.uint8 else "U32")
-                metadata[f"{FORMAT_NAME}{SEP}{name}"] = json.dumps(ct.header() | {"source_dtype": source_dtype},
-                                                                  separators=(",", ":"))
+                if mode == "rans":
+                    pending.append((name, array, source_dtype))
+                    if sum(a.size for _, a, _ in pending) >= ENCODE_BATCH:
+                        flush()
+                else:
+                    store(encode(array, name=name, **params), source_dtype)
                 counts["compressed"] += 1
             else:
                 scratch.put(name, array, dtype)
                 metadata[f"{FORMAT_NAME}{SEP}{name}"] = _raw_header(array, dtype)
                 counts["passed"] += 1
                 counts["castable_passed"] += dtype in CASTABLE
+        if pending:
+            flush()
         metadata[FORMAT_NAME] = json.dumps({"format": FORMAT_NAME, "version": VERSION, "tensors": names})
         scratch.write(out, metadata)
     return counts
@@ -109,7 +138,7 @@ class Container:
         self.headers = {n: self._header(n) for n in self.names}
         expected: set[str] = set()
         for n in self.names:
-            expected |= {f"{n}{SEP}{k}" for k in ARRAY_DTYPES} if self.is_compressed(n) else {n}
+            expected |= {f"{n}{SEP}{k}" for k in self._arrays_of(n)} if self.is_compressed(n) else {n}
         if set(self._file) != expected:
             extra, missing = sorted(set(self._file) - expected)[:3], sorted(expected - set(self._file))[:3]
             raise CodecError(f"{self.path}: stored tensors do not match the metadata "
@@ -128,14 +157,22 @@ class Container:
     def is_compressed(self, name: str) -> bool:
         return self.headers[name].get("form") != "raw"
 
-    def compressed(self, name: str) -> CompressedTensor:
-        """The Huffman form of a compressed tensor, every field checked."""
+    def _arrays_of(self, name: str) -> dict[str, type]:
+        form = self.headers[name].get("form")
+        if form not in FORM_ARRAYS:
+            raise CodecError(f"{self.path}: tensor {name!r}: unknown form {form!r} (this reader knows "
+                             f"{sorted(FORM_ARRAYS)} and 'raw')")
+        return FORM_ARRAYS[form]
+
+    def compressed(self, name: str) -> CompressedTensor | RansTensor:
+        """A compressed tensor in its stored form (Huffman or rANS), every field checked."""
         header = dict(self.headers[name])
         source_dtype = header.pop("source_dtype", None)
         if source_dtype not in ("BF16", *CASTABLE):
             raise CodecError(f"{self.path}: tensor {name!r}: bad source_dtype {source_dtype!r}")
-        arrays = {k: self._file[f"{name}{SEP}{k}"] for k in ARRAY_DTYPES}
-        return CompressedTensor.from_parts(header, arrays, name=name)
+        arrays = {k: self._file[f"{name}{SEP}{k}"] for k in self._arrays_of(name)}
+        form = RansTensor if header.get("form") == ans_format.FORM else CompressedTensor
+        return form.from_parts(header, arrays, name=name)
 
     def get(self, name: str) -> np.ndarray:
         return next(a for _, a, _ in self.items([name]))
@@ -146,13 +183,13 @@ class Container:
 
         names = self.names if names is None else names
         pending: list[str] = []  # names read but not yet yielded: their batch is not decoded yet
-        batch: list[CompressedTensor] = []
+        batch: list[CompressedTensor | RansTensor] = []
         for i, name in enumerate(tqdm(names, desc=f"decompress {self.path.name}", disable=not progress, unit="tensor")):
             pending.append(name)
             if self.is_compressed(name):
                 batch.append(self.compressed(name))
-            if i + 1 == len(names) or sum(ct.layout.n for ct in batch) >= DECODE_BATCH:
-                decoded = {ct.name: bits for ct, bits in zip(batch, decode_many(batch), strict=True)}
+            if i + 1 == len(names) or sum(weight_count(ct) for ct in batch) >= DECODE_BATCH:
+                decoded = _decode_mixed(batch)
                 for n in pending:
                     yield (n, decoded[n], "BF16") if n in decoded else (n, self._raw(n), self.headers[n]["dtype"])
                 pending, batch = [], []
@@ -176,6 +213,19 @@ class Container:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def weight_count(ct: CompressedTensor | RansTensor) -> int:
+    """Number of weights of a compressed tensor of either form."""
+    return ct.n if isinstance(ct, RansTensor) else ct.layout.n
+
+
+def _decode_mixed(batch: list[CompressedTensor | RansTensor]) -> dict[str, np.ndarray]:
+    """Decode a batch of tensors of both forms: each form's tensors in one pass."""
+    huffman = [ct for ct in batch if isinstance(ct, CompressedTensor)]
+    rans = [ct for ct in batch if isinstance(ct, RansTensor)]
+    pairs = [*zip(huffman, decode_many(huffman), strict=True), *zip(rans, decode_rans_many(rans), strict=True)]
+    return {ct.name: bits for ct, bits in pairs}
 
 
 def _raw_header(array: np.ndarray, dtype: str) -> str:

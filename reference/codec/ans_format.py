@@ -1,0 +1,176 @@
+"""The rANS form of a compressed tensor: its header, its six arrays, and every check on them (FORMAT.md 9).
+
+``RansTensor`` is what ``encode_rans`` returns and ``decode_rans`` takes. Like ``CompressedTensor``
+its arrays are plain NumPy, ready for a kernel or the container; ``check()`` validates everything
+that can be validated before decoding, the decoder checks the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reference.codec.ans import MAX_PROB_BITS, STATE_LOW
+from reference.codec.ans_model import packed_length
+from reference.codec.errors import CodecError
+from reference.codec.format import FORMAT_NAME, UINT32_LIMIT, VERSION, _int, _int_list, crc32
+
+FORM = "rans"
+ARRAY_DTYPES = {"raw": np.uint8, "alphabet": np.uint16, "tables": np.uint16, "stream": np.uint16,
+                "block_words": np.uint32, "states": np.uint32, "block_table": np.uint8, "escapes": np.uint8,
+                "block_escapes": np.uint32}
+CRC_KEYS = (*ARRAY_DTYPES, "data")
+HEADER_KEYS = ("format", "version", "form", "shape", "block_size", "lanes", "prob_bits", "mantissa_bits",
+               "alphabet_size", "n_tables", "stream_words", "n_escapes", "crc32")
+MAX_BLOCK_SIZE, MAX_LANES, MAX_TABLES, MAX_ALPHABET = 1 << 24, 1024, 256, 1 << MAX_PROB_BITS
+MAX_LANE_STEPS = 65536  # ceil(block_size / lanes): bounds the sequential work of one lane (a GPU thread)
+MAX_DIMS = 32  # NumPy's limit
+MIN_PROB_BITS = 1
+
+
+@dataclass
+class RansTensor:
+    """A bf16 tensor in rANS form (FORMAT.md section 9). Build it with ``encode_rans`` or ``from_parts``."""
+
+    shape: tuple[int, ...]
+    block_size: int
+    lanes: int
+    prob_bits: int
+    mantissa_bits: int
+    alphabet_size: int  # A: symbols 0 .. A - 1 are alphabet values, symbol A is the escape
+    n_tables: int
+    stream_words: int
+    n_escapes: int
+    crc: dict[str, int]
+    raw: np.ndarray  # uint8: the 8 - m raw bits of every weight, packed
+    alphabet: np.ndarray  # uint16 [A]: the value of each symbol (symbol A is the escape)
+    tables: np.ndarray  # uint16 [n_tables, A + 1]: frequencies, each row summing to 2^prob_bits
+    stream: np.ndarray  # uint16 [W]: the words of every block, block after block
+    block_words: np.ndarray  # uint32 [n_blocks + 1]: where each block's words start
+    states: np.ndarray  # uint32 [n_blocks, lanes]: each lane's starting state
+    block_table: np.ndarray  # uint8 [n_blocks]: the table each block uses
+    escapes: np.ndarray  # uint8: the escaped weights' values, (8 + m)-bit fields, packed
+    block_escapes: np.ndarray  # uint32 [n_blocks + 1]: where each block's escapes start
+    name: str = ""  # used in error messages only
+
+    @property
+    def n(self) -> int:
+        return math.prod(self.shape)  # Python integers: a huge shape cannot wrap around
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.n // self.block_size)
+
+    @property
+    def raw_bits(self) -> int:
+        return 8 - self.mantissa_bits
+
+    @property
+    def escape_bits(self) -> int:
+        return 8 + self.mantissa_bits
+
+    def block_lengths(self) -> np.ndarray:
+        """Weights per block (int64): block_size, the last one possibly shorter."""
+        return np.minimum(self.block_size, self.n - self.block_size * np.arange(self.n_blocks, dtype=np.int64))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {key: getattr(self, key) for key in ARRAY_DTYPES}
+
+    def header(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "version": VERSION, "form": FORM, "shape": list(self.shape),
+                "block_size": self.block_size, "lanes": self.lanes, "prob_bits": self.prob_bits,
+                "mantissa_bits": self.mantissa_bits, "alphabet_size": self.alphabet_size, "n_tables": self.n_tables,
+                "stream_words": self.stream_words, "n_escapes": self.n_escapes, "crc32": dict(self.crc)}
+
+    def header_json(self) -> str:
+        return json.dumps(self.header(), separators=(",", ":"))
+
+    @property
+    def nbytes(self) -> int:
+        """Compressed size with every overhead counted: the nine arrays plus the header JSON."""
+        return sum(a.nbytes for a in self.arrays().values()) + len(self.header_json().encode())
+
+    @classmethod
+    def from_parts(cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "") -> RansTensor:
+        """Build from a parsed header and the nine arrays, checking every field (raises CodecError)."""
+        where = f"tensor {name!r}: " if name else ""
+        if not isinstance(header, Mapping):
+            raise CodecError(f"{where}header must be a JSON object")
+        if header.get("format") != FORMAT_NAME or header.get("version") != VERSION or header.get("form") != FORM:
+            raise CodecError(f"{where}not a version-{VERSION} {FORMAT_NAME} header of form {FORM!r} "
+                             f"(format={header.get('format')!r}, version={header.get('version')!r}, "
+                             f"form={header.get('form')!r})")
+        unknown, missing = set(header) - set(HEADER_KEYS), set(HEADER_KEYS) - set(header)
+        if unknown or missing:
+            raise CodecError(f"{where}header has unknown keys {sorted(unknown)} / lacks keys {sorted(missing)}")
+        crc = header["crc32"]
+        if not isinstance(crc, Mapping) or set(crc) != set(CRC_KEYS):
+            raise CodecError(f"{where}crc32 must have exactly the keys {list(CRC_KEYS)}")
+        if set(ARRAY_DTYPES) - set(arrays):
+            raise CodecError(f"{where}missing arrays {sorted(set(ARRAY_DTYPES) - set(arrays))}")
+        mantissa_bits = _int(header["mantissa_bits"], "mantissa_bits", 0, 7, where)
+        t = cls(
+            shape=tuple(_int_list(header["shape"], "shape", 0, None, where)),
+            block_size=_int(header["block_size"], "block_size", 1, MAX_BLOCK_SIZE, where),
+            lanes=_int(header["lanes"], "lanes", 1, MAX_LANES, where),
+            prob_bits=_int(header["prob_bits"], "prob_bits", MIN_PROB_BITS, MAX_PROB_BITS, where),
+            mantissa_bits=mantissa_bits,
+            alphabet_size=_int(header["alphabet_size"], "alphabet_size", 0, MAX_ALPHABET, where),
+            n_tables=_int(header["n_tables"], "n_tables", 0, MAX_TABLES, where),
+            stream_words=_int(header["stream_words"], "stream_words", 0, UINT32_LIMIT - 1, where),
+            n_escapes=_int(header["n_escapes"], "n_escapes", 0, UINT32_LIMIT - 1, where),
+            crc={k: _int(crc[k], f"crc32.{k}", 0, UINT32_LIMIT - 1, where) for k in CRC_KEYS},
+            name=name,
+            **{k: np.asarray(arrays[k]) for k in ARRAY_DTYPES},
+        )
+        t.check()
+        return t
+
+    def check(self) -> None:
+        """Validate parameters, array dtypes and shapes, CRCs, tables, block index and states."""
+        where = f"tensor {self.name!r}: " if self.name else ""
+        if not (1 <= self.block_size <= MAX_BLOCK_SIZE and 1 <= self.lanes <= MAX_LANES
+                and MIN_PROB_BITS <= self.prob_bits <= MAX_PROB_BITS and 0 <= self.mantissa_bits <= 7
+                and 0 <= self.alphabet_size < 1 << self.prob_bits and 0 <= self.n_tables <= MAX_TABLES):
+            raise CodecError(f"{where}block_size, lanes, prob_bits, mantissa_bits, alphabet_size or n_tables "
+                             "out of range (the alphabet needs fewer than 2^prob_bits symbols)")
+        if len(self.shape) > MAX_DIMS or math.prod(max(d, 1) for d in self.shape) >= 1 << 62:
+            raise CodecError(f"{where}shape {list(self.shape)} is beyond what an array can hold")
+        if -(-self.block_size // self.lanes) > MAX_LANE_STEPS:
+            raise CodecError(f"{where}ceil(block_size / lanes) must be <= {MAX_LANE_STEPS}")
+        if self.n_blocks >= UINT32_LIMIT:
+            raise CodecError(f"{where}shape {self.shape} has too many blocks")
+        a, nb = self.alphabet_size, self.n_blocks
+        expected = {"raw": (packed_length(self.n, self.raw_bits),), "alphabet": (a,), "tables": (self.n_tables, a + 1),
+                    "stream": (self.stream_words,), "block_words": (nb + 1,), "states": (nb, self.lanes),
+                    "block_table": (nb,), "escapes": (packed_length(self.n_escapes, self.escape_bits),),
+                    "block_escapes": (nb + 1,)}
+        for key, dtype in ARRAY_DTYPES.items():
+            array = self.arrays()[key]
+            if array.dtype.newbyteorder("=") != np.dtype(dtype) or array.shape != expected[key]:
+                raise CodecError(f"{where}array {key} is {array.dtype}{list(array.shape)}, expected "
+                                 f"{np.dtype(dtype)}{list(expected[key])} (truncated or corrupt)")
+        for key, array in self.arrays().items():
+            if crc32(array) != self.crc[key]:
+                raise CodecError(f"{where}array {key} fails its CRC-32 check: the data is corrupt")
+        if np.any(self.alphabet >> self.escape_bits) or np.any(np.diff(np.sort(self.alphabet)) == 0):
+            raise CodecError(f"{where}the alphabet must hold distinct values < 2^(8 + mantissa_bits)")
+        if self.n_blocks and not self.n_tables:
+            raise CodecError(f"{where}a tensor with blocks needs at least one table")
+        if np.any(self.tables.astype(np.int64).sum(axis=1) != 1 << self.prob_bits):
+            raise CodecError(f"{where}every table's frequencies must sum to 2^prob_bits = {1 << self.prob_bits}")
+        if np.any(self.block_table >= self.n_tables):
+            raise CodecError(f"{where}a block names a table that does not exist")
+        for key, end in (("block_words", self.stream_words), ("block_escapes", self.n_escapes)):
+            starts = self.arrays()[key].astype(np.int64)
+            if starts[0] != 0 or starts[-1] != end or np.any(np.diff(starts) < 0):
+                raise CodecError(f"{where}{key} must rise from 0 to {end}")
+        if np.any(np.diff(self.block_escapes.astype(np.int64)) > self.block_lengths()):
+            raise CodecError(f"{where}a block has more escapes than weights")
+        if np.any(self.states < STATE_LOW):
+            raise CodecError(f"{where}a lane's starting state is below 2^16: corrupt")

@@ -1,0 +1,195 @@
+"""What the rANS mode codes, and with which tables (FORMAT.md section 9.2). The encoder's choices.
+
+* **Symbols.** Each weight is split into a *value* (its 8 exponent bits and the top ``m`` mantissa
+  bits, ``8 + m`` bits) that is entropy coded, and *raw bits* (sign and the other ``7 - m`` mantissa
+  bits) that are stored as they are. In trained weights the top mantissa bits depend on the exponent
+  (within a binade the density of a bell-shaped distribution falls off), so coding them jointly
+  with the exponent saves bits; the low bits are noise.
+* **Alphabet.** The values common enough to deserve their own slot in the tables, most frequent
+  first; every other value is coded as the escape symbol followed by the value itself.
+* **Tables.** A few frequency tables per tensor, each block of weights naming the one it uses: blocks
+  are clustered by their value statistics, so the tables follow local statistics (rows of different
+  scale) at the cost of a few tables rather than one per block.
+
+All choices are deterministic functions of the counts; the decoder does not depend on how they
+were made (any alphabet and any tables that code the data are valid).
+"""
+
+from __future__ import annotations
+
+from math import gcd
+
+import numpy as np
+
+from reference.codec.ans import quantize
+from reference.codec.errors import CodecError
+
+TABLE_ENTRY_BITS = 16  # a frequency is stored as a uint16
+CLUSTER_ROUNDS = 8
+
+
+def split_weights(bits: np.ndarray, mantissa_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(values, raw) of bf16 bit patterns (uint16 each): value = exponent << m | top m mantissa bits;
+    raw = sign << (7 - m) | the low 7 - m mantissa bits."""
+    bits = np.asarray(bits, np.uint16)
+    low = 7 - mantissa_bits
+    values = (bits >> low) & ((1 << (8 + mantissa_bits)) - 1)
+    raw = (bits >> 15) << low | (bits & ((1 << low) - 1))
+    return values.astype(np.uint16), raw.astype(np.uint16)
+
+
+def join_weights(values: np.ndarray, raw: np.ndarray, mantissa_bits: int) -> np.ndarray:
+    """Inverse of ``split_weights``: the bf16 bit patterns (uint16). Works in uint16 throughout."""
+    low = 7 - mantissa_bits
+    bits = raw >> low  # the sign
+    bits <<= 15
+    bits |= values.astype(np.uint16) << low  # exponent and top mantissa bits: < 2^15
+    bits |= raw & ((1 << low) - 1)
+    return bits
+
+
+def field_group(width: int) -> tuple[int, int]:
+    """(fields, bytes) of one packing group: the fewest whole bytes that hold whole ``width``-bit fields."""
+    common = width * 8 // gcd(width, 8)
+    return common // width, common // 8
+
+
+def packed_length(n: int, width: int) -> int:
+    fields, nbytes = field_group(width)
+    return -(-n // fields) * nbytes
+
+
+def pack_fields(fields: np.ndarray, width: int) -> np.ndarray:
+    """Pack ``width``-bit fields (1 <= width <= 16) into bytes, LSB first: field i is bits
+    [width * i, width * (i + 1)) of the packed bit string, and bit j of the string is bit j mod 8 of
+    byte j // 8. The last group (``field_group``) is padded with zero fields."""
+    per_group, nbytes = field_group(width)
+    padded = np.zeros(-(-len(fields) // per_group) * per_group, np.uint16)
+    padded[: len(fields)] = fields
+    if nbytes <= 7:  # a group fits an int64: shift the fields into place, then cut it into bytes
+        groups = padded.reshape(-1, per_group)
+        dtype = np.uint32 if nbytes <= 4 else np.uint64
+        value = np.zeros(len(groups), dtype)
+        for i in range(per_group):
+            value |= groups[:, i].astype(dtype) << dtype(width * i)
+        out = np.empty((len(groups), nbytes), np.uint8)
+        for j in range(nbytes):
+            out[:, j] = value >> dtype(8 * j)  # (the cast to uint8 keeps the low byte)
+        return out.reshape(-1)
+    bits = (padded[:, None].astype(np.int64) >> np.arange(width)) & 1  # wide fields (escapes): single bits
+    return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little")
+
+
+def unpack_fields(packed: np.ndarray, width: int, n: int) -> tuple[np.ndarray, bool]:
+    """Inverse of ``pack_fields``: (the first n fields as uint16, whether every padding field is zero)."""
+    per_group, nbytes = field_group(width)
+    if nbytes <= 7:  # assemble each group's integer byte by byte, then cut out its fields one by one
+        group_bytes = packed.reshape(-1, nbytes)
+        dtype = np.uint32 if nbytes <= 4 else np.uint64
+        value = np.zeros(len(group_bytes), dtype)
+        for j in range(nbytes):
+            value |= group_bytes[:, j].astype(dtype) << dtype(8 * j)
+        fields = np.empty((len(group_bytes), per_group), np.uint16)
+        for i in range(per_group):
+            fields[:, i] = (value >> dtype(width * i)) & dtype((1 << width) - 1)
+        fields = fields.reshape(-1)
+    else:
+        bits = np.unpackbits(packed, bitorder="little").reshape(-1, width).astype(np.int64)
+        fields = (bits << np.arange(width)).sum(axis=1).astype(np.uint16)
+    return fields[:n], not fields[n:].any()
+
+
+def choose_alphabet(counts: np.ndarray, prob_bits: int, escape_bits: int, escapes: bool = True) -> list[int]:
+    """The values to code directly: the most frequent ones (ties: smaller value first), as many as
+    minimise an estimate of the coded size; the others are escaped. Without ``escapes``: every value
+    that occurs (and no escape symbol is ever needed).
+
+    The estimate, for the first a values: each costs count * log2(1 / p) with p its share of the
+    weights but at least 1 / M (the smallest frequency), plus the mass such a rounded-up symbol
+    takes from the others; the escaped weights cost (log2(1 / p_escape) + escape_bits) each; every
+    symbol costs one table entry.
+    """
+    counts = np.asarray(counts, np.int64)
+    order = np.lexsort((np.arange(len(counts)), -counts))
+    order = order[counts[order] > 0]
+    m = 1 << prob_bits
+    if not escapes:
+        if len(order) > m - 1:
+            raise CodecError(f"{len(order)} distinct values, but 2^prob_bits slots hold at most {m - 1} symbols "
+                             "(one is kept for the escape)")
+        return [int(v) for v in order]
+    n = float(counts.sum())
+    if n == 0:
+        return []
+    c = counts[order].astype(np.float64)
+
+    def cost(count: np.ndarray) -> np.ndarray:
+        share = np.maximum(count / n, 1 / m)
+        return np.where(count > 0, count * np.log2(1 / share) + np.maximum(0, n / m - count) / np.log(2), 0)
+
+    direct = np.concatenate([[0.0], np.cumsum(cost(c))])
+    escaped = n - np.concatenate([[0.0], np.cumsum(c)])
+    total = direct + cost(escaped) + escaped * escape_bits + TABLE_ENTRY_BITS * (np.arange(len(c) + 1) + 1)
+    best = int(np.argmin(total[: min(len(c), m - 1) + 1]))
+    return [int(v) for v in order[:best]]
+
+
+def coded_bits(counts: np.ndarray, freqs: np.ndarray, prob_bits: int) -> float:
+    """What coding ``counts`` with ``freqs`` costs in bits (infinite if a counted symbol has frequency 0)."""
+    used = counts > 0
+    if np.any(used & (freqs == 0)):
+        return float("inf")
+    return float((counts[used] * (prob_bits - np.log2(freqs[used]))).sum())
+
+
+def choose_tables(
+    block_counts: np.ndarray, order_key: np.ndarray, prob_bits: int, max_tables: int, own_tables: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
+    """(freqs [K, S], block_table [B]): the tables, and the one each block uses.
+
+    Tries K = 1, 2, 4, ... up to ``max_tables`` clusters of blocks (see ``cluster``) and keeps the K
+    whose coded size plus table storage is smallest. With ``own_tables`` every block gets its own
+    table (K = B; the ablation's "per-block tables").
+    """
+    n_blocks = len(block_counts)
+    if n_blocks == 0:
+        return np.zeros((0, block_counts.shape[1]), np.int64), np.zeros(0, np.int64)
+    candidates = [np.arange(n_blocks)] if own_tables else []
+    k = 1
+    while k <= min(max_tables, n_blocks) and not own_tables:
+        candidates.append(cluster(block_counts, order_key, k))
+        k *= 2
+    best = None
+    for assign in candidates:
+        freqs = np.stack([quantize(block_counts[assign == j].sum(axis=0), prob_bits) for j in range(assign.max() + 1)])
+        size = sum(coded_bits(block_counts[assign == j].sum(axis=0), freqs[j], prob_bits) for j in range(len(freqs)))
+        size += freqs.size * TABLE_ENTRY_BITS
+        if best is None or size < best[0]:
+            best = (size, freqs, assign)
+    return best[1], best[2]
+
+
+def cluster(block_counts: np.ndarray, order_key: np.ndarray, k: int) -> np.ndarray:
+    """Assign blocks to at most k clusters of similar statistics (k-means under cross-entropy).
+
+    Start: blocks sorted by their mean ``order_key`` (the exponent of each symbol: blocks differ
+    mostly in scale), cut into k runs of equal size. Then up to CLUSTER_ROUNDS rounds of: each
+    cluster's distribution (its counts, lightly smoothed toward the pooled one); each block to the
+    cluster that codes it in the fewest bits. Empty clusters are dropped; labels are 0 .. k' - 1.
+    """
+    n_blocks = len(block_counts)
+    counts = block_counts.astype(np.float64)
+    weight = np.maximum(counts.sum(axis=1), 1)
+    mean_key = (counts * order_key).sum(axis=1) / weight
+    assign = np.empty(n_blocks, np.int64)
+    assign[np.lexsort((np.arange(n_blocks), mean_key))] = np.arange(n_blocks) * k // n_blocks
+    pooled = counts.sum(axis=0) + 1e-9
+    pooled /= pooled.sum()
+    for _ in range(CLUSTER_ROUNDS):
+        totals = np.stack([counts[assign == j].sum(axis=0) for j in range(k)])
+        p = (totals + pooled) / (totals.sum(axis=1, keepdims=True) + 1)
+        new = np.argmin(-counts @ np.log2(p).T, axis=1)
+        if np.array_equal(new, assign):
+            break
+        assign = new
+    return np.unique(assign, return_inverse=True)[1].reshape(-1)

@@ -1,0 +1,180 @@
+"""The rANS mode (FORMAT.md section 9): bit-exact round trips, the spec's scalar decoder, the pieces.
+
+The same round-trip bar as the Unweight mode: every bf16 pattern, hypothesis-drawn tensors and
+parameters, edge shapes. ``scalar_decode`` is section 9.4 written out as a plain loop, one lane
+at a time, as a GPU thread would run it: the lockstep NumPy decoder must agree with it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.bf16 import float32_to_bf16
+from reference.codec import RansTensor, decode_rans, decode_rans_many, encode, encode_rans, encode_rans_many
+from reference.codec.ans import quantize, slot_tables
+from reference.codec.ans_model import pack_fields, unpack_fields
+from reference.codec.errors import CodecError
+from tests.codec_strategies import bf16_tensors
+
+ALL_PATTERNS = np.arange(65536, dtype=np.uint16)
+
+
+@st.composite
+def rans_params(draw: st.DrawFn) -> dict:
+    prob_bits = draw(st.sampled_from([1, 4, 9, 12, 12, 15]))
+    return {
+        "block_size": draw(st.sampled_from([1, 7, 64, 1000, 65536])),
+        "lanes": draw(st.sampled_from([1, 3, 32, 32])),
+        "prob_bits": prob_bits,
+        "mantissa_bits": draw(st.integers(0, 7)),
+        "max_tables": draw(st.sampled_from([1, 4, 16])),
+        "escapes": prob_bits < 15 or draw(st.booleans()),  # without escapes every value needs a slot
+    }
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype == np.uint16 and a.shape == b.shape and np.array_equal(a, b)
+
+
+def trained(shape: tuple[int, ...], seed: int = 0, scale: float = 0.02) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return float32_to_bf16((rng.standard_normal(shape) * scale).astype(np.float32))
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"mantissa_bits": 0}, {"mantissa_bits": 7}, {"block_size": 1000, "lanes": 7}, {"prob_bits": 9},
+    {"escapes": False, "prob_bits": 15, "mantissa_bits": 0}, {"lanes": 1, "block_size": 4096}, {"prob_bits": 1},
+])
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_every_bf16_pattern_survives(params: dict, order: str) -> None:
+    bits = ALL_PATTERNS if order == "sorted" else np.random.default_rng(1).permutation(ALL_PATTERNS)
+    for shape in [(65536,), (256, 256)]:
+        t = encode_rans(bits.reshape(shape), **params)
+        assert same_bits(decode_rans(t), bits.reshape(shape))
+
+
+@given(bf16_tensors(), rans_params())
+def test_random_tensors_round_trip(bits: np.ndarray, params: dict) -> None:
+    t = encode_rans(bits, **params)
+    rebuilt = RansTensor.from_parts(t.header(), t.arrays())  # what the container does
+    assert same_bits(decode_rans(rebuilt), bits)
+
+
+@given(st.lists(bf16_tensors(max_elements=2000), min_size=1, max_size=4), rans_params())
+def test_many_tensors_in_one_pass(tensors: list[np.ndarray], params: dict) -> None:
+    batch = encode_rans_many(tensors, **params)
+    alone = [encode_rans(b, **params) for b in tensors]
+    for t, u in zip(batch, alone, strict=True):  # batching changes nothing in the bytes
+        assert t.header() == u.header() and all(np.array_equal(t.arrays()[k], u.arrays()[k]) for k in t.arrays())
+    mixed = batch + [encode_rans(tensors[0], lanes=5, prob_bits=11)]  # two lockstep passes (lanes, prob_bits)
+    for got, want in zip(decode_rans_many(mixed), [*tensors, tensors[0]], strict=True):
+        assert same_bits(got, want)
+
+
+def test_edge_shapes_and_values() -> None:
+    for bits in [np.zeros((0,), np.uint16), np.zeros((3, 0, 2), np.uint16), np.array(0xFFC1, np.uint16),
+                 np.full((7, 65), 0x8000, np.uint16), np.full(1000, 0x7FC3, np.uint16)]:
+        assert same_bits(decode_rans(encode_rans(bits)), bits)
+
+
+def scalar_decode(t: RansTensor) -> np.ndarray:
+    """FORMAT.md 9.4 as plain loops: block by block, step by step, lane by lane (the GPU's view)."""
+    m, values = 1 << t.prob_bits, []
+    alphabet = [int(v) for v in t.alphabet]
+    raw, _ = unpack_fields(t.raw, 8 - t.mantissa_bits, t.n)
+    escapes, _ = unpack_fields(t.escapes, 8 + t.mantissa_bits, t.n_escapes)
+    for b in range(t.n_blocks):
+        freq = [int(f) for f in t.tables[t.block_table[b]]]
+        cum = [sum(freq[:s]) for s in range(len(freq))]
+        x = [int(s) for s in t.states[b]]
+        pos, esc = int(t.block_words[b]), int(t.block_escapes[b])
+        length = min(t.block_size, t.n - b * t.block_size)
+        for step in range(-(-length // t.lanes)):
+            for lane in range(min(t.lanes, length - step * t.lanes)):  # lanes in order: reads in lane order
+                slot = x[lane] % m
+                s = next(s for s in range(len(freq)) if cum[s] <= slot < cum[s] + freq[s])
+                x[lane] = freq[s] * (x[lane] >> t.prob_bits) + slot - cum[s]
+                if x[lane] < 1 << 16:
+                    x[lane] = (x[lane] << 16) | int(t.stream[pos])
+                    pos += 1
+                if s == len(alphabet):  # the escape: the next value of the block's escapes
+                    values.append(int(escapes[esc]))
+                    esc += 1
+                else:
+                    values.append(alphabet[s])
+        assert pos == t.block_words[b + 1] and esc == t.block_escapes[b + 1] and all(s == 1 << 16 for s in x)
+    low = 7 - t.mantissa_bits
+    v, r = np.array(values, np.int64), raw.astype(np.int64)
+    return ((r >> low) << 15 | v << low | (r & ((1 << low) - 1))).astype(np.uint16).reshape(t.shape)
+
+
+@pytest.mark.parametrize("params", [{"block_size": 300, "lanes": 4}, {"block_size": 1000, "lanes": 32, "prob_bits": 6},
+                                    {"block_size": 64, "lanes": 5, "mantissa_bits": 4, "max_tables": 4}])
+def test_lockstep_decoder_matches_the_spec_loop(params: dict) -> None:
+    bits = trained((37, 61), seed=2)
+    bits[3, :7] = [0x0001, 0x7F80, 0xFFC1, 0x8000, 0x0040, 0x4700, 0x3000]  # rare exponents: escapes
+    bits[20:, :] = trained((17, 61), seed=3, scale=2.0)  # another scale: worth a second table
+    t = encode_rans(bits, **params)
+    assert t.n_escapes > 0
+    assert same_bits(scalar_decode(t), bits) and same_bits(decode_rans(t), bits)
+
+
+def test_smaller_than_the_unweight_mode_on_trained_weights() -> None:
+    bits = trained((512, 1024))
+    t, u = encode_rans(bits), encode(bits)
+    assert t.nbytes < u.nbytes < bits.nbytes
+    assert 8 * t.nbytes / bits.size < 8 + 2.6  # below 8 + H bits per weight here (H ~ 2.7 bits for N(0, 0.02))
+
+
+def test_clustered_tables_follow_local_statistics() -> None:
+    bits = np.concatenate([trained((64, 1024), seed=4, scale=1e-3), trained((64, 1024), seed=5, scale=1.0)])
+    one, several = encode_rans(bits, max_tables=1), encode_rans(bits)
+    assert several.n_tables == 2 and several.nbytes < 0.95 * one.nbytes
+
+
+@given(st.lists(st.integers(0, 10**6), min_size=1, max_size=300), st.integers(1, 15))
+def test_quantized_frequencies(counts: list[int], prob_bits: int) -> None:
+    counts = np.array(counts)
+    if np.count_nonzero(counts) > 1 << prob_bits:
+        with pytest.raises(CodecError):
+            quantize(counts, prob_bits)
+        return
+    f = quantize(counts, prob_bits)
+    assert f.sum() == (1 << prob_bits if counts.any() else 0)
+    assert np.all((f > 0) == (counts > 0))
+
+
+@given(st.integers(1, 16), st.integers(0, 200), st.integers(0, 2**32 - 1))
+def test_packed_fields(width: int, n: int, seed: int) -> None:
+    fields = np.random.default_rng(seed).integers(0, 1 << width, n)
+    packed = pack_fields(fields, width)
+    back, padding_zero = unpack_fields(packed, width, n)
+    assert padding_zero and np.array_equal(back, fields)
+    bit_string = "".join(format(int(b), "08b")[::-1] for b in packed)  # LSB first, byte after byte
+    assert bit_string.startswith("".join(format(int(f), f"0{width}b")[::-1] for f in fields))
+    assert len(packed) == math.lcm(width, 8) // 8 * -(-n // (math.lcm(width, 8) // width))
+
+
+def test_bad_parameters_raise_codec_error() -> None:
+    for params in [{"block_size": 0}, {"lanes": 0}, {"prob_bits": 16}, {"mantissa_bits": 8}, {"max_tables": 0},
+                   {"block_size": 65537, "lanes": 1}]:
+        with pytest.raises(CodecError):
+            encode_rans(np.zeros(10, np.uint16), **params)
+    with pytest.raises(CodecError):
+        encode_rans(np.zeros(10, np.float32))
+    with pytest.raises(CodecError):
+        encode_rans(ALL_PATTERNS, escapes=False, prob_bits=8)  # 256 exponents need more than 255 slots
+
+
+def test_worked_examples_from_the_spec() -> None:
+    assert pack_fields(np.array([1, 2, 3]), 6).tolist() == [0x81, 0x30, 0x00]  # FORMAT.md 9.1
+    table = slot_tables(np.array([[3, 1]]), np.array([[5, 0xFFFF]]), 2)  # FORMAT.md 9.4: p = 2, f = (3, 1)
+    x = 0x0001_0004
+    entry = int(table[x % 4])  # one decode step, as the lockstep decoder does it
+    x = (entry >> 32) * (x >> 2) + (entry & 0xFFFF)
+    assert (entry >> 16) & 0xFFFF == 5 and x == 0xC003 and (x << 16 | 0xABCD) == 0xC003_ABCD

@@ -1,0 +1,149 @@
+"""Corrupt, truncated and malformed rANS-form tensors: always CodecError, never a hang, never wrong data.
+
+The same property as for the Unweight mode: decoding damaged input either raises CodecError or
+returns exactly the original tensor.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from reference.bf16 import float32_to_bf16
+from reference.codec import RansTensor, decode_rans, encode_rans
+from reference.codec.errors import CodecError
+from reference.codec.format import crc32
+from tests.codec_strategies import bf16_tensors
+from tests.test_codec_rans import rans_params
+
+rng = np.random.default_rng(7)
+TRAINED = float32_to_bf16((rng.standard_normal((96, 200)) * 0.02).astype(np.float32))
+TRAINED[50:] = float32_to_bf16((rng.standard_normal((46, 200)) * 3.0).astype(np.float32))  # a second table
+TRAINED[3, 5:8] = [0x0001, 0x7FC1, 0x4F00]  # rare exponents: escapes
+BASE = encode_rans(TRAINED, block_size=3000, lanes=8, max_tables=4)
+ARRAYS = list(BASE.arrays())
+
+
+def test_base_uses_every_feature() -> None:
+    assert BASE.n_tables > 1 and BASE.n_escapes >= 3 and BASE.n_blocks > 1 and BASE.n % BASE.block_size
+    assert len(set(BASE.block_table.tolist())) > 1
+
+
+def decodes_exactly_or_raises(header: object, arrays: dict[str, np.ndarray], original: np.ndarray) -> None:
+    try:
+        out = decode_rans(RansTensor.from_parts(header, arrays))  # type: ignore[arg-type]
+    except CodecError:
+        return
+    assert out.shape == original.shape and np.array_equal(out, original)
+
+
+def damaged(key: str, where: int, bit: int) -> dict[str, np.ndarray]:
+    arrays = {k: np.array(v) for k, v in BASE.arrays().items()}
+    raw = arrays[key].view(np.uint8).reshape(-1)
+    if raw.size:
+        raw[where % raw.size] ^= 1 << bit
+    return arrays
+
+
+@given(st.sampled_from(ARRAYS), st.integers(0, 2**40), st.integers(0, 7))
+def test_flipped_bit_in_any_array_is_caught(key: str, where: int, bit: int) -> None:
+    if BASE.arrays()[key].size == 0:
+        return
+    with pytest.raises(CodecError, match="CRC|corrupt|must|bits"):
+        decode_rans(RansTensor.from_parts(BASE.header(), damaged(key, where, bit)))
+
+
+@given(st.sampled_from(ARRAYS), st.integers(0, 2**40), st.integers(0, 7))
+def test_flipped_bit_with_recomputed_array_crc_is_still_caught(key: str, where: int, bit: int) -> None:
+    """Defeat the array CRC: the structural checks, the lanes' end states and the data CRC still catch it."""
+    if BASE.arrays()[key].size == 0:
+        return
+    arrays = damaged(key, where, bit)
+    header = BASE.header()
+    header["crc32"][key] = crc32(arrays[key])
+    with pytest.raises(CodecError):
+        decode_rans(RansTensor.from_parts(header, arrays))
+
+
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**33), st.text(max_size=3),
+                 st.lists(st.integers(-2, 300), max_size=20), st.dictionaries(st.text(max_size=3), st.integers()))
+
+
+@given(st.sampled_from([*BASE.header(), "crc32.raw", "crc32.data", "extra"]), JUNK)
+def test_tampered_header_field(key: str, value: object) -> None:
+    header = copy.deepcopy(BASE.header())
+    if key.startswith("crc32."):
+        header["crc32"][key[6:]] = value
+    else:
+        header[key] = value
+    decodes_exactly_or_raises(header, BASE.arrays(), TRAINED)
+
+
+@given(st.sampled_from(["block_words", "block_escapes", "states", "tables", "block_table", "alphabet"]),
+       st.integers(0, 10**6), st.integers(0, 2**32 - 1))
+def test_out_of_range_entries_with_valid_crc(key: str, index: int, value: int) -> None:
+    arrays = {k: np.array(v) for k, v in BASE.arrays().items()}
+    flat = arrays[key].reshape(-1)
+    flat[index % flat.size] = value % (np.iinfo(flat.dtype).max + 1)
+    header = BASE.header()
+    header["crc32"][key] = crc32(arrays[key])
+    decodes_exactly_or_raises(header, arrays, TRAINED)
+
+
+@given(st.sampled_from(["shape", "block_size", "lanes", "prob_bits", "mantissa_bits", "alphabet_size", "n_tables",
+                        "stream_words", "n_escapes"]), st.integers(-2, 70000))
+def test_other_sizes_in_the_header(key: str, value: int) -> None:
+    header = BASE.header()
+    header[key] = [value, 200] if key == "shape" else value
+    decodes_exactly_or_raises(header, BASE.arrays(), TRAINED)
+
+
+@given(st.sampled_from(ARRAYS), st.integers(0, 10**6), st.booleans())
+def test_truncated_arrays(key: str, keep: int, flat: bool) -> None:
+    arrays = dict(BASE.arrays())
+    a = arrays[key].reshape(-1) if flat else arrays[key]
+    arrays[key] = a[: keep % len(a)] if len(a) else a[:0]
+    if arrays[key].shape == BASE.arrays()[key].shape:
+        return
+    with pytest.raises(CodecError):
+        RansTensor.from_parts(BASE.header(), arrays)
+
+
+def test_huge_shapes_are_rejected() -> None:
+    empty = encode_rans(np.zeros((0,), np.uint16))
+    for base in (BASE, empty):
+        for shape in ([2**32, 2**32], [2**62, 4], [0, 2**70], [0, 2**40, 2**40], [0] * 40):
+            with pytest.raises(CodecError):
+                decode_rans(RansTensor.from_parts(base.header() | {"shape": shape}, base.arrays()))
+
+
+def test_wrong_types_of_arrays_are_rejected() -> None:
+    for key in ARRAYS:
+        arrays = dict(BASE.arrays())
+        arrays[key] = np.array(3.5)  # 0-D, wrong dtype
+        with pytest.raises(CodecError, match=key):
+            RansTensor.from_parts(BASE.header(), arrays)
+
+
+@given(bf16_tensors(max_elements=3000), rans_params(), st.data())
+def test_fuzz_random_tensors_and_random_damage(bits: np.ndarray, params: dict, data: st.DataObject) -> None:
+    t = encode_rans(bits, **params)
+    header, arrays = t.header(), {k: np.array(v) for k, v in t.arrays().items()}
+    nonempty = [k for k in arrays if arrays[k].size]
+    key = data.draw(st.sampled_from(nonempty)) if nonempty else None
+    if key is not None:
+        raw = arrays[key].view(np.uint8).reshape(-1)
+        raw[data.draw(st.integers(0, raw.size - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        if data.draw(st.booleans()):
+            header["crc32"][key] = crc32(arrays[key])  # also defeat the array checksum
+    decodes_exactly_or_raises(header, arrays, bits)
+
+
+def test_wrong_version_form_and_format_are_named() -> None:
+    for key, value in [("version", 2), ("format", "zip"), ("form", "huffman")]:
+        with pytest.raises(CodecError, match=key):
+            RansTensor.from_parts(BASE.header() | {key: value}, BASE.arrays())
