@@ -119,3 +119,13 @@ def test_wrong_version_and_form_are_named() -> None:
         header = BASE.header() | {key: value}
         with pytest.raises(CodecError, match=words):
             CompressedTensor.from_parts(header, BASE.arrays())
+
+
+@pytest.mark.parametrize("shape", [[0, 2**70], [2**40, 2**40], [-1, 3]])
+def test_absurd_header_shapes_are_codec_errors(shape: list[int]) -> None:
+    """Dimensions beyond 2^48 (even in an empty tensor) must not overflow inside NumPy."""
+    ct = encode(np.zeros((0, 3), dtype=np.uint16))
+    header = ct.header()
+    header["shape"] = shape
+    with pytest.raises(CodecError, match="shape"):
+        CompressedTensor.from_parts(header, ct.arrays())

@@ -8,6 +8,7 @@ everything that can be validated before decoding (FORMAT.md section 3.6); the de
 from __future__ import annotations
 
 import json
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ HEADER_KEYS = ("format", "version", "form", "shape", "chunk_size", "chunks_per_g
 MAX_CHUNK_SIZE, MAX_CHUNKS_PER_GROUP = 4096, 65536
 MAX_GROUP_WEIGHTS = 65536  # chunk_size * chunks_per_group: bounds the sequential work of decoding a group
 UINT32_LIMIT = 2**32
+MAX_WEIGHTS = 2**48  # far above any real tensor; keeps every size computation inside int64
 
 
 def crc32(array: np.ndarray) -> int:
@@ -98,7 +100,9 @@ class CompressedTensor:
         missing = set(HEADER_KEYS) - set(header)
         if unknown or missing:
             raise CodecError(f"{where}header has unknown keys {sorted(unknown)} / lacks keys {sorted(missing)}")
-        shape = _int_list(header["shape"], "shape", 0, None, where)
+        shape = _int_list(header["shape"], "shape", 0, MAX_WEIGHTS, where)
+        if math.prod(shape) > MAX_WEIGHTS:  # Python ints: no overflow before the check
+            raise CodecError(f"{where}shape {shape} holds more than 2^48 weights: not a tensor this format stores")
         palette = _int_list(header["palette"], "palette", 0, 255, where)
         crc = header["crc32"]
         if not isinstance(crc, Mapping) or set(crc) != set(CRC_KEYS):
