@@ -167,3 +167,9 @@ def test_fp8_kv_agreement_bound():
         agree.append(same)
     print(f"fp8 vs float32 KV: greedy tokens before the first difference {agree}")
     assert np.mean(agree) >= 8, agree  # tokens before the first difference, mean over prompts
+
+
+def test_text_leaves_out_the_end_token() -> None:
+    out = engine().generate([chat("What is the capital of France?")], SamplingParams(max_tokens=16))[0]
+    assert out.finish_reason == "stop" and out.output_token_ids[-1] in smollm2_tokenizer().eos_token_ids
+    assert "Paris" in out.text and "<|im_end|>" not in out.text

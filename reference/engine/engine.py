@@ -163,7 +163,7 @@ class Engine:
             req.metrics.token_times.append(now)
             if e.seq.is_finished:
                 req.finish_reason, req.metrics.finish_time = e.seq.finish_reason, now
-            text = self.tokenizer.decode([token]) if self.tokenizer is not None else ""
+            text = self.tokenizer.decode([token], skip_special=True) if self.tokenizer is not None else ""
             events.append(TokenEvent(req.request_id, token, len(req.output_token_ids) - 1, now, req.finished,
                                      req.finish_reason, text))
         self.step_log.append(StepRecord(now, now - started, tuple(e.num_new_tokens for e in batch.entries),
@@ -204,7 +204,7 @@ class Engine:
 
     def output(self, request_id: str) -> RequestOutput:
         req = self.requests[request_id]
-        text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else ""
+        text = self.tokenizer.decode(req.output_token_ids, skip_special=True) if self.tokenizer is not None else ""
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                              req.finish_reason, req.tenant, req.metrics, req.seq.num_cached_tokens)
 
