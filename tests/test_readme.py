@@ -1,0 +1,39 @@
+"""The README's promises: two quickstart commands, the one CI runs, and a Python example that works."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+README = (REPO / "README.md").read_text()
+
+
+def test_quickstart_has_exactly_the_two_commands() -> None:
+    block = re.search(r"## Quickstart.*?```bash\n(.*?)```", README, re.S)
+    assert block, "README has no Quickstart bash block"
+    commands = [line for line in block.group(1).splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2
+    reproduce, test = commands
+    assert reproduce.endswith("python -m experiments reproduce")
+    assert "pytest" in test and "conformance" in test
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run takes the line under '# 2. set up and run the tests' and runs it as written."""
+    out = subprocess.run(["grep", "-A1", "-F", "# 2. set up and run the tests", "README.md"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+    assert "pytest" in out
+    assert "# 2. set up and run the tests" in (REPO / ".ci" / "run").read_text()
+
+
+@pytest.mark.slow
+def test_python_example_runs() -> None:
+    code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(1):
+        exec(compile(code, "README.md", "exec"), {})
