@@ -94,7 +94,10 @@ def print_table(rows: list[tuple[str, str, str, str, str]]) -> None:
         elif verdict.startswith(("partly", "differs")):
             color = "yellow"
         table.add_row(*row[:4], f"[{color}]{verdict}[/{color}]")
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log file: do not wrap the table at 80 columns
+        console = Console(width=170)
+    console.print(table)
 
 
 def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_DIR, out: Path = PAPER) -> Path:

@@ -19,7 +19,9 @@ def commit() -> str:
             ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+            # results and the paper are outputs of a run: rewriting them does not make the code dirty
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/results", ":!paper"],
+            cwd=REPO, capture_output=True, text=True
         ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
