@@ -31,6 +31,8 @@ import functools
 import numpy as np
 import torch
 
+from fast.codec import encode_words
+from fast.codec.encode_words import choose_palette
 from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
 from fast.errors import KernelInputError
 from reference.codec.huffman import canonical_codes, code_lengths
@@ -47,13 +49,6 @@ def split_bytes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = b & -32641  # 0x807F as int16: the sign and mantissa bits
     sm = (s | (s >> 8)).to(torch.uint8)  # the arithmetic shift moves the sign bit into bit 7
     return exponent, sm
-
-
-def choose_palette(counts: np.ndarray, palette_size: int) -> list[int]:
-    """The most frequent exponent values that occur, by count descending then value ascending."""
-    used = np.flatnonzero(counts)
-    order = used[np.lexsort((used, -counts[used]))]
-    return [int(v) for v in order[:palette_size]]
 
 
 def _check_input(x: torch.Tensor, chunk_size: int, chunks_per_group: int, palette_size: int,
@@ -140,7 +135,7 @@ def _words32(words: torch.Tensor, total: int) -> torch.Tensor:
     return words.view(torch.int32).view(-1, 2).flip(1).reshape(-1)[: (total + 31) // 32 + 1].contiguous()
 
 
-BLOCK_WEIGHTS = 1 << 19  # per-weight work runs in blocks of about this many weights (cache-sized temporaries)
+BLOCK_WEIGHTS = 1 << 20  # per-weight work runs in blocks of about this many weights (cache-sized temporaries)
 
 
 def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, palette_size: int = 16,
@@ -155,6 +150,14 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
     device = x.device
     g = Geometry(tuple(x.shape), chunk_size, chunks_per_group)
     bits = x.contiguous().reshape(-1).view(torch.int16) if g.n else torch.zeros(0, dtype=torch.int16, device=device)
+    if encode_words.applies(g, palette_size, max_code_length):  # the usual case: see encode_words.py
+        form = encode_words.encode_words(bits, g, max_code_length, palette_size, BLOCK_WEIGHTS)
+        if not with_palette_form:
+            return form
+        symbol_of = np.full(256, NONE, np.uint8)
+        symbol_of[form.palette] = np.arange(len(form.palette))
+        sym = torch.from_numpy(symbol_of).to(device).index_select(0, (bits >> 7).to(torch.uint8).to(torch.int32))
+        return form, palette_form_from_symbols(g, form.palette, sym, form.sm, form.vchunks, form.vexp)
     aligned = g.cols % chunk_size == 0
     group_weights = chunks_per_group * chunk_size
     block = max(1, BLOCK_WEIGHTS // group_weights) * group_weights if aligned else max(g.n, 1)
