@@ -1,8 +1,11 @@
-"""The encoder's fast path (fast/codec/encode_words.py) against the reference encoder: shapes it takes
-(whole-chunk rows), palettes that are and are not 16 consecutive exponents, wrong palette guesses,
-verbatim chunks, many blocks; and its package-merge against the reference's."""
+"""The encoder's fast paths against the reference encoder: the torch one (fast/codec/encode_words.py)
+and the C one (fast/codec/native/encode.c) on shapes the torch one takes (whole-chunk rows),
+palettes that are and are not 16 consecutive exponents, wrong palette guesses, verbatim chunks,
+many blocks; and both package-merge implementations against the reference's."""
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
@@ -13,16 +16,18 @@ import fast.codec.encode as enc
 import fast.codec.encode_words as ew
 import reference.codec as rc
 from fast.bf16 import from_numpy_bits
+from fast.codec import encode_native
 from fast.codec.convert import huffman_arrays
 from fast.codec.forms import Geometry
+from fast.errors import KernelInputError
 from reference.codec.huffman import code_lengths
 from tests.codec_strategies import SPECIALS
 
 
-def _same(bits: np.ndarray, block: int = 1 << 20, **params: int) -> bool:
+def _same(bits: np.ndarray, block: int = 1 << 20, native: bool = False, **params: int) -> bool:
     saved, enc.BLOCK_WEIGHTS = enc.BLOCK_WEIGHTS, block
     try:
-        mine = huffman_arrays(enc.encode(from_numpy_bits(bits), **params))
+        mine = huffman_arrays(enc.encode(from_numpy_bits(bits), **params, native=native))
     finally:
         enc.BLOCK_WEIGHTS = saved
     ref = huffman_arrays(rc.encode(bits, **params))
@@ -59,13 +64,17 @@ def aligned_tensors(draw: st.DrawFn) -> tuple[np.ndarray, dict[str, int]]:
     return bits.reshape(rows, cols), params
 
 
+NATIVE = [False] + ([True] if encode_native.library() is not None else [])
+
+
+@pytest.mark.parametrize("native", NATIVE)
 @settings(max_examples=60, deadline=None)
 @given(case=aligned_tensors(), block=st.sampled_from([1, 4096, 1 << 20]))
-def test_fast_path_equals_reference(case: tuple[np.ndarray, dict[str, int]], block: int) -> None:
+def test_fast_paths_equal_reference(native: bool, case: tuple[np.ndarray, dict[str, int]], block: int) -> None:
     bits, params = case
     assert ew.applies(Geometry(bits.shape, params["chunk_size"], params["chunks_per_group"]),
                       params["palette_size"], params["max_code_length"])
-    assert _same(bits, block, **params)
+    assert _same(bits, block, native, **params)
 
 
 @pytest.mark.parametrize("shift", [-2, -1, 0, 1, 2])
@@ -85,10 +94,11 @@ def test_wrong_palette_guess_is_corrected(monkeypatch: pytest.MonkeyPatch, shift
     assert runs == ([min(palette)] if shift == 0 else [min(palette) + shift, min(palette)])
 
 
-def test_all_chunks_verbatim_and_one_exponent() -> None:
+@pytest.mark.parametrize("native", NATIVE)
+def test_all_chunks_verbatim_and_one_exponent(native: bool) -> None:
     spread = ((np.arange(64 * 64) % 256) << 7).astype(np.uint16).reshape(64, 64)  # every chunk sees 64 exponents
-    assert _same(spread)
-    assert _same(np.full((8, 64), 0x3F80, np.uint16))  # one exponent: one symbol of length 1
+    assert _same(spread, native=native)
+    assert _same(np.full((8, 64), 0x3F80, np.uint16), native=native)  # one exponent: one symbol of length 1
 
 
 @settings(max_examples=200, deadline=None)
@@ -107,3 +117,54 @@ def test_fast_code_lengths_ties() -> None:
     for counts in ([5] * 16, [1, 1, 2, 2, 4, 4, 8, 8], [3, 3, 3, 0, 3, 3, 6, 6, 12]):
         for max_length in (4, 5, 12):
             assert ew.fast_code_lengths(np.array(counts), max_length) == code_lengths(counts, max_length)
+
+
+@pytest.mark.skipif(encode_native.library() is None, reason="no C compiler: the C encoder is not built")
+@settings(max_examples=300, deadline=None)
+@given(counts=st.lists(st.integers(0, 10**12), min_size=0, max_size=25), max_length=st.integers(1, 16),
+       ties=st.booleans())
+def test_c_code_lengths_equal_reference(counts: list[int], max_length: int, ties: bool) -> None:
+    """unw_code_lengths is the reference's package-merge, ties included (or declines: -1)."""
+    if ties:  # few distinct counts: many ties
+        counts = [c % 4 for c in counts]
+    out = np.zeros(len(counts), np.uint8)
+    c = np.array(counts, np.int64)
+    status = encode_native.library().unw_code_lengths(c.ctypes.data, len(counts), max_length, out.ctypes.data)
+    used = sum(1 for x in counts if x > 0)
+    if used <= 2 or used > 2**max_length:
+        assert status == -1
+    else:
+        assert status == 0 and out.tolist() == code_lengths(counts, max_length)
+
+
+def _trained(rows: int = 32, cols: int = 256) -> np.ndarray:
+    x = (np.random.default_rng(3).standard_normal(rows * cols) * 0.02).astype(np.float32)
+    return (x.view(np.uint32) >> 16).astype(np.uint16).reshape(rows, cols)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+def test_c_encoder_builds_into_an_empty_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(encode_native, "_state", {})
+    monkeypatch.setenv("UNFIRE_CACHE", str(tmp_path))
+    assert encode_native.library() is not None
+    assert len(list(tmp_path.glob("encode-*.so"))) == 1
+    assert _same(_trained(), native=True)
+
+
+@pytest.mark.parametrize("compiler", ["no-such-compiler", "false"])
+def test_without_a_c_compiler_encode_uses_torch(monkeypatch: pytest.MonkeyPatch, tmp_path, compiler: str) -> None:
+    monkeypatch.setattr(encode_native, "_state", {})
+    monkeypatch.setenv("UNFIRE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", compiler)  # missing, or one that fails
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        assert encode_native.library() is None
+    assert _same(_trained(), native=None)  # encode() falls back to the torch encoder
+    with pytest.raises(KernelInputError, match="not available"):
+        enc.encode(from_numpy_bits(_trained()), native=True)
+
+
+def test_unfire_native_0_turns_the_c_encoder_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(encode_native, "_state", {})
+    monkeypatch.setenv("UNFIRE_NATIVE", "0")
+    assert encode_native.library() is None
+    assert _same(_trained(), native=None)

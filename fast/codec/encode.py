@@ -31,7 +31,7 @@ import functools
 import numpy as np
 import torch
 
-from fast.codec import encode_words
+from fast.codec import encode_native, encode_words
 from fast.codec.encode_words import choose_palette
 from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
 from fast.errors import KernelInputError
@@ -139,19 +139,29 @@ BLOCK_WEIGHTS = 1 << 20  # per-weight work runs in blocks of about this many wei
 
 
 def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, palette_size: int = 16,
-           max_code_length: int = 12, *,
-           with_palette_form: bool = False) -> HuffmanForm | tuple[HuffmanForm, PaletteForm]:
+           max_code_length: int = 12, *, with_palette_form: bool = False,
+           native: bool | None = None) -> HuffmanForm | tuple[HuffmanForm, PaletteForm]:
     """Compress a bf16 tensor into the Huffman form (FORMAT.md), identical to the reference encoder's output.
 
-    With ``with_palette_form=True`` also returns the palette form. When the rows are whole chunks, the
-    per-weight passes run block by block (whole groups per block), so temporaries stay in cache.
+    With ``with_palette_form=True`` also returns the palette form. Three implementations give the same
+    bytes: on the CPU the C encoder (``encode_native``; ``native=None`` uses it when it can be built,
+    ``False`` never, ``True`` always or raises), else the torch fast path (``encode_words``: rows of
+    whole chunks, palettes of <= 16, L <= 14) or the general torch path below, which runs its
+    per-weight passes block by block (whole groups per block) when the rows are whole chunks.
     """
     _check_input(x, chunk_size, chunks_per_group, palette_size, max_code_length)
     device = x.device
     g = Geometry(tuple(x.shape), chunk_size, chunks_per_group)
     bits = x.contiguous().reshape(-1).view(torch.int16) if g.n else torch.zeros(0, dtype=torch.int16, device=device)
-    if encode_words.applies(g, palette_size, max_code_length):  # the usual case: see encode_words.py
+    form = None
+    if native or (native is None and device.type == "cpu" and g.n and encode_native.library() is not None):
+        if device.type != "cpu" or not g.n:
+            raise KernelInputError(f"encode: the C encoder takes a non-empty CPU tensor, got {tuple(x.shape)} "
+                                   f"on {device}")
+        form = encode_native.encode_native(bits, g, max_code_length, palette_size)
+    elif encode_words.applies(g, palette_size, max_code_length):  # the usual case: see encode_words.py
         form = encode_words.encode_words(bits, g, max_code_length, palette_size, BLOCK_WEIGHTS)
+    if form is not None:
         if not with_palette_form:
             return form
         symbol_of = np.full(256, NONE, np.uint8)

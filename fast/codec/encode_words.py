@@ -247,10 +247,10 @@ def _pack(work: _Work, table: torch.Tensor, vchunks: torch.Tensor, stream_bits: 
         entry = torch.index_select(table, 0, index, out=c[1:])
         if v1 > v0:  # verbatim chunks: their quads emit nothing
             entry.view(-1, wpc)[vchunks[v0:v1] - a // wpc] = 0
-        torch.bitwise_and(entry, 63, out=e[1:])
+        torch.bitwise_and(entry, 63, out=w[1:])  # the lengths
         entry >>= 6  # c[1:] = the codes
-        e[0] = position
-        torch.cumsum(e, 0, out=e)  # e[k] = end bit of quad k (k >= 1), e[0] = start of the block
+        w[0] = position
+        torch.cumsum(w, 0, out=e)  # e[k] = end bit of quad k (k >= 1), e[0] = start of the block
         ends.append(e[wpg::wpg].clone())  # the end bit of each group
         position = int(e[m])
         torch.bitwise_right_shift(e, 6, out=w)  # the word each quad ends in ...
