@@ -1,7 +1,15 @@
-"""A vectorised torch encoder: bf16 tensor -> Huffman form (and palette form), on CPU or GPU.
+"""The encoder: bf16 tensor -> Huffman form (and palette form), on CPU or GPU.
 
-It produces, byte for byte, what the reference encoder produces (FORMAT.md sections 2 and 3),
-but in a handful of whole-tensor passes instead of loops:
+It produces, byte for byte, what the reference encoder produces (FORMAT.md sections 2 and 3).
+``encode`` picks one of three implementations:
+
+* on the CPU, the C encoder (``encode_native.py``, ``native/encode.c``): three loops over the
+  tensor, built on first use with the system C compiler. Eager torch cannot match ZipNN's speed
+  on a CPU (``encode_native.py`` says why); this can, by a wide margin;
+* else (a GPU, or no C compiler), when rows are whole chunks, chunks a multiple of 4 weights, the
+  palette at most 16 and L at most 14 (the defaults, and every 2-D weight of MiniLM): the torch
+  fast path (``encode_words.py``: four weights per int64 word, two blocked passes);
+* else the general torch path in this file, in a handful of whole-tensor passes:
 
 1. split each bf16 into its exponent and sign/mantissa bytes (int16 arithmetic);
 2. histogram the exponents and pick the palette; give every weight a 4-bit symbol. When the
