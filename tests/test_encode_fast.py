@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +22,7 @@ from fast.codec.convert import huffman_arrays
 from fast.codec.forms import Geometry
 from fast.errors import KernelInputError
 from reference.codec.huffman import code_lengths
-from tests.codec_strategies import SPECIALS
+from tests.codec_strategies import SPECIALS, bf16_tensors, codec_params
 
 
 def _same(bits: np.ndarray, block: int = 1 << 20, native: bool = False, **params: int) -> bool:
@@ -168,3 +169,22 @@ def test_unfire_native_0_turns_the_c_encoder_off(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setenv("UNFIRE_NATIVE", "0")
     assert encode_native.library() is None
     assert _same(_trained(), native=None)
+
+
+@pytest.mark.skipif(encode_native.library() is None, reason="no C compiler: the C encoder is not built")
+@settings(max_examples=80, deadline=None)
+@given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([2, 3, 7]))
+def test_c_encoder_in_threads_equals_reference(bits: np.ndarray, params: dict[str, int], threads: int) -> None:
+    """Ranges of groups packed apart and joined (here even for small tensors)."""
+    if bits.size == 0:
+        return
+    saved = torch.get_num_threads(), encode_native.MIN_WEIGHTS_PER_THREAD
+    torch.set_num_threads(threads)
+    encode_native.MIN_WEIGHTS_PER_THREAD = 1
+    try:
+        mine = huffman_arrays(enc.encode(from_numpy_bits(bits), **params, native=True))
+    finally:
+        torch.set_num_threads(saved[0])
+        encode_native.MIN_WEIGHTS_PER_THREAD = saved[1]
+    ref = huffman_arrays(rc.encode(bits, **params))
+    assert mine.keys() == ref.keys() and all(np.array_equal(mine[k], ref[k]) for k in ref)

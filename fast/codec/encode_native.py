@@ -41,12 +41,13 @@ _state: dict[str, ctypes.CDLL | None] = {}
 
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {  # name: (return type, argument types), as in native/encode.c
-    "unw_scan": (None, [_P, _I64, _I64, _I64, _P, _P, _P, _P]),
-    "unw_verbatim": (_I64, [_P, _I64, _I64, _I64, _P, _P, _P, _INT, _P, _P]),
+    "unw_scan": (_INT, [_P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _P]),
+    "unw_verbatim": (_I64, [_P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _INT, _P, _P]),
     "unw_gather_vexp": (None, [_P, _I64, _I64, _P, _I64, _P]),
     "unw_code_lengths": (_INT, [_P, _INT, _INT, _P]),
-    "unw_pack": (_I64, [_P, _I64, _I64, _I64, _I64, _P, _P, _INT, _P, _P, _P]),
+    "unw_pack": (_I64, [_P, _I64, _I64, _I64, _I64, _INT, _P, _P, _INT, _P, _P, _P, _P]),
 }
+MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
 
 
 def _build() -> ctypes.CDLL:
@@ -103,23 +104,25 @@ def encode_native(bits: torch.Tensor, g: Geometry, max_code_length: int, palette
     lib = library()
     if lib is None:
         raise KernelInputError("encode_native: the C encoder is not available")
-    rows, cols, cs = g.rows, g.cols, g.chunk_size
+    rows, cols, cs, cpg = g.rows, g.cols, g.chunk_size, g.chunks_per_group
+    threads = max(1, min(torch.get_num_threads(), g.n // MIN_WEIGHTS_PER_THREAD, g.n_groups, 64))
     x = _ptr(bits)
     sm = _empty(g.n, torch.uint8, bits.device)
-    counts = np.zeros(256, np.int64)
+    counts = np.zeros((threads, 256), np.int64)  # one histogram per range of groups (one per thread)
     chunk_min, chunk_max, flags = np.empty((3, g.n_chunks), np.uint8)
-    lib.unw_scan(x, rows, cols, cs, _ptr(sm), _ptr(counts), _ptr(chunk_min), _ptr(chunk_max))  # pass 1
+    lib.unw_scan(x, rows, cols, cs, cpg, threads, _ptr(sm), _ptr(counts), _ptr(chunk_min), _ptr(chunk_max))  # pass 1
 
-    palette = choose_palette(counts, palette_size)
+    palette = choose_palette(counts.sum(0), palette_size)
     pal = np.array(palette, np.uint8)
-    in_verbatim = np.zeros(256, np.int64)
-    lib.unw_verbatim(x, rows, cols, cs, _ptr(chunk_min), _ptr(chunk_max), _ptr(pal), len(palette), _ptr(flags),
-                     _ptr(in_verbatim))
+    in_verbatim = np.zeros((threads, 256), np.int64)
+    lib.unw_verbatim(x, rows, cols, cs, cpg, threads, _ptr(chunk_min), _ptr(chunk_max), _ptr(pal), len(palette),
+                     _ptr(flags), _ptr(in_verbatim))
     vchunks = np.flatnonzero(flags)
     vexp = np.empty((vchunks.size, cs), np.uint8)
     lib.unw_gather_vexp(x, cols, cs, _ptr(vchunks), vchunks.size, _ptr(vexp))
 
-    sym_counts = counts[palette] - in_verbatim[palette]  # over the coded chunks
+    coded = counts - in_verbatim  # by range, over the coded chunks
+    sym_counts = coded.sum(0)[palette]
     lengths = np.zeros(len(palette), np.uint8)
     if lib.unw_code_lengths(_ptr(sym_counts), len(palette), max_code_length, _ptr(lengths)) != 0:
         lengths[:] = fast_code_lengths(sym_counts, max_code_length)  # few symbols, many, or an error: in Python
@@ -128,8 +131,10 @@ def encode_native(bits: torch.Tensor, g: Geometry, max_code_length: int, palette
         raise KernelInputError(f"encode: the stream of {stream_bits} bits exceeds the format's 2^32 - 1 limit")
     stream = np.empty(stream_bits // 32 + 6, np.uint32)  # pass 2 stores 8 bytes at a time, up to 16 past the end
     offsets = np.empty(g.n_groups + 1, np.int64)
-    packed = lib.unw_pack(x, rows, cols, cs, g.chunks_per_group, _ptr(flags), _ptr(pal), len(palette),
-                          _ptr(lengths), _ptr(stream), _ptr(offsets))  # pass 2
+    packed = lib.unw_pack(x, rows, cols, cs, cpg, threads, _ptr(flags), _ptr(pal), len(palette), _ptr(lengths),
+                          _ptr(coded), _ptr(stream), _ptr(offsets))  # pass 2
+    if packed < 0:
+        raise MemoryError("encode_native: out of memory for the stream")
     if packed != stream_bits:
         raise AssertionError(f"encode_native: packed {packed} bits, expected {stream_bits}")
     stream_t = torch.from_numpy(stream[: (stream_bits + 31) // 32 + 1].view(np.int32))
