@@ -128,14 +128,31 @@ def test_c_code_lengths_equal_reference(counts: list[int], max_length: int, ties
     """unw_code_lengths is the reference's package-merge, ties included (or declines: -1)."""
     if ties:  # few distinct counts: many ties
         counts = [c % 4 for c in counts]
-    out = np.zeros(len(counts), np.uint8)
-    c = np.array(counts, np.int64)
-    status = encode_native.library().unw_code_lengths(c.ctypes.data, len(counts), max_length, out.ctypes.data)
+    p = len(counts)
+    all_counts = torch.zeros((2, 1, 256), dtype=torch.int64)  # exponent i = palette entry i; nothing verbatim
+    all_counts[0, 0, :p] = torch.tensor(counts, dtype=torch.int64)
+    palette = torch.arange(256, dtype=torch.uint8)
+    out = torch.zeros(max(p, 1), dtype=torch.uint8)
+    bits = encode_native.library().unw_code_lengths(all_counts[0].data_ptr(), all_counts[1].data_ptr(), 1,
+                                                    palette.data_ptr(), p, max_length, out.data_ptr())
     used = sum(1 for x in counts if x > 0)
     if used <= 2 or used > 2**max_length:
-        assert status == -1
+        assert bits == -1
     else:
-        assert status == 0 and out.tolist() == code_lengths(counts, max_length)
+        want = code_lengths(counts, max_length)
+        assert out[:p].tolist() == want and bits == sum(c * n for c, n in zip(counts, want, strict=True))
+
+
+@pytest.mark.skipif(encode_native.library() is None, reason="no C compiler: the C encoder is not built")
+@settings(max_examples=200, deadline=None)
+@given(counts=st.lists(st.integers(0, 5), min_size=256, max_size=256), palette_size=st.integers(1, 256),
+       threads=st.integers(1, 3))
+def test_c_palette_equals_reference(counts: list[int], palette_size: int, threads: int) -> None:
+    """unw_palette: count down, ties by exponent up (few distinct counts: many ties), over ranges."""
+    split = torch.tensor(counts, dtype=torch.int64).repeat(threads, 1)  # each range holds all of them
+    palette = torch.zeros(256, dtype=torch.uint8)
+    p = encode_native.library().unw_palette(split.data_ptr(), threads, palette_size, palette.data_ptr())
+    assert palette[:p].tolist() == ew.choose_palette(np.array(counts) * threads, palette_size)
 
 
 def _trained(rows: int = 32, cols: int = 256) -> np.ndarray:

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fast.codec.encode_words import _empty, choose_palette, fast_code_lengths
+from fast.codec.encode_words import _empty, fast_code_lengths
 from fast.codec.forms import Geometry, HuffmanForm
 from fast.errors import KernelInputError
 
@@ -42,9 +42,10 @@ _state: dict[str, ctypes.CDLL | None] = {}
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {  # name: (return type, argument types), as in native/encode.c
     "unw_scan": (_INT, [_P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _P]),
+    "unw_palette": (_INT, [_P, _INT, _INT, _P]),
     "unw_verbatim": (_I64, [_P, _I64, _I64, _I64, _I64, _INT, _P, _P, _P, _INT, _P, _P]),
-    "unw_gather_vexp": (None, [_P, _I64, _I64, _P, _I64, _P]),
-    "unw_code_lengths": (_INT, [_P, _INT, _INT, _P]),
+    "unw_gather_vexp": (None, [_P, _I64, _I64, _I64, _P, _P, _P]),
+    "unw_code_lengths": (_I64, [_P, _P, _INT, _P, _INT, _INT, _P]),
     "unw_pack": (_I64, [_P, _I64, _I64, _I64, _I64, _INT, _P, _P, _INT, _P, _P, _P, _P]),
 }
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
@@ -95,48 +96,48 @@ def library() -> ctypes.CDLL | None:
     return _state["lib"]
 
 
-def _ptr(a: torch.Tensor | np.ndarray) -> int:
-    return a.data_ptr() if isinstance(a, torch.Tensor) else a.ctypes.data
-
-
 def encode_native(bits: torch.Tensor, g: Geometry, max_code_length: int, palette_size: int) -> HuffmanForm:
-    """The Huffman form of a tensor's int16 bits (flat, contiguous, on the CPU, at least one weight)."""
+    """The Huffman form of a tensor's int16 bits (flat, contiguous, on the CPU, at least one weight).
+
+    Buffers are torch tensors: ``data_ptr()`` is far cheaper than NumPy's ``ctypes.data`` (about
+    20 pointers per call, on tensors of 100 kB this matters).
+    """
     lib = library()
     if lib is None:
         raise KernelInputError("encode_native: the C encoder is not available")
     rows, cols, cs, cpg = g.rows, g.cols, g.chunk_size, g.chunks_per_group
     threads = max(1, min(torch.get_num_threads(), g.n // MIN_WEIGHTS_PER_THREAD, g.n_groups, 64))
-    x = _ptr(bits)
+    x = bits.data_ptr()
     sm = _empty(g.n, torch.uint8, bits.device)
-    counts = np.zeros((threads, 256), np.int64)  # one histogram per range of groups (one per thread)
-    chunk_min, chunk_max, flags = np.empty((3, g.n_chunks), np.uint8)
-    lib.unw_scan(x, rows, cols, cs, cpg, threads, _ptr(sm), _ptr(counts), _ptr(chunk_min), _ptr(chunk_max))  # pass 1
-
-    palette = choose_palette(counts.sum(0), palette_size)
-    pal = np.array(palette, np.uint8)
-    in_verbatim = np.zeros((threads, 256), np.int64)
-    lib.unw_verbatim(x, rows, cols, cs, cpg, threads, _ptr(chunk_min), _ptr(chunk_max), _ptr(pal), len(palette),
-                     _ptr(flags), _ptr(in_verbatim))
-    vchunks = np.flatnonzero(flags)
-    vexp = np.empty((vchunks.size, cs), np.uint8)
-    lib.unw_gather_vexp(x, cols, cs, _ptr(vchunks), vchunks.size, _ptr(vexp))
-
-    coded = counts - in_verbatim  # by range, over the coded chunks
-    sym_counts = coded.sum(0)[palette]
-    lengths = np.zeros(len(palette), np.uint8)
-    if lib.unw_code_lengths(_ptr(sym_counts), len(palette), max_code_length, _ptr(lengths)) != 0:
-        lengths[:] = fast_code_lengths(sym_counts, max_code_length)  # few symbols, many, or an error: in Python
-    stream_bits = int(np.dot(sym_counts, lengths.astype(np.int64)))
+    counts = torch.zeros((2, threads, 256), dtype=torch.int64)  # per range of groups: all, in verbatim chunks
+    chunks = torch.empty((3, g.n_chunks), dtype=torch.uint8)  # min exponent, max exponent, verbatim
+    palette = torch.empty(256, dtype=torch.uint8)
+    c_all, c_verbatim, c_min, c_max, flags = (counts[0].data_ptr(), counts[1].data_ptr(), chunks[0].data_ptr(),
+                                              chunks[1].data_ptr(), chunks[2].data_ptr())
+    lib.unw_scan(x, rows, cols, cs, cpg, threads, sm.data_ptr(), c_all, c_min, c_max)  # pass 1
+    p = lib.unw_palette(c_all, threads, palette_size, palette.data_ptr())
+    n_verbatim = lib.unw_verbatim(x, rows, cols, cs, cpg, threads, c_min, c_max, palette.data_ptr(), p, flags,
+                                  c_verbatim)
+    vchunks = torch.empty(n_verbatim, dtype=torch.int64)
+    vexp = torch.empty((n_verbatim, cs), dtype=torch.uint8)
+    lib.unw_gather_vexp(x, rows, cols, cs, flags, vchunks.data_ptr(), vexp.data_ptr())
+    lengths = torch.empty(p, dtype=torch.uint8)
+    stream_bits = lib.unw_code_lengths(c_all, c_verbatim, threads, palette.data_ptr(), p, max_code_length,
+                                       lengths.data_ptr())
+    if stream_bits < 0:  # few symbols, many, or an error: in Python
+        sym_counts = (counts[0] - counts[1]).sum(0).numpy()[palette[:p].numpy()]  # over the coded chunks
+        lengths = torch.tensor(fast_code_lengths(sym_counts, max_code_length), dtype=torch.uint8)
+        stream_bits = int(np.dot(sym_counts, lengths.numpy().astype(np.int64)))
     if stream_bits >= 1 << 32:
         raise KernelInputError(f"encode: the stream of {stream_bits} bits exceeds the format's 2^32 - 1 limit")
-    stream = np.empty(stream_bits // 32 + 6, np.uint32)  # pass 2 stores 8 bytes at a time, up to 16 past the end
-    offsets = np.empty(g.n_groups + 1, np.int64)
-    packed = lib.unw_pack(x, rows, cols, cs, cpg, threads, _ptr(flags), _ptr(pal), len(palette), _ptr(lengths),
-                          _ptr(coded), _ptr(stream), _ptr(offsets))  # pass 2
+    stream = _empty(stream_bits // 32 + 6, torch.int32, bits.device)  # pass 2 stores 8 bytes at a time, 16 past
+    offsets = torch.empty(g.n_groups + 1, dtype=torch.int64)
+    coded = counts[0] - counts[1]  # by range: where each range's bits start
+    packed = lib.unw_pack(x, rows, cols, cs, cpg, threads, flags, palette.data_ptr(), p, lengths.data_ptr(),
+                          coded.data_ptr(), stream.data_ptr(), offsets.data_ptr())  # pass 2
     if packed < 0:
         raise MemoryError("encode_native: out of memory for the stream")
     if packed != stream_bits:
         raise AssertionError(f"encode_native: packed {packed} bits, expected {stream_bits}")
-    stream_t = torch.from_numpy(stream[: (stream_bits + 31) // 32 + 1].view(np.int32))
-    return HuffmanForm(g, max_code_length, palette, lengths.tolist(), sm, stream_t, stream_bits,
-                       torch.from_numpy(offsets), torch.from_numpy(vchunks), torch.from_numpy(vexp))
+    return HuffmanForm(g, max_code_length, palette[:p].tolist(), lengths.tolist(), sm,
+                       stream[: (stream_bits + 31) // 32 + 1], stream_bits, offsets, vchunks, vexp)

@@ -111,14 +111,15 @@ def _empty(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(np.empty(n * dtype.itemsize, np.uint8)).view(dtype)
 
 
-_workspace = threading.local()  # per thread: scratch buffers kept between calls, by name
-WORKSPACE_LIMIT = 1 << 26  # bytes of scratch a thread keeps; larger buffers are allocated per call
+_workspace = threading.local()  # per thread: CPU scratch buffers kept between calls, by name
+WORKSPACE_LIMIT = 1 << 24  # bytes of one kept buffer; larger ones are allocated per call
 
 
 def _scratch(name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A scratch buffer of n elements, reused across calls (fresh pages cost a page fault each)."""
+    """A scratch buffer of n elements, on the CPU reused across calls (fresh pages cost a page fault
+    each; torch's CUDA allocator already reuses its blocks)."""
     nbytes = n * dtype.itemsize
-    if nbytes > WORKSPACE_LIMIT:
+    if nbytes > WORKSPACE_LIMIT or device.type != "cpu":
         return _empty(n, dtype, device)
     key = (name, str(device))
     buffers = _workspace.__dict__.setdefault("buffers", {})

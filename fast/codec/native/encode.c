@@ -4,9 +4,9 @@
  * with ctypes and calls, per tensor:
  *
  *   unw_scan           pass 1: sm byte of every weight, exponent counts, each chunk's min and max exponent
- *   (palette: Python)
+ *   unw_palette        the most frequent exponents
  *   unw_verbatim       which chunks hold an exponent outside the palette (from the min/max, or a scan)
- *   unw_gather_vexp    the verbatim chunks' exponents
+ *   unw_gather_vexp    the verbatim chunks and their exponents
  *   unw_code_lengths   package-merge, as reference/codec/huffman.py does it (same ties)
  *   unw_pack           pass 2: the codes of the coded chunks' exponents, MSB first, and group offsets
  *
@@ -122,6 +122,29 @@ int unw_scan(const uint16_t *bits, int64_t rows, int64_t cols, int64_t cs, int64
     return 0;
 }
 
+/* ---- palette ---- */
+
+/* palette[0 .. returned) = the at most palette_size exponents with the largest counts (summed over
+ * the threads ranges of counts), largest first, ties by smaller exponent (FORMAT.md section 2). */
+int unw_palette(const int64_t *counts, int threads, int palette_size, uint8_t *palette) {
+    int64_t total[256] = {0};
+    int p = 0;
+    for (int t = 0; t < threads; t++)
+        for (int e = 0; e < 256; e++)
+            total[e] += counts[256 * t + e];
+    for (int e = 0; e < 256; e++) { /* insertion sort of the used exponents: count down, exponent up */
+        if (total[e] == 0)
+            continue;
+        int i = p < palette_size ? p++ : palette_size;
+        for (; i > 0 && total[palette[i - 1]] < total[e]; i--)
+            if (i < palette_size)
+                palette[i] = palette[i - 1];
+        if (i < palette_size)
+            palette[i] = (uint8_t)e;
+    }
+    return p;
+}
+
 /* ---- verbatim chunks ---- */
 
 /* flags[k] = 1 if chunk k holds an exponent outside the palette (a verbatim chunk), else 0;
@@ -165,15 +188,21 @@ int64_t unw_verbatim(const uint16_t *bits, int64_t rows, int64_t cols, int64_t c
     return verbatim;
 }
 
-/* vexp[v, :] = the exponents of verbatim chunk vchunks[v] (zero past a short chunk's end). */
-void unw_gather_vexp(const uint16_t *bits, int64_t cols, int64_t cs, const int64_t *vchunks, int64_t n_verbatim,
-                     uint8_t *vexp) {
-    int64_t cpr = (cols + cs - 1) / cs;
-    for (int64_t v = 0; v < n_verbatim; v++) {
-        int64_t r = vchunks[v] / cpr, j = vchunks[v] % cpr, n = min64(cs, cols - j * cs);
-        const uint16_t *q = bits + r * cols + j * cs;
-        for (int64_t t = 0; t < cs; t++)
-            vexp[v * cs + t] = t < n ? (uint8_t)EXPONENT(q[t]) : 0;
+/* vchunks = the ids of the chunks with flags[k] = 1, in order; vexp[v, :] = their exponents (zero
+ * past a short chunk's end). */
+void unw_gather_vexp(const uint16_t *bits, int64_t rows, int64_t cols, int64_t cs, const uint8_t *flags,
+                     int64_t *vchunks, uint8_t *vexp) {
+    int64_t cpr = (cols + cs - 1) / cs, v = 0;
+    for (int64_t r = 0, k = 0; r < rows; r++) {
+        for (int64_t j = 0; j < cpr; j++, k++) {
+            if (!flags[k])
+                continue;
+            int64_t n = min64(cs, cols - j * cs);
+            const uint16_t *q = bits + r * cols + j * cs;
+            for (int64_t t = 0; t < cs; t++)
+                vexp[v * cs + t] = t < n ? (uint8_t)EXPONENT(q[t]) : 0;
+            vchunks[v++] = k;
+        }
     }
 }
 
@@ -184,13 +213,13 @@ void unw_gather_vexp(const uint16_t *bits, int64_t cols, int64_t cs, const int64
  * being (value, the symbols it contains). Here the symbols are counted in one 128-bit integer, 5
  * bits per symbol (a symbol occurs at most once per level, so at most max_length <= 16 times).
  * Returns 0, or -1 for what the reference rejects or leaves to its trivial cases (the caller then
- * asks the reference). */
+ * asks Python). */
 typedef struct {
     int64_t value;
     unsigned __int128 symbols;
 } Entry;
 
-int unw_code_lengths(const int64_t *counts, int p, int max_length, uint8_t *lengths) {
+static int package_merge(const int64_t *counts, int p, int max_length, uint8_t *lengths) {
     Entry singles[25], current[50], packages[25], merged[50];
     int n = 0, m, i, a, b;
     if (p > 25 || max_length < 1 || max_length > 16)
@@ -227,6 +256,22 @@ int unw_code_lengths(const int64_t *counts, int p, int max_length, uint8_t *leng
     for (i = 0; i < p; i++)
         lengths[i] = (uint8_t)((total >> (5 * i)) & 31);
     return 0;
+}
+
+/* The code lengths of the palette's symbols from their counts over the coded chunks (unw_scan's
+ * counts less unw_verbatim's, summed over the ranges); returns the stream's length in bits, or -1
+ * where package_merge declines. */
+int64_t unw_code_lengths(const int64_t *counts, const int64_t *vcounts, int threads, const uint8_t *palette, int p,
+                         int max_length, uint8_t *lengths) {
+    int64_t coded[256] = {0}, bits = 0;
+    for (int i = 0; i < p; i++)
+        for (int t = 0; t < threads; t++)
+            coded[i] += counts[256 * t + palette[i]] - vcounts[256 * t + palette[i]];
+    if (package_merge(coded, p, max_length, lengths) != 0)
+        return -1;
+    for (int i = 0; i < p; i++)
+        bits += coded[i] * lengths[i];
+    return bits;
 }
 
 /* ---- pass 2 ---- */
