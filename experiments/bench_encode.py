@@ -1,11 +1,14 @@
-"""Encoder speed: the vectorised torch encoder (fast.codec.encode) vs ZipNN, same tensors, same threads.
+"""Encoder speed: our encoders vs ZipNN, same tensors, same threads, alternating.
 
 For every floating-point tensor of a checkpoint (cast to bf16 with round-to-nearest-even, at least
-``--min-elements`` weights), both compressors run alternately ``--repeats`` times and each keeps its
-fastest time per tensor (the machine may be shared: the minimum is the least disturbed run). The
-throughput is the checkpoint's bf16 bytes over the sum of those minima. Both use ``--threads``
-threads (``torch.set_num_threads`` and ZipNN's ``threads``). The reference NumPy encoder is timed
-once per tensor for scale. Our output is checked against the reference encoder's bytes on the way.
+``--min-elements`` weights), three compressors run in turn ``--repeats`` times and each keeps its
+fastest time per tensor (the machine may be shared: the minimum is the least disturbed run):
+``encode()`` as a user gets it (on the CPU the C encoder of fast/codec/native when a C compiler is
+there, else torch), the torch encoder alone (``native=False``; its quad-table cache is cleared
+before every call, as if each tensor were new), and ZipNN. The throughput is the checkpoint's bf16
+bytes over the sum of those minima. All use ``--threads`` threads (``torch.set_num_threads`` and
+ZipNN's ``threads``; the C encoder uses one). The reference NumPy encoder is timed once per tensor
+for scale. The output of both of our encoders is checked against the reference encoder's bytes.
 
     python -m experiments.bench_encode [--weights minilm] [--threads 1 2] [--repeats 5] [--json FILE]
 """
@@ -59,13 +62,19 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
 
     import reference.codec as rc
     from fast.bf16 import from_numpy_bits
+    from fast.codec import encode_native, encode_words
     from fast.codec.convert import huffman_arrays
     from fast.codec.encode import encode
+
+    def encode_torch(x: Any) -> Any:
+        encode_words._quad_table_cpu.cache_clear()  # each tensor as if new
+        return encode(x, native=False)
 
     tensors = load_tensors(source, min_elements, limit)
     total_bytes = sum(2 * a.size for _, a in tensors)
     results: dict[str, Any] = {"weights": source, "tensors": len(tensors), "bf16_bytes": total_bytes,
-                               "repeats": repeats, "by_threads": {}}
+                               "repeats": repeats, "c_encoder": encode_native.library() is not None,
+                               "by_threads": {}}
     ours_bytes = 0
     t_ref = 0.0
     for i, (name, bits) in enumerate(tensors):
@@ -73,10 +82,11 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
         ct = rc.encode(bits)
         t_ref += time.perf_counter() - start
         if check:
-            mine = huffman_arrays(encode(from_numpy_bits(bits)))
             ref = huffman_arrays(ct)
-            if not all(np.array_equal(mine[k], ref[k]) for k in ref):
-                raise AssertionError(f"{name}: the torch encoder's bytes differ from the reference encoder's")
+            for fn in (encode, encode_torch):
+                mine = huffman_arrays(fn(from_numpy_bits(bits)))
+                if not all(np.array_equal(mine[k], ref[k]) for k in ref):
+                    raise AssertionError(f"{name}: {fn.__name__}'s bytes differ from the reference encoder's")
         ours_bytes += ct.nbytes
         if i == 0:
             results["first_tensor"] = name
@@ -84,24 +94,31 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
     for th in threads:
         torch.set_num_threads(th)
         z = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=th)
-        t_ours = t_zip = 0.0
+        seconds = {"ours": 0.0, "ours_torch": 0.0, "zipnn": 0.0}
         zipnn_bytes = 0
         for _, bits in tensors:
             x = from_numpy_bits(bits)
             raw = bits.tobytes()
-            for _ in range(2):  # warm-up: caches, allocator, table caches
-                encode(x)
-                z.compress(raw)
-            best_ours = best_zip = float("inf")
-            for _ in range(repeats):  # alternate, so both see the same background load
-                best_ours = min(best_ours, best_time(lambda x=x: encode(x), 1))
-                best_zip = min(best_zip, best_time(lambda raw=raw, z=z: z.compress(raw), 1))
-            t_ours += best_ours
-            t_zip += best_zip
+            calls = {"ours": lambda x=x: encode(x), "ours_torch": lambda x=x: encode_torch(x),
+                     "zipnn": lambda raw=raw, z=z: z.compress(raw)}
+            for fn in calls.values():  # warm-up: caches, allocator
+                fn()
+                fn()
+            best = dict.fromkeys(calls, float("inf"))
+            for _ in range(repeats):  # alternate, so all see the same background load
+                for key, fn in calls.items():
+                    best[key] = min(best[key], best_time(fn, 1))
+            for key in seconds:
+                seconds[key] += best[key]
             zipnn_bytes += len(z.compress(raw))
         results["by_threads"][str(th)] = {
-            "ours_MBps": total_bytes / t_ours / 1e6, "zipnn_MBps": total_bytes / t_zip / 1e6,
-            "ours_over_zipnn": t_zip / t_ours, "ours_seconds": t_ours, "zipnn_seconds": t_zip,
+            "ours_MBps": total_bytes / seconds["ours"] / 1e6,
+            "ours_torch_MBps": total_bytes / seconds["ours_torch"] / 1e6,
+            "zipnn_MBps": total_bytes / seconds["zipnn"] / 1e6,
+            "ours_over_zipnn": seconds["zipnn"] / seconds["ours"],
+            "ours_torch_over_zipnn": seconds["zipnn"] / seconds["ours_torch"],
+            "ours_seconds": seconds["ours"], "ours_torch_seconds": seconds["ours_torch"],
+            "zipnn_seconds": seconds["zipnn"],
             "zipnn_ratio": total_bytes / zipnn_bytes,  # ZipNN's output can depend on its thread count
         }
     torch.set_num_threads(saved_threads)
@@ -126,9 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     res["date"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     print(f"{res['weights']}: {res['tensors']} tensors, {res['bf16_bytes'] / 1e6:.1f} MB of bf16; ratio ours "
           f"{res['ratio_ours']:.3f}; reference NumPy encoder {res['reference_numpy_MBps']:.0f} MB/s")
+    which = "the C encoder" if res["c_encoder"] else "torch (no C compiler)"
     for th, r in res["by_threads"].items():
-        print(f"  {th} thread(s): ours {r['ours_MBps']:.0f} MB/s, ZipNN {r['zipnn_MBps']:.0f} MB/s (ratio "
-              f"{r['zipnn_ratio']:.3f}) -> ours is {r['ours_over_zipnn']:.2f}x ZipNN's speed")
+        print(f"  {th} thread(s): encode() [{which}] {r['ours_MBps']:.0f} MB/s = {r['ours_over_zipnn']:.2f}x ZipNN; "
+              f"torch encoder {r['ours_torch_MBps']:.0f} MB/s = {r['ours_torch_over_zipnn']:.2f}x; "
+              f"ZipNN {r['zipnn_MBps']:.0f} MB/s (ratio {r['zipnn_ratio']:.3f})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(res, indent=1) + "\n")

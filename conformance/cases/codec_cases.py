@@ -2,7 +2,8 @@
 
 For each family of conformance/inputs.py (random, adversarial, real MiniLM):
 
-* ``codec.encode.F``: the torch encoder vs ``reference.codec.encode``: every array and header number;
+* ``codec.encode.F``, ``codec.encode_torch.F``, ``codec.encode_c.F``: ``encode()`` (its own choice), the
+  torch encoder and the C encoder vs ``reference.codec.encode``: every array and header number;
 * ``codec.huffman_decode.F``: the Triton Huffman decoder on the reference's Huffman form, vs the
   reference decoder and vs the original tensor;
 * ``codec.transcode.F`` / ``codec.transcode_torch.F``: Huffman -> palette form (Triton / plain torch)
@@ -65,13 +66,21 @@ def _ref_transcode(inputs: dict[str, Any]) -> dict[str, Any]:
 
 # ---- fast sides (looked up at call time, so tests can swap a kernel for a broken one) ----
 
-def _fast_encode(inputs: dict[str, Any]) -> dict[str, Any]:
-    from fast.bf16 import from_numpy_bits
-    from fast.codec import encode as enc
-    from fast.codec.convert import huffman_arrays
+def _encoder(native: bool | None):
+    def fast_encode(inputs: dict[str, Any]) -> dict[str, Any]:
+        from fast.bf16 import from_numpy_bits
+        from fast.codec import encode as enc
+        from fast.codec.convert import huffman_arrays
 
-    e = inputs["enc"]
-    return huffman_arrays(enc.encode(from_numpy_bits(e.bits, inputs["device"]), **e.params))
+        e = inputs["enc"]
+        x = from_numpy_bits(e.bits, inputs["device"])
+        usable = x.device.type == "cpu" and e.bits.size and enc.encode_native.library() is not None
+        return huffman_arrays(enc.encode(x, **e.params, native=native if usable or not native else None))
+
+    return fast_encode
+
+
+_fast_encode = _encoder(None)  # what encode() picks: the C encoder on a CPU where it builds, else torch
 
 
 def _fast_huffman_decode(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -122,7 +131,11 @@ def _ref_palette_decode_plain(inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 KERNELS = [  # (name, reference, fast, needs a palette form, what it checks)
-    ("encode", _ref_encode, _fast_encode, False, "torch encoder vs reference.codec.encode, every array"),
+    ("encode", _ref_encode, _fast_encode, False, "encode() (C on a CPU that builds it, else torch) vs "
+     "reference.codec.encode, every array"),
+    ("encode_torch", _ref_encode, _encoder(False), False, "the torch encoder vs reference.codec.encode, every array"),
+    ("encode_c", _ref_encode, _encoder(True), False, "the C encoder (fast/codec/native) vs reference.codec.encode, "
+     "every array (on a GPU, or with no C compiler: encode()'s choice)"),
     ("huffman_decode", _ref_decode, _fast_huffman_decode, False,
      "Triton Huffman -> bf16 (inputs and output amid poison)"),
     ("transcode", _ref_transcode, _fast_transcode, True, "Triton Huffman -> palette form, every array"),

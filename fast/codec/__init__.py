@@ -4,7 +4,9 @@ Public API (bf16 tensors are torch.bfloat16; forms are ``fast.codec.forms.Huffma
 ``encode`` and ``matmul`` are imported from their modules, ``fast.codec.encode`` and ``fast.codec.matmul``)::
 
     encode(x, chunk_size=64, chunks_per_group=32, palette_size=16, max_code_length=12,
-           with_palette_form=False)          torch encoder, CPU or GPU; byte-identical to reference.codec.encode
+           with_palette_form=False, native=None)   encoder, byte-identical to reference.codec.encode: on the
+                                             CPU in C (codec/native/encode.c, built on first use with the
+                                             system compiler), else (GPU, no compiler) torch
     decode_huffman(hform) -> bf16            Triton: Huffman form -> bf16, one lane per group
     transcode(hform) -> PaletteForm          Triton: Huffman form -> palette form (done once at load)
     decode_palette(pform) -> bf16            Triton: palette form -> bf16, tiles with verbatim patching

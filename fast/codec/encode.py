@@ -1,7 +1,15 @@
-"""A vectorised torch encoder: bf16 tensor -> Huffman form (and palette form), on CPU or GPU.
+"""The encoder: bf16 tensor -> Huffman form (and palette form), on CPU or GPU.
 
-It produces, byte for byte, what the reference encoder produces (FORMAT.md sections 2 and 3),
-but in a handful of whole-tensor passes instead of loops:
+It produces, byte for byte, what the reference encoder produces (FORMAT.md sections 2 and 3).
+``encode`` picks one of three implementations:
+
+* on the CPU, the C encoder (``encode_native.py``, ``native/encode.c``): three loops over the
+  tensor, built on first use with the system C compiler. Eager torch cannot match ZipNN's speed
+  on a CPU (``encode_native.py`` says why); this can, by a wide margin;
+* else (a GPU, or no C compiler), when rows are whole chunks, chunks a multiple of 4 weights, the
+  palette at most 16 and L at most 14 (the defaults, and every 2-D weight of MiniLM): the torch
+  fast path (``encode_words.py``: four weights per int64 word, two blocked passes);
+* else the general torch path in this file, in a handful of whole-tensor passes:
 
 1. split each bf16 into its exponent and sign/mantissa bytes (int16 arithmetic);
 2. histogram the exponents and pick the palette; give every weight a 4-bit symbol. When the
@@ -31,6 +39,8 @@ import functools
 import numpy as np
 import torch
 
+from fast.codec import encode_native, encode_words
+from fast.codec.encode_words import choose_palette
 from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
 from fast.errors import KernelInputError
 from reference.codec.huffman import canonical_codes, code_lengths
@@ -47,13 +57,6 @@ def split_bytes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = b & -32641  # 0x807F as int16: the sign and mantissa bits
     sm = (s | (s >> 8)).to(torch.uint8)  # the arithmetic shift moves the sign bit into bit 7
     return exponent, sm
-
-
-def choose_palette(counts: np.ndarray, palette_size: int) -> list[int]:
-    """The most frequent exponent values that occur, by count descending then value ascending."""
-    used = np.flatnonzero(counts)
-    order = used[np.lexsort((used, -counts[used]))]
-    return [int(v) for v in order[:palette_size]]
 
 
 def _check_input(x: torch.Tensor, chunk_size: int, chunks_per_group: int, palette_size: int,
@@ -140,21 +143,39 @@ def _words32(words: torch.Tensor, total: int) -> torch.Tensor:
     return words.view(torch.int32).view(-1, 2).flip(1).reshape(-1)[: (total + 31) // 32 + 1].contiguous()
 
 
-BLOCK_WEIGHTS = 1 << 19  # per-weight work runs in blocks of about this many weights (cache-sized temporaries)
+BLOCK_WEIGHTS = 1 << 20  # per-weight work runs in blocks of about this many weights (cache-sized temporaries)
 
 
 def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, palette_size: int = 16,
-           max_code_length: int = 12, *,
-           with_palette_form: bool = False) -> HuffmanForm | tuple[HuffmanForm, PaletteForm]:
+           max_code_length: int = 12, *, with_palette_form: bool = False,
+           native: bool | None = None) -> HuffmanForm | tuple[HuffmanForm, PaletteForm]:
     """Compress a bf16 tensor into the Huffman form (FORMAT.md), identical to the reference encoder's output.
 
-    With ``with_palette_form=True`` also returns the palette form. When the rows are whole chunks, the
-    per-weight passes run block by block (whole groups per block), so temporaries stay in cache.
+    With ``with_palette_form=True`` also returns the palette form. Three implementations give the same
+    bytes: on the CPU the C encoder (``encode_native``; ``native=None`` uses it when it can be built,
+    ``False`` never, ``True`` always or raises), else the torch fast path (``encode_words``: rows of
+    whole chunks, palettes of <= 16, L <= 14) or the general torch path below, which runs its
+    per-weight passes block by block (whole groups per block) when the rows are whole chunks.
     """
     _check_input(x, chunk_size, chunks_per_group, palette_size, max_code_length)
     device = x.device
     g = Geometry(tuple(x.shape), chunk_size, chunks_per_group)
     bits = x.contiguous().reshape(-1).view(torch.int16) if g.n else torch.zeros(0, dtype=torch.int16, device=device)
+    form = None
+    if native or (native is None and device.type == "cpu" and g.n and encode_native.library() is not None):
+        if device.type != "cpu" or not g.n:
+            raise KernelInputError(f"encode: the C encoder takes a non-empty CPU tensor, got {tuple(x.shape)} "
+                                   f"on {device}")
+        form = encode_native.encode_native(bits, g, max_code_length, palette_size)
+    elif encode_words.applies(g, palette_size, max_code_length):  # the usual case: see encode_words.py
+        form = encode_words.encode_words(bits, g, max_code_length, palette_size, BLOCK_WEIGHTS)
+    if form is not None:
+        if not with_palette_form:
+            return form
+        symbol_of = np.full(256, NONE, np.uint8)
+        symbol_of[form.palette] = np.arange(len(form.palette))
+        sym = torch.from_numpy(symbol_of).to(device).index_select(0, (bits >> 7).to(torch.uint8).to(torch.int32))
+        return form, palette_form_from_symbols(g, form.palette, sym, form.sm, form.vchunks, form.vexp)
     aligned = g.cols % chunk_size == 0
     group_weights = chunks_per_group * chunk_size
     block = max(1, BLOCK_WEIGHTS // group_weights) * group_weights if aligned else max(g.n, 1)
