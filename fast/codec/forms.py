@@ -8,45 +8,16 @@ live on one device; ``.to(device)`` moves them.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from fast.errors import KernelInputError
+from reference.codec.layout import Layout
 
-
-@dataclass(frozen=True)
-class Geometry:
-    """Rows, columns, chunks and groups of a tensor (FORMAT.md section 1)."""
-
-    shape: tuple[int, ...]
-    chunk_size: int = 64
-    chunks_per_group: int = 32
-
-    @property
-    def n(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def cols(self) -> int:
-        return self.shape[-1] if self.shape else 1
-
-    @property
-    def rows(self) -> int:
-        return math.prod(self.shape[:-1]) if self.shape else 1
-
-    @property
-    def chunks_per_row(self) -> int:
-        return -(-self.cols // self.chunk_size)
-
-    @property
-    def n_chunks(self) -> int:
-        return self.rows * self.chunks_per_row
-
-    @property
-    def n_groups(self) -> int:
-        return -(-self.n_chunks // self.chunks_per_group)
+# Rows, columns, chunks and groups of a tensor (FORMAT.md section 1): plain arithmetic, shared with
+# the reference rather than written twice.
+Geometry = Layout
 
 
 @dataclass
