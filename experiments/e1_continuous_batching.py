@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.engine_bench import CpuClock, one_blas_thread, pct, run_jobs, sharegpt_jobs, smollm2
+from experiments.engine_bench import CLOCK, CpuClock, one_blas_thread, pct, run_jobs, sharegpt_jobs, smollm2
 from experiments.registry import Context, Experiment, Result
 from reference.engine import Engine
 
@@ -63,8 +63,7 @@ def run(ctx: Context) -> Result:
         why=("'matches' needs lower TTFT (p50, p90) and ITL (p50, p99) with continuous batching. ITL under "
              "continuous batching includes steps that also carry other requests' prefill chunks, which "
              "static batching never mixes into a running batch."),
-        setup={"clock": "engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped), "
-                        "so other load on the shared machine does not count",
+        setup={"clock": CLOCK,
                "weights": "smollm2 (Q4_1 GGUF dequantized, float32 NumPy engine, 1 BLAS thread)",
                "workload": (f"first {n} ShareGPT first-turn prompts, truncated to {max_prompt} tokens; output "
                             f"length = answer tokens x {scale} (rounded up) capped at {max_output}, end token "

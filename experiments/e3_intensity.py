@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import CpuClock, one_blas_thread, run_jobs, sharegpt_jobs, smollm2
+from experiments.engine_bench import CLOCK, CpuClock, one_blas_thread, run_jobs, sharegpt_jobs, smollm2
 from experiments.registry import Context, Experiment, Result
 from reference.engine import Engine
 from reference.engine.cost import StepShape, intensity, step_bytes, step_flops
@@ -93,8 +93,7 @@ def run(ctx: Context) -> Result:
              "for both model shapes. A prefill step is compute-bound only when it carries more tokens than "
              "about the ridge point (see prefill_tokens_to_be_compute_bound_*); decode steps with a few "
              "sequences stay far below it."),
-        setup={"clock": "engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped), "
-                        "so other load on the shared machine does not count",
+        setup={"clock": CLOCK,
                "weights": "smollm2 (NumPy engine, float32, 1 BLAS thread) for the batches; Llama-3.1-8B shape "
                           "(config only) for its numbers",
                "workload": (f"first {n} ShareGPT prompts truncated to {max_prompt} tokens, outputs = answer/16 "

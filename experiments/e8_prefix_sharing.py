@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import CpuClock, Job, one_blas_thread, pct, run_jobs, smollm2
+from experiments.engine_bench import CLOCK, CpuClock, Job, one_blas_thread, pct, run_jobs, smollm2
 from experiments.registry import Context, Experiment, Result
 from reference.engine import Engine
 from reference.kv import prefix_keys
@@ -108,8 +108,7 @@ def run(ctx: Context) -> Result:
              "and with per-tenant salts no tenant's first request hits another tenant's blocks. At this arrival "
              "rate the engine without sharing is overloaded on this CPU (queueing inflates its TTFT); "
              "unloaded_ttft_ms sends requests one at a time, so it shows the prefill saving alone."),
-        setup={"clock": "engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped), "
-                        "so other load on the shared machine does not count",
+        setup={"clock": CLOCK,
                "weights": "smollm2 (NumPy engine, float32, 1 BLAS thread)",
                "workload": (f"{n} requests, Poisson arrivals at {rate}/s; chat template with one shared system "
                             f"prompt ({len(tok.encode(SYSTEM))} tokens) + the first {n} ShareGPT questions truncated "

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import CpuClock, Job, one_blas_thread, pct, run_jobs, sharegpt_jobs, smollm2
+from experiments.engine_bench import CLOCK, CpuClock, Job, one_blas_thread, pct, run_jobs, sharegpt_jobs, smollm2
 from experiments.registry import Context, Experiment, Result
 from reference.engine import Engine
 from reference.engine.cost import StepTimeModel
@@ -132,8 +132,7 @@ def run(ctx: Context) -> Result:
         why=("'matches': under 1.5x overload SJF+WFQ gives paid tenants a lower median TTFT than free ones, WFQ "
              "service shares are within 0.05 of the weights' entitlement, and SJF lowers mean end-to-end latency "
              "vs FCFS. Times are simulated seconds of this CPU engine (calibrated step cost), not GPU times."),
-        setup={"clock": "engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped), "
-                        "so other load on the shared machine does not count",
+        setup={"clock": CLOCK,
                "weights": "smollm2 (NumPy engine, float32, 1 BLAS thread) for the real check and calibration",
                "workload": (f"real: 12 ShareGPT requests (prompts <= 64 tokens, outputs answer/8 <= 24), burst, "
                             f"tenants paid/free alternating; simulated: {n} ShareGPT requests (prompts <= 256, "

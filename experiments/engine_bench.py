@@ -43,6 +43,11 @@ class CpuClock:
         self.offset += max(0.0, t - self())
 
 
+# how the engine experiments measure time (recorded in every result's setup)
+CLOCK = ("engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped), "
+         "so other load on the shared machine does not count")
+
+
 @contextmanager
 def one_blas_thread() -> Iterator[None]:
     from threadpoolctl import threadpool_limits

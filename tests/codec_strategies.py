@@ -57,3 +57,8 @@ def codec_params(draw: st.DrawFn) -> dict[str, int]:
         "chunks_per_group": draw(st.sampled_from([1, 2, 5, 32])),
         "max_code_length": draw(st.integers(least, 16)),
     }
+
+
+# any JSON-like value a corrupted header field might hold
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**33), st.text(max_size=3),
+                 st.lists(st.integers(-2, 300), max_size=20), st.dictionaries(st.text(max_size=3), st.integers()))

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from reference.codec import CompressedTensor, decode, encode, to_palette
 from reference.codec.errors import CodecError
 from reference.codec.format import crc32
-from tests.codec_strategies import bf16_tensors, codec_params
+from tests.codec_strategies import JUNK, bf16_tensors, codec_params
 
 rng = np.random.default_rng(7)
 TRAINED = (rng.standard_normal((96, 200)) * 0.02).astype(np.float32).view(np.uint32) >> 16
@@ -60,10 +60,6 @@ def test_flipped_bit_with_recomputed_array_crc_is_still_caught(key: str, where: 
     header["crc32"][key] = crc32(arrays[key])
     with pytest.raises(CodecError):
         decode(CompressedTensor.from_parts(header, arrays))
-
-
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**33), st.text(max_size=3),
-                 st.lists(st.integers(-2, 300), max_size=20), st.dictionaries(st.text(max_size=3), st.integers()))
 
 
 @given(st.sampled_from([*BASE.header(), "crc32.sm", "crc32.data", "extra"]), JUNK)

@@ -17,7 +17,7 @@ from reference.bf16 import float32_to_bf16
 from reference.codec import RansTensor, decode_rans, encode_rans
 from reference.codec.errors import CodecError
 from reference.codec.format import crc32
-from tests.codec_strategies import bf16_tensors
+from tests.codec_strategies import JUNK, bf16_tensors
 from tests.test_codec_rans import rans_params
 
 rng = np.random.default_rng(7)
@@ -67,10 +67,6 @@ def test_flipped_bit_with_recomputed_array_crc_is_still_caught(key: str, where: 
     header["crc32"][key] = crc32(arrays[key])
     with pytest.raises(CodecError):
         decode_rans(RansTensor.from_parts(header, arrays))
-
-
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**33), st.text(max_size=3),
-                 st.lists(st.integers(-2, 300), max_size=20), st.dictionaries(st.text(max_size=3), st.integers()))
 
 
 @given(st.sampled_from([*BASE.header(), "crc32.raw", "crc32.data", "extra"]), JUNK)
