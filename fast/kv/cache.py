@@ -66,8 +66,8 @@ class PagedKVCache:
             return
         if not self.is_fp8:
             flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-            self.k[layer].view(flat)[slots] = k.to(self.k[layer].dtype)
-            self.v[layer].view(flat)[slots] = v.to(self.v[layer].dtype)
+            self.k[layer].view(flat)[slots] = to_store(k, self.k[layer].dtype)
+            self.v[layer].view(flat)[slots] = to_store(v, self.v[layer].dtype)
             return
         write_fp8(self.k[layer], self.k_exp[layer], slots, k)
         write_fp8(self.v[layer], self.v_exp[layer], slots, v)
@@ -119,6 +119,21 @@ class PagedKVCache:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v + self.k_exp + self.v_exp)
+
+
+def to_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache's dtype; float32 -> bfloat16 rounds to nearest even by integer operations.
+
+    That is ``reference.bf16.float32_to_bf16``'s rule, NaN included (torch's own cast turns every
+    NaN into 0xFFFF on the CPU), so a bf16 cache holds the same bits on every path.
+    """
+    if dtype != torch.bfloat16 or x.dtype != torch.float32:
+        return x.to(dtype)
+    bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    quiet_nan = (bits >> 16) | 0x40
+    out = torch.where((bits & 0x7FFFFFFF) > 0x7F800000, quiet_nan, rounded)
+    return out.to(torch.int32).to(torch.int16).view(torch.bfloat16)  # low 16 bits, as a bit pattern
 
 
 def write_fp8(codes: torch.Tensor, exps: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:

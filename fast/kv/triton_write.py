@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fast.bf16 import bf16_bits_rne
+from fast.errors import KernelInputError
 from fast.kv.fp8_triton import decode_e4m3, encode_e4m3, scale_exponent
 from fast.triton_util import check_kernel_device, next_pow2
 
@@ -74,11 +76,15 @@ def _encode_kernel(x_ptr, codes_ptr, new_ptr, slots_ptr, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
-def _copy_kernel(x_ptr, store_ptr, slots_ptr, ROW: tl.constexpr, ROW_P2: tl.constexpr):
+def _copy_kernel(x_ptr, store_ptr, slots_ptr, ROW: tl.constexpr, ROW_P2: tl.constexpr, TO_BF16: tl.constexpr):
+    """Row i of x into row slots[i] of the store; TO_BF16: float32 -> bf16 bits by integer RNE (no cast)."""
     i = tl.program_id(0)
     slot = tl.load(slots_ptr + i)
     r = tl.arange(0, ROW_P2)
-    tl.store(store_ptr + slot * ROW + r, tl.load(x_ptr + i * ROW + r, mask=r < ROW), mask=r < ROW)
+    x = tl.load(x_ptr + i * ROW + r, mask=r < ROW)
+    if TO_BF16:
+        x = bf16_bits_rne(x).to(tl.int16)
+    tl.store(store_ptr + slot * ROW + r, x, mask=r < ROW)
 
 
 def write(cache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -91,9 +97,14 @@ def write(cache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tens
     heads, dim, bs = cache.num_kv_heads, cache.head_dim, cache.block_size
     for x, store, exps in ((k, cache.k[layer], cache.k_exp), (v, cache.v[layer], cache.v_exp)):
         x = x.contiguous()
-        if not cache.is_fp8:  # the dtype conversion is torch's (round to nearest even), then a scatter
-            x = x.to(store.dtype)
-            _copy_kernel[(n,)](x, store, slots, ROW=heads * dim, ROW_P2=next_pow2(heads * dim))
+        if not cache.is_fp8:
+            to_bf16 = store.dtype == torch.bfloat16 and x.dtype == torch.float32
+            if store.dtype == torch.bfloat16:
+                store = store.view(torch.int16)
+                x = x if to_bf16 else x.view(torch.int16)
+            else:
+                x = x.to(torch.float32)  # exact from bf16
+            _copy_kernel[(n,)](x, store, slots, ROW=heads * dim, ROW_P2=next_pow2(heads * dim), TO_BF16=to_bf16)
             continue
         exps = exps[layer]
         blocks = slots // bs
@@ -109,3 +120,26 @@ def write(cache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                     BS_P2=next_pow2(bs), D_P2=next_pow2(dim))
         _encode_kernel[(n,)](x, store, new, slots, BLOCK_SIZE=bs, HEADS=heads, DIM=dim, H_P2=next_pow2(heads),
                              D_P2=next_pow2(dim))
+
+
+@triton.jit
+def _encode_elementwise_kernel(x_ptr, e_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    e = tl.load(e_ptr + offs, mask=mask, other=0)
+    tl.store(out_ptr + offs, encode_e4m3(x, e).to(tl.uint8), mask=mask)
+
+
+def encode_codes(x: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3 codes of float32 ``x / 2^e`` elementwise (``e``: int32, same shape) by the Triton encoder."""
+    check_kernel_device(x, "x")
+    if x.dtype != torch.float32 or e.dtype != torch.int32 or x.shape != e.shape:
+        raise KernelInputError(f"encode_codes needs float32 x and int32 e of one shape, got {x.dtype} "
+                               f"{tuple(x.shape)} and {e.dtype} {tuple(e.shape)}")
+    x, e = x.contiguous(), e.contiguous()
+    out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    n = x.numel()
+    if n:
+        _encode_elementwise_kernel[(triton.cdiv(n, 1024),)](x, e, out, n, BLOCK=1024)
+    return out
