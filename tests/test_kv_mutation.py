@@ -1,0 +1,51 @@
+"""Mutation checks for the KV kernels: a broken copy of a kernel must make the conformance suite fail.
+
+Each test imports a copy of a ``fast.kv`` module with one textual change, swaps it in, and runs the
+real conformance CLI in-process on the KV cases.
+"""
+
+from __future__ import annotations
+
+import fast  # noqa: F401  (switches the Triton interpreter on when there is no GPU)
+from conformance.__main__ import main
+from test_conformance_mutation import _mutant
+
+
+def test_skipped_rescale_fails_the_fp8_write_case(monkeypatch, capsys, tmp_path):
+    """Forgetting rule 3 (re-encode a block whose scale grew) changes cache bytes."""
+    from fast.kv import triton_write
+
+    mutant = _mutant(triton_write, "if fresh or new > old:", "if fresh:", tmp_path, monkeypatch)
+    monkeypatch.setattr(triton_write, "write", mutant.write)
+    code = main(["--device", "cpu", "-k", "kv.fp8_write.triton"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: kv.fp8_write.triton (bit-exact)" in out and "first difference at index" in out
+
+
+def test_read_one_slot_past_the_end_is_caught_by_the_nan_poison(monkeypatch, capsys, tmp_path):
+    """A decode kernel that attends to one position too many reads a poisoned slot."""
+    from fast.kv import triton_attention
+
+    mutant = _mutant(triton_attention, "valid = (s < BLOCK_SIZE) & (pos < seq_len)",
+                     "valid = (s < BLOCK_SIZE) & (pos <= seq_len)", tmp_path, monkeypatch)
+    monkeypatch.setattr(triton_attention, "decode_attention", mutant.decode_attention)
+    code = main(["--device", "cpu", "-k", "kv.decode_attention.fp8.triton", "-k", "kv.decode_attention.float32.triton"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: kv.decode_attention.fp8.triton (bounded)" in out
+    assert "FAIL: kv.decode_attention.float32.triton (bounded)" in out
+    assert "outside the bound at index" in out and "nan" in out
+
+
+def test_causal_mask_off_by_one_fails_the_prefill_case(monkeypatch, capsys, tmp_path):
+    """A prefill tile that lets a token see the next one is far outside the bound (no NaN involved)."""
+    from fast.kv import triton_attention
+
+    mutant = _mutant(triton_attention, "(key_pos[None, :] <= query_pos[:, None])",
+                     "(key_pos[None, :] <= query_pos[:, None] + 1)", tmp_path, monkeypatch)
+    monkeypatch.setattr(triton_attention, "prefill_attention", mutant.prefill_attention)
+    code = main(["--device", "cpu", "-k", "kv.prefill_attention.bfloat16.triton"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: kv.prefill_attention.bfloat16.triton (bounded)" in out and "outside the bound at index" in out
