@@ -5,16 +5,17 @@ from __future__ import annotations
 import pytest
 
 from reference.engine import Engine, SamplingParams, StepRecord
+from reference.model.llama import LlamaModel
 from reference.model.runner import NumpyRunner
 from reference.sched import Sequence
-from tests.smollm import smollm2_model
+from tests.tiny_llama import CONFIG, tiny_weights
 
 
 class RecordingModel:
     """A model whose runner logs what the engine asks of it, then delegates to the NumPy runner."""
 
     def __init__(self) -> None:
-        self.model = smollm2_model()
+        self.model = LlamaModel(CONFIG, tiny_weights())
         self.config = self.model.config
         self.calls: list[tuple[str, object]] = []
 
@@ -37,7 +38,7 @@ def test_engine_runs_through_the_runner_only():
     opts = dict(num_blocks=32, block_size=8, max_num_batched_tokens=16, max_num_seqs=2)
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 14]]
     params = SamplingParams(max_tokens=3, ignore_eos=True)
-    plain = Engine(smollm2_model(), **opts).generate(prompts, params)
+    plain = Engine(LlamaModel(CONFIG, tiny_weights()), **opts).generate(prompts, params)
     recording = RecordingModel()
     eng = Engine(recording, **opts)
     spied = eng.generate(prompts, params)
