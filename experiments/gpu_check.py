@@ -1,9 +1,12 @@
-"""One command for a GPU session: the conformance suite natively on CUDA (large shapes), then the benchmark.
+"""One command for a GPU session: the conformance suite natively on CUDA (large shapes), the kernel
+benchmark, then the engine stage (tokens/s, TTFT, ITL, control-plane share at batch 1..256, bf16 and
+compressed weights: ``experiments/gpu_engine.py``).
 
 Each step runs in its own process with its own time limit, so a failure in one still leaves the
-other's results. Writes experiments/results/conformance_cuda.json, gpu_bench.json and a summary
-gpu_check.json (GPU name, date, commit, pass/fail, the goals). Sized for one 10-minute call:
-conformance <= 240 s, benchmark <= 300 s (it stops starting new rows at ``--bench-budget``).
+other's results. Writes experiments/results/conformance_cuda.json, gpu_bench.json, gpu_engine.json and a
+summary gpu_check.json (GPU name, date, commit, pass/fail, the goals). Sized for one 10-minute call:
+conformance <= 240 s, benchmark <= 180 s, engine <= 150 s (the last two stop starting new rows at
+their budgets).
 
 ``--tiny`` runs the same steps on the CPU under TRITON_INTERPRET=1 (a few conformance cases, the
 benchmark's tiny shapes) and writes to a temporary folder: a smoke test that the script works,
@@ -47,8 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="results folder (default experiments/results; "
                    "a temporary folder with --tiny)")
     p.add_argument("--conformance-timeout", type=float, default=240)
-    p.add_argument("--bench-timeout", type=float, default=300)
-    p.add_argument("--bench-budget", type=float, default=240)
+    p.add_argument("--bench-timeout", type=float, default=180)
+    p.add_argument("--bench-budget", type=float, default=140)
+    p.add_argument("--engine-timeout", type=float, default=150)
+    p.add_argument("--engine-budget", type=float, default=90)
     args = p.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_check_")) if args.tiny else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
@@ -59,11 +64,14 @@ def main(argv: list[str] | None = None) -> int:
         conf = [py, "-m", "conformance", "--device", "cpu", "-k", "bf16.", "-k", "codec.palette_decode.random",
                 "-k", "matmul.fused_vs_plain.synthetic_96x320.b1", "--json", str(out / "conformance_cpu.json")]
         bench = [py, "-m", "experiments.gpu_bench", "--tiny", "--json", str(out / "gpu_bench_tiny.json")]
+        engine = [py, "-m", "experiments.gpu_engine", "--tiny", "--json", str(out / "gpu_engine_tiny.json")]
     else:
         env.pop("TRITON_INTERPRET", None)
         conf = [py, "-m", "conformance", "--device", "cuda", "--large", "--json", str(out / "conformance_cuda.json")]
         bench = [py, "-m", "experiments.gpu_bench", "--budget", str(args.bench_budget),
                  "--json", str(out / "gpu_bench.json")]
+        engine = [py, "-m", "experiments.gpu_engine", "--budget", str(args.engine_budget),
+                  "--json", str(out / "gpu_engine.json")]
     summary: dict[str, object] = {"tiny": args.tiny, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     sys.path.insert(0, str(REPO))
     from experiments.setup_info import commit, machine
@@ -77,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         summary["gpu"] = None
     summary["conformance"] = step("conformance", conf, args.conformance_timeout, env)
     summary["benchmark"] = step("benchmark", bench, args.bench_timeout, env)
+    summary["engine"] = step("engine", engine, args.engine_timeout, env)
     for key, name in (("conformance", "conformance_cpu.json" if args.tiny else "conformance_cuda.json"),
-                      ("benchmark", "gpu_bench_tiny.json" if args.tiny else "gpu_bench.json")):
+                      ("benchmark", "gpu_bench_tiny.json" if args.tiny else "gpu_bench.json"),
+                      ("engine", "gpu_engine_tiny.json" if args.tiny else "gpu_engine.json")):
         path = out / name
         if path.exists():
             doc = json.loads(path.read_text())
@@ -87,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                   else "goals")
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out / 'gpu_check.json'}")
-    ok = summary["conformance"]["rc"] == 0 and summary["benchmark"]["rc"] == 0
+    ok = all(summary[key]["rc"] == 0 for key in ("conformance", "benchmark", "engine"))
     return 0 if ok else 1
 
 
