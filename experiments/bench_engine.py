@@ -90,8 +90,9 @@ def tiny_checkpoint() -> tuple[Any, Any, list[Job]]:
 
 
 def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, threads: int,
-        gguf: str | None, progress: Any) -> dict[str, Any]:
-    """Every system on the same jobs; returns {system: score} plus transformers per batch size."""
+        gguf: str | None, progress: Any, on_system: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Every system on the same jobs; returns {system: score} plus transformers per batch size.
+    ``on_system(results so far)`` is called after each system (the CLI saves partial results)."""
     import torch
     from threadpoolctl import threadpool_limits
 
@@ -126,6 +127,8 @@ def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, 
             elif system == "llama_cpp" and gguf is not None and llama_cpp_available():
                 task = progress.add_task(system, total=len(jobs))
                 out[system] = score(run_llama_cpp(gguf, jobs, threads, lambda n, t=task: progress.advance(t, n)), jobs)
+            if on_system is not None:
+                on_system(out)
     return out
 
 
@@ -157,18 +160,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{sum(len(j.prompt) for j in jobs)} prompt and {sum(j.output_len for j in jobs)} output tokens), "
                     "greedy, end token ignored, all arriving at once")
     load_before = os.getloadavg()[0]
-    with Progress() as progress:
-        measured = run(args.systems, jobs, config, weights, args.threads, gguf, progress)
-    setup = {"weights": "random 2-layer Llama" if args.tiny else "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
-             "workload": workload, "threads": args.threads, "machine": setup_info.machine(),
-             "commit": setup_info.commit(), "date": setup_info.now(),
-             "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
-    result = result_json(measured, setup)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+
+    def save(measured: dict[str, Any]) -> dict[str, Any]:
+        setup = {"weights": "random 2-layer Llama" if args.tiny else "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
+                 "workload": workload, "threads": args.threads, "machine": setup_info.machine(),
+                 "commit": setup_info.commit(), "date": setup_info.now(),
+                 "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
+        result = result_json(measured, setup)
+        args.out.write_text(json.dumps(result, indent=1))
+        print(result["summary"], flush=True)
+        return result
+
+    with Progress() as progress:
+        measured = run(args.systems, jobs, config, weights, args.threads, gguf, progress, on_system=save)
+    result = save(measured)
     result["figures"] = [figure(result, args.out.with_suffix(".png")).name]
     args.out.write_text(json.dumps(result, indent=1))
-    print(result["summary"])
     return result
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from experiments.engine_load import decode_load
+from experiments.engine_load import blocks_needed, decode_load
 from experiments.registry import RESULTS_DIR, Context, Experiment, Result
 
 SEQUENCES = (16, 64, 256)
@@ -36,9 +36,9 @@ def measure(ctx: Context, threads: int) -> dict[str, Any]:
     rows = {}
     with threadpool_limits(threads, user_api="blas"):
         for n in ctx.track(SEQUENCES, "E10 concurrency"):
-            blocks = n * (-(-(prompt + steps + 2) // 16)) + 8
-            engine = Engine(FastModel(model), num_blocks=blocks, block_size=16, max_num_seqs=n,
-                            max_num_batched_tokens=max(n * prompt, 512))
+            budget = max(n * prompt, 512)
+            engine = Engine(FastModel(model), num_blocks=blocks_needed(n, prompt, steps, budget), block_size=16,
+                            max_num_seqs=n, max_num_batched_tokens=budget)
             rows[str(n)] = decode_load(engine, n, prompt_len=prompt, steps=steps)
     return rows
 

@@ -33,6 +33,17 @@ def _timed_schedule(engine: Any, spent: list[float]) -> None:
     engine.scheduler.schedule = schedule
 
 
+def max_tokens_for(n: int, prompt_len: int, steps: int, budget: int) -> int:
+    """Output tokens each request needs so that none finishes before the timed steps are over: the
+    first requests start decoding while later prompts are still being prefilled (chunked prefill)."""
+    return steps + 2 + -(-n * prompt_len // budget)
+
+
+def blocks_needed(n: int, prompt_len: int, steps: int, budget: int, block_size: int = 16) -> int:
+    """KV blocks for ``decode_load`` to run without preemption."""
+    return n * -(-(prompt_len + max_tokens_for(n, prompt_len, steps, budget)) // block_size) + 8
+
+
 def decode_load(engine: Any, n: int, *, prompt_len: int = 8, steps: int = 5, vocab: int | None = None,
                 seed: int = 0) -> dict[str, Any]:
     """Time ``steps`` decode steps of ``n`` concurrent sequences on ``engine`` (see the module docstring)."""
@@ -42,7 +53,8 @@ def decode_load(engine: Any, n: int, *, prompt_len: int = 8, steps: int = 5, voc
     rng = np.random.default_rng(seed)
     spent: list[float] = []
     _timed_schedule(engine, spent)
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    budget = engine.scheduler.config.max_num_batched_tokens
+    params = SamplingParams(max_tokens=max_tokens_for(n, prompt_len, steps, budget), ignore_eos=True)
     t0 = engine.clock()
     ids = [engine.add_request(rng.integers(1, vocab, prompt_len).tolist(), params, arrival_time=t0)
            for _ in range(n)]

@@ -26,7 +26,7 @@ GOAL = "control plane < 5% of a decode step at 64 sequences"
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
-    from experiments.engine_load import decode_load
+    from experiments.engine_load import blocks_needed, decode_load
     from experiments.setup_info import commit, machine
     from fast.engine import Engine, FastModel, TorchLlama
 
@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for b in batches:
             if time.perf_counter() - start > args.budget:
                 break
-            blocks = b * (-(-(prompt + steps + 2) // 16)) + 8
-            engine = Engine(FastModel(model), num_blocks=blocks, block_size=16, max_num_seqs=b,
-                            max_num_batched_tokens=max(b * prompt, 512))
+            budget = min(max(b * prompt, 512), 8192)
+            engine = Engine(FastModel(model), num_blocks=blocks_needed(b, prompt, steps, budget), block_size=16,
+                            max_num_seqs=b, max_num_batched_tokens=budget)
             rows[variant][str(b)] = decode_load(engine, b, prompt_len=prompt, steps=steps)
             print(variant, b, rows[variant][str(b)], flush=True)
         del model

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from experiments import bench_engine, gpu_engine  # noqa: E402
+from experiments import bench_engine, gpu_engine, report  # noqa: E402
 from experiments.engine_bench import Job  # noqa: E402
 
 
@@ -28,6 +28,8 @@ def test_bench_engine_tiny_scores_every_system(tmp_path: Path) -> None:
     assert stored["verdict"] in ("goal met", "goal missed") and result["summary"].startswith("useful tok/s")
     for system in tok_s:
         assert stored["measured"]["ttft_ms"][system]["p50"] <= stored["measured"]["ttft_ms"][system]["p99"]
+    section = "\n".join(report.engine_bench_section(tmp_path))  # the paper's section, from the JSON alone
+    assert f"| fast_bf16 | {tok_s['fast_bf16']:.1f} |" in section and "bench_engine.png" in section
 
 
 def test_score_counts_useful_tokens_and_refuses_a_wrong_count() -> None:

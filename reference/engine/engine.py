@@ -37,7 +37,7 @@ from reference.engine.request import Request, RequestMetrics, RequestOutput, Tok
 from reference.engine.sampling import sample
 from reference.kv.block_manager import BlockManager
 from reference.model.llama import Chunk
-from reference.model.runner import ModelRunner
+from reference.model.runner import ModelRunner, RunnableModel
 from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError, Tenants, make_policy
 from reference.sched import Sequence as SchedSequence
 
@@ -64,7 +64,7 @@ class StepRecord:
 
 
 class Engine:
-    def __init__(self, model: Any, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
+    def __init__(self, model: RunnableModel, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
                  kv_dtype: str = "float32", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
                  max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
                  aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0, seed: int = 0,

@@ -36,6 +36,15 @@ class ModelRunner(Protocol):
         """Run one step; per chunk, the float32 logits [vocab] of its last token, or None if not wanted."""
 
 
+class RunnableModel(Protocol):
+    """What ``Engine`` is given: a model that knows its config and makes its runner (and KV cache)."""
+
+    config: LlamaConfig
+
+    def make_runner(self, num_blocks: int, block_size: int, kv_dtype: str) -> ModelRunner:
+        """A runner owning a new KV cache of ``num_blocks`` blocks of ``block_size`` tokens."""
+
+
 class NumpyRunner:
     """The reference runner: ``LlamaModel.forward`` over a NumPy ``KVCache``."""
 
