@@ -17,8 +17,9 @@
   S = scale * max_j sum_d |q_d k_jd| (bounds the float32 error of a score, D products summed in any
   order; a score error e changes a softmax weight by a factor within exp(+-2e)); L = positions
   attended (the weights' sum and the weighted sum of values, in any order, online-softmax rescales
-  included); 2^-20 covers the GPU's approximate exp. p_j are the float64 weights. A slot read past
-  the end gives NaN; a wrong block or a wrong mask misses by orders of magnitude.
+  included); 2^-20 covers the GPU's approximate exp. p_j are the float64 weights. With bf16 queries
+  the output is bf16 and rounding it adds 2^-8 |o| <= 2^-8 (|o64| + the bound above). A slot read
+  past the end gives NaN; a wrong block or a wrong mask misses by orders of magnitude.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from reference.kv.cache import KVCache
 from reference.model.llama import attention as attention64
 
 U = 2.0**-24
-BOUND_TEXT = "|o-o64| <= (2(D+2)uS + 4Lu + 2^-20) sum_j p_j|v_j|, u=2^-24, S=scale max_j sum|q k_j|"
+BOUND_TEXT = ("|o-o64| <= (2(D+2)uS + 4Lu + 2^-20) sum_j p_j|v_j| (bf16 output: + 2^-8(|o64| + that)), u=2^-24, "
+              "S=scale max_j sum|q k_j|")
 
 
 # -- fp8 codes ------------------------------------------------------------------------------
@@ -64,14 +66,14 @@ def _write_inputs(dtype: str):
     def make(gen: Gen) -> dict[str, Any]:
         seqs, steps = gen.size((3, 4), (64, 6))
         kv, d, bs = gen.size((2, 16, 16), (8, 128, 16))
-        per_seq = -(-(gen.size(40, 300) + 3 * steps) // bs)
+        per_seq = -(-(gen.size(20, 300) + 3 * steps) // bs)
         nb = seqs * per_seq + 3
         tables = gen.rng.permutation(nb).reshape(-1)[:seqs * per_seq].reshape(seqs, per_seq).tolist()
         garbage = {"codes": gen.rng.integers(0, 256, (2, nb, bs, kv, d), dtype=np.uint8),
                    "exps": gen.rng.integers(-126, 121, (2, nb, kv)).astype(np.int8)}
         lengths, writes = [0] * seqs, []
         for step in range(steps):
-            chunk = [int(gen.rng.integers(1, gen.size(40, 300) + 1)) if step == 0 else int(gen.rng.integers(1, 4))
+            chunk = [int(gen.rng.integers(1, gen.size(20, 300) + 1)) if step == 0 else int(gen.rng.integers(1, 4))
                      for _ in range(seqs)]
             slots = np.concatenate([(np.asarray(t)[np.arange(s, s + n) // bs] * bs + np.arange(s, s + n) % bs)
                                     for t, s, n in zip(tables, lengths, chunk, strict=True)])
@@ -129,7 +131,7 @@ def _write_fast(backend: str):
 
 
 # -- attention ------------------------------------------------------------------------------
-def _attention_inputs(dtype: str, small: tuple, large: tuple):
+def _attention_inputs(dtype: str, small: tuple, large: tuple, bf16_query: bool = False):
     """Chunks (query_lens, starts) small/large; the cache holds positions [0, start + n) of each."""
     def make(gen: Gen) -> dict[str, Any]:
         import torch
@@ -163,8 +165,12 @@ def _attention_inputs(dtype: str, small: tuple, large: tuple):
         step = KVStep.build(query_lens=query_lens, starts=starts, block_tables=tables, block_size=bs, num_blocks=nb,
                             device=gen.device, pad_block=nb - 1, max_blocks=max(needs) + 2)
         q = gen.rng.standard_normal((sum(query_lens), kv * group, d)).astype(np.float32)
-        return {"ref": ref, "tables": tables, "step": step, "cache": cache, "q": q,
-                "qt": torch.from_numpy(q).to(gen.device), "scale": float(np.float32(1 / np.sqrt(d)))}
+        qt = torch.from_numpy(q).to(gen.device)
+        if bf16_query:  # the output is bf16 too
+            qt = qt.bfloat16()
+            q = qt.float().cpu().numpy()
+        return {"ref": ref, "tables": tables, "step": step, "cache": cache, "q": q, "qt": qt, "bf16": bf16_query,
+                "scale": float(np.float32(1 / np.sqrt(d)))}
 
     return make
 
@@ -200,6 +206,8 @@ def _attention_allowed(inputs: dict[str, Any], ref: np.ndarray) -> np.ndarray:
         big_s = inputs["scale"] * np.where(causal[:, None, None, :], abs_qk, 0).max(-1, keepdims=True)
         factor = 2 * (d + 2) * U * big_s + 4 * length * U + 2.0**-20
         allowed[rows] = (factor * pv).reshape(n, heads, d) + 2.0**-140
+    if inputs["bf16"]:  # rounding the float32 result o to bf16 (nearest even): at most 2^-8 |o|
+        allowed += 2.0**-8 * (np.abs(ref) + allowed) + 2.0**-133
     return allowed
 
 
@@ -235,6 +243,12 @@ def _register_all() -> None:
                               _attention_inputs(dtype, small, large), _attention_reference,
                               _attention_fast(kind, backend), bound=bound,
                               about=f"paged {kind} attention, {dtype} cache, unused slots NaN, vs float64"))
+            if dtype == "fp8":
+                for kind, (small, large) in (("decode", decode), ("prefill", prefill)):
+                    register(Case(f"kv.{kind}_attention.bf16_query.{dtype}.{backend}", Level.BOUNDED,
+                                  _attention_inputs(dtype, small, large, bf16_query=True), _attention_reference,
+                                  _attention_fast(kind, backend), bound=bound,
+                                  about=f"paged {kind} attention, bf16 queries and output, {dtype} cache"))
             register(Case(f"kv.decode_attention.long_context.{dtype}.{backend}", Level.BOUNDED,
                           _attention_inputs(dtype, long_decode, long_decode), _attention_reference,
                           _attention_fast("decode", backend), bound=bound, large_only=True,

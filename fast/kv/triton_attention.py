@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fast.bf16 import bf16_bits_rne
 from fast.errors import KernelInputError
 from fast.kv.fp8_triton import decode_e4m3
 from fast.triton_util import check_kernel_device, next_pow2
@@ -42,9 +43,19 @@ def _load_block(store_ptr, exp_ptr, block, kv_head, pos_in_block, valid, d, IS_F
 
 
 @triton.jit
+def _store(ptrs, x, mask, OUT_BF16: tl.constexpr):
+    """Store float32 x; into a bf16 output (seen as int16) by integer round-to-nearest-even, not a cast."""
+    if OUT_BF16:
+        tl.store(ptrs, bf16_bits_rne(x).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptrs, x, mask=mask)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, out_ptr, k_ptr, v_ptr, kexp_ptr, vexp_ptr, tables_ptr, seq_lens_ptr, table_stride,
-                   scale, IS_FP8: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, G_P2: tl.constexpr, D_P2: tl.constexpr, BS_P2: tl.constexpr):
+                   scale, IS_FP8: tl.constexpr, OUT_BF16: tl.constexpr, HEADS: tl.constexpr, GROUP: tl.constexpr,
+                   DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, G_P2: tl.constexpr, D_P2: tl.constexpr,
+                   BS_P2: tl.constexpr):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
     g = tl.arange(0, G_P2)
@@ -71,15 +82,14 @@ def _decode_kernel(q_ptr, out_ptr, k_ptr, v_ptr, kexp_ptr, vexp_ptr, tables_ptr,
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + q_rows[:, None] + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    _store(out_ptr + q_rows[:, None] + d[None, :], acc / l_i[:, None], q_mask, OUT_BF16)
 
 
 @triton.jit
 def _prefill_kernel(q_ptr, out_ptr, k_ptr, v_ptr, kexp_ptr, vexp_ptr, tables_ptr, query_starts_ptr,
-                    context_lens_ptr, table_stride, scale, IS_FP8: tl.constexpr, HEADS: tl.constexpr,
-                    GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                    D_P2: tl.constexpr):
+                    context_lens_ptr, table_stride, scale, IS_FP8: tl.constexpr, OUT_BF16: tl.constexpr,
+                    HEADS: tl.constexpr, GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, D_P2: tl.constexpr):
     b = tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -115,9 +125,8 @@ def _prefill_kernel(q_ptr, out_ptr, k_ptr, v_ptr, kexp_ptr, vexp_ptr, tables_ptr
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
-        out = acc / l_i[:, None]
         o_ptrs = out_ptr + ((q_start + rows[:, None]) * HEADS * GROUP + head) * DIM + d[None, :]
-        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        _store(o_ptrs, acc / l_i[:, None], q_mask, OUT_BF16)
 
 
 def _common(q: torch.Tensor, cache, layer: int, step) -> tuple:
@@ -128,7 +137,8 @@ def _common(q: torch.Tensor, cache, layer: int, step) -> tuple:
     q = q.contiguous()
     k, v = cache.k[layer], cache.v[layer]
     kexp, vexp = (cache.k_exp[layer], cache.v_exp[layer]) if cache.is_fp8 else (k, v)  # unused unless fp8
-    return q, torch.empty_like(q), k, v, kexp, vexp
+    out = torch.empty_like(q)
+    return q, out.view(torch.int16) if out.dtype == torch.bfloat16 else out, k, v, kexp, vexp
 
 
 def decode_attention(q: torch.Tensor, cache, layer: int, step, scale: float) -> torch.Tensor:
@@ -137,9 +147,10 @@ def decode_attention(q: torch.Tensor, cache, layer: int, step, scale: float) -> 
     heads, group = cache.num_kv_heads, q.shape[1] // cache.num_kv_heads
     _decode_kernel[(step.num_chunks, heads)](
         q, out, k, v, kexp, vexp, step.block_tables, step.seq_lens, step.block_tables.stride(0), scale,
-        IS_FP8=cache.is_fp8, HEADS=heads, GROUP=group, DIM=cache.head_dim, BLOCK_SIZE=cache.block_size,
-        G_P2=next_pow2(group), D_P2=next_pow2(cache.head_dim), BS_P2=next_pow2(cache.block_size))
-    return out
+        IS_FP8=cache.is_fp8, OUT_BF16=q.dtype == torch.bfloat16, HEADS=heads, GROUP=group, DIM=cache.head_dim,
+        BLOCK_SIZE=cache.block_size, G_P2=next_pow2(group), D_P2=next_pow2(cache.head_dim),
+        BS_P2=next_pow2(cache.block_size))
+    return out.view(q.dtype)
 
 
 def prefill_attention(q: torch.Tensor, cache, layer: int, step, scale: float, block_m: int = 16) -> torch.Tensor:
@@ -156,6 +167,6 @@ def prefill_attention(q: torch.Tensor, cache, layer: int, step, scale: float, bl
     grid = (step.num_chunks, -(-step.max_query_len // block_m), q.shape[1])
     _prefill_kernel[grid](
         q, out, k, v, kexp, vexp, step.block_tables, step.query_starts, step.context_lens,
-        step.block_tables.stride(0), scale, IS_FP8=cache.is_fp8, HEADS=heads, GROUP=group, DIM=cache.head_dim,
-        BLOCK_SIZE=bs, BLOCK_M=block_m, D_P2=max(16, next_pow2(cache.head_dim)))
-    return out
+        step.block_tables.stride(0), scale, IS_FP8=cache.is_fp8, OUT_BF16=q.dtype == torch.bfloat16, HEADS=heads,
+        GROUP=group, DIM=cache.head_dim, BLOCK_SIZE=bs, BLOCK_M=block_m, D_P2=max(16, next_pow2(cache.head_dim)))
+    return out.view(q.dtype)
