@@ -7,7 +7,8 @@
   exponents afterwards equal the reference cache's byte for byte. Both caches start full of the
   same garbage, so a write into a wrong block or a block not restarted at offset 0 shows.
 * ``kv.write.bfloat16.*`` (bit-exact): a bf16 cache holds round-to-nearest-even of the values.
-* ``kv.decode_attention.*``, ``kv.prefill_attention.*`` (bounded): paged attention over a cache
+* ``kv.decode_attention.*``, ``kv.prefill_attention.*`` (bounded; ``split_kv``: the decode kernel with
+  every sequence cut into 3 parts and merged, as a GPU does for small batches): paged attention over a cache
   whose every unused slot (the tail of each last block, unused blocks, the padding block the
   tables point at past their end) holds NaN (fp8: code 0x7F), against the float64 attention of
   ``reference.model.llama.attention`` on the reference cache's values. Per element:
@@ -221,6 +222,14 @@ def _attention_fast(kind: str, backend: str):
     return run
 
 
+def _split_decode(inputs: dict[str, Any]) -> Any:
+    """The Triton decode kernel with each sequence's blocks cut into 3 parts merged by the combine kernel."""
+    from fast.kv import triton_attention
+
+    return triton_attention.decode_attention(inputs["qt"], inputs["cache"], 0, inputs["step"], inputs["scale"],
+                                             num_splits=3)
+
+
 def _register_all() -> None:
     register(Case("kv.fp8_encode.bit_classes", Level.BIT_EXACT, _encode_inputs, _encode_reference, _encode_fast,
                   about="e4m3 codes of random float32 bit patterns at random scales: Triton and torch"))
@@ -235,6 +244,9 @@ def _register_all() -> None:
               ([1] * 64, [int(x) for x in np.linspace(0, 2000, 64)], 3, 3, 64, 16))
     prefill = (([5, 1, 20], [0, 33, 7], 2, 2, 16, 16),
                ([256, 1, 1, 128, 512, 37], [0, 300, 5, 1000, 64, 700], 3, 3, 64, 16))
+    register(Case("kv.decode_attention.split_kv.fp8.triton", Level.BOUNDED, _attention_inputs("fp8", *decode),
+                  _attention_reference, _split_decode, bound=bound,
+                  about="split-KV decode (3 parts per sequence, some empty), fp8 cache, vs float64"))
     long_decode = ([1] * 8, [4095, 3000, 1, 17, 2048, 4000, 100, 3333], 8, 4, 128, 16)
     for dtype in ("float32", "bfloat16", "fp8"):
         for backend in ("torch", "triton"):
