@@ -6,16 +6,17 @@ real conformance CLI in-process on the KV cases.
 
 from __future__ import annotations
 
+from test_conformance_mutation import _mutant
+
 import fast  # noqa: F401  (switches the Triton interpreter on when there is no GPU)
 from conformance.__main__ import main
-from test_conformance_mutation import _mutant
 
 
 def test_skipped_rescale_fails_the_fp8_write_case(monkeypatch, capsys, tmp_path):
     """Forgetting rule 3 (re-encode a block whose scale grew) changes cache bytes."""
     from fast.kv import triton_write
 
-    mutant = _mutant(triton_write, "if fresh or new > old:", "if fresh:", tmp_path, monkeypatch)
+    mutant = _mutant(triton_write, "if fresh | (new > old):", "if fresh:", tmp_path, monkeypatch)
     monkeypatch.setattr(triton_write, "write", mutant.write)
     code = main(["--device", "cpu", "-k", "kv.fp8_write.triton"])
     out = capsys.readouterr().out

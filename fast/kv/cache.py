@@ -36,6 +36,7 @@ class PagedKVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=DTYPES[dtype], device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=DTYPES[dtype], device=self.device) for _ in range(num_layers)]
+        self.scratch: dict[str, torch.Tensor] = {}  # reusable buffers of the torch attention path
         self.k_exp: list[torch.Tensor] = []
         self.v_exp: list[torch.Tensor] = []
         if dtype == "fp8":

@@ -63,12 +63,17 @@ def decode_table(device: torch.device | str = "cpu") -> torch.Tensor:
 _TABLES: dict[torch.device, torch.Tensor] = {}
 
 
+def decode_table_on(device: torch.device) -> torch.Tensor:
+    """``decode_table`` on ``device``, built once per device."""
+    table = _TABLES.get(device)
+    if table is None:
+        table = _TABLES[device] = decode_table(device)
+    return table
+
+
 def decode(codes: torch.Tensor, scale_exp: torch.Tensor | int = 0) -> torch.Tensor:
     """float32 values of uint8 ``codes`` times 2^scale_exp (broadcast; exact)."""
-    table = _TABLES.get(codes.device)
-    if table is None:
-        table = _TABLES[codes.device] = decode_table(codes.device)
-    values = table[codes.to(torch.int64)]
+    values = decode_table_on(codes.device)[codes.to(torch.int64)]
     e = torch.as_tensor(scale_exp, device=codes.device)
     return values * exp2_int(e)
 

@@ -1,7 +1,7 @@
 """fp8 e4m3 encode/decode and the scale exponent as Triton functions, in integer operations only.
 
 The rule is ``reference/kv/fp8.py``'s, spelled out on bit patterns: no float->fp8 cast, whose
-rounding differs between Triton's interpreter and a GPU (DESIGN.md). The only float operations are
+rounding differs between Triton's interpreter and a GPU (paper/design.md). The only float operations are
 exact ones: an int < 2^24 converted to float32 (to read its bit length) and products with powers
 of two whose results fit float32. So the codes are bit-exact on the GPU and under the interpreter.
 (One caveat on a GPU: a decoded value below 2^-126, possible only with scale exponents near -126,

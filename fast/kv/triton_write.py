@@ -50,7 +50,7 @@ def _rescale_kernel(codes_ptr, exps_ptr, new_ptr, fresh_ptr, owner_ptr, slots_pt
         fresh = tl.load(fresh_ptr + block) != 0
         old = tl.where(fresh, -126, tl.load(exps_ptr + block * HEADS + h).to(tl.int32))
         new = tl.load(new_ptr + block * HEADS + h)
-        if fresh or new > old:
+        if fresh | (new > old):  # (bitwise: runtime scalars, as compiled Triton wants them)
             s = tl.arange(0, BS_P2)[:, None]
             d = tl.arange(0, D_P2)[None, :]
             mask = (s < BLOCK_SIZE) & (d < DIM)
