@@ -7,12 +7,13 @@ times ``steps`` pure decode steps of all ``n`` sequences and splits each step in
   * schedule: ``Scheduler.schedule`` (admission, budget, block allocation, copy-on-write);
   * bookkeeping: the rest of ``Engine.step``: sampling, ``postprocess`` (finishing, prefix-cache
     registration), request metrics and events.
-The control plane is schedule + step tensors + bookkeeping; its share is of the whole step.
+The control plane is schedule + step tensors + bookkeeping; its share is of the whole step. All
+parts are measured with the engine's clock: on a shared CPU pass ``clock=time.thread_time`` (the
+engine thread's CPU seconds, blind to other load; with one torch thread the model runs on it too).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -21,13 +22,13 @@ from experiments.engine_bench import pct
 
 
 def _timed_schedule(engine: Any, spent: list[float]) -> None:
-    """Wrap the engine's scheduler so each schedule() call's seconds are appended to ``spent``."""
-    inner = engine.scheduler.schedule
+    """Wrap the engine's scheduler so each schedule() call's seconds (engine clock) are appended to ``spent``."""
+    inner, clock = engine.scheduler.schedule, engine.clock
 
     def schedule(now: float) -> Any:
-        t = time.perf_counter()
+        t = clock()
         batch = inner(now)
-        spent.append(time.perf_counter() - t)
+        spent.append(clock() - t)
         return batch
 
     engine.scheduler.schedule = schedule
@@ -50,6 +51,8 @@ def decode_load(engine: Any, n: int, *, prompt_len: int = 8, steps: int = 5, voc
     from reference.engine import SamplingParams
 
     vocab = vocab or engine.model.config.vocab_size
+    if hasattr(engine.runner, "clock"):
+        engine.runner.clock = engine.clock  # one clock for every part of the split
     rng = np.random.default_rng(seed)
     spent: list[float] = []
     _timed_schedule(engine, spent)
