@@ -62,10 +62,13 @@ def run_engine(engine: Any, jobs: Sequence[Job], advance: Callable[[int], None])
     return [[t - t0 for t in engine.requests[i].metrics.token_times] for i in ids]
 
 
-def engine_options(jobs: Sequence[Job], block_size: int = 16) -> dict[str, Any]:
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def engine_options(jobs: Sequence[Job], clock: Callable[[], float], block_size: int = 16) -> dict[str, Any]:
     blocks = sum(-(-(len(j.prompt) + j.output_len) // block_size) for j in jobs) + 8
     return dict(num_blocks=blocks, block_size=block_size, max_num_seqs=min(64, len(jobs)),
-                max_num_batched_tokens=512, clock=time.perf_counter)
+                max_num_batched_tokens=512, clock=clock)
 
 
 def tiny_checkpoint() -> tuple[Any, Any, list[Job]]:
@@ -90,7 +93,8 @@ def tiny_checkpoint() -> tuple[Any, Any, list[Job]]:
 
 
 def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, threads: int,
-        gguf: str | None, progress: Any, on_system: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        gguf: str | None, progress: Any, on_system: Callable[[dict[str, Any]], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
     """Every system on the same jobs; returns {system: score} plus transformers per batch size.
     ``on_system(results so far)`` is called after each system (the CLI saves partial results)."""
     import torch
@@ -107,11 +111,11 @@ def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, 
         for system in systems:
             if system.startswith("fast_"):
                 dtype = {"fast_bf16": "bfloat16", "fast_fp32": "float32"}[system]
-                engine = Engine(FastModel(TorchLlama(config, weights, dtype=dtype)), **engine_options(jobs))
+                engine = Engine(FastModel(TorchLlama(config, weights, dtype=dtype)), **engine_options(jobs, clock))
                 task = progress.add_task(system, total=total)
                 out[system] = score(run_engine(engine, jobs, lambda n, t=task: progress.advance(t, n)), jobs)
             elif system == "reference":
-                engine = ReferenceEngine(LlamaModel(config, weights), **engine_options(jobs))
+                engine = ReferenceEngine(LlamaModel(config, weights), **engine_options(jobs, clock))
                 task = progress.add_task(system, total=total)
                 out[system] = score(run_engine(engine, jobs, lambda n, t=task: progress.advance(t, n)), jobs)
             elif system == "transformers_bf16":
@@ -120,7 +124,7 @@ def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, 
                 for b in HF_BATCHES:
                     task = progress.add_task(f"transformers B={b}", total=len(jobs))
                     by_batch[b] = score(run_transformers(model, jobs, b, on_batch=lambda n, t=task: progress.advance(
-                        t, n)), jobs)
+                        t, n), clock=clock), jobs)
                 best = max(by_batch, key=lambda b: by_batch[b]["useful_tok_s"])
                 out[system] = by_batch[best] | {"batch_size": best}
                 out["transformers_by_batch"] = {str(b): s["useful_tok_s"] for b, s in by_batch.items()}
@@ -144,7 +148,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
     p.add_argument("--tiny", action="store_true", help="a tiny random model and 6 requests (seconds)")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_engine.json")
+    p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                   help="wall: elapsed seconds; cpu: CPU seconds of the process (with 1 thread, blind to other "
+                        "load on a shared machine; then systems may also run in parallel processes, see --merge)")
+    p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
+                   help="only combine the results files of separate runs (one system each) into --out")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     if args.tiny:
         config, weights, jobs = tiny_checkpoint()
         gguf, workload = None, f"{len(jobs)} random requests on a random 2-layer Llama (--tiny)"
@@ -165,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def save(measured: dict[str, Any]) -> dict[str, Any]:
         setup = {"weights": "random 2-layer Llama" if args.tiny else "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
                  "workload": workload, "threads": args.threads, "machine": setup_info.machine(),
-                 "commit": setup_info.commit(), "date": setup_info.now(),
+                 "commit": setup_info.commit(), "date": setup_info.now(), "clock": args.clock,
                  "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
         result = result_json(measured, setup)
         args.out.write_text(json.dumps(result, indent=1))
@@ -173,10 +184,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return result
 
     with Progress() as progress:
-        measured = run(args.systems, jobs, config, weights, args.threads, gguf, progress, on_system=save)
+        measured = run(args.systems, jobs, config, weights, args.threads, gguf, progress, on_system=save,
+                       clock=CLOCKS[args.clock])
     result = save(measured)
     result["figures"] = [figure(result, args.out.with_suffix(".png")).name]
     args.out.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
+    """One result from runs of single systems on the same workload (same threads and clock required)."""
+    from experiments.bench_engine_report import figure, result_json
+
+    docs = [json.loads(p.read_text()) for p in paths]
+    keys = ("workload", "threads", "clock")
+    if any(d["setup"][k] != docs[0]["setup"][k] for d in docs for k in keys):
+        raise SystemExit(f"--merge: the runs differ in {keys}; they cannot be compared")
+    measured: dict[str, Any] = {}
+    for d in docs:
+        m = d["measured"]
+        for system, tok_s in m["useful_tok_s"].items():
+            measured[system] = {"useful_tok_s": tok_s, "ttft_ms": m["ttft_ms"][system], "itl_ms": m["itl_ms"][system],
+                                "seconds": m["seconds"][system]}
+        if "transformers_by_batch" in m:
+            measured["transformers_by_batch"] = m["transformers_by_batch"]
+            measured["transformers_bf16"]["batch_size"] = m["transformers_best_batch"]
+    setup = dict(docs[0]["setup"])
+    setup["runs"] = [{"file": p.name, "commit": d["setup"]["commit"], "date": d["setup"]["date"],
+                      "load_average": d["setup"]["load_average"]} for p, d in zip(paths, docs, strict=True)]
+    setup["load_average"] = [d["setup"]["load_average"] for d in docs]
+    result = result_json(measured, setup)
+    result["figures"] = [figure(result, out.with_suffix(".png")).name]
+    out.write_text(json.dumps(result, indent=1))
+    print(result["summary"])
     return result
 
 

@@ -31,10 +31,14 @@ def result_json(measured: dict[str, Any], setup: dict[str, Any]) -> dict[str, An
         ratio = fast / hf
         out["measured"]["fast_over_transformers"] = round(ratio, 2)
         out["verdict"] = "goal met" if ratio >= 2 else "goal missed"
+        if setup.get("clock") == "cpu":
+            timing = (f"times are CPU seconds of each system's process ({setup.get('threads')} thread), so the "
+                      f"other jobs on the shared machine (load average {setup.get('load_average')}) do not count")
+        else:
+            timing = (f"{setup.get('threads')} threads, wall clock; the machine may have been shared (load average "
+                      f"{setup.get('load_average')}): the ratios, measured in one run, are the result")
         out["why"] = (f"the fast engine made {ratio:.2f}x the useful tokens/s of transformers bf16 at its best "
-                      f"batch size (goal 2x), with {setup.get('threads')} threads; the machine was shared with "
-                      f"other load (load average {setup.get('load_average')}), so absolute numbers are low and noisy "
-                      "while the ratios, measured in one run, are the result")
+                      f"batch size (goal 2x); {timing}")
     else:
         out["verdict"], out["why"] = "not compared", "run fast and transformers_bf16 together to compare them"
     return out

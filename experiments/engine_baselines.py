@@ -61,7 +61,8 @@ def hf_llama(config: LlamaConfig, weights: LlamaWeights, dtype: Any) -> Any:
 
 
 def run_transformers(model: Any, jobs: Sequence[Job], batch_size: int, pad_id: int = 0,
-                     on_batch: Callable[[int], None] | None = None) -> list[list[float]]:
+                     on_batch: Callable[[int], None] | None = None,
+                     clock: Callable[[], float] = time.perf_counter) -> list[list[float]]:
     """Static batches of ``batch_size`` jobs in order; per job, the ready time of each useful output token."""
     import torch
     import transformers
@@ -73,11 +74,11 @@ def run_transformers(model: Any, jobs: Sequence[Job], batch_size: int, pad_id: i
             self.times: list[float] = []
 
         def __call__(self, input_ids: Any, scores: Any) -> Any:
-            self.times.append(time.perf_counter())
+            self.times.append(clock())
             return scores
 
     times: list[list[float]] = [[] for _ in jobs]
-    t0 = time.perf_counter()
+    t0 = clock()
     for first in range(0, len(jobs), batch_size):
         batch = list(range(first, min(first + batch_size, len(jobs))))
         width = max(len(jobs[i].prompt) for i in batch)

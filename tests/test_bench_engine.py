@@ -32,6 +32,17 @@ def test_bench_engine_tiny_scores_every_system(tmp_path: Path) -> None:
     assert f"| fast_bf16 | {tok_s['fast_bf16']:.1f} |" in section and "bench_engine.png" in section
 
 
+def test_single_system_runs_merge_into_one_result(tmp_path: Path) -> None:
+    for system in ("fast_bf16", "reference"):
+        bench_engine.main(["--tiny", "--threads", "1", "--clock", "cpu", "--systems", system,
+                           "--out", str(tmp_path / f"{system}.json")])
+    merged = bench_engine.main(["--merge", str(tmp_path / "fast_bf16.json"), str(tmp_path / "reference.json"),
+                                "--out", str(tmp_path / "bench_engine.json")])
+    assert set(merged["measured"]["useful_tok_s"]) == {"fast_bf16", "reference"}
+    assert merged["verdict"] == "not compared" and merged["setup"]["clock"] == "cpu"
+    assert len(merged["setup"]["runs"]) == 2 and (tmp_path / "bench_engine.png").exists()
+
+
 def test_score_counts_useful_tokens_and_refuses_a_wrong_count() -> None:
     jobs = [Job([1, 2], 2), Job([3], 1)]
     s = bench_engine.score([[0.5, 1.0], [2.0]], jobs)
