@@ -67,7 +67,7 @@ def run_transformers(model: Any, jobs: Sequence[Job], batch_size: int, pad_id: i
     import torch
     import transformers
 
-    class Clock(transformers.LogitsProcessor):
+    class TokenTimes(transformers.LogitsProcessor):
         """Called once per generated position, right after the forward pass that produced it."""
 
         def __init__(self) -> None:
@@ -89,13 +89,13 @@ def run_transformers(model: Any, jobs: Sequence[Job], batch_size: int, pad_id: i
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         steps = max(jobs[i].output_len for i in batch)
-        clock = Clock()
+        stamps = TokenTimes()
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
                            do_sample=False, pad_token_id=pad_id, eos_token_id=None,
-                           logits_processor=transformers.LogitsProcessorList([clock]))
+                           logits_processor=transformers.LogitsProcessorList([stamps]))
         for i in batch:
-            times[i] = [t - t0 for t in clock.times[:jobs[i].output_len]]
+            times[i] = [t - t0 for t in stamps.times[:jobs[i].output_len]]
         if on_batch is not None:
             on_batch(len(batch))
     return times
