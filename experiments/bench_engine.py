@@ -94,7 +94,7 @@ def tiny_checkpoint() -> tuple[Any, Any, list[Job]]:
 
 def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, threads: int,
         gguf: str | None, progress: Any, on_system: Callable[[dict[str, Any]], None] | None = None,
-        clock: Callable[[], float] = time.perf_counter) -> dict[str, Any]:
+        clock: Callable[[], float] = time.perf_counter, hf_batches: Sequence[int] = HF_BATCHES) -> dict[str, Any]:
     """Every system on the same jobs; returns {system: score} plus transformers per batch size.
     ``on_system(results so far)`` is called after each system (the CLI saves partial results)."""
     import torch
@@ -121,7 +121,7 @@ def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, 
             elif system == "transformers_bf16":
                 model = hf_llama(config, weights, torch.bfloat16)
                 by_batch = {}
-                for b in HF_BATCHES:
+                for b in hf_batches:
                     task = progress.add_task(f"transformers B={b}", total=len(jobs))
                     by_batch[b] = score(run_transformers(model, jobs, b, on_batch=lambda n, t=task: progress.advance(
                         t, n), clock=clock), jobs)
@@ -151,6 +151,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall: elapsed seconds; cpu: CPU seconds of the process (with 1 thread, blind to other "
                         "load on a shared machine; then systems may also run in parallel processes, see --merge)")
+    p.add_argument("--hf-batches", type=int, nargs="+", default=list(HF_BATCHES),
+                   help="transformers batch sizes to try (default 8 16 32; separate runs can be merged)")
     p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                    help="only combine the results files of separate runs (one system each) into --out")
     args = p.parse_args(argv)
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     with Progress() as progress:
         measured = run(args.systems, jobs, config, weights, args.threads, gguf, progress, on_system=save,
-                       clock=CLOCKS[args.clock])
+                       clock=CLOCKS[args.clock], hf_batches=args.hf_batches)
     result = save(measured)
     result["figures"] = [figure(result, args.out.with_suffix(".png")).name]
     args.out.write_text(json.dumps(result, indent=1))
@@ -201,14 +203,19 @@ def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     if any(d["setup"][k] != docs[0]["setup"][k] for d in docs for k in keys):
         raise SystemExit(f"--merge: the runs differ in {keys}; they cannot be compared")
     measured: dict[str, Any] = {}
-    for d in docs:
+    by_batch: dict[str, float] = {}
+    for d in docs:  # a system measured in several runs (transformers at different batch sizes): keep the best
         m = d["measured"]
         for system, tok_s in m["useful_tok_s"].items():
+            if system in measured and measured[system]["useful_tok_s"] >= tok_s:
+                continue
             measured[system] = {"useful_tok_s": tok_s, "ttft_ms": m["ttft_ms"][system], "itl_ms": m["itl_ms"][system],
                                 "seconds": m["seconds"][system]}
-        if "transformers_by_batch" in m:
-            measured["transformers_by_batch"] = m["transformers_by_batch"]
-            measured["transformers_bf16"]["batch_size"] = m["transformers_best_batch"]
+            if system == "transformers_bf16":
+                measured[system]["batch_size"] = m["transformers_best_batch"]
+        by_batch |= m.get("transformers_by_batch", {})
+    if by_batch:
+        measured["transformers_by_batch"] = dict(sorted(by_batch.items(), key=lambda kv: int(kv[0])))
     setup = dict(docs[0]["setup"])
     setup["runs"] = [{"file": p.name, "commit": d["setup"]["commit"], "date": d["setup"]["date"],
                       "load_average": d["setup"]["load_average"]} for p, d in zip(paths, docs, strict=True)]
