@@ -96,3 +96,21 @@ def test_stream_and_abort_free_the_cache():
     events.close()  # aborts the request
     assert fast.block_manager.num_free_blocks == free
     assert fast.runner.cache.dtype == "bfloat16"  # the KV cache takes the model's dtype by default
+
+
+def test_decode_graph_buffers_give_the_eager_step():
+    """The CUDA-graph path's padded static inputs, run eagerly (no capture on a CPU), equal a plain step."""
+    from fast.engine.graphs import DecodeGraphs
+    from reference.model.llama import Chunk
+
+    model = TorchLlama(CONFIG, tiny_weights(3), dtype="float32")
+    runner = FastModel(model, cuda_graphs=False).make_runner(12, 4)
+    runner.forward([Chunk(PROMPTS[0][:9], 0, [0, 1, 2]), Chunk(PROMPTS[1][:5], 0, [5, 6]),
+                    Chunk(PROMPTS[2][:3], 0, [8])])  # some context to attend to
+    chunks = [Chunk([11], 9, [0, 1, 2]), Chunk([12], 5, [5, 6]), Chunk([13], 3, [8])]
+    graphs = DecodeGraphs(model, runner.cache, max_batch=4, max_blocks=5, pad_block=11)
+    b = graphs.fill(np.array([11, 12, 13]), np.array([9, 5, 3]), [c.block_table for c in chunks])
+    assert b == 4 and graphs._step(b).max_seq_len == 5 * 4  # a padded row; the split-KV grid covers the table
+    padded = model.forward(graphs.tokens[:b], graphs.positions[:b], graphs._step(b), runner.cache, graphs.rows[:b])
+    eager = runner.forward(chunks)
+    np.testing.assert_allclose(padded[:3].numpy(), np.stack(eager), rtol=1e-5, atol=1e-5)

@@ -8,7 +8,8 @@ buffers; a step of B sequences pads to the next bucket. Padded rows are one-toke
 block table is the spare ``pad_block`` (one block past the block manager's), so they write there and
 read only themselves; their logits are dropped. Block tables are ``max_blocks`` wide (the context
 length), so no step needs more. Attention reads sequence lengths from the device, so one graph serves
-every length.
+every length; the step's host-side lengths (which size the decode kernel's split-KV grid) are set to
+the full table width, so the captured grid covers every block a sequence may reach.
 
 Not tested on this project's CI (no GPU there): ``TorchRunner`` falls back to eager steps, with a
 warning, if a capture fails.
@@ -54,7 +55,9 @@ class DecodeGraphs:
         return 0 < len(sizes) <= self.max_batch and bool((sizes == 1).all())
 
     def _step(self, b: int) -> KVStep:
-        return KVStep(query_lens=(1,) * b, starts=(0,) * b, block_size=self.cache.block_size,
+        """The KV layout of bucket ``b`` over the static buffers (host lengths: the whole table)."""
+        width = self.max_blocks * self.cache.block_size
+        return KVStep(query_lens=(1,) * b, starts=(width - 1,) * b, block_size=self.cache.block_size,
                       block_tables=self.tables[:b], seq_lens=self.seq_lens[:b], context_lens=self.seq_lens[:b] - 1,
                       query_starts=self.query_starts[:b + 1], slots=self.slots[:b])
 
@@ -74,11 +77,20 @@ class DecodeGraphs:
     def run(self, tokens: np.ndarray, starts: np.ndarray, block_tables: Sequence[Sequence[int]],
             rows: np.ndarray) -> torch.Tensor:
         """Logits [len(rows), vocab] of a decode step (one token per sequence at position ``starts[i]``)."""
+        b = self.fill(tokens, starts, block_tables)
+        if b not in self.graphs:
+            self.graphs[b] = self._capture(b)
+        graph, out = self.graphs[b]
+        graph.replay()
+        return out[torch.from_numpy(rows).to(out.device)]
+
+    def fill(self, tokens: np.ndarray, starts: np.ndarray, block_tables: Sequence[Sequence[int]]) -> int:
+        """Write a decode step into the static buffers, padded to its bucket; returns the bucket size."""
         n = len(tokens)
         b = next(size for size in buckets(self.max_batch) if size >= n)
         table = np.full((b, self.max_blocks), self.pad_block, dtype=np.int32)
         for i, t in enumerate(block_tables):
-            table[i, :len(t)] = t
+            table[i, :len(t)] = t[:self.max_blocks]
         slots = np.full(b, self.pad_block * self.cache.block_size, dtype=np.int64)
         slots[:n] = table[np.arange(n), starts // self.cache.block_size] * self.cache.block_size \
             + starts % self.cache.block_size
@@ -93,8 +105,4 @@ class DecodeGraphs:
         padded[:n] = starts
         padded[n:] = 0
         self.positions[:b].copy_(torch.from_numpy(padded))
-        if b not in self.graphs:
-            self.graphs[b] = self._capture(b)
-        graph, out = self.graphs[b]
-        graph.replay()
-        return out[torch.from_numpy(rows).to(out.device)]
+        return b
