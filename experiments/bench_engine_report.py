@@ -33,7 +33,8 @@ def result_json(measured: dict[str, Any], setup: dict[str, Any]) -> dict[str, An
         out["verdict"] = "goal met" if ratio >= 2 else "goal missed"
         if setup.get("clock") == "cpu":
             timing = (f"times are CPU seconds of each system's process ({setup.get('threads')} thread), so the "
-                      f"other jobs on the shared machine (load average {setup.get('load_average')}) do not count")
+                      f"other jobs on the shared machine (load average {setup.get('load_average')}) count only "
+                      "through what they do to a shared core's caches and execution units")
         else:
             timing = (f"{setup.get('threads')} threads, wall clock; the machine may have been shared (load average "
                       f"{setup.get('load_average')}): the ratios, measured in one run, are the result")
