@@ -5,12 +5,20 @@ a .safetensors file, a checkpoint directory, a .gguf file. float32/float16 tenso
 only with ``--to-bf16`` (round-to-nearest-even; ``decompress`` then writes that bf16 checkpoint).
 ``--mode unweight`` (default) writes the Unweight Huffman form; ``--mode rans`` our rANS form
 (FORMAT.md section 9: smaller, decoded by interleaved lanes). Each mode takes its own parameters.
+
+OUT appears complete or not at all: it is written to a temporary file beside it and renamed when
+done. Interrupted (Ctrl-C, SIGTERM, SIGHUP), the command removes its temporary files, leaves OUT as
+it was and exits with 128 + the signal number. Errors print one line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -37,6 +45,36 @@ MODE_PARAMS = {
 }
 
 
+class Interrupted(BaseException):
+    """A signal arrived: unwinds the stack (so every ``finally`` removes its files) like Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def signals_raise() -> Iterator[None]:
+    """While inside, SIGINT, SIGTERM and SIGHUP raise ``Interrupted``; later ones are ignored, so
+    the clean-up they started is not cut short. The old handlers come back on the way out."""
+    if threading.current_thread() is not threading.main_thread():  # only the main thread may set them
+        yield
+        return
+    catch = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+
+    def handler(signum: int, frame: object) -> None:
+        for s in catch:
+            signal.signal(s, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in catch}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m reference.codec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,30 +97,42 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("container")
     args = parser.parse_args(argv)
     try:
-        if args.command == "compress":
-            params = {}
-            for mode, flags in MODE_PARAMS.items():
-                for flag in flags:
-                    value = getattr(args, flag.replace("-", "_"))
-                    if value is not None and mode != args.mode:
-                        raise CodecError(f"--{flag} is a parameter of --mode {mode}, not of --mode {args.mode}")
-                    if value is not None:
-                        params[flag.replace("-", "_")] = value
-            counts = compress_checkpoint(args.source, args.out, to_bf16=args.to_bf16, min_elements=args.min_elements,
-                                         progress=True, mode=args.mode, **params)
-            print(f"wrote {args.out}: {counts['compressed']} tensors compressed, {counts['passed']} passed through")
-            if counts["castable_passed"]:
-                print(f"note: {counts['castable_passed']} float32/float16 tensors were passed through unchanged; "
-                      "add --to-bf16 to cast them to bf16 and compress them", file=sys.stderr)
-        elif args.command == "decompress":
-            n = decompress_checkpoint(args.container, args.out, progress=True)
-            print(f"wrote {args.out}: {n} tensors")
-        else:
-            inspect(args.container)
+        with signals_raise():
+            run(args)
     except CodecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk is full, a permission is missing: name it, without a traceback
+        print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        print(f"interrupted by {signal.Signals(e.signum).name}: nothing written", file=sys.stderr)
+        return 128 + e.signum
     return 0
+
+
+def run(args: argparse.Namespace) -> None:
+    """Carry out one parsed command."""
+    if args.command == "compress":
+        params = {}
+        for mode, flags in MODE_PARAMS.items():
+            for flag in flags:
+                value = getattr(args, flag.replace("-", "_"))
+                if value is not None and mode != args.mode:
+                    raise CodecError(f"--{flag} is a parameter of --mode {mode}, not of --mode {args.mode}")
+                if value is not None:
+                    params[flag.replace("-", "_")] = value
+        counts = compress_checkpoint(args.source, args.out, to_bf16=args.to_bf16, min_elements=args.min_elements,
+                                     progress=True, mode=args.mode, **params)
+        print(f"wrote {args.out}: {counts['compressed']} tensors compressed, {counts['passed']} passed through")
+        if counts["castable_passed"]:
+            print(f"note: {counts['castable_passed']} float32/float16 tensors were passed through unchanged; "
+                  "add --to-bf16 to cast them to bf16 and compress them", file=sys.stderr)
+    elif args.command == "decompress":
+        n = decompress_checkpoint(args.container, args.out, progress=True)
+        print(f"wrote {args.out}: {n} tensors")
+    else:
+        inspect(args.container)
 
 
 def inspect(path: str) -> None:

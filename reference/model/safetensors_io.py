@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -200,7 +204,7 @@ def write_safetensors(
 
     ``dtypes`` overrides the safetensors dtype of a tensor; use it for bf16 (a uint16 array written
     as "BF16") and fp8 (uint8 written as "F8_E4M3"). The file is written to a temporary name and
-    renamed, so a crash never leaves a half-written file under ``path``.
+    renamed, so a crash never leaves a half-written file under ``path`` (see ``atomic_output``).
     """
     path = Path(path)
     dtypes = dict(dtypes or {})
@@ -224,10 +228,40 @@ def write_safetensors(
         arrays.append(array)
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)  # pad so the data section starts 8-byte aligned
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_output(path) as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for array in arrays:
             f.write(array.tobytes())
-    tmp.replace(path)
+
+
+@contextmanager
+def atomic_output(path: str | Path) -> Iterator[BinaryIO]:
+    """A file to write ``path`` through: it appears complete under ``path`` or not at all.
+
+    The bytes go to a fresh temporary file in the same directory (so the rename stays on one file
+    system), are flushed to disk (fsync), and only then renamed over ``path`` (``os.replace``, atomic
+    on POSIX). On any exception, KeyboardInterrupt and SystemExit included, the temporary file is
+    removed and whatever was under ``path`` before stays as it was.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
