@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
         return 2
     except Interrupted as e:
-        print(f"interrupted by {signal.Signals(e.signum).name}: nothing written", file=sys.stderr)
+        print(f"interrupted by {signal.Signals(e.signum).name}: temporary files removed, no partial output left",
+              file=sys.stderr)
         return 128 + e.signum
     return 0
 
