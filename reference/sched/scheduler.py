@@ -128,7 +128,7 @@ class Scheduler:
         """Record a step's results; returns the sequences that finished in it.
 
         ``new_token_ids[i]`` is the token sampled for ``batch.entries[i]``; it is read only where
-        ``entries[i].samples`` is true (pass None elsewhere). Sequences aborted since ``schedule``
+        ``entries[i].needs_sample`` is true (pass None elsewhere). Sequences aborted since ``schedule``
         are skipped.
         """
         if not batch.entries:
@@ -138,7 +138,7 @@ class Scheduler:
         if len(new_token_ids) != len(batch.entries):
             raise SchedulerError(f"{len(new_token_ids)} tokens for a batch of {len(batch.entries)} entries")
         for entry, token in zip(batch.entries, new_token_ids, strict=True):  # check all before changing any
-            if entry.samples and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
+            if entry.needs_sample and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
                 raise SchedulerError(f"sequence {entry.seq.seq_id}: sampled token must be an int >= 0, got {token!r}")
         self._in_flight = None
         now = time.monotonic() if now is None else now
@@ -149,7 +149,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if not entry.samples:
+            if not entry.needs_sample:
                 continue
             seq.token_ids.append(token)
             if seq.first_token_time is None:
@@ -174,7 +174,7 @@ class Scheduler:
         batch.block_copies += self.block_manager.may_append(seq, n)
         start = seq.num_computed_tokens
         batch.entries.append(ScheduledSeq(seq, start, n, seq.token_ids[start:start + n], list(seq.block_table),
-                                          samples=start + n == seq.num_tokens, is_prefill=is_prefill))
+                                          needs_sample=start + n == seq.num_tokens, is_prefill=is_prefill))
         self.policy.on_schedule(seq, n)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = batch.now
