@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from experiments.kv_contiguous import ContiguousAllocator
 from experiments.registry import Context, Experiment, Result
 from reference.kv import BlockManager
+from reference.kv.contiguous import ContiguousAllocator
 from reference.sched import Scheduler, SchedulerConfig, Sequence
 from reference.workload import iter_sharegpt
 
