@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                  "--json", str(out / "gpu_bench.json")]
     summary: dict[str, object] = {"tiny": args.tiny, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     sys.path.insert(0, str(REPO))
-    from experiments.setup_info import commit, machine
+    from reference.provenance import commit, machine
 
     summary.update({"commit": commit(), "machine": machine()})
     try:

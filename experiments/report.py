@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments import setup_info
 from experiments.claims import CLAIMS
 from experiments.registry import RESULTS_DIR, Experiment, Result
+from reference import provenance
 
 REPO = Path(__file__).resolve().parent.parent
 PAPER = REPO / "paper" / "report.md"
@@ -22,9 +22,9 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
     """Write one claim's result JSON, with the setup every number needs next to it."""
     setup = {
         **result.setup,
-        "machine": setup_info.machine(),
-        "commit": setup_info.commit(),
-        "date": setup_info.now(),
+        "machine": provenance.machine(),
+        "commit": provenance.commit(),
+        "date": provenance.now(),
         "size": "full" if full else "quick",
         "seconds": round(seconds, 1),
     }

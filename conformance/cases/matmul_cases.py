@@ -24,9 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from conformance.inputs import Family, encoded, minilm_missing, synthetic_weights
+from conformance.inputs import Family, encoded, minilm_missing
 from conformance.poison import GUARD, PoisonedOutput, embed, embed_form, expected_guards
 from conformance.registry import Bound, Case, Gen, Level, register
+from reference.synthetic import synthetic_weights
 
 BOUND_TEXT = "|y-y64| <= 2^-8|y64| + (K+1)2^-23(|x||W|^T+|b|)"
 
