@@ -154,6 +154,9 @@ def run(ctx: Context) -> Result:
              "contiguous 'allocated, empty' is internal fragmentation (reserved for tokens not produced yet or "
              "never); its 'free' share is mostly external fragmentation: holes too small for the next reservation"]
     return Result(
+        clock="wall",
+        clock_detail=("only the run time of each scheme ('seconds'); every headline number is a count of "
+                      "tokens, blocks or sequences"),
         measured={"setups": results, "notes": notes},
         summary=(f"{results[0]['model']}, bs=16: {paged['mean_concurrency']:.0f} concurrent seqs, "
                  f"{100 * paged['waste_fraction']:.1f}% of KV not holding tokens; contiguous: "

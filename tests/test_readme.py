@@ -31,8 +31,10 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 
 @pytest.mark.slow
-def test_python_example_runs() -> None:
+def test_python_example_runs_and_checks_its_answer() -> None:
+    """The example asserts the answer it prints (greedy decoding, so the answer is fixed)."""
     code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    assert re.search(r"^assert .*answer", code, re.M), "the README example must assert its output"
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1):
