@@ -158,8 +158,10 @@ def run(ctx: Context) -> Result:
         clock_detail=("only the run time of each scheme ('seconds'); every headline number is a count of "
                       "tokens, blocks or sequences"),
         measured={"setups": results, "notes": notes},
+        notes=notes,
         summary=(f"{results[0]['model']}, bs=16: {paged['mean_concurrency']:.0f} concurrent seqs, "
-                 f"{100 * paged['waste_fraction']:.1f}% of KV not holding tokens; contiguous: "
+                 f"{100 * paged['waste_fraction']:.1f}% of KV not holding tokens (with {paged['preemptions']} "
+                 f"preemptions, {100 * paged['recomputed_fraction']:.0f}% of computed tokens recomputed); contiguous: "
                  f"{main['contiguous max_context']['mean_concurrency']:.1f} (max ctx, "
                  f"{100 * main['contiguous max_context']['waste_fraction']:.0f}% waste) / "
                  f"{main['contiguous request']['mean_concurrency']:.1f} (prompt+max_tokens, "
