@@ -6,6 +6,8 @@ real conformance CLI in-process; it must exit 1 and print the first differing el
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -50,6 +52,7 @@ def _mutant(module, old: str, new: str, tmp_path, monkeypatch):
     path.write_text(source.replace(old, new))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mutant = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, path.stem, mutant)  # dataclasses look their module up while defined
     spec.loader.exec_module(mutant)
     return mutant
 
@@ -104,3 +107,22 @@ def test_write_past_the_end_is_caught_by_the_nan_guard(monkeypatch, capsys, tmp_
     out = capsys.readouterr().out
     assert code == 1
     assert "output guard cells around the output (must stay NaN 0x7fc1): first difference at index" in out
+
+
+def test_truncating_epilogue_shared_by_both_kernels_fails_the_tight_matmul_cases(monkeypatch, capsys, tmp_path):
+    """A bug in what the fused and plain kernels share (here the epilogue truncates instead of rounding
+    to nearest even) is invisible to the same-kernel cases; the fused_vs_decoded cases catch it."""
+    from fast.codec import matmul
+
+    mutant = _mutant(matmul, "bf16_bits_rne(acc).to(tl.int16), mask=out_mask)",
+                     "(acc.to(tl.uint32, bitcast=True) >> 16).to(tl.int16), mask=out_mask)", tmp_path, monkeypatch)
+    monkeypatch.setattr(matmul, "matmul", mutant.matmul)
+    monkeypatch.setattr(matmul, "fused_matmul", mutant.fused_matmul)
+    code = main(["--device", "cpu", "-k", "matmul.fused_vs_*.synthetic_70x200*",
+                 "-k", "matmul.fused_vs_*.synthetic_96x320.b1"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: matmul.fused_vs_plain" not in out  # the blind spot: both sides truncate alike
+    assert "FAIL: matmul.fused_vs_decoded.synthetic_70x200.b33 (bounded)" in out
+    assert "FAIL: matmul.fused_vs_decoded.synthetic_96x320.b1 (bounded)" in out
+    assert "outside the bound at index" in out
