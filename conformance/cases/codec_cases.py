@@ -3,7 +3,16 @@
 For each family of conformance/inputs.py (random, adversarial, real MiniLM):
 
 * ``codec.encode.F``, ``codec.encode_torch.F``, ``codec.encode_c.F``: ``encode()`` (its own choice), the
-  torch encoder and the C encoder vs ``reference.codec.encode``: every array and header number;
+  torch encoder and the C encoder vs ``reference.codec.encode``: every array and header number.
+  What is shared with the reference, and so compared with itself (checked only by the reference's
+  own tests, tests/test_codec_huffman.py): the torch encoder's fast path (``encode_words.py``, when
+  chunk_size % 4 == 0, cols % chunk_size == 0, P <= 16) has its own code lengths
+  (``fast_code_lengths``) but takes the canonical code assignment from the reference's
+  ``canonical_codes``; its general path (other geometries: the ``odd_1d``, ``odd_chunks`` and ``full_alphabet``
+  families, for example) takes both ``code_lengths`` and ``canonical_codes`` from the reference, so
+  there only the histogram, palette, verbatim choice and bit packing are the fast path's own. The C
+  encoder computes both itself, except that for few or many symbols it falls back to
+  ``fast_code_lengths``.
 * ``codec.huffman_decode.F``: the Triton Huffman decoder on the reference's Huffman form, vs the
   reference decoder and vs the original tensor;
 * ``codec.transcode.F`` / ``codec.transcode_torch.F``: Huffman -> palette form (Triton / plain torch)
@@ -133,7 +142,8 @@ def _ref_palette_decode_plain(inputs: dict[str, Any]) -> dict[str, Any]:
 KERNELS = [  # (name, reference, fast, needs a palette form, what it checks)
     ("encode", _ref_encode, _fast_encode, False, "encode() (C on a CPU that builds it, else torch) vs "
      "reference.codec.encode, every array"),
-    ("encode_torch", _ref_encode, _encoder(False), False, "the torch encoder vs reference.codec.encode, every array"),
+    ("encode_torch", _ref_encode, _encoder(False), False, "the torch encoder vs reference.codec.encode, every array "
+     "(canonical codes, and on its general path also code lengths, come from the reference: not checked here)"),
     ("encode_c", _ref_encode, _encoder(True), False, "the C encoder (fast/codec/native) vs reference.codec.encode, "
      "every array (on a GPU, or with no C compiler: encode()'s choice)"),
     ("huffman_decode", _ref_decode, _fast_huffman_decode, False,
