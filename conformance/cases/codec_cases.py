@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.inputs import FAMILIES, LARGE_ONLY, Family, encoded, minilm_missing
-from conformance.poison import GUARD, PoisonedOutput, embed_form, expected_guards
+from conformance.poison import GUARD, GUARD_UINT8, PoisonedOutput, embed_form, expected_guards
 from conformance.registry import Case, Gen, Level, register
 
 
@@ -73,6 +73,10 @@ def _ref_transcode(inputs: dict[str, Any]) -> dict[str, Any]:
     return reference_palette_arrays(inputs["enc"].pt)
 
 
+def _ref_transcode_guarded(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {**_ref_transcode(inputs), GUARD_UINT8: expected_guards(kind="uint8")}
+
+
 # ---- fast sides (looked up at call time, so tests can swap a kernel for a broken one) ----
 
 def _encoder(native: bool | None):
@@ -106,7 +110,8 @@ def _fast_transcode(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec.convert import huffman_from_reference, palette_arrays
 
     form = embed_form(huffman_from_reference(inputs["enc"].ct, inputs["device"]))
-    return palette_arrays(huffman_decode.transcode(form))
+    out = PoisonedOutput(tuple(form.shape), form.device, kind="uint8")  # the kernel's palette indices
+    return {**palette_arrays(huffman_decode.transcode(form, symbols_out=out.view)), GUARD_UINT8: out.guards()}
 
 
 def _fast_transcode_torch(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -148,7 +153,8 @@ KERNELS = [  # (name, reference, fast, needs a palette form, what it checks)
      "every array (on a GPU, or with no C compiler: encode()'s choice)"),
     ("huffman_decode", _ref_decode, _fast_huffman_decode, False,
      "Triton Huffman -> bf16 (inputs and output amid poison)"),
-    ("transcode", _ref_transcode, _fast_transcode, True, "Triton Huffman -> palette form, every array"),
+    ("transcode", _ref_transcode_guarded, _fast_transcode, True,
+     "Triton Huffman -> palette form, every array (inputs amid poison, the kernel's output amid guard cells)"),
     ("transcode_torch", _ref_transcode, _fast_transcode_torch, True, "torch Huffman -> palette form"),
     ("palette_decode", _ref_palette_decode, _fast_palette_decode, True,
      "Triton palette form -> bf16 (inputs and output amid poison)"),
