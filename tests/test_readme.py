@@ -39,3 +39,12 @@ def test_python_example_runs_and_checks_its_answer() -> None:
 
     with threadpool_limits(1):
         exec(compile(code, "README.md", "exec"), {})
+
+
+def test_readme_counts_the_conformance_cases_it_runs() -> None:
+    """The '~N cases' in the Tests section stays within 15% of the registered cases."""
+    from conformance.registry import load_cases
+
+    said = int(re.search(r"~(\d+) cases", README).group(1))
+    actual = len(load_cases())
+    assert abs(actual - said) <= 0.15 * actual, f"README says ~{said} conformance cases, there are {actual}"
