@@ -10,21 +10,24 @@ import json
 from pathlib import Path
 from typing import Any
 
-from experiments import setup_info
 from experiments.claims import CLAIMS
-from experiments.registry import RESULTS_DIR, Experiment, Result
+from experiments.registry import CLOCKS, RESULTS_DIR, Experiment, Result, clock_problem
+from reference import provenance
 
 REPO = Path(__file__).resolve().parent.parent
 PAPER = REPO / "paper" / "report.md"
 
 
 def write_result(exp: Experiment, result: Result, full: bool, seconds: float, results_dir: Path) -> Path:
-    """Write one claim's result JSON, with the setup every number needs next to it."""
+    """Write one claim's result JSON, with the setup every number needs next to it (and its clock)."""
+    problem = clock_problem(result.clock, result.measured)
+    if problem:
+        raise ValueError(f"experiment {exp.claim}: {problem}")
     setup = {
         **result.setup,
-        "machine": setup_info.machine(),
-        "commit": setup_info.commit(),
-        "date": setup_info.now(),
+        "machine": provenance.machine(),
+        "commit": provenance.commit(),
+        "date": provenance.now(),
         "size": "full" if full else "quick",
         "seconds": round(seconds, 1),
     }
@@ -38,6 +41,9 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "verdict": result.verdict,
         "why": result.why,
         "figures": result.figures,
+        "notes": result.notes,
+        "clock": result.clock,
+        "clock_detail": result.clock_detail,
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{exp.claim}.json"
@@ -103,11 +109,19 @@ def print_table(rows: list[tuple[str, str, str, str, str]]) -> None:
 def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_DIR, out: Path = PAPER) -> Path:
     """Write paper/report.md from the stored results: every number in it comes from a JSON."""
     results = load_results(results_dir)
+    problems = [f"{cid}: {p}" for cid, r in results.items() if "setup" in r
+                for p in [clock_problem(r.get("clock"), r.get("measured", {}))] if p]
+    if problems:
+        raise ValueError("cannot build the paper, results without a valid clock (rerun them):\n  "
+                         + "\n  ".join(problems))
     lines = [
         "# Reproducing Unweight, Infire and edge placement: the report",
         "",
         "Built by `python -m experiments paper` from `experiments/results/*.json`; no number here is",
-        "typed by hand. Each section names the weights, workload, machine and commit it was measured on.",
+        "typed by hand. Each section names the weights, workload, machine and commit it was measured on,",
+        "and the clock its times are on:",
+        "",
+        *[f"- **{name}**: {text}." for name, text in CLOCKS.items()],
         "",
         "| claim | what | article | ours | verdict |",
         "|---|---|---|---|---|",
@@ -130,8 +144,11 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             "",
             f"Measured on: weights {s.get('weights', '-')}; workload {s.get('workload', '-')}; "
             f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores); commit {s.get('commit', '?')}; "
-            f"{s.get('date', '?')}; {s.get('size', '?')} size.",
+            f"{s.get('date', '?')}; {s.get('size', '?')} size.  ",
+            f"**Clock:** {r['clock']}" + (f" ({r['clock_detail']})" if r.get("clock_detail") else "") + ".",
         ]
+        for note in r.get("notes", []):
+            lines += ["", f"**Note:** {note}"]
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}](../experiments/results/{fig})"]
     lines += engine_bench_section(results_dir)
