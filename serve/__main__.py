@@ -12,6 +12,7 @@ streams end with an error event) and exits 0.
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sys
 from types import FrameType
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     worker.start()
     print(f"serving {name} ({args.engine} engine, context {worker.max_model_len} tokens) on "
           f"http://{args.host}:{port}/v1" + (f" with {len(keys)} API keys" if keys else ""), flush=True)
+    # uvicorn handles SIGTERM/SIGINT itself while it runs, then re-raises the signal to whatever handler
+    # was there before; a handler that does nothing makes a drained shutdown exit 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:
