@@ -278,3 +278,20 @@ def test_sigterm_drains_and_exits_cleanly(server_process):
     assert "Traceback" not in err, err
     with pytest.raises(httpx.ConnectError):
         httpx.get(url.removesuffix("/v1") + "/health")
+
+
+def test_load_generator_measures_our_server(served):
+    from serve.bench import BenchConfig, run_bench
+
+    prompts = ["Tell me about cats.", "What is rain?", "Name three colours."]
+    cfg = BenchConfig(url=served.url, api_key=KEY, num_prompts=3, burst=True, max_tokens=3, ignore_eos=True,
+                      slo_ttft_ms=60_000, slo_tpot_ms=60_000)
+    result = asyncio.run(run_bench(cfg, prompts))
+    s = result["summary"]
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (3, 0, 9)
+    assert result["config"]["model"] == "smollm2" and result["config"]["api_key"] is None
+    assert s["goodput_rps"] == s["request_throughput_rps"] > 0 and s["ttft_ms"]["p50"] > 0
+    assert len(result["requests"][0]["itl"]) == 2 and s["itl_ms"]["p99"] >= s["itl_ms"]["p50"] > 0
+    bad = asyncio.run(run_bench(BenchConfig(url=served.url, api_key="sk-wrong", model="smollm2", max_tokens=2),
+                                prompts[:1]))
+    assert bad["summary"]["failed"] == 1 and "HTTP 401" in bad["summary"]["errors"][0]

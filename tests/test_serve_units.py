@@ -144,3 +144,26 @@ def test_fast_engine_missing_is_a_clear_error(monkeypatch):
         load_engine("smollm2", "fast")
     with pytest.raises(EngineUnavailable, match="unknown engine"):
         load_engine("smollm2", "turbo")
+
+
+def test_latency_summary_and_goodput():
+    from serve.latency import RequestRecord, summarize
+
+    fast = RequestRecord(ok=True, output_tokens=5, ttft=0.1, itl=[0.05] * 4, e2e=0.3)
+    slow = RequestRecord(ok=True, output_tokens=3, ttft=2.0, itl=[0.5, 0.5], e2e=3.0)
+    failed = RequestRecord(error="HTTP 503: busy")
+    s = summarize([fast, slow, failed], duration_s=4.0, slo_ttft_ms=500, slo_tpot_ms=100)
+    assert (s["completed"], s["failed"], s["output_tokens"]) == (2, 1, 8)
+    assert s["goodput_rps"] == 0.25 and s["request_throughput_rps"] == 0.5 and s["slo"]["met"] == 1
+    assert abs(fast.tpot - 0.05) < 1e-12 and s["tpot_ms"]["p50"] == 275.0 and s["errors"] == ["HTTP 503: busy"]
+    assert summarize([failed], 1.0)["ttft_ms"]["p50"] is None
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_rate():
+    from serve.bench import arrival_times, base_url
+
+    a = arrival_times(2000, 4.0, False, seed=1)
+    assert a == arrival_times(2000, 4.0, False, seed=1) and a[0] == 0 and all(np_ >= 0 for np_ in a)
+    assert abs(len(a) / a[-1] - 4.0) < 0.4
+    assert arrival_times(3, 4.0, True, 0) == [0.0] * 3
+    assert base_url("http://h:1/") == "http://h:1/v1" and base_url("http://h:1/v1") == "http://h:1/v1"
