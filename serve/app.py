@@ -31,6 +31,7 @@ from serve.textstream import TextStream
 from serve.worker import EngineWorker, Failed, Finished, Rejected, Submission, Ticket
 
 ANONYMOUS = Client("default", "default")
+MAX_BODY_BYTES = 4 << 20  # a prompt this long would not fit any context we serve
 
 
 class ServeState:
@@ -94,8 +95,15 @@ def _client(state: ServeState, request: Request) -> Client:
 
 async def _generate(state: ServeState, request: Request, chat: bool) -> Response:
     client = _client(state, request)
+    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+    raw = b""
+    async for part in request.stream():
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
     parsed = (parse_chat if chat else parse_completion)(body, state.model_name)
@@ -112,13 +120,17 @@ async def _generate(state: ServeState, request: Request, chat: bool) -> Response
     max_tokens = parsed.max_tokens if parsed.max_tokens is not None else max(1, (limit or 2**31) - len(ids))
     params = SamplingParams(max_tokens=max_tokens, **parsed.params)
     cache_salt = None if state.keys is None else client.tenant
+    state.metrics.in_flight += 1  # counted before the await, so concurrent requests see each other
     try:
         ticket = await state.worker.submit(Submission(ids, params, client.tenant, cache_salt))
     except Rejected as e:
+        state.metrics.in_flight -= 1
         state.metrics.count("rejected")
         raise ApiError(e.failure.status, e.failure.message, headers={"Retry-After": "1"}
                        if e.failure.status == 503 else None) from None
-    state.metrics.in_flight += 1
+    except BaseException:  # cancelled while waiting: the worker may still accept it; nobody will read it
+        state.metrics.in_flight -= 1
+        raise
     answer = _Answer(state, ticket, parsed, chat, len(ids))
     if parsed.stream:
         return _EventStream(answer.events(), on_close=answer.settle, media_type="text/event-stream",

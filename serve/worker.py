@@ -114,7 +114,11 @@ class EngineWorker:
         q: asyncio.Queue = asyncio.Queue()
         rid = f"req-{next(self._ids)}"
         self._commands.put(("add", rid, sub, _Live(loop, q)))
-        first = await q.get()
+        try:
+            first = await q.get()
+        except asyncio.CancelledError:  # the client left before the engine answered
+            self.abort(rid)  # queued after the add, so it finds the request if it was accepted
+            raise
         if isinstance(first, Failed):
             raise Rejected(first)
         return Ticket(rid, q)
@@ -189,6 +193,9 @@ class EngineWorker:
                                         cache_salt=sub.cache_salt)
             except EngineError as e:
                 _post(live, Failed(400, str(e)))
+                return
+            except Exception as e:  # not a refusal the engine documents: answer, keep the thread alive
+                _post(live, Failed(500, f"the engine could not take the request: {type(e).__name__}: {e}"))
                 return
             self._live[rid] = live
             _post(live, Accepted(rid))
