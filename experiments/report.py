@@ -134,9 +134,37 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
         ]
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}](../experiments/results/{fig})"]
+    lines += _serve_section(results_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+def _serve_section(results_dir: Path) -> list[str]:
+    """The HTTP server's overhead (``python -m experiments.bench_serve``), when it was measured."""
+    path = results_dir / "serve_overhead.json"
+    try:
+        r = json.loads(path.read_text())
+        med, s = r["median"], r["setup"]
+        rows = [(side, med[side]) for side in ("in_process", "served")]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return []
+    w, m = s.get("workload", {}), s.get("machine", {})
+    lines = ["", "## Serving: the HTTP layer's overhead", "",
+             f"`python -m serve.bench` against `python -m serve` vs the same engine in-process, same workload "
+             f"({w.get('num_prompts')} ShareGPT prompts, {w.get('max_tokens')} output tokens each, greedy, "
+             f"arrivals {w.get('arrivals')}); medians of {s.get('repeats')} alternating runs.", "",
+             "| | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) | ITL p50 (ms) | ITL p90 (ms) | e2e p50 (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for side, v in rows:
+        cells = [v.get(k) for k in ("output_throughput_tok_s", "ttft_ms.p50", "ttft_ms.p90", "itl_ms.p50",
+                                    "itl_ms.p90", "e2e_ms.p50")]
+        lines.append(f"| {side.replace('_', '-')} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells)
+                     + " |")
+    lines += ["", f"Measured on: weights {s.get('weights', '-')}; {s.get('engine', '-')} engine; "
+              f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores); commit {s.get('commit', '?')}; "
+              f"{s.get('date', '?')}. {s.get('note', '')}"]
+    return lines
 
 
 def _jsonable(x: Any) -> Any:

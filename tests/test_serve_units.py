@@ -167,3 +167,19 @@ def test_poisson_arrivals_are_seeded_and_have_the_rate():
     assert abs(len(a) / a[-1] - 4.0) < 0.4
     assert arrival_times(3, 4.0, True, 0) == [0.0] * 3
     assert base_url("http://h:1/") == "http://h:1/v1" and base_url("http://h:1/v1") == "http://h:1/v1"
+
+
+def test_paper_gets_the_serving_section_from_its_json(tmp_path):
+    import json
+
+    from experiments import report
+
+    side = {"output_throughput_tok_s": 12.5, "ttft_ms.p50": 100.0, "ttft_ms.p90": 200.0, "itl_ms.p50": 50.0,
+            "itl_ms.p90": 60.0, "e2e_ms.p50": 900.0}
+    record = {"median": {"in_process": side, "served": {**side, "output_throughput_tok_s": 11.25}},
+              "setup": {"workload": {"num_prompts": 4, "max_tokens": 8}, "repeats": 2, "commit": "abc"}}
+    (tmp_path / "serve_overhead.json").write_text(json.dumps(record))
+    text = report.build_paper({}, results_dir=tmp_path, out=tmp_path / "report.md").read_text()
+    assert "## Serving: the HTTP layer's overhead" in text and "| served | 11.2 |" in text and "commit abc" in text
+    (tmp_path / "serve_overhead.json").write_text("{broken")
+    assert "Serving" not in report.build_paper({}, results_dir=tmp_path, out=tmp_path / "r2.md").read_text()
