@@ -11,9 +11,13 @@ one BLAS thread, SJF+WFQ) run
 * served: ``python -m serve`` in a subprocess, measured by ``python -m serve.bench`` (streaming chat
   completions over HTTP, timed by the client).
 
-The two alternate ``--repeats`` times (in-process, served, in-process, ...) so that load from other
-jobs on a shared machine falls on both alike; the result keeps every run and the median of each
-number over the repeats. Writes ``experiments/results/serve_overhead.json``.
+The two alternate ``--repeats`` times (in-process, served, in-process, ...), each in a fresh process;
+every in-process run is compared with the served run right after it (a pair), so that slow drifts in
+the load from other jobs on a shared machine fall on both alike, and the result keeps every run, every
+pair and the median over the pairs. Wall-clock latencies move with that load; CPU seconds per output
+token of the process that runs the engine (this run's own work, whatever else runs) is the steadier
+measure of what the HTTP layer adds, and the load generator's own CPU is reported beside it.
+Writes ``experiments/results/serve_overhead.json``.
 
     python -m experiments.bench_serve [--num-prompts 16] [--max-tokens 16] [--request-rate 2] [--repeats 2]
 """
@@ -55,6 +59,7 @@ def in_process(prompts: list[str], starts: list[float], max_tokens: int) -> dict
                     clock=time.perf_counter, **ENGINE)
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    cpu0 = time.process_time()
     t0, next_i, rids = time.perf_counter(), 0, []
     while next_i < len(ids) or engine.has_unfinished():
         now = time.perf_counter()
@@ -65,13 +70,22 @@ def in_process(prompts: list[str], starts: list[float], max_tokens: int) -> dict
             engine.step()
         elif next_i < len(ids):
             time.sleep(max(0.0, t0 + starts[next_i] - time.perf_counter()))
-    duration = time.perf_counter() - t0
+    duration, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     records = []
     for rid in rids:
         m = engine.output(rid).metrics
         records.append(RequestRecord(ok=True, output_tokens=len(m.token_times), ttft=m.ttft,
                                      itl=[float(g) for g in m.inter_token_latencies], e2e=m.e2e_latency))
-    return summarize(records, duration)
+    return {**summarize(records, duration), "engine_process_cpu_s": cpu}
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of a process so far (Linux /proc), None where there is no /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def in_process_fresh(a: argparse.Namespace) -> dict:
@@ -100,7 +114,9 @@ def served(prompts: list[str], cfg: BenchConfig) -> dict:
         if " on " not in line:
             raise RuntimeError(f"the server did not start: {line}{proc.stderr.read()}")
         cfg.url = line.split(" on ")[1].split()[0]
+        server_cpu0, client_cpu0 = process_cpu_s(proc.pid), time.process_time()
         result = asyncio.run(run_bench(cfg, prompts))
+        server_cpu1, client_cpu = process_cpu_s(proc.pid), time.process_time() - client_cpu0
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -109,7 +125,8 @@ def served(prompts: list[str], cfg: BenchConfig) -> dict:
             proc.kill()
     if result["summary"]["failed"]:
         raise RuntimeError(f"requests failed against the server: {result['summary']['errors']}")
-    return result["summary"]
+    cpu = None if server_cpu0 is None or server_cpu1 is None else server_cpu1 - server_cpu0
+    return {**result["summary"], "engine_process_cpu_s": cpu, "client_process_cpu_s": client_cpu}
 
 
 KEYS = [("output_throughput_tok_s",), ("request_throughput_rps",), ("ttft_ms", "p50"), ("ttft_ms", "p90"),
@@ -121,6 +138,23 @@ def _get(summary: dict, key: tuple[str, ...]) -> float:
     for k in key:
         v = v[k]
     return float(v)
+
+
+def _pair(inproc: dict, srv: dict) -> dict[str, float | None]:
+    """One in-process run against the served run right after it: ratios and differences."""
+    def cpu_per_token(run: dict) -> float | None:
+        cpu = run.get("engine_process_cpu_s")
+        return None if cpu is None else cpu / run["output_tokens"]
+
+    a, b = cpu_per_token(inproc), cpu_per_token(srv)
+    return {
+        "output_throughput_ratio": srv["output_throughput_tok_s"] / inproc["output_throughput_tok_s"],
+        "ttft_p50_added_ms": srv["ttft_ms"]["p50"] - inproc["ttft_ms"]["p50"],
+        "itl_p50_added_ms": srv["itl_ms"]["p50"] - inproc["itl_ms"]["p50"],
+        "e2e_p50_added_ms": srv["e2e_ms"]["p50"] - inproc["e2e_ms"]["p50"],
+        "engine_process_cpu_per_token_ratio": None if a is None or b is None else b / a,
+        "client_cpu_per_token_ms": 1e3 * srv["client_process_cpu_s"] / srv["output_tokens"],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,13 +189,10 @@ def main(argv: list[str] | None = None) -> int:
             bar.advance(task)
     median = {side: {".".join(k): float(np.median([_get(s, k) for s in rs])) for k in KEYS}
               for side, rs in runs.items()}
-    overhead = {
-        "output_throughput_ratio_served_over_in_process":
-            median["served"]["output_throughput_tok_s"] / median["in_process"]["output_throughput_tok_s"],
-        "ttft_p50_added_ms": median["served"]["ttft_ms.p50"] - median["in_process"]["ttft_ms.p50"],
-        "itl_p50_added_ms": median["served"]["itl_ms.p50"] - median["in_process"]["itl_ms.p50"],
-        "e2e_p50_added_ms": median["served"]["e2e_ms.p50"] - median["in_process"]["e2e_ms.p50"],
-    }
+    overhead = {"per_pair": [_pair(i, s) for i, s in zip(runs["in_process"], runs["served"], strict=True)]}
+    overhead["median_of_pairs"] = {k: float(np.median([p[k] for p in overhead["per_pair"] if p[k] is not None]))
+                                   for k in overhead["per_pair"][0] if any(p[k] is not None
+                                                                          for p in overhead["per_pair"])}
     record = {
         "what": "HTTP serving overhead: python -m serve.bench against python -m serve vs the same engine in-process",
         "setup": {"weights": "SmolLM2-135M (packaged GGUF, Q4_1 dequantized)", "engine": "reference (NumPy)",

@@ -161,6 +161,11 @@ def _serve_section(results_dir: Path) -> list[str]:
                                     "itl_ms.p90", "e2e_ms.p50")]
         lines.append(f"| {side.replace('_', '-')} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells)
                      + " |")
+    pairs = r.get("overhead", {}).get("median_of_pairs", {})
+    if isinstance(pairs, dict) and pairs.get("engine_process_cpu_per_token_ratio") is not None:
+        lines += ["", f"CPU seconds per output token of the process running the engine, served / in-process "
+                  f"(median over pairs): {pairs['engine_process_cpu_per_token_ratio']:.2f}; the load generator's "
+                  f"own CPU: {pairs.get('client_cpu_per_token_ms', float('nan')):.1f} ms per output token."]
     lines += ["", f"Measured on: weights {s.get('weights', '-')}; {s.get('engine', '-')} engine; "
               f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores); commit {s.get('commit', '?')}; "
               f"{s.get('date', '?')}. {s.get('note', '')}"]
