@@ -181,6 +181,17 @@ def test_stop_strings_and_seeded_sampling(served):
     assert sampled[0] == sampled[1]
 
 
+def test_tenants_do_not_share_prefix_cache_blocks(served):
+    """Each key's tenant salts its prefix cache: the same prompt hits only the same tenant's blocks."""
+    prompt = "You are a careful assistant who answers every question in one short sentence. " * 3
+    hits = []
+    for key in (KEY, OTHER_KEY, KEY):
+        before = served.on_engine(lambda e: e.block_manager.num_hit_tokens)
+        served.client(key).completions.create(model="smollm2", prompt=prompt, max_tokens=1)
+        hits.append(served.on_engine(lambda e: e.block_manager.num_hit_tokens) - before)
+    assert hits[1] == 0 and hits[2] >= 32, hits  # bob misses acme's blocks; acme hits its own
+
+
 def test_queue_full_gets_503_with_retry_after(served):
     state = served.app.state.serve
     state.max_pending = 0
