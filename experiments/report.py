@@ -152,6 +152,7 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}](../experiments/results/{fig})"]
     lines += engine_bench_section(results_dir)
+    lines += _serve_section(results_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return out
@@ -177,6 +178,38 @@ def engine_bench_section(results_dir: Path) -> list[str]:
               f"{s.get('load_average')}); commit {s.get('commit')}; {s.get('date')}. transformers by batch size: "
               f"{m.get('transformers_by_batch', {})} useful tok/s."]
     lines += [f"\n![engine benchmark](../experiments/results/{fig})" for fig in r.get("figures", [])]
+    return lines
+
+
+def _serve_section(results_dir: Path) -> list[str]:
+    """The HTTP server's overhead (``python -m experiments.bench_serve``), when it was measured."""
+    path = results_dir / "serve_overhead.json"
+    try:
+        r = json.loads(path.read_text())
+        med, s = r["median"], r["setup"]
+        rows = [(side, med[side]) for side in ("in_process", "served")]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return []
+    w, m = s.get("workload", {}), s.get("machine", {})
+    lines = ["", "## Serving: the HTTP layer's overhead", "",
+             f"`python -m serve.bench` against `python -m serve` vs the same engine in-process, same workload "
+             f"({w.get('num_prompts')} ShareGPT prompts, {w.get('max_tokens')} output tokens each, greedy, "
+             f"arrivals {w.get('arrivals')}); medians of {s.get('repeats')} alternating runs.", "",
+             "| | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) | ITL p50 (ms) | ITL p90 (ms) | e2e p50 (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for side, v in rows:
+        cells = [v.get(k) for k in ("output_throughput_tok_s", "ttft_ms.p50", "ttft_ms.p90", "itl_ms.p50",
+                                    "itl_ms.p90", "e2e_ms.p50")]
+        lines.append(f"| {side.replace('_', '-')} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells)
+                     + " |")
+    pairs = r.get("overhead", {}).get("median_of_pairs", {})
+    if isinstance(pairs, dict) and pairs.get("engine_process_cpu_per_token_ratio") is not None:
+        lines += ["", f"CPU seconds per output token of the process running the engine, served / in-process "
+                  f"(median over pairs): {pairs['engine_process_cpu_per_token_ratio']:.2f}; the load generator's "
+                  f"own CPU: {pairs.get('client_cpu_per_token_ms', float('nan')):.1f} ms per output token."]
+    lines += ["", f"Measured on: weights {s.get('weights', '-')}; {s.get('engine', '-')} engine; "
+              f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores); commit {s.get('commit', '?')}; "
+              f"{s.get('date', '?')}. {s.get('note', '')}"]
     return lines
 
 
