@@ -1,0 +1,282 @@
+"""A cluster scenario: sites, GPUs, links, models, replicas and traffic, read from TOML or JSON.
+
+The file format is documented in ``reference/cluster/README.md`` with a worked example in
+``examples/``. Nothing read from the file is trusted: every missing, mistyped or inconsistent field
+raises ``ScenarioError`` naming the field (``sites[2].replicas[0].gpus: ...``), before anything runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TIERS = ("edge", "regional", "central")  # routing order: nearest and smallest first
+ROLES = ("colocated", "prefill", "decode")
+
+
+class ScenarioError(ValueError):
+    """A scenario file is malformed or inconsistent; the message names the field."""
+
+
+@dataclass(frozen=True)
+class GpuType:
+    name: str
+    memory_gb: float
+    peak_tflops: float  # dense bf16 peak
+    bandwidth_tbps: float  # HBM bytes/s, in TB/s
+    mfu: float = 0.7  # share of peak FLOP/s a compute-bound step reaches
+    mbu: float = 0.8  # share of peak bandwidth a memory-bound step reaches
+    step_overhead_ms: float = 1.0  # launch and scheduling time of every step
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    bytes_per_param: float = 2.0
+    kv_bytes: float = 2.0  # per K/V element
+    sites: tuple[str, ...] = ("*",)  # sites that may hold this model ("*": any)
+
+    def may_live_at(self, site: str) -> bool:
+        return "*" in self.sites or site in self.sites
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    model: str
+    gpu: str
+    gpus: int = 1  # GPUs per replica (tensor parallel)
+    count: int = 1
+    role: str = "colocated"
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str
+    tier: str
+    jurisdiction: str
+    gpus: dict[str, int]  # GPU type -> count
+    replicas: tuple[ReplicaSpec, ...] = ()
+    local_gbps: float = 400.0  # bandwidth between replicas inside the site (KV transfer)
+
+
+@dataclass(frozen=True)
+class Link:
+    a: str
+    b: str
+    rtt_ms: float
+    gbps: float
+
+
+@dataclass(frozen=True)
+class Traffic:
+    name: str
+    origins: tuple[str, ...]
+    rate_per_s: float
+    models: tuple[str, ...]  # acceptable models, preferred first
+    allowed: tuple[str, ...]  # jurisdictions where its data may be processed or stored
+    plan: str = "free"
+    arrival: str = "poisson"  # or "uniform" (evenly spaced)
+    lengths: str = "sharegpt"  # "sharegpt": (prompt, answer) token counts of ShareGPT; "fixed": the two below
+    prompt_tokens: int = 256
+    output_tokens: int = 64
+    max_prompt: int = 1024
+    max_output: int = 256
+    output_scale: float = 1.0  # ShareGPT answer length multiplier
+    access_rtt_ms: float = 0.0  # user <-> origin site round trip (last mile), added to every latency
+    system_prompts: int = 0  # size of the pool of shared system prompts (0: none)
+    system_prompt_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Failure:
+    site: str
+    at_s: float
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Scenario:
+    gpu_types: dict[str, GpuType]
+    models: dict[str, ModelSpec]
+    sites: dict[str, Site]
+    links: tuple[Link, ...]
+    traffic: tuple[Traffic, ...]
+    failures: tuple[Failure, ...] = ()
+    duration_s: float = 10.0
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    policy: str = "fcfs"
+    spill_wait_ms: dict[str, float] = field(default_factory=lambda: {"edge": 50.0, "regional": 100.0})
+    max_wait_s: float = 30.0  # a request whose best estimated wait is longer is refused
+    prefix_affinity: bool = True
+    kv_fraction: float = 0.9  # share of replica memory for weights + KV
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    """Read a ``.toml`` or ``.json`` scenario file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise ScenarioError(f"{path}: cannot read scenario: {e.strerror}") from None
+    try:
+        data = json.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from None
+    try:
+        return scenario_from_dict(data)
+    except ScenarioError as e:
+        raise ScenarioError(f"{path}: {e}") from None
+
+
+def scenario_from_dict(data: dict[str, Any]) -> Scenario:
+    """Build and check a Scenario from plain data (the parsed file)."""
+    if not isinstance(data, dict):
+        raise ScenarioError("a scenario must be a table/object at the top level")
+    sim = _table(data.get("simulation", {}), "simulation")
+    gpu_types = {g.name: g for g in (_make(GpuType, t, f"gpu_types[{i}]")
+                                     for i, t in enumerate(_list(data, "gpu_types")))}
+    models = {}
+    for i, t in enumerate(_list(data, "models")):
+        t = dict(_table(t, f"models[{i}]"))
+        t["sites"] = tuple(t.get("sites", ("*",)))
+        models[t.get("name")] = _make(ModelSpec, t, f"models[{i}]")
+    sites = {}
+    for i, t in enumerate(_list(data, "sites")):
+        t = dict(_table(t, f"sites[{i}]"))
+        t["replicas"] = tuple(_make(ReplicaSpec, r, f"sites[{i}].replicas[{k}]")
+                              for k, r in enumerate(t.get("replicas", [])))
+        sites[t.get("name")] = _make(Site, t, f"sites[{i}]")
+    links = tuple(_make(Link, t, f"links[{i}]") for i, t in enumerate(data.get("links", [])))
+    traffic = []
+    for i, t in enumerate(_list(data, "traffic")):
+        t = dict(_table(t, f"traffic[{i}]"))
+        for key in ("origins", "models", "allowed"):
+            if key in t:
+                t[key] = tuple(t[key]) if isinstance(t[key], list) else t[key]
+        traffic.append(_make(Traffic, t, f"traffic[{i}]"))
+    failures = tuple(_make(Failure, t, f"failures[{i}]") for i, t in enumerate(data.get("failures", [])))
+    routing = _table(data.get("routing", {}), "routing")
+    scenario = _make(Scenario, {**sim, **routing, "gpu_types": gpu_types, "models": models, "sites": sites,
+                                "links": links, "traffic": tuple(traffic), "failures": failures}, "simulation")
+    check(scenario)
+    return scenario
+
+
+def check(s: Scenario) -> None:
+    """Consistency across tables: names resolve, counts fit, numbers are in range."""
+    for g in s.gpu_types.values():
+        _positive(f"gpu_types[{g.name}]", memory_gb=g.memory_gb, peak_tflops=g.peak_tflops,
+                  bandwidth_tbps=g.bandwidth_tbps, mfu=g.mfu, mbu=g.mbu)
+        if g.mfu > 1 or g.mbu > 1:
+            raise ScenarioError(f"gpu_types[{g.name}]: mfu and mbu are shares of peak, at most 1")
+    for m in s.models.values():
+        _positive(f"models[{m.name}]", layers=m.layers, hidden=m.hidden, intermediate=m.intermediate, heads=m.heads,
+                  kv_heads=m.kv_heads, head_dim=m.head_dim, vocab=m.vocab, bytes_per_param=m.bytes_per_param)
+    for site in s.sites.values():
+        where = f"sites[{site.name}]"
+        if site.tier not in TIERS:
+            raise ScenarioError(f"{where}.tier: {site.tier!r} is not one of {TIERS}")
+        for gpu, n in site.gpus.items():
+            if gpu not in s.gpu_types or isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ScenarioError(f"{where}.gpus: {gpu!r} = {n!r}; need a known GPU type and a count >= 0")
+        used: dict[str, int] = {}
+        for r in site.replicas:
+            if r.model not in s.models:
+                raise ScenarioError(f"{where}.replicas: unknown model {r.model!r}; known: {sorted(s.models)}")
+            if not s.models[r.model].may_live_at(site.name):
+                raise ScenarioError(f"{where}.replicas: model {r.model!r} may not be held at this site "
+                                    f"(its sites: {list(s.models[r.model].sites)})")
+            if r.gpu not in s.gpu_types:
+                raise ScenarioError(f"{where}.replicas: unknown GPU type {r.gpu!r}; known: {sorted(s.gpu_types)}")
+            if r.role not in ROLES:
+                raise ScenarioError(f"{where}.replicas: role {r.role!r} is not one of {ROLES}")
+            _positive(f"{where}.replicas", gpus=r.gpus, count=r.count)
+            used[r.gpu] = used.get(r.gpu, 0) + r.gpus * r.count
+        for gpu, n in used.items():
+            if n > site.gpus.get(gpu, 0):
+                raise ScenarioError(f"{where}: replicas use {n} {gpu} GPUs, the site has {site.gpus.get(gpu, 0)}")
+    for k, link in enumerate(s.links):
+        for end in (link.a, link.b):
+            if end not in s.sites:
+                raise ScenarioError(f"links[{k}]: unknown site {end!r}")
+        if not (link.rtt_ms >= 0 and link.gbps > 0):
+            raise ScenarioError(f"links[{k}]: rtt_ms must be >= 0 and gbps > 0")
+    for t in s.traffic:
+        where = f"traffic[{t.name}]"
+        for o in t.origins:
+            if o not in s.sites:
+                raise ScenarioError(f"{where}.origins: unknown site {o!r}")
+        for m in t.models:
+            if m not in s.models:
+                raise ScenarioError(f"{where}.models: unknown model {m!r}")
+        if not t.origins or not t.models or not t.allowed:
+            raise ScenarioError(f"{where}: origins, models and allowed must each name at least one entry")
+        if t.lengths not in ("sharegpt", "fixed"):
+            raise ScenarioError(f"{where}.lengths: {t.lengths!r} is not 'sharegpt' or 'fixed'")
+        if t.arrival not in ("poisson", "uniform"):
+            raise ScenarioError(f"{where}.arrival: {t.arrival!r} is not 'poisson' or 'uniform'")
+        _positive(where, rate_per_s=t.rate_per_s, max_prompt=t.max_prompt, max_output=t.max_output,
+                  output_scale=t.output_scale, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens)
+        if t.system_prompts < 0 or t.system_prompt_tokens < 0 or t.access_rtt_ms < 0:
+            raise ScenarioError(f"{where}: system_prompts, system_prompt_tokens and access_rtt_ms must be >= 0")
+    for f in s.failures:
+        if f.site not in s.sites or not (f.at_s >= 0 and f.duration_s > 0):
+            raise ScenarioError(f"failures: site {f.site!r} unknown, or at_s < 0, or duration_s <= 0")
+    _positive("simulation", duration_s=s.duration_s, block_size=s.block_size, max_wait_s=s.max_wait_s,
+              max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs)
+
+
+def _make(cls: type, table: Any, where: str) -> Any:
+    table = _table(table, where)
+    fields = cls.__dataclass_fields__
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise ScenarioError(f"{where}: unknown field(s) {unknown}; known: {sorted(fields)}")
+    try:
+        obj = cls(**table)
+    except TypeError as e:
+        raise ScenarioError(f"{where}: {e}") from None
+    for name, f in fields.items():
+        value, kind = getattr(obj, name), str(f.type)
+        if kind in ("float", "int") and (isinstance(value, bool) or not isinstance(value, int | float)
+                                         or not math.isfinite(value)):
+            raise ScenarioError(f"{where}.{name}: expected a finite number, got {value!r}")
+        if kind == "int" and not isinstance(value, int):
+            raise ScenarioError(f"{where}.{name}: expected an integer, got {value!r}")
+        if kind == "str" and not isinstance(value, str):
+            raise ScenarioError(f"{where}.{name}: expected a string, got {value!r}")
+        if kind.startswith("tuple[str") and not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+            raise ScenarioError(f"{where}.{name}: expected a list of strings, got {value!r}")
+    return obj
+
+
+def _table(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ScenarioError(f"{where}: expected a table/object, got {type(value).__name__}")
+    return value
+
+
+def _list(data: dict[str, Any], key: str) -> list[Any]:
+    value = data.get(key)
+    if not isinstance(value, list) or not value:
+        raise ScenarioError(f"{key}: expected a non-empty list of tables")
+    return value
+
+
+def _positive(where: str, **values: float) -> None:
+    for name, v in values.items():
+        if not v > 0:
+            raise ScenarioError(f"{where}.{name}: must be > 0, got {v!r}")
