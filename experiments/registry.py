@@ -34,6 +34,7 @@ class Result:
     setup: dict[str, Any] = field(default_factory=dict)  # weights, workload, sizes
     article: dict[str, Any] = field(default_factory=dict)  # the article's numbers, quoted
     figures: list[str] = field(default_factory=list)  # paths relative to experiments/results
+    tables: list[str] = field(default_factory=list)  # markdown tables for the paper's section
 
 
 @dataclass

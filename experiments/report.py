@@ -38,6 +38,7 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "verdict": result.verdict,
         "why": result.why,
         "figures": result.figures,
+        "tables": result.tables,
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{exp.claim}.json"
@@ -132,6 +133,8 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores); commit {s.get('commit', '?')}; "
             f"{s.get('date', '?')}; {s.get('size', '?')} size.",
         ]
+        for table in r.get("tables", []):
+            lines += ["", table]
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}](../experiments/results/{fig})"]
     out.parent.mkdir(parents=True, exist_ok=True)

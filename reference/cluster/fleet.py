@@ -29,8 +29,10 @@ def longest_request(s: Scenario) -> int:
     return max(t.max_prompt + t.system_prompt_tokens + t.max_output + 1 for t in s.traffic)
 
 
-def build_replicas(s: Scenario, cost_override: Callable[[StepShape], float] | None = None) -> list[Replica]:
-    """Every replica of every site, in file order. ``cost_override``: one step-time model for all."""
+def build_replicas(s: Scenario, cost_override: Callable[[StepShape], float] | None = None,
+                   num_blocks: int | None = None) -> list[Replica]:
+    """Every replica of every site, in file order. ``cost_override``: one step-time model for all;
+    ``num_blocks``: this many KV blocks each (to mirror a real engine's cache), instead of from memory."""
     plans = sorted({t.plan for t in s.traffic})
     tenants = Tenants({p: p for p in plans}, {p: DEFAULT_PLAN_WEIGHTS.get(p, 1.0) for p in plans})
     config = SchedulerConfig(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs)
@@ -49,7 +51,7 @@ def build_replicas(s: Scenario, cost_override: Callable[[StepShape], float] | No
                 replicas.append(Replica(
                     index=len(replicas), site=site.name, jurisdiction=site.jurisdiction, tier=site.tier,
                     model=model.name, role=spec.role, cost=cost_override or roofline, flops=roofline.flops,
-                    peak_flops_per_s=roofline.peak_flops_per_s, num_blocks=min(blocks, cap),
+                    peak_flops_per_s=roofline.peak_flops_per_s, num_blocks=num_blocks or min(blocks, cap),
                     block_size=s.block_size, config=config, policy=make_policy(s.policy, tenants)))
     if not replicas:
         raise ScenarioError("the scenario has no replicas: add [[sites.replicas]] entries")
@@ -106,6 +108,11 @@ class RequestSource:
         prompt = rng.integers(0, VOCAB_FOR_TOKENS, prompt_len).tolist()
         if t.system_prompts:
             prompt = self.system[k][int(rng.integers(t.system_prompts))] + prompt
+        return self.make_from(k, now, prompt, output_len)
+
+    def make_from(self, k: int, now: float, prompt: list[int], output_len: int) -> Request:
+        """A request of traffic class ``k`` with the given prompt and output length (also for replays)."""
+        t, rng = self.s.traffic[k], self.rng
         origin = t.origins[int(rng.integers(len(t.origins)))]
         keys = prefix_keys(prompt[:AFFINITY_BLOCKS * self.s.block_size], self.s.block_size)
         self.next_id += 1

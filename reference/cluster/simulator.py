@@ -38,21 +38,26 @@ from reference.engine.cost import StepShape
 from reference.sched import RequestError
 from reference.sched import Sequence as SchedSequence
 
-ARRIVE, REACH, STEP, KV, FAIL, RECOVER, RETRY = range(7)
+ARRIVE, REACH, STEP, KV, FAIL, RECOVER, RETRY, REPLAY = range(8)
 RETRY_AFTER_S = 0.5  # a request with no live replica allowed tries again this much later
 
 
 class Simulator:
     def __init__(self, scenario: Scenario, seed: int = 0, *, lengths: np.ndarray | None = None,
-                 cost_override: Callable[[StepShape], float] | None = None, trace: IO[str] | None = None,
+                 cost_override: Callable[[StepShape], float] | None = None, num_blocks: int | None = None,
+                 replay: list[tuple[float, list[int], int]] | None = None, trace: IO[str] | None = None,
                  record_gaps: bool = False) -> None:
+        """``replay``: instead of drawing arrivals, replay these (arrival time, prompt ids, output length)
+        as traffic class 0 (to mirror a workload run on a real engine); see ``build_replicas`` for the
+        overrides."""
         if lengths is None and any(t.lengths == "sharegpt" for t in scenario.traffic):
             from reference.cluster.lengths import sharegpt_lengths
 
             lengths = sharegpt_lengths()
         self.s = scenario
         self.rng = np.random.default_rng(seed)
-        self.replicas: list[Replica] = build_replicas(scenario, cost_override)
+        self.replicas: list[Replica] = build_replicas(scenario, cost_override, num_blocks)
+        self.replay = replay
         self.network = Network(scenario)
         self.router = Router(scenario, self.replicas, self.network)
         self.source = RequestSource(scenario, self.rng, lengths)
@@ -70,13 +75,18 @@ class Simulator:
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> SimResult:
         """Process every event; returns the metrics. ``on_progress(virtual time)`` every 10,000 events."""
-        for k in range(len(self.s.traffic)):
-            self.push(self.source.gap(k), ARRIVE, k)
+        if self.replay is None:
+            for k in range(len(self.s.traffic)):
+                self.push(self.source.gap(k), ARRIVE, k)
+        else:
+            for i, (arrival, _, _) in enumerate(self.replay):
+                self.push(arrival, REPLAY, i)
         for f in self.s.failures:
             self.push(f.at_s, FAIL, f.site)
             self.push(f.at_s + f.duration_s, RECOVER, f.site)
         handlers = {ARRIVE: self._arrive, REACH: self._reach, STEP: self._step, KV: self._kv,
-                    FAIL: self._fail, RECOVER: self._recover, RETRY: lambda r, _: self._route(r)}
+                    FAIL: self._fail, RECOVER: self._recover, RETRY: lambda r, _: self._route(r),
+                    REPLAY: lambda i, _: self._route(self.source.make_from(0, self.now, *self.replay[i][1:]))}
         n = 0
         while self.heap:
             t, _, kind, a, b = heapq.heappop(self.heap)
