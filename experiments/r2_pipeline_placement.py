@@ -71,7 +71,8 @@ def run(ctx: Context) -> Result:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         table.append(f"| {r['pool']} / {r['shape']} | {r['chain']} | {r['best_layers']} "
-                     f"| {r['best_tokens_per_s']:,.0f} | {r['uniform_tokens_per_s']:,.0f}{'' if r['uniform_feasible'] else ' (does not fit)'} "
+                     f"| {r['best_tokens_per_s']:,.0f} | {r['uniform_tokens_per_s']:,.0f}"
+                     f"{'' if r['uniform_feasible'] else ' (does not fit)'} "
                      f"| {r['chain_lp_bound_tokens_per_s']:,.0f} | {r['brute_force_optimum_found']} |")
     return Result(
         measured={"chains": rows, "pools": pools, "optimum_found_everywhere": found,
