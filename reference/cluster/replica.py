@@ -56,6 +56,7 @@ class Replica:
     block_size: int
     config: SchedulerConfig
     policy: Policy
+    measure_until: float = float("inf")  # busy time and FLOPs are counted only before this time
     alive: bool = True
     epoch: int = 0  # bumped by a failure: step-end events of an older epoch are stale
     stepping: bool = False
@@ -122,11 +123,12 @@ class Replica:
         shape = StepShape(tuple(e.num_new_tokens for e in batch.entries), tuple(e.context_len for e in batch.entries),
                           sum(1 for e in batch.entries if e.samples))
         seconds = self.cost(shape)
-        flops = self.flops(shape)
-        self.busy_s += seconds
+        counted = max(0.0, min(seconds, self.measure_until - now))  # the part inside the measured window
+        flops = self.flops(shape) * (counted / seconds if seconds > 0 else 0.0)
+        self.busy_s += counted
         self.flops_done += flops
         if batch.num_prefill_tokens:
-            self.prefill_busy_s += seconds
+            self.prefill_busy_s += counted
             self.prefill_flops += flops
         self.stepping = True
         return batch, now + seconds

@@ -58,9 +58,10 @@ class SimResult:
         self.tier_by_traffic.setdefault(r.traffic, Counter())[tier] += 1
         self.ttft_by_traffic.setdefault(r.traffic, []).append(r.first_token - r.arrival)
 
-    def finalize(self, replicas: list[Any], end_time: float, events: int, event_hash: str) -> None:
+    def finalize(self, replicas: list[Any], end_time: float, events: int, event_hash: str, window: float) -> None:
+        """Utilization is measured over [0, window): while requests arrive, not while the last ones drain."""
         self.end_time, self.events, self.event_hash = end_time, events, event_hash
-        span = max(end_time, 1e-9)
+        span = max(min(end_time, window), 1e-9)
         by_role: dict[str, dict[str, float]] = {}
         for rep in replicas:
             role = by_role.setdefault(rep.role, {"busy_s": 0.0, "flops": 0.0, "peak": 0.0, "n": 0,
@@ -91,6 +92,7 @@ class SimResult:
             "failures": self.failures, "residency_violations": len(self.violations),
             "tier_share": {t: round(n / max(done, 1), 4) for t, n in sorted(self.tier.items())},
             "ttft_ms": percentiles(self.ttft), "tpot_ms": percentiles(self.tpot), "e2e_ms": percentiles(self.e2e),
+            **({"itl_ms": percentiles(self.gaps)} if self.gaps else {}),
             "utilization": self.utilization, "events": self.events, "simulated_s": round(self.end_time, 3),
             "event_log_hash": self.event_hash,
         }

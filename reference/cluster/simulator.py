@@ -96,7 +96,7 @@ class Simulator:
             n += 1
             if on_progress is not None and n % 10_000 == 0:
                 on_progress(t)
-        self.result.finalize(self.replicas, self.now, n, self.hash.hexdigest())
+        self.result.finalize(self.replicas, self.now, n, self.hash.hexdigest(), self.s.duration_s)
         return self.result
 
     # ---- events --------------------------------------------------------------------------------
