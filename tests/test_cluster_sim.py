@@ -191,3 +191,27 @@ def test_scenario_errors_name_the_field(tmp_path) -> None:
     path = tmp_path / "same.json"
     path.write_text(json.dumps(d))
     assert simulate(load_scenario(path), 1).event_hash == simulate(scenario_from_dict(d), 1).event_hash
+
+
+def test_prefix_affinity_sends_shared_prompts_where_their_blocks_are_cached() -> None:
+    def run(affinity: bool) -> tuple[int, int]:
+        d = small(rate_per_s=40, models=["a"], system_prompts=3, system_prompt_tokens=64, prompt_tokens=20)
+        d["sites"][0]["gpus"] = {"G": 4}
+        d["sites"][0]["replicas"] = [{"model": "a", "gpu": "G", "count": 4}]
+        d["routing"]["prefix_affinity"] = affinity
+        d["routing"]["spill_wait_ms"] = {"edge": 1000.0}
+        lines: list[str] = []
+
+        class Sink:
+            def write(self, text: str) -> None:
+                lines.append(text)
+
+        sim = Simulator(scenario_from_dict(d), 0, trace=Sink())
+        sim.run()
+        hits = sum(r.scheduler.block_manager.num_hit_tokens for r in sim.replicas)
+        return hits, sum("prefix affinity" in json.loads(line)["reason"] for line in lines)
+
+    hits_on, chosen_on = run(True)
+    hits_off, chosen_off = run(False)
+    assert chosen_off == 0 and chosen_on > 0
+    assert hits_on > 1.2 * hits_off
