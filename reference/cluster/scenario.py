@@ -8,18 +8,17 @@ raises ``ScenarioError`` naming the field (``sites[2].replicas[0].gpus: ...``), 
 from __future__ import annotations
 
 import json
-import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reference.cluster.fields import ScenarioError, as_list, as_table, build, check_positive
+
 TIERS = ("edge", "regional", "central")  # routing order: nearest and smallest first
 ROLES = ("colocated", "prefill", "decode")
 
 
-class ScenarioError(ValueError):
-    """A scenario file is malformed or inconsistent; the message names the field."""
 
 
 @dataclass(frozen=True)
@@ -145,31 +144,31 @@ def scenario_from_dict(data: dict[str, Any]) -> Scenario:
     """Build and check a Scenario from plain data (the parsed file)."""
     if not isinstance(data, dict):
         raise ScenarioError("a scenario must be a table/object at the top level")
-    sim = _table(data.get("simulation", {}), "simulation")
-    gpu_types = {g.name: g for g in (_make(GpuType, t, f"gpu_types[{i}]")
-                                     for i, t in enumerate(_list(data, "gpu_types")))}
+    sim = as_table(data.get("simulation", {}), "simulation")
+    gpu_types = {g.name: g for g in (build(GpuType, t, f"gpu_types[{i}]")
+                                     for i, t in enumerate(as_list(data, "gpu_types")))}
     models = {}
-    for i, t in enumerate(_list(data, "models")):
-        t = dict(_table(t, f"models[{i}]"))
+    for i, t in enumerate(as_list(data, "models")):
+        t = dict(as_table(t, f"models[{i}]"))
         t["sites"] = tuple(t.get("sites", ("*",)))
-        models[t.get("name")] = _make(ModelSpec, t, f"models[{i}]")
+        models[t.get("name")] = build(ModelSpec, t, f"models[{i}]")
     sites = {}
-    for i, t in enumerate(_list(data, "sites")):
-        t = dict(_table(t, f"sites[{i}]"))
-        t["replicas"] = tuple(_make(ReplicaSpec, r, f"sites[{i}].replicas[{k}]")
+    for i, t in enumerate(as_list(data, "sites")):
+        t = dict(as_table(t, f"sites[{i}]"))
+        t["replicas"] = tuple(build(ReplicaSpec, r, f"sites[{i}].replicas[{k}]")
                               for k, r in enumerate(t.get("replicas", [])))
-        sites[t.get("name")] = _make(Site, t, f"sites[{i}]")
-    links = tuple(_make(Link, t, f"links[{i}]") for i, t in enumerate(data.get("links", [])))
+        sites[t.get("name")] = build(Site, t, f"sites[{i}]")
+    links = tuple(build(Link, t, f"links[{i}]") for i, t in enumerate(data.get("links", [])))
     traffic = []
-    for i, t in enumerate(_list(data, "traffic")):
-        t = dict(_table(t, f"traffic[{i}]"))
+    for i, t in enumerate(as_list(data, "traffic")):
+        t = dict(as_table(t, f"traffic[{i}]"))
         for key in ("origins", "models", "allowed"):
             if key in t:
                 t[key] = tuple(t[key]) if isinstance(t[key], list) else t[key]
-        traffic.append(_make(Traffic, t, f"traffic[{i}]"))
-    failures = tuple(_make(Failure, t, f"failures[{i}]") for i, t in enumerate(data.get("failures", [])))
-    routing = _table(data.get("routing", {}), "routing")
-    scenario = _make(Scenario, {**sim, **routing, "gpu_types": gpu_types, "models": models, "sites": sites,
+        traffic.append(build(Traffic, t, f"traffic[{i}]"))
+    failures = tuple(build(Failure, t, f"failures[{i}]") for i, t in enumerate(data.get("failures", [])))
+    routing = as_table(data.get("routing", {}), "routing")
+    scenario = build(Scenario, {**sim, **routing, "gpu_types": gpu_types, "models": models, "sites": sites,
                                 "links": links, "traffic": tuple(traffic), "failures": failures}, "simulation")
     check(scenario)
     return scenario
@@ -178,13 +177,14 @@ def scenario_from_dict(data: dict[str, Any]) -> Scenario:
 def check(s: Scenario) -> None:
     """Consistency across tables: names resolve, counts fit, numbers are in range."""
     for g in s.gpu_types.values():
-        _positive(f"gpu_types[{g.name}]", memory_gb=g.memory_gb, peak_tflops=g.peak_tflops,
+        check_positive(f"gpu_types[{g.name}]", memory_gb=g.memory_gb, peak_tflops=g.peak_tflops,
                   bandwidth_tbps=g.bandwidth_tbps, mfu=g.mfu, mbu=g.mbu)
         if g.mfu > 1 or g.mbu > 1:
             raise ScenarioError(f"gpu_types[{g.name}]: mfu and mbu are shares of peak, at most 1")
     for m in s.models.values():
-        _positive(f"models[{m.name}]", layers=m.layers, hidden=m.hidden, intermediate=m.intermediate, heads=m.heads,
-                  kv_heads=m.kv_heads, head_dim=m.head_dim, vocab=m.vocab, bytes_per_param=m.bytes_per_param)
+        check_positive(f"models[{m.name}]", layers=m.layers, hidden=m.hidden, intermediate=m.intermediate,
+                       heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim, vocab=m.vocab,
+                       bytes_per_param=m.bytes_per_param)
     for site in s.sites.values():
         where = f"sites[{site.name}]"
         if site.tier not in TIERS:
@@ -203,7 +203,7 @@ def check(s: Scenario) -> None:
                 raise ScenarioError(f"{where}.replicas: unknown GPU type {r.gpu!r}; known: {sorted(s.gpu_types)}")
             if r.role not in ROLES:
                 raise ScenarioError(f"{where}.replicas: role {r.role!r} is not one of {ROLES}")
-            _positive(f"{where}.replicas", gpus=r.gpus, count=r.count)
+            check_positive(f"{where}.replicas", gpus=r.gpus, count=r.count)
             used[r.gpu] = used.get(r.gpu, 0) + r.gpus * r.count
         for gpu, n in used.items():
             if n > site.gpus.get(gpu, 0):
@@ -228,55 +228,12 @@ def check(s: Scenario) -> None:
             raise ScenarioError(f"{where}.lengths: {t.lengths!r} is not 'sharegpt' or 'fixed'")
         if t.arrival not in ("poisson", "uniform"):
             raise ScenarioError(f"{where}.arrival: {t.arrival!r} is not 'poisson' or 'uniform'")
-        _positive(where, rate_per_s=t.rate_per_s, max_prompt=t.max_prompt, max_output=t.max_output,
+        check_positive(where, rate_per_s=t.rate_per_s, max_prompt=t.max_prompt, max_output=t.max_output,
                   output_scale=t.output_scale, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens)
         if t.system_prompts < 0 or t.system_prompt_tokens < 0 or t.access_rtt_ms < 0:
             raise ScenarioError(f"{where}: system_prompts, system_prompt_tokens and access_rtt_ms must be >= 0")
     for f in s.failures:
         if f.site not in s.sites or not (f.at_s >= 0 and f.duration_s > 0):
             raise ScenarioError(f"failures: site {f.site!r} unknown, or at_s < 0, or duration_s <= 0")
-    _positive("simulation", duration_s=s.duration_s, block_size=s.block_size, max_wait_s=s.max_wait_s,
+    check_positive("simulation", duration_s=s.duration_s, block_size=s.block_size, max_wait_s=s.max_wait_s,
               max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs)
-
-
-def _make(cls: type, table: Any, where: str) -> Any:
-    table = _table(table, where)
-    fields = cls.__dataclass_fields__
-    unknown = sorted(set(table) - set(fields))
-    if unknown:
-        raise ScenarioError(f"{where}: unknown field(s) {unknown}; known: {sorted(fields)}")
-    try:
-        obj = cls(**table)
-    except TypeError as e:
-        raise ScenarioError(f"{where}: {e}") from None
-    for name, f in fields.items():
-        value, kind = getattr(obj, name), str(f.type)
-        if kind in ("float", "int") and (isinstance(value, bool) or not isinstance(value, int | float)
-                                         or not math.isfinite(value)):
-            raise ScenarioError(f"{where}.{name}: expected a finite number, got {value!r}")
-        if kind == "int" and not isinstance(value, int):
-            raise ScenarioError(f"{where}.{name}: expected an integer, got {value!r}")
-        if kind == "str" and not isinstance(value, str):
-            raise ScenarioError(f"{where}.{name}: expected a string, got {value!r}")
-        if kind.startswith("tuple[str") and not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
-            raise ScenarioError(f"{where}.{name}: expected a list of strings, got {value!r}")
-    return obj
-
-
-def _table(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ScenarioError(f"{where}: expected a table/object, got {type(value).__name__}")
-    return value
-
-
-def _list(data: dict[str, Any], key: str) -> list[Any]:
-    value = data.get(key)
-    if not isinstance(value, list) or not value:
-        raise ScenarioError(f"{key}: expected a non-empty list of tables")
-    return value
-
-
-def _positive(where: str, **values: float) -> None:
-    for name, v in values.items():
-        if not v > 0:
-            raise ScenarioError(f"{where}.{name}: must be > 0, got {v!r}")
