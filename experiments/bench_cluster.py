@@ -62,32 +62,61 @@ def run(requests: int) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     with tqdm(total=round(s.duration_s, 2), unit="sim s") as bar:
         def progress(t: float) -> None:
-            bar.update(round(min(t, s.duration_s) - bar.n, 2))
+            bar.n = round(min(t, s.duration_s), 2)
+            bar.refresh()
 
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         result = sim.run(on_progress=progress)
-        run_s = time.perf_counter() - t1
+        run_s, cpu_s = time.perf_counter() - t1, time.process_time() - c1
     summary = result.summary()
-    per_request = run_s / max(result.requests, 1)
-    projected = per_request * GOAL_REQUESTS + build_s
+    projected = run_s / max(result.requests, 1) * GOAL_REQUESTS + build_s
+    projected_cpu = cpu_s / max(result.requests, 1) * GOAL_REQUESTS + build_s  # as on an otherwise idle core
     return {"machine": setup_info.machine(), "commit": setup_info.commit(), "date": setup_info.now(),
             "note": "wall time on a shared 2-core machine (other developers' jobs running)",
             "gpus": gpus, "replicas": len(sim.replicas), "requests": result.requests,
             "simulated_s": round(result.end_time, 2), "events": result.events, "build_s": round(build_s, 2),
-            "run_s": round(run_s, 2), "events_per_s": round(result.events / run_s), "requests_per_s": round(
-                result.requests / run_s, 1), "projected_s_for_1M_requests": round(projected),
+            "run_s": round(run_s, 2), "cpu_s": round(cpu_s, 2), "events_per_s": round(result.events / run_s),
+            "events_per_cpu_s": round(result.events / cpu_s), "requests_per_s": round(result.requests / run_s, 1),
+            "projected_s_for_1M_requests": round(projected), "projected_cpu_s_for_1M_requests": round(projected_cpu),
             "goal_s": GOAL_S, "goal_met": projected <= GOAL_S and gpus >= 1000,
-            "shortfall_factor": round(projected / GOAL_S, 2), "tier_share": summary["tier_share"],
+            "shortfall_factor": round(projected / GOAL_S, 2), "shortfall_factor_cpu": round(projected_cpu / GOAL_S, 2),
+            "tier_share": summary["tier_share"],
             "ttft_ms": summary["ttft_ms"], "busy_share": summary["utilization"]["all"]["busy_share"],
             "refused": summary["refused"], "event_log_hash": summary["event_log_hash"]}
+
+
+def profile_shares(requests: int = 2000) -> dict[str, float]:
+    """Where the time goes (cProfile, own time by package) on a short run: why the simulator is as fast as it is."""
+    import cProfile
+    import pstats
+
+    from reference.cluster.lengths import sharegpt_lengths
+
+    sim = Simulator(scenario_from_dict(fleet(requests / RATE)), seed=0, lengths=sharegpt_lengths())
+    prof = cProfile.Profile()
+    prof.runcall(sim.run)
+    stats = pstats.Stats(prof)
+    shares: dict[str, float] = {}
+    for (path, _, _), (_, _, own, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        part = next((name for key, name in (("/reference/sched/", "reference.sched (scheduler)"),
+                                            ("/reference/kv/", "reference.kv (block manager)"),
+                                            ("/reference/cluster/", "reference.cluster (simulator, router)"),
+                                            ("/reference/engine/", "reference.engine (step cost)")) if key in path),
+                    "Python built-ins and the rest")
+        shares[part] = shares.get(part, 0.0) + own
+    total = sum(shares.values())
+    return {k: round(v / total, 3) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20_000)
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
+    parser.add_argument("--profile", action="store_true", help="also profile a short run: time share by package")
     args = parser.parse_args()
     out = run(args.requests)
+    if args.profile:
+        out["time_share_by_package"] = profile_shares()
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")

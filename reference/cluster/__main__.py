@@ -67,7 +67,8 @@ def simulate_command(args: argparse.Namespace) -> dict:
         sim = Simulator(scenario, args.seed, trace=trace)
         with tqdm(total=round(scenario.duration_s, 3), unit="sim s", file=sys.stderr) as bar:
             def progress(t: float) -> None:
-                bar.update(round(min(t, scenario.duration_s) - bar.n, 3))
+                bar.n = round(min(t, scenario.duration_s), 3)
+                bar.refresh()
 
             result = sim.run(on_progress=progress)
             progress(scenario.duration_s)
