@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, scenario, site
+from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, save_figure, scenario, site
 from experiments.cluster_fidelity import fidelity, table
 from experiments.engine_bench import CLOCK
 from experiments.registry import Context, Experiment, Result
@@ -132,11 +132,7 @@ def plot(runs: dict[str, list[dict[str, Any]]], ctx: Context) -> str:
         ax.set_ylabel(label)
     axes[1].set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "E5.png", dpi=110)
-    plt.close(fig)
-    return "E5.png"
+    return save_figure(fig, ctx, "E5.png")
 
 
 EXPERIMENT = Experiment(claim="E5", title="Disaggregation: utilization at the same GPU count; simulator fidelity",

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, link, scenario, site
+from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, link, save_figure, scenario, site
 from experiments.registry import Context, Experiment, Result
 from reference.cluster import scenario_from_dict, simulate
 from reference.cluster.lengths import sharegpt_lengths
@@ -110,11 +110,7 @@ def plot(grid: list[dict[str, Any]], edge_gpus: list[int], shares: list[float], 
     axes[1].set_xticks(x, [f"{g['edge_gpus_per_pop']}/{g['simple_share']:.0%}" for g in grid], fontsize=7)
     axes[1].set_xlabel("L4 per PoP / simple share")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "R1.png", dpi=110)
-    plt.close(fig)
-    return "R1.png"
+    return save_figure(fig, ctx, "R1.png")
 
 
 EXPERIMENT = Experiment(claim="R1", title="Tiered edge / regional / central routing", run=run, quick_minutes=1.5)

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import ASSUMPTIONS, GPUS, MODELS, SHARED_MACHINE
+from experiments.cluster_common import ASSUMPTIONS, GPUS, MODELS, SHARED_MACHINE, save_figure
 from experiments.registry import Context, Experiment, Result
 from reference.cluster.pipeline import ChainGpu, chain_problem, tokens_per_s
 from reference.cluster.placement import best_split, brute_force_split, lp_upper_bound, uniform_split
@@ -114,11 +114,7 @@ def plot(rows: list[dict[str, Any]], ctx: Context) -> str:
     ax.set_yscale("log")
     ax.set_ylabel("tokens/s per pipeline (roofline)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "R2.png", dpi=110)
-    plt.close(fig)
-    return "R2.png"
+    return save_figure(fig, ctx, "R2.png")
 
 
 EXPERIMENT = Experiment(claim="R2", title="Non-uniform pipeline placement over unlike GPUs", run=run, quick_minutes=0.5)

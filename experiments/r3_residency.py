@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import SHARED_MACHINE
+from experiments.cluster_common import SHARED_MACHINE, save_figure
 from experiments.registry import Context, Experiment, Result
 from reference.cluster import simulate
 from reference.cluster.randomized import random_scenario
@@ -90,11 +90,7 @@ def plot(cost: dict[str, dict[str, Any]], ctx: Context) -> str:
     axes[0].legend(fontsize=8)
     axes[1].bar(modes, [cost[m]["refused_share"] for m in modes], color=["C0", "C1"])
     axes[1].set_ylabel("share of requests refused")
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "R3.png", dpi=110)
-    plt.close(fig)
-    return "R3.png"
+    return save_figure(fig, ctx, "R3.png")
 
 
 EXPERIMENT = Experiment(claim="R3", title="Data residency as a hard routing constraint", run=run, quick_minutes=2.0)

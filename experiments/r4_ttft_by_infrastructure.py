@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, link, scenario, site
+from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, link, save_figure, scenario, site
 from experiments.registry import Context, Experiment, Result
 from reference.cluster import scenario_from_dict, simulate
 from reference.cluster.lengths import sharegpt_lengths
@@ -133,11 +133,7 @@ def plot(rows: dict[str, dict[str, Any]], ctx: Context) -> str:
     axes[0].legend(fontsize=8)
     axes[1].bar(kinds, [rows[i]["gpu_busy_share"] for i in kinds])
     axes[1].set_ylabel("GPU busy share")
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "R4.png", dpi=110)
-    plt.close(fig)
-    return "R4.png"
+    return save_figure(fig, ctx, "R4.png")
 
 
 EXPERIMENT = Experiment(claim="R4", title="TTFT and utilization by infrastructure", run=run, quick_minutes=1.0)
