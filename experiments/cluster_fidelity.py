@@ -1,8 +1,8 @@
 """Calibration and fidelity of the cluster simulator against the real reference engine (SmolLM2, CPU).
 
 Two small ShareGPT workloads run on the real NumPy engine, twice each (the second run gives the
-engine's own run-to-run spread). A ``StepTimeModel`` is fitted to the measured steps of one
-workload; the other (held out) is replayed through the cluster simulator, one replica with the
+engine's own run-to-run spread). A ``StepTimeModel`` is fitted to the measured steps of both runs of
+one workload; the other (held out) is replayed through the cluster simulator, one replica with the
 engine's exact scheduler settings and KV size, stepping by the fitted model; and the other way
 round. Reported: TTFT, inter-token latency (ITL) and end-to-end latency at p50/p90/p99, simulated
 vs measured, as relative errors, next to the real engine's run-to-run differences.
@@ -31,15 +31,14 @@ def workloads(tok: Any) -> dict[str, list[Job]]:
     return {"A": a, "B": b}
 
 
-def measure(jobs: list[Job]) -> tuple[dict[str, list[float]], StepTimeModel]:
-    """Run the real engine once: its latencies, and a step-time model fitted to its steps."""
+def measure(jobs: list[Job]) -> tuple[dict[str, list[float]], list[Any]]:
+    """Run the real engine once: its latencies, and its logged steps (the first, which warms caches, left out)."""
     model, tok = smollm2()
     engine = Engine(model, tok, clock=CpuClock(), **ENGINE)
     outs = run_jobs(engine, jobs)
     lat = {"ttft": [o.metrics.ttft for o in outs], "e2e": [o.metrics.e2e_latency for o in outs],
            "itl": [g for o in outs for g in o.metrics.inter_token_latencies]}
-    log = engine.step_log[1:]  # the first step warms caches up
-    return lat, StepTimeModel.fit([r.shape() for r in log], [r.duration for r in log])
+    return lat, engine.step_log[1:]
 
 
 def simulated(jobs: list[Job], cost: StepTimeModel) -> dict[str, list[float]]:
@@ -74,14 +73,15 @@ def fidelity(track: Any) -> dict[str, Any]:
     """Measure, fit, replay both ways; returns errors, spreads and the fitted models."""
     _, tok = smollm2()
     jobs = workloads(tok)
-    runs: dict[str, list[tuple[dict[str, list[float]], StepTimeModel]]] = {"A": [], "B": []}
+    runs: dict[str, list[tuple[dict[str, list[float]], list[Any]]]] = {"A": [], "B": []}
     with one_blas_thread():
         for name, _ in track([(n, r) for n in ("A", "B") for r in range(2)], "E5 real engine runs (SmolLM2)"):
             runs[name].append(measure(jobs[name]))
     out: dict[str, Any] = {"workloads": {n: {"requests": len(j), "prompt_tokens": [len(x.prompt) for x in j],
                                              "output_tokens": [x.output_len for x in j]} for n, j in jobs.items()}}
     for fit_on, test_on in (("A", "B"), ("B", "A")):
-        cost = runs[fit_on][0][1]
+        steps = [r for _, log in runs[fit_on] for r in log]  # both runs of the fitting workload
+        cost = StepTimeModel.fit([r.shape() for r in steps], [r.duration for r in steps])
         sim = simulated(jobs[test_on], cost)
         out[f"fit {fit_on} -> test {test_on}"] = {
             "model": cost.__dict__, "sim_vs_real": compare(sim, runs[test_on][0][0]),
