@@ -181,6 +181,10 @@ def test_scenario_errors_name_the_field(tmp_path) -> None:
     with pytest.raises(ScenarioError, match=r"rate_per_s: expected a finite number"):
         scenario_from_dict(bad)
     bad = copy.deepcopy(d)
+    bad["routing"]["spill_wait_ms"] = {"edge": "soon"}
+    with pytest.raises(ScenarioError, match=r"routing\.spill_wait_ms: edge = 'soon'"):
+        scenario_from_dict(bad)
+    bad = copy.deepcopy(d)
     bad["models"][0]["layers"] = 4000  # the weights no longer fit the 1 GB GPU
     with pytest.raises(ScenarioError, match="KV blocks"):
         Simulator(scenario_from_dict(bad), 0)

@@ -229,9 +229,15 @@ def check(s: Scenario) -> None:
         if t.arrival not in ("poisson", "uniform"):
             raise ScenarioError(f"{where}.arrival: {t.arrival!r} is not 'poisson' or 'uniform'")
         check_positive(where, rate_per_s=t.rate_per_s, max_prompt=t.max_prompt, max_output=t.max_output,
-                  output_scale=t.output_scale, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens)
+                       output_scale=t.output_scale, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens)
         if t.system_prompts < 0 or t.system_prompt_tokens < 0 or t.access_rtt_ms < 0:
             raise ScenarioError(f"{where}: system_prompts, system_prompt_tokens and access_rtt_ms must be >= 0")
+    for tier, ms in s.spill_wait_ms.items() if isinstance(s.spill_wait_ms, dict) else [("?", None)]:
+        if tier not in TIERS or isinstance(ms, bool) or not isinstance(ms, int | float) or not ms >= 0:
+            raise ScenarioError(f"routing.spill_wait_ms: {tier} = {ms!r}; need a table of tier = milliseconds >= 0 "
+                                f"with tiers from {TIERS}")
+    if not isinstance(s.prefix_affinity, bool):
+        raise ScenarioError(f"routing.prefix_affinity: expected true or false, got {s.prefix_affinity!r}")
     for f in s.failures:
         if f.site not in s.sites or not (f.at_s >= 0 and f.duration_s > 0):
             raise ScenarioError(f"failures: site {f.site!r} unknown, or at_s < 0, or duration_s <= 0")
