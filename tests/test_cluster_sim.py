@@ -219,3 +219,36 @@ def test_prefix_affinity_sends_shared_prompts_where_their_blocks_are_cached() ->
     hits_off, chosen_off = run(False)
     assert chosen_off == 0 and chosen_on > 0
     assert hits_on > 1.2 * hits_off
+
+
+def _paths(value: object, prefix: tuple = ()) -> list[tuple]:
+    """Every place in a nested dict/list structure (for mutating one of them)."""
+    out = [prefix] if prefix else []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+JUNK = st.sampled_from([None, -1, 0, 1e309, float("nan"), "x", "", True, [], {}, [1], {"a": 1}, 10**30])
+
+
+@given(st.data())
+def test_corrupt_scenarios_are_refused_with_a_scenario_error(data: st.DataObject) -> None:
+    d = copy.deepcopy(small())
+    path = data.draw(st.sampled_from(_paths(d)))
+    target = d
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = data.draw(JUNK)
+    try:
+        s = scenario_from_dict(d)
+    except ScenarioError:
+        return
+    try:
+        Simulator(s, 0).run()
+    except ScenarioError:
+        pass

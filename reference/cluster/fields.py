@@ -29,6 +29,10 @@ def build(cls: type, table: Any, where: str) -> Any:
             raise ScenarioError(f"{where}.{name}: expected an integer, got {value!r}")
         if kind == "str" and not isinstance(value, str):
             raise ScenarioError(f"{where}.{name}: expected a string, got {value!r}")
+        if kind.startswith("dict[") and not isinstance(value, dict):
+            raise ScenarioError(f"{where}.{name}: expected a table/object, got {value!r}"[:200])
+        if kind == "bool" and not isinstance(value, bool):
+            raise ScenarioError(f"{where}.{name}: expected true or false, got {value!r}")
         if kind.startswith("tuple[str") and not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
             raise ScenarioError(f"{where}.{name}: expected a list of strings, got {value!r}")
     return obj
@@ -40,14 +44,18 @@ def as_table(value: Any, where: str) -> dict[str, Any]:
     return value
 
 
-def as_list(data: dict[str, Any], key: str) -> list[Any]:
+def as_list(data: dict[str, Any], key: str, where: str = "", required: bool = True,
+            default: list[Any] | None = None) -> list[Any]:
+    """``data[key]`` as a list: required and non-empty, or optional (``default`` when absent)."""
+    if not required and key not in data:
+        return list(default or [])
     value = data.get(key)
-    if not isinstance(value, list) or not value:
-        raise ScenarioError(f"{key}: expected a non-empty list of tables")
+    if not isinstance(value, list) or (required and not value):
+        raise ScenarioError(f"{where}{key}: expected a {'non-empty ' if required else ''}list, got {value!r}"[:200])
     return value
 
 
 def check_positive(where: str, **values: float) -> None:
     for name, v in values.items():
-        if not v > 0:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
             raise ScenarioError(f"{where}.{name}: must be > 0, got {v!r}")

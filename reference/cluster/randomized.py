@@ -56,7 +56,7 @@ def random_scenario_dict(rng: np.random.Generator, *, residency: bool = True, re
                  "duration_s": float(rng.uniform(0.05, 1))} for _ in range(int(rng.integers(0, 4)))]
     return {"simulation": {"duration_s": 1.0, "block_size": 16, "max_num_batched_tokens": 256, "max_num_seqs": 8},
             "routing": {"spill_wait_ms": {"edge": 5.0, "regional": 20.0}, "max_wait_s": 3.0},
-            "gpu_types": [GPU], "models": [{"name": "a", **TINY_MODEL}, {"name": "b", **TINY_MODEL, "layers": 4}],
+            "gpu_types": [dict(GPU)], "models": [{"name": "a", **TINY_MODEL}, {"name": "b", **TINY_MODEL, "layers": 4}],
             "sites": sites, "links": links, "traffic": traffic, "failures": failures}
 
 

@@ -17,6 +17,12 @@ from reference.cluster.fields import ScenarioError, as_list, as_table, build, ch
 
 TIERS = ("edge", "regional", "central")  # routing order: nearest and smallest first
 ROLES = ("colocated", "prefill", "decode")
+# Upper bounds on what a scenario may ask for, so that a typo cannot make the simulator run forever or
+# allocate without end (a rate of 1e30 requests/s, a prompt of 10**12 tokens, ...).
+MAX_REQUESTS = 100_000_000  # sum over traffic classes of rate_per_s x duration_s
+MAX_TOKENS = 1_000_000  # any one prompt / output / system prompt / step budget
+MAX_SEQS = 100_000  # max_num_seqs
+MAX_REPLICAS = 100_000  # replicas in the whole scenario
 
 
 
@@ -150,23 +156,23 @@ def scenario_from_dict(data: dict[str, Any]) -> Scenario:
     models = {}
     for i, t in enumerate(as_list(data, "models")):
         t = dict(as_table(t, f"models[{i}]"))
-        t["sites"] = tuple(t.get("sites", ("*",)))
+        t["sites"] = tuple(as_list(t, "sites", f"models[{i}].", required=False, default=["*"]))
         models[t.get("name")] = build(ModelSpec, t, f"models[{i}]")
     sites = {}
     for i, t in enumerate(as_list(data, "sites")):
         t = dict(as_table(t, f"sites[{i}]"))
         t["replicas"] = tuple(build(ReplicaSpec, r, f"sites[{i}].replicas[{k}]")
-                              for k, r in enumerate(t.get("replicas", [])))
+                              for k, r in enumerate(as_list(t, "replicas", f"sites[{i}].", required=False)))
         sites[t.get("name")] = build(Site, t, f"sites[{i}]")
-    links = tuple(build(Link, t, f"links[{i}]") for i, t in enumerate(data.get("links", [])))
+    links = tuple(build(Link, t, f"links[{i}]") for i, t in enumerate(as_list(data, "links", required=False)))
     traffic = []
     for i, t in enumerate(as_list(data, "traffic")):
         t = dict(as_table(t, f"traffic[{i}]"))
         for key in ("origins", "models", "allowed"):
-            if key in t:
-                t[key] = tuple(t[key]) if isinstance(t[key], list) else t[key]
+            t[key] = tuple(as_list(t, key, f"traffic[{i}]."))
         traffic.append(build(Traffic, t, f"traffic[{i}]"))
-    failures = tuple(build(Failure, t, f"failures[{i}]") for i, t in enumerate(data.get("failures", [])))
+    failures = tuple(build(Failure, t, f"failures[{i}]")
+                     for i, t in enumerate(as_list(data, "failures", required=False)))
     routing = as_table(data.get("routing", {}), "routing")
     scenario = build(Scenario, {**sim, **routing, "gpu_types": gpu_types, "models": models, "sites": sites,
                                 "links": links, "traffic": tuple(traffic), "failures": failures}, "simulation")
@@ -185,6 +191,9 @@ def check(s: Scenario) -> None:
         check_positive(f"models[{m.name}]", layers=m.layers, hidden=m.hidden, intermediate=m.intermediate,
                        heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim, vocab=m.vocab,
                        bytes_per_param=m.bytes_per_param)
+        if m.heads % m.kv_heads or m.head_dim % 2 or max(m.layers, m.hidden, m.intermediate, m.vocab) > MAX_TOKENS:
+            raise ScenarioError(f"models[{m.name}]: heads must be a multiple of kv_heads, head_dim even, and "
+                                f"layers/hidden/intermediate/vocab at most {MAX_TOKENS:,}")
     for site in s.sites.values():
         where = f"sites[{site.name}]"
         if site.tier not in TIERS:
@@ -241,5 +250,25 @@ def check(s: Scenario) -> None:
     for f in s.failures:
         if f.site not in s.sites or not (f.at_s >= 0 and f.duration_s > 0):
             raise ScenarioError(f"failures: site {f.site!r} unknown, or at_s < 0, or duration_s <= 0")
+    _check_limits(s)
     check_positive("simulation", duration_s=s.duration_s, block_size=s.block_size, max_wait_s=s.max_wait_s,
               max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs)
+
+
+def _check_limits(s: Scenario) -> None:
+    expected = sum(t.rate_per_s for t in s.traffic) * s.duration_s
+    if expected > MAX_REQUESTS:
+        raise ScenarioError(f"traffic: rate_per_s x duration_s asks for ~{expected:.3g} requests; "
+                            f"at most {MAX_REQUESTS:,}")
+    for t in s.traffic:
+        for name in ("max_prompt", "max_output", "prompt_tokens", "output_tokens", "system_prompt_tokens"):
+            if getattr(t, name) > MAX_TOKENS:
+                raise ScenarioError(f"traffic[{t.name}].{name}: {getattr(t, name)} is more than {MAX_TOKENS:,} tokens")
+        if t.system_prompts > MAX_SEQS:
+            raise ScenarioError(f"traffic[{t.name}].system_prompts: at most {MAX_SEQS:,}")
+    if s.max_num_batched_tokens > MAX_TOKENS or s.block_size > MAX_TOKENS or s.max_num_seqs > MAX_SEQS:
+        raise ScenarioError(f"simulation: max_num_batched_tokens and block_size must be <= {MAX_TOKENS:,}, "
+                            f"max_num_seqs <= {MAX_SEQS:,}")
+    replicas = sum(r.count for site in s.sites.values() for r in site.replicas)
+    if replicas > MAX_REPLICAS:
+        raise ScenarioError(f"sites: {replicas:,} replicas in all; at most {MAX_REPLICAS:,}")
