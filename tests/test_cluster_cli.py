@@ -60,6 +60,8 @@ def test_place_command_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert out["pool_best_tokens_per_s"] <= out["pool_lp_upper_bound_tokens_per_s"] * (1 + 1e-9)
     assert main(["place", example, "--model", "llama-8b", "--chain", "H100,TPU"]) == 2
     assert "unknown GPU type(s) ['TPU']" in capsys.readouterr().err
+    assert main(["place", example, "--model", "llama-8b", "--chain", "H100,L4", "--nodes", "0,x"]) == 2
+    assert "node ids must be integers" in capsys.readouterr().err
     missing = tmp_path / "nope.toml"
     assert main(["simulate", str(missing)]) == 2
     assert "cannot read scenario" in capsys.readouterr().err

@@ -83,6 +83,8 @@ def place_command(args: argparse.Namespace) -> dict:
     if args.model not in scenario.models:
         raise PlacementError(f"unknown model {args.model!r}; the scenario has {sorted(scenario.models)}")
     model = scenario.models[args.model]
+    if args.batch < 1 or args.context < 1 or args.prefill < 0 or args.kv_tokens < 0:
+        raise PlacementError("--batch and --context must be >= 1, --prefill and --kv-tokens >= 0")
     shape = StepShape((args.prefill,), (args.prefill,), 1) if args.prefill else \
         StepShape((1,) * args.batch, (args.context,) * args.batch, args.batch)
     chains, problems = [], []
@@ -93,7 +95,10 @@ def place_command(args: argparse.Namespace) -> dict:
             raise PlacementError(f"--chain {names}: unknown GPU type(s) {unknown}; known: {sorted(scenario.gpu_types)}")
         nodes = [0] * len(gpus)
         if args.nodes and n < len(args.nodes):
-            nodes = [int(x) for x in args.nodes[n].split(",")]
+            try:
+                nodes = [int(x) for x in args.nodes[n].split(",")]
+            except ValueError:
+                raise PlacementError(f"--nodes {args.nodes[n]}: node ids must be integers") from None
             if len(nodes) != len(gpus):
                 raise PlacementError(f"--nodes {args.nodes[n]}: one node id per GPU of --chain {names}")
         p = chain_problem(model, [ChainGpu(scenario.gpu_types[g], node) for g, node in zip(gpus, nodes, strict=True)],
