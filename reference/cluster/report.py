@@ -24,6 +24,7 @@ class SimResult:
     e2e: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)  # mean inter-token gap per request (>= 2 tokens)
     gaps: list[float] = field(default_factory=list)  # every inter-token gap (when recorded)
+    ttft_by_id: dict[int, float] | None = None  # request id -> TTFT, when asked for (paired comparisons)
     tier: Counter = field(default_factory=Counter)  # tier of the replica that took the prompt
     tier_by_traffic: dict[int, Counter] = field(default_factory=dict)
     ttft_by_traffic: dict[int, list[float]] = field(default_factory=dict)
@@ -49,6 +50,8 @@ class SimResult:
             self.refusals[r.reason.split(":")[0] + ": " + r.reason.split(":", 1)[-1].strip()[:60]] += 1
             return
         self.ttft.append(r.first_token - r.arrival)
+        if self.ttft_by_id is not None:
+            self.ttft_by_id[r.rid] = r.first_token - r.arrival
         self.e2e.append(r.finish - r.arrival)
         if r.output_len > 1:
             self.tpot.append((r.finish - r.first_token) / (r.output_len - 1))

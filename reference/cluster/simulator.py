@@ -46,10 +46,12 @@ class Simulator:
     def __init__(self, scenario: Scenario, seed: int = 0, *, lengths: np.ndarray | None = None,
                  cost_override: Callable[[StepShape], float] | None = None, num_blocks: int | None = None,
                  replay: list[tuple[float, list[int], int]] | None = None, trace: IO[str] | None = None,
-                 record_gaps: bool = False) -> None:
+                 record_gaps: bool = False, record_ids: bool = False) -> None:
         """``replay``: instead of drawing arrivals, replay these (arrival time, prompt ids, output length)
         as traffic class 0 (to mirror a workload run on a real engine); see ``build_replicas`` for the
-        overrides."""
+        overrides. ``record_gaps``/``record_ids``: keep every inter-token gap / each request's TTFT by id.
+        Requests are drawn from the RNG before any routing, so two runs of scenarios that differ only in
+        routing rules see the same requests under the same ids."""
         if lengths is None and any(t.lengths == "sharegpt" for t in scenario.traffic):
             from reference.cluster.lengths import sharegpt_lengths
 
@@ -66,7 +68,7 @@ class Simulator:
         self.count = 0
         self.now = 0.0
         self.hash = hashlib.blake2b(digest_size=16, person=b"unfire-cluster")
-        self.result = SimResult()
+        self.result = SimResult(ttft_by_id={} if record_ids else None)
         self.kv_bytes = {m.name: kv_bytes_per_token(m) for m in scenario.models.values()}
 
     def push(self, t: float, kind: int, a: object = None, b: object = None) -> None:
