@@ -44,6 +44,7 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "notes": result.notes,
         "clock": result.clock,
         "clock_detail": result.clock_detail,
+        "tables": result.tables,
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{exp.claim}.json"
@@ -149,6 +150,8 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
         ]
         for note in r.get("notes", []):
             lines += ["", f"**Note:** {note}"]
+        for table in r.get("tables", []):
+            lines += ["", table]
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}](../experiments/results/{fig})"]
     lines += engine_bench_section(results_dir)
