@@ -96,7 +96,8 @@ def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: li
     injector = FaultInjector(faults, args.seed) if faults else None
     kind = InProcessCluster if args.in_process else ProcessCluster
     good = [r for r in requests if "_error" not in r]
-    with kind(args.model, args.prefill, args.decode, opts=WorkerOptions(wire=args.kv_wire), injector=injector) as cluster:
+    opts = WorkerOptions(wire=args.kv_wire)
+    with kind(args.model, args.prefill, args.decode, opts=opts, injector=injector) as cluster:
         ProcessFaults(cluster, faults, args.seed, len(good))
         with Progress(transient=True) as progress:
             task = progress.add_task("requests", total=len(good))

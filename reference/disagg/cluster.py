@@ -65,7 +65,8 @@ def hello(worker: PrefillWorker | DecodeWorker, link: Link, model_spec: str, opt
               if opts.wire == "fp8" else "none"}
     link.send(Kind.HELLO, 0, messages.dump(Kind.HELLO, {
         "role": worker.role, "node": link.node, "model_digest": digest_of(model_spec), "layout": layout,
-        "num_blocks": opts.num_blocks, "pid": os.getpid()}))
+        "num_blocks": opts.num_blocks, "pid": os.getpid(), "vocab_size": c.vocab_size,
+        "max_context": min(c.max_position, opts.num_blocks * opts.block_size), "eos_token_ids": list(c.eos_token_ids)}))
 
 
 def handle(worker: PrefillWorker | DecodeWorker, link: Link, data: bytes) -> bool:
@@ -107,14 +108,10 @@ class _Cluster:
 
     def __init__(self, model_spec: str, *, secret: bytes | None, opts: WorkerOptions, injector: FaultInjector | None,
                  restart: bool, deadline: Callable[[int, int], float] | None) -> None:
-        model = load_model(model_spec)
         self.model_spec, self.opts, self.restart = model_spec, opts, restart
         self.secret = secret if secret is not None else secrets.token_bytes(32)
         kwargs: dict[str, Any] = {"deadline": deadline} if deadline is not None else {}
-        self.coordinator = Coordinator(self.secret, vocab_size=model.config.vocab_size,
-                                       eos_token_ids=model.config.eos_token_ids,
-                                       max_context=min(model.config.max_position, opts.num_blocks * opts.block_size),
-                                       injector=injector, **kwargs)
+        self.coordinator = Coordinator(self.secret, injector=injector, **kwargs)
         self.coordinator.on_worker_lost = self._lost
         self._nodes = iter(range(1, 65536))
         self.restarts = 0

@@ -70,10 +70,10 @@ class RequestState:
 
 
 class Coordinator:
-    def __init__(self, secret: bytes, *, vocab_size: int, eos_token_ids: tuple[int, ...] = (),
-                 max_context: int = 1 << 30, deadline: Callable[[int, int], float] = lambda p, o: 60.0 + 0.5 * o,
+    def __init__(self, secret: bytes, *, deadline: Callable[[int, int], float] = lambda p, o: 60.0 + 0.5 * o,
                  max_attempts: int = 2, injector: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.secret, self.vocab_size, self.eos, self.max_context = secret, vocab_size, tuple(eos_token_ids), max_context
+        self.secret = secret
+        self.vocab_size, self.eos, self.max_context = 0, (), 0  # the model's, from the workers' HELLO
         self.deadline_for, self.max_attempts, self.injector, self.clock = deadline, max_attempts, injector, clock
         self.inbox: queue.Queue = queue.Queue()
         self.links: dict[Endpoint, Link] = {}
@@ -102,6 +102,8 @@ class Coordinator:
         """Accept a request (greedy). Raises CoordinatorError, changing nothing, on bad input."""
         if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
             raise CoordinatorError("request id must be a non-empty string of at most 256 characters")
+        if not self.workers:
+            raise CoordinatorError("no worker has said HELLO yet: the model's vocabulary and context are unknown")
         if request_id in self.requests:
             raise CoordinatorError(f"request id {request_id!r} is already in use")
         if not isinstance(prompt, list) or not prompt or not all(
@@ -256,6 +258,11 @@ class Coordinator:
         if body["node"] != frame.src or frame.src in self.workers:
             self.counters["hello_refused"] = self.counters.get("hello_refused", 0) + 1
             return
+        if self.workers and (body["vocab_size"], tuple(body["eos_token_ids"])) != (self.vocab_size, self.eos):
+            self.counters["hello_refused"] = self.counters.get("hello_refused", 0) + 1  # another model
+            return
+        self.vocab_size, self.eos = body["vocab_size"], tuple(body["eos_token_ids"])
+        self.max_context = min(body["max_context"], self.max_context or body["max_context"])
         w = Worker(frame.src, body["role"], link, body["layout"]["block_size"], body["num_blocks"],
                    free_blocks=body["num_blocks"])
         link.peer = w

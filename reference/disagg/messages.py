@@ -69,7 +69,8 @@ def layout_check(v: Any) -> bool:
 
 SCHEMAS: dict[Kind, dict[str, Check]] = {
     Kind.HELLO: {"role": one_of("prefill", "decode"), "node": integer(1, 65535), "model_digest": text(64),
-                 "layout": layout_check, "num_blocks": integer(1, U32), "pid": integer(0, U32)},
+                 "layout": layout_check, "num_blocks": integer(1, U32), "pid": integer(0, U32),
+                 "vocab_size": integer(1, U32), "max_context": integer(1, U32), "eos_token_ids": integers(max_len=64)},
     Kind.REQUEST: {"id": text(), "prompt": integers(), "max_tokens": integer(1, U32),
                    "eos_token_ids": integers(max_len=64)},
     Kind.MANIFEST: {"id": text(), "prompt_len": integer(1, U32), "prefix_keys": hex_keys(),

@@ -19,8 +19,16 @@ import socket
 import threading
 from typing import Any
 
-from reference.disagg.frames import HEADER_SIZE, Frame, FrameError, Kind, ReplayGuard, decode_frame, \
-    encode_frame, frame_size
+from reference.disagg.frames import (
+    HEADER_SIZE,
+    Frame,
+    FrameError,
+    Kind,
+    ReplayGuard,
+    decode_frame,
+    encode_frame,
+    frame_size,
+)
 
 Inbox = queue.Queue  # of (Endpoint, bytes | None)
 

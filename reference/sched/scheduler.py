@@ -15,8 +15,9 @@ Each step has a token budget (``max_num_batched_tokens``) and a sequence limit (
    tokens at once (reusing its cached prefix) and a first prefill chunk as large as the remaining
    budget allows.
 
-Use: ``add(seq)`` (or ``add_running(seq)`` for a sequence whose prompt K/V were computed elsewhere); loop ``batch = schedule(now)``; run the model on ``batch``; ``postprocess(batch,
+Use: ``add(seq)``; loop ``batch = schedule(now)``; run the model on ``batch``; ``postprocess(batch,
 token_ids, now)``. ``abort(seq_id)`` frees everything of a request at any time between steps.
+``add_running(seq)`` admits a sequence whose prompt K/V were computed elsewhere (a prefill worker).
 """
 
 from __future__ import annotations
