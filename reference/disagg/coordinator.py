@@ -64,6 +64,7 @@ class RequestState:
     attempts: int = 0
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    token_cpu: list[float] = field(default_factory=list)  # the decode worker's CPU seconds at each token
     result: dict | None = None  # {"id", "output_token_ids", "finish_reason", "error"} once ended
     recomputed: bool = False
     first_kv_seen: bool = False
@@ -136,8 +137,8 @@ class Coordinator:
                 self.waiting.append(req)
             return
         d = min(decoders, key=lambda w: (w.inflight_tokens, -w.free_blocks, w.node))
-        req.stream, req.attempts, req.decode, req.tokens, req.token_times = next(self._streams), req.attempts + 1, \
-            d.node, [], []
+        req.stream, req.attempts, req.decode = next(self._streams), req.attempts + 1, d.node
+        req.tokens, req.token_times, req.token_cpu = [], [], []
         self.by_stream[req.stream] = req
         d.inflight_tokens += len(req.prompt) + req.max_tokens
         body = messages.dump(Kind.REQUEST, {"id": req.id, "prompt": req.prompt, "max_tokens": req.max_tokens,
@@ -287,6 +288,7 @@ class Coordinator:
             if body["index"] == len(req.tokens):
                 req.tokens.append(body["token"])
                 req.token_times.append(self.clock())
+                req.token_cpu.append(body["cpu_us"] / 1e6)
         elif w.role == "decode" and frame.kind is Kind.FINISH:
             body = messages.load(Kind.FINISH, frame.payload)
             req.recomputed = bool(body["recomputed"])

@@ -231,7 +231,7 @@ class DecodeWorker:
 
     def _token(self, st: DecodeStream, token: int) -> None:
         self.link.send(Kind.TOKEN, st.stream, messages.dump(Kind.TOKEN, {
-            "index": st.seq.num_output_tokens - 1, "token": token}))
+            "index": st.seq.num_output_tokens - 1, "token": token, "cpu_us": int(time.process_time() * 1e6)}))
 
     def _end(self, st: DecodeStream, reason: str, error: str | None) -> None:
         """The request is over here: free what it holds, tell the coordinator."""

@@ -79,7 +79,7 @@ SCHEMAS: dict[Kind, dict[str, Check]] = {
     Kind.ABORT: {"reason": text(512), "action": one_of("cancel", "recompute", "refused")},
     Kind.ACK: {"of": one_of("manifest", "done"), "cached_tokens": integer()},
     Kind.HEARTBEAT: {"free_blocks": integer(), "inflight_tokens": integer()},
-    Kind.TOKEN: {"index": integer(), "token": integer()},
+    Kind.TOKEN: {"index": integer(), "token": integer(), "cpu_us": integer(0, 1 << 62)},
     Kind.FINISH: {"id": text(), "output": integers(), "finish_reason": one_of("stop", "length", "abort", "error"),
                   "error": optional(text(1024)), "recomputed": integer(0, 1)},
     Kind.SHUTDOWN: {},

@@ -1,0 +1,149 @@
+"""E4: prefill and decode on separate workers; p90 inter-token latency falls (article: ~100 -> 20-30 ms).
+
+Two regimes, both layouts measured in one run on the same arrivals:
+
+* real processes on this CPU: SmolLM2-135M (NumPy, one BLAS thread per process). Colocated = two
+  engine replicas, each a worker process that runs prompts (chunked, 256 tokens/step) and decodes
+  in the same steps; disaggregated = one prefill and one decode process (``reference/disagg``, fp32
+  KV over TCP). The same coordinator routes requests (fewest in-flight tokens). Poisson arrivals,
+  ShareGPT prompt and answer lengths (scaled down for the CPU), at several loads. ITL is measured in
+  the decode process's CPU seconds between its tokens (what its own steps cost, prefill chunks
+  included, not what other jobs on the shared machine took); the wall-clock ITL and the TTFT come
+  from the coordinator's clock (token receipt) and carry the machine's other load.
+* the article's regime, simulated: Llama-3.1-8B on H100s (two GPUs either way), the real scheduler
+  per GPU, step times from a roofline over ``reference/engine/cost.py``'s FLOPs and bytes
+  (``experiments/disagg_sim.py``), ShareGPT lengths unscaled, fp8 KV over a 400 Gbit/s link.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from experiments.disagg_sim import Gpu, SimReq, colocated, disaggregated
+from experiments.engine_bench import pct, sharegpt_jobs, smollm2
+from experiments.registry import Context, Experiment, Result
+from reference.disagg.cluster import ProcessCluster, WorkerOptions, run_requests
+from reference.model.config import LLAMA_3_1_8B
+
+LAYOUTS = {"colocated": (0, 2), "disaggregated": (1, 1)}
+
+
+def latencies(coordinator: Any, ids: list[str]) -> dict[str, Any]:
+    reqs = [coordinator.requests[i] for i in ids]
+    ttft = [r.token_times[0] - r.arrival for r in reqs if r.token_times]
+    itl = [g for r in reqs for g in np.diff(r.token_times)]
+    cpu_itl = [g for r in reqs for g in np.diff(r.token_cpu)]
+    errors = sum(r.result is None or r.result["error"] is not None for r in reqs)
+    return {"ttft_ms": pct(ttft), "itl_ms": pct(cpu_itl), "itl_wall_ms": pct(itl), "requests": len(reqs),
+            "errors": errors}
+
+
+def real_processes(ctx: Context, jobs: list, rates: list[float], seed: int) -> dict[str, dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    arrivals = {rate: np.cumsum(rng.exponential(1 / rate, len(jobs))).tolist() for rate in rates}
+    out: dict[str, dict[str, Any]] = {}
+    opts = WorkerOptions(num_blocks=256, block_size=16, max_num_batched_tokens=256, max_num_seqs=16)
+    for layout, (num_prefill, num_decode) in ctx.track(LAYOUTS.items(), "E4 layouts"):
+        with ProcessCluster("smollm2", num_prefill, num_decode, opts=opts, restart=False,
+                            deadline=lambda p, o: 600.0) as cluster:
+            for rate in rates:
+                requests = [{"id": f"{layout}-{rate}-{i}", "prompt_token_ids": j.prompt, "max_tokens": j.output_len}
+                            for i, j in enumerate(jobs)]
+                run_requests(cluster, requests, arrivals=arrivals[rate], timeout=900)
+                out.setdefault(f"{rate}/s", {})[layout] = latencies(cluster.coordinator, [r["id"] for r in requests])
+    return out
+
+
+def simulated(jobs_lengths: list[tuple[int, int]], rates: list[float], seed: int) -> dict[str, dict[str, Any]]:
+    rng = np.random.default_rng(seed)
+    out: dict[str, dict[str, Any]] = {}
+    for rate in rates:
+        arrivals = np.cumsum(rng.exponential(1 / rate, len(jobs_lengths)))
+        for layout, fn in (("colocated", colocated), ("disaggregated", disaggregated)):
+            reqs = [SimReq(float(a), p, o) for a, (p, o) in zip(arrivals, jobs_lengths, strict=True)]
+            fn(reqs, LLAMA_3_1_8B, Gpu())
+            ttft = [r.token_times[0] - r.arrival for r in reqs]
+            itl = [g for r in reqs for g in np.diff(r.token_times)]
+            out.setdefault(f"{rate}/s", {})[layout] = {"ttft_ms": pct(ttft), "itl_ms": pct(itl), "requests": len(reqs)}
+    return out
+
+
+def run(ctx: Context) -> Result:
+    n, max_prompt, max_output, scale, rates = (32, 384, 48, 0.1, [0.25, 0.5, 1.0]) if ctx.full else \
+        (10, 256, 24, 0.08, [0.4, 1.0])
+    _, tok = smollm2()
+    jobs = sharegpt_jobs(tok, n, max_prompt, max_output, output_scale=scale)
+    cpu = real_processes(ctx, jobs, rates, seed=0)
+    n_sim = 600 if ctx.full else 200
+    long_jobs = sharegpt_jobs(tok, n_sim, 8192, 1024)
+    sim_rates = [8.0, 16.0, 32.0, 64.0] if ctx.full else [8.0, 32.0, 64.0]
+    sim = simulated([(len(j.prompt), j.output_len) for j in long_jobs], sim_rates, seed=1)
+    figure = plot(cpu, sim, ctx)
+
+    def cut(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
+        return {load: round(r["colocated"]["itl_ms"]["p90"] / r["disaggregated"]["itl_ms"]["p90"], 2)
+                for load, r in rows.items()}
+
+    cpu_cut, sim_cut = cut(cpu), cut(sim)
+    best_cpu, best_sim = max(cpu_cut, key=cpu_cut.get), max(sim_cut, key=sim_cut.get)
+    c, d = cpu[best_cpu]["colocated"]["itl_ms"]["p90"], cpu[best_cpu]["disaggregated"]["itl_ms"]["p90"]
+    sc, sd = sim[best_sim]["colocated"]["itl_ms"]["p90"], sim[best_sim]["disaggregated"]["itl_ms"]["p90"]
+    verdict = "matches" if max(cpu_cut.values()) >= 3 and max(sim_cut.values()) >= 3 else \
+        "partly matches" if max(*cpu_cut.values(), *sim_cut.values()) > 1.2 else "differs"
+    return Result(
+        measured={"cpu_processes": cpu, "h100_llama8b_sim": sim, "p90_itl_cut_cpu": cpu_cut,
+                  "p90_itl_cut_sim": sim_cut},
+        summary=(f"p90 ITL colocated -> disaggregated: CPU/SmolLM2 {c:.0f} -> {d:.0f} ms ({cpu_cut[best_cpu]}x at "
+                 f"{best_cpu}); H100/8B sim {sc:.1f} -> {sd:.1f} ms ({sim_cut[best_sim]}x at {best_sim})"),
+        verdict=verdict,
+        why=("'matches' needs a >= 3x cut of p90 ITL in both regimes. Disaggregation removes prefill chunks from "
+             "decode steps, so its ITL is the decode step alone; colocated ITL is hurt only by steps that carry "
+             "prefill, which ShareGPT's mostly short prompts make a small share of the steps: the p90 moves less "
+             "than the p99 (see the table), and the cut grows with load and prompt length. On the CPU the decode "
+             "step's cost grows with the batch, which the decode-only worker gathers into one."),
+        setup={"weights": "smollm2 (NumPy float32, 1 BLAS thread per process) for the CPU runs; Llama-3.1-8B "
+                          "shapes for the simulation",
+               "clock": "ITL: CPU seconds of the decode process between tokens; TTFT and itl_wall: wall clock at "
+                        "the coordinator; shared 2-core machine with other developers' load",
+               "workload": f"CPU: first {n} ShareGPT prompts truncated to {max_prompt} tokens, outputs = answer x "
+                           f"{scale} capped at {max_output}, Poisson at {rates} req/s; sim: {n_sim} ShareGPT "
+                           f"requests (prompts <= 8192, outputs <= 1024 tokens), Poisson at {sim_rates} req/s",
+               "workers": "colocated: 2 replicas; disaggregated: 1 prefill + 1 decode; 256-token step budget "
+                          "on the CPU, 2048 on the simulated H100s",
+               "gpu": Gpu().__dict__},
+        article={"claim": "p90 ITL ~100 ms colocated -> 20-30 ms disaggregated (3-5x)"},
+        figures=[figure],
+    )
+
+
+def plot(cpu: dict[str, Any], sim: dict[str, Any], ctx: Context) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
+    for ax, rows, title in ((axes[0], cpu, "CPU, SmolLM2-135M, real processes"),
+                            (axes[1], sim, "H100 x2, Llama-3.1-8B (simulated)")):
+        loads = list(rows)
+        x = np.arange(len(loads))
+        for off, layout in ((-0.2, "colocated"), (0.2, "disaggregated")):
+            p90 = [rows[ld][layout]["itl_ms"]["p90"] for ld in loads]
+            p99 = [rows[ld][layout]["itl_ms"]["p99"] for ld in loads]
+            bars = ax.bar(x + off, p90, 0.4, label=f"{layout} p90")
+            ax.scatter(x + off, p99, marker="_", s=200, color=bars.patches[0].get_facecolor(), label=f"{layout} p99")
+        ax.set_xticks(x, loads)
+        ax.set_xlabel("arrival rate")
+        ax.set_ylabel("inter-token latency (ms)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    ctx.results_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(ctx.results_dir / "E4.png", dpi=110)
+    plt.close(fig)
+    return "E4.png"
+
+
+EXPERIMENT = Experiment(claim="E4", title="Prefill/decode disaggregation", run=run, quick_minutes=2.5)
