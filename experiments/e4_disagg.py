@@ -24,7 +24,8 @@ import numpy as np
 from experiments.disagg_sim import Gpu, SimReq, colocated, disaggregated
 from experiments.engine_bench import pct, sharegpt_jobs, smollm2
 from experiments.registry import Context, Experiment, Result
-from reference.disagg.cluster import ProcessCluster, WorkerOptions, run_requests
+from reference.disagg.batch import run_requests
+from reference.disagg.cluster import ProcessCluster, WorkerOptions
 from reference.model.config import LLAMA_3_1_8B
 
 LAYOUTS = {"colocated": (0, 2), "disaggregated": (1, 1)}

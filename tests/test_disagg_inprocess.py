@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from reference.disagg import messages, prefill
-from reference.disagg.cluster import InProcessCluster, WorkerOptions, run_requests
+from reference.disagg.batch import run_requests
+from reference.disagg.cluster import InProcessCluster, WorkerOptions
 from reference.disagg.decode import DecodeWorker
 from reference.disagg.frames import Kind, decode_frame
 from reference.disagg.models import digest_of, load_model, tiny_llama

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from reference.disagg.cluster import ProcessCluster, ProcessFaults, WorkerOptions, run_requests
+from reference.disagg.batch import ProcessFaults, run_requests
+from reference.disagg.cluster import ProcessCluster, WorkerOptions
 from reference.disagg.faults import FAULTS, FaultInjector
 from reference.disagg.models import load_model
 from reference.engine.engine import Engine

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from fast.disagg.dist import DistEndpoint
 from reference.disagg.__main__ import read_prompts
-from reference.disagg.cluster import SECRET_ENV, WorkerOptions, hello, make_worker, run_requests, serve
+from reference.disagg.batch import run_requests
+from reference.disagg.cluster import SECRET_ENV, WorkerOptions, hello, make_worker, serve
 from reference.disagg.coordinator import Coordinator
 from reference.disagg.transport import Link
 

@@ -1,7 +1,8 @@
 """Disaggregated prefill/decode: a prefill worker streams each prompt's KV, layer by layer, to a decode
 worker, over a written, checked protocol (``PROTOCOL.md``).
 
-    from reference.disagg.cluster import InProcessCluster, ProcessCluster, run_requests
+    from reference.disagg.batch import run_requests
+    from reference.disagg.cluster import InProcessCluster, ProcessCluster
     with ProcessCluster("smollm2", num_prefill=1, num_decode=1) as cluster:       # OS processes, TCP
         results = run_requests(cluster, [{"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 8}])
 

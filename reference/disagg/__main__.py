@@ -90,7 +90,8 @@ def run_colocated(model_spec: str, requests: list[dict]) -> list[dict]:
 def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: list[str]) -> list[dict]:
     from rich.progress import Progress
 
-    from reference.disagg.cluster import InProcessCluster, ProcessCluster, ProcessFaults, WorkerOptions, run_requests
+    from reference.disagg.batch import ProcessFaults, run_requests
+    from reference.disagg.cluster import InProcessCluster, ProcessCluster, WorkerOptions
     from reference.disagg.faults import FaultInjector
 
     injector = FaultInjector(faults, args.seed) if faults else None

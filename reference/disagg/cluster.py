@@ -1,6 +1,6 @@
 """Clusters: a coordinator and its workers, in one process (queues) or as OS processes (sockets).
 
-    with ProcessCluster("smollm2", num_prefill=1, num_decode=1) as cluster:
+    with ProcessCluster("smollm2", num_prefill=1, num_decode=1) as cluster:   # run_requests: batch.py
         results = run_requests(cluster, [{"id": "a", "prompt_token_ids": [...], "max_tokens": 16}])
 
 Both kinds have ``coordinator``, ``pump()`` (one round of work), ``kill(node)`` and ``close()``. Worker
@@ -13,25 +13,25 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from reference.disagg import messages
-from reference.disagg.coordinator import Coordinator, CoordinatorError, RequestState, Worker
+from reference.disagg.coordinator import Coordinator
 from reference.disagg.decode import DecodeWorker
 from reference.disagg.faults import FaultInjector
-from reference.disagg.frames import Frame, Kind
+from reference.disagg.frames import Kind
 from reference.disagg.messages import MessageError
 from reference.disagg.models import digest_of, load_model
 from reference.disagg.prefill import PrefillWorker
+from reference.disagg.routing import Worker
 from reference.disagg.transport import Link, SocketEndpoint, listen, pipe
 
 SECRET_ENV = "UNFIRE_DISAGG_SECRET"
@@ -103,7 +103,7 @@ def serve(worker: PrefillWorker | DecodeWorker, link: Link, heartbeat_s: float =
             next_beat = time.monotonic() + heartbeat_s
 
 
-class _Cluster:
+class Cluster:
     """What both kinds share: the coordinator, node ids, process faults."""
 
     def __init__(self, model_spec: str, *, secret: bytes | None, opts: WorkerOptions, injector: FaultInjector | None,
@@ -143,7 +143,7 @@ class _Cluster:
         self.byes = self.coordinator.shutdown(wait, pump=self.pump)
         return self.byes
 
-    def __enter__(self) -> _Cluster:
+    def __enter__(self) -> Cluster:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -153,7 +153,7 @@ class _Cluster:
         raise NotImplementedError
 
 
-class InProcessCluster(_Cluster):
+class InProcessCluster(Cluster):
     """Everything in this thread: the coordinator and every worker take turns (deterministic)."""
 
     def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
@@ -202,7 +202,7 @@ class InProcessCluster(_Cluster):
             self.kill(node)
 
 
-class ProcessCluster(_Cluster):
+class ProcessCluster(Cluster):
     """Workers as OS processes over TCP on 127.0.0.1; the coordinator runs in this process."""
 
     def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
@@ -273,68 +273,3 @@ class ProcessCluster(_Cluster):
 
     def leaked_processes(self) -> list[int]:
         return [p.pid for p in self.procs.values() if p.poll() is None]
-
-
-class ProcessFaults:
-    """Process-level faults on one request chosen by the seed: kill its prefill worker when its first
-    KV frame passes, kill its decode worker at its second token, or cancel it after its first KV frame."""
-
-    def __init__(self, cluster: _Cluster, faults: Sequence[str], seed: int, num_requests: int) -> None:
-        self.cluster, self.faults = cluster, set(faults)
-        self.target = random.Random(seed).randrange(max(1, min(num_requests, 4)))
-        self.seen: list[str] = []
-        self.done: set[str] = set()
-        cluster.coordinator.on_stream_frame = self.on_frame
-
-    def on_frame(self, req: RequestState, frame: Frame) -> None:
-        if req.id not in self.seen and frame.kind is Kind.KV:
-            self.seen.append(req.id)
-        if len(self.seen) <= self.target or req.id != self.seen[self.target]:
-            return
-        if "kill-prefill" in self.faults and "kill-prefill" not in self.done and frame.kind is Kind.KV \
-                and req.prefill is not None:
-            self.done.add("kill-prefill")
-            self.cluster.kill(req.prefill)
-        if "abort" in self.faults and "abort" not in self.done and frame.kind is Kind.KV:
-            self.done.add("abort")
-            self.cluster.coordinator.cancel(req.id)
-        if "kill-decode" in self.faults and "kill-decode" not in self.done and frame.kind is Kind.TOKEN \
-                and len(req.tokens) >= 2 and req.decode is not None:
-            self.done.add("kill-decode")
-            self.cluster.kill(req.decode)
-
-
-def run_requests(cluster: _Cluster, requests: Sequence[dict], *, arrivals: Sequence[float] | None = None,
-                 on_progress: Callable[[int], None] | None = None, timeout: float = 3600.0) -> list[dict]:
-    """Submit every request (at ``arrivals[i]`` seconds from now, if given), run until each has ended, and
-    return one result per request, in order: ``{"id", "output_token_ids", "finish_reason", "error"}``."""
-    coord = cluster.coordinator
-    results: list[dict | None] = [None] * len(requests)
-    start = time.monotonic()
-    order = sorted(range(len(requests)), key=lambda i: arrivals[i] if arrivals else 0.0)
-    pos, finished = 0, 0
-    while pos < len(order) or coord.unfinished():
-        now = time.monotonic() - start
-        while pos < len(order) and (arrivals is None or arrivals[order[pos]] <= now):
-            i = order[pos]
-            r = requests[i]
-            try:
-                coord.submit(r.get("id"), r.get("prompt_token_ids"), r.get("max_tokens"))
-            except CoordinatorError as e:
-                results[i] = {"id": r.get("id"), "output_token_ids": [], "finish_reason": "error",
-                              "error": f"not accepted: {e}"}
-            pos += 1
-        if now > timeout:
-            for req in coord.requests.values():
-                if req.result is None:
-                    coord.cancel(req.id, f"run timed out after {timeout} s")
-        cluster.pump()
-        done = sum(r.result is not None for r in coord.requests.values())
-        if on_progress is not None and done != finished:
-            on_progress(done - finished)
-            finished = done
-    for i, r in enumerate(requests):
-        if results[i] is None:
-            results[i] = dict(coord.requests[r["id"]].result)
-    return results  # type: ignore[return-value]
-

@@ -6,9 +6,8 @@ KV, DONE from the prefill worker; ACK, ABORT from the decode worker) are forward
 tag and all, so the decode worker checks the prefill worker's signature itself. The fault injector,
 when there is one, sits on this forwarding path (``faults.py``).
 
-Routing: prefill by prefix affinity (the worker that was sent the longest run of this prompt's
-prefix-block keys, so its prefix cache hits), then fewest in-flight prefill tokens; decode by
-fewest in-flight decode tokens, then most free blocks (from heartbeats).
+Routing (``routing.py``): prefill by prefix affinity, then fewest in-flight prefill tokens; decode by
+fewest in-flight decode tokens, then most free blocks.
 
 Faults and their outcomes (``PROTOCOL.md`` section 6): a prefill worker lost -> its decode workers
 are told to compute those prompts themselves; a decode worker lost -> its requests start again
@@ -22,33 +21,19 @@ from __future__ import annotations
 import itertools
 import queue
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from reference.disagg import messages
 from reference.disagg.frames import STREAM_KINDS, Frame, Kind
+from reference.disagg.routing import Worker, choose_decode, choose_prefill
 from reference.disagg.transport import Endpoint, Link, LinkClosed
 from reference.kv.prefix_hash import prefix_keys
 
 
 class CoordinatorError(ValueError):
     """A request the coordinator refuses (the message says why); nothing was queued."""
-
-
-@dataclass
-class Worker:
-    node: int
-    role: str
-    link: Link
-    block_size: int
-    num_blocks: int
-    alive: bool = True
-    free_blocks: int = 0
-    inflight_tokens: int = 0
-    recent_keys: OrderedDict = field(default_factory=OrderedDict)  # prefix keys routed here (LRU)
-    bye: dict | None = None
 
 
 @dataclass
@@ -136,7 +121,7 @@ class Coordinator:
             if req not in self.waiting:
                 self.waiting.append(req)
             return
-        d = min(decoders, key=lambda w: (w.inflight_tokens, -w.free_blocks, w.node))
+        d = choose_decode(decoders)
         req.stream, req.attempts, req.decode = next(self._streams), req.attempts + 1, d.node
         req.tokens, req.token_times, req.token_cpu = [], [], []
         self.by_stream[req.stream] = req
@@ -151,20 +136,7 @@ class Coordinator:
             self._send(d, Kind.ABORT, req.stream, messages.dump(Kind.ABORT, {
                 "reason": "no prefill worker alive", "action": "recompute"}))
             return
-        keys = prefix_keys(req.prompt, prefillers[0].block_size)
-
-        def affinity(w: Worker) -> int:
-            n = 0
-            while n < len(keys) and keys[n] in w.recent_keys:
-                n += 1
-            return n
-
-        p = min(prefillers, key=lambda w: (-affinity(w), w.inflight_tokens, w.node))
-        for k in keys:
-            p.recent_keys[k] = None
-            p.recent_keys.move_to_end(k)
-        while len(p.recent_keys) > 100_000:
-            p.recent_keys.popitem(last=False)
+        p = choose_prefill(prefillers, prefix_keys(req.prompt, prefillers[0].block_size))
         req.prefill = p.node
         p.inflight_tokens += len(req.prompt)
         self._send(p, Kind.REQUEST, req.stream, body)

@@ -27,6 +27,7 @@ from reference.disagg import messages
 from reference.disagg.frames import Frame, Kind
 from reference.disagg.transport import Link
 from reference.disagg.wire import KVLayout, WireError, decode_kv, kv_digest
+from reference.disagg.worker import WorkerBase
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
 from reference.model.llama import Chunk, LlamaModel
@@ -47,7 +48,7 @@ class DecodeStream:
     recomputed: bool = False
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(self, model: LlamaModel, link: Link, *, model_digest: str, num_blocks: int = 512,
@@ -247,9 +248,6 @@ class DecodeWorker:
             "recomputed": int(recomputed)}))
 
     # -- the loop -------------------------------------------------------------------------
-    def has_work(self) -> bool:
-        return self.scheduler.has_unfinished()
-
     def tick(self) -> bool:
         now = self.clock()
         for st in list(self.streams.values()):
@@ -279,12 +277,5 @@ class DecodeWorker:
                 del self.streams[st.stream]
         return True
 
-    def heartbeat(self) -> None:
-        inflight = sum(s.num_prompt_tokens + s.max_tokens for s in (*self.scheduler.waiting, *self.scheduler.running))
-        self.link.send(Kind.HEARTBEAT, 0, messages.dump(Kind.HEARTBEAT, {
-            "free_blocks": self.block_manager.num_free_blocks, "inflight_tokens": inflight}))
-
-    def bye(self) -> dict:
-        live = len(self.scheduler.waiting) + len(self.scheduler.running)
-        return {"free_blocks": self.block_manager.num_free_blocks, "total_blocks": self.block_manager.num_blocks,
-                "live_streams": len(self.streams), "live_sequences": live, "counters": dict(self.counters)}
+    def inflight_tokens(self) -> int:
+        return sum(s.num_prompt_tokens + s.max_tokens for s in (*self.scheduler.waiting, *self.scheduler.running))

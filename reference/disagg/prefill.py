@@ -25,6 +25,7 @@ from reference.disagg import messages
 from reference.disagg.frames import Frame, Kind
 from reference.disagg.transport import Link
 from reference.disagg.wire import KVLayout, encode_kv, kv_digest
+from reference.disagg.worker import WorkerBase
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
 from reference.model.llama import Chunk, LlamaModel
@@ -48,7 +49,7 @@ class PrefillStream:
     tries: int = 0
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     role = "prefill"
 
     def __init__(self, model: LlamaModel, link: Link, *, model_digest: str, num_blocks: int = 512,
@@ -140,9 +141,6 @@ class PrefillWorker:
         self.streams.pop(st.stream, None)
 
     # -- the loop -------------------------------------------------------------------------
-    def has_work(self) -> bool:
-        return self.scheduler.has_unfinished()
-
     def tick(self) -> bool:
         """Retry or give up late handshakes, then run one step if there is work. True if it computed."""
         now = self.clock()
@@ -198,12 +196,5 @@ class PrefillWorker:
             else:
                 st.pending.append((layer, lo, k[lo:end].copy(), v[lo:end].copy()))
 
-    def heartbeat(self) -> None:
-        inflight = sum(s.num_uncomputed_tokens for s in (*self.scheduler.waiting, *self.scheduler.running))
-        self.link.send(Kind.HEARTBEAT, 0, messages.dump(Kind.HEARTBEAT, {
-            "free_blocks": self.block_manager.num_free_blocks, "inflight_tokens": inflight}))
-
-    def bye(self) -> dict:
-        live = len(self.scheduler.waiting) + len(self.scheduler.running)
-        return {"free_blocks": self.block_manager.num_free_blocks, "total_blocks": self.block_manager.num_blocks,
-                "live_streams": len(self.streams), "live_sequences": live, "counters": dict(self.counters)}
+    def inflight_tokens(self) -> int:
+        return sum(s.num_uncomputed_tokens for s in (*self.scheduler.waiting, *self.scheduler.running))
