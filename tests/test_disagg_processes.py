@@ -63,7 +63,7 @@ def test_fault_matrix_with_real_processes():
                     assert [r["output_token_ids"] for r in again] == expected[:2]
                 pids = list(cluster.procs.values())
             where = f"fault {fault}, seed {seed}"
-            assert time.monotonic() - started < 45, f"{where}: took too long"
+            assert time.monotonic() - started < 90, f"{where}: took too long"  # deadlines are 20 s: a hang errs
             # every accepted request ended exactly once: one result each, no late second answer
             assert [r["id"] for r in results] == [r["id"] for r in requests], where
             assert coordinator.counters.get("late_finish", 0) == 0, where
