@@ -41,10 +41,12 @@ def latencies(coordinator: Any, ids: list[str]) -> dict[str, Any]:
             "errors": errors}
 
 
-def real_processes(ctx: Context, jobs: list, rates: list[float], seed: int) -> dict[str, dict[str, Any]]:
+def real_processes(ctx: Context, jobs: list, rates: list[float], seed: int) -> tuple[dict, dict]:
+    """Latencies per load and layout; and per layout, what the workers counted (handoffs, recomputes)."""
     rng = np.random.default_rng(seed)
     arrivals = {rate: np.cumsum(rng.exponential(1 / rate, len(jobs))).tolist() for rate in rates}
     out: dict[str, dict[str, Any]] = {}
+    handoffs: dict[str, dict[str, int]] = {}
     opts = WorkerOptions(num_blocks=256, block_size=16, max_num_batched_tokens=256, max_num_seqs=16)
     for layout, (num_prefill, num_decode) in ctx.track(LAYOUTS.items(), "E4 layouts"):
         with ProcessCluster("smollm2", num_prefill, num_decode, opts=opts, restart=False,
@@ -54,7 +56,11 @@ def real_processes(ctx: Context, jobs: list, rates: list[float], seed: int) -> d
                             for i, j in enumerate(jobs)]
                 run_requests(cluster, requests, arrivals=arrivals[rate], timeout=900)
                 out.setdefault(f"{rate}/s", {})[layout] = latencies(cluster.coordinator, [r["id"] for r in requests])
-    return out
+            cluster.shutdown()
+        counters = [b["counters"] for b in cluster.byes]
+        handoffs[layout] = {k: sum(c.get(k, 0) for c in counters) for k in
+                            ("handoffs_complete", "prefills_recomputed", "kv_digest_match", "kv_bytes_received")}
+    return out, handoffs
 
 
 def simulated(jobs_lengths: list[tuple[int, int]], rates: list[float], seed: int) -> dict[str, dict[str, Any]]:
@@ -72,12 +78,12 @@ def simulated(jobs_lengths: list[tuple[int, int]], rates: list[float], seed: int
 
 
 def run(ctx: Context) -> Result:
-    n, min_prompt, max_prompt, max_output, scale, rates = (24, 96, 320, 32, 0.1, [0.25, 0.5, 1.0]) if ctx.full \
-        else (8, 96, 320, 16, 0.06, [0.3, 0.6])
+    n, min_prompt, max_prompt, max_output, scale, rates = (24, 128, 384, 24, 0.08, [0.25, 0.5, 1.0]) if ctx.full \
+        else (8, 128, 384, 12, 0.05, [0.3, 0.6])
     _, tok = smollm2()
     jobs = [j for j in sharegpt_jobs(tok, 6 * n, max_prompt, max_output, output_scale=scale)
             if len(j.prompt) >= min_prompt][:n]
-    cpu = real_processes(ctx, jobs, rates, seed=0)
+    cpu, handoffs = real_processes(ctx, jobs, rates, seed=0)
     n_sim = 600 if ctx.full else 200
     lengths = [(len(j.prompt), j.output_len) for j in sharegpt_jobs(tok, n_sim, 8192, 1024)]
     sim_rates = [8.0, 16.0, 32.0, 48.0] if ctx.full else [8.0, 32.0]
@@ -100,7 +106,8 @@ def run(ctx: Context) -> Result:
     verdict = "matches" if max(cpu_cut.values()) >= 3 and max(sim_cut.values()) >= 3 else \
         "partly matches" if max(*cpu_cut.values(), *sim_cut.values(), *long_cut.values()) >= 2 else "differs"
     return Result(
-        measured={"cpu_processes": cpu, "h100_llama8b_sim": sim, "h100_llama8b_sim_long_prompts": sim_long,
+        measured={"cpu_processes": cpu, "cpu_worker_counters": handoffs, "h100_llama8b_sim": sim,
+                  "h100_llama8b_sim_long_prompts": sim_long,
                   "p90_itl_cut_cpu": cpu_cut, "p90_itl_cut_sim": sim_cut, "p99_itl_cut_sim": p99_cut,
                   "p90_itl_cut_sim_long_prompts": long_cut},
         summary=(f"p90 ITL colocated -> disaggregated: CPU/SmolLM2 {c:.0f} -> {d:.0f} ms ({cpu_cut[best_cpu]}x at "

@@ -8,7 +8,7 @@ import pytest
 
 from reference.disagg import messages, prefill
 from reference.disagg.batch import run_requests
-from reference.disagg.cluster import InProcessCluster, WorkerOptions
+from reference.disagg.cluster import FAST_FAULTS, InProcessCluster, WorkerOptions
 from reference.disagg.decode import DecodeWorker
 from reference.disagg.frames import Kind, decode_frame
 from reference.disagg.models import digest_of, load_model, tiny_llama
@@ -21,7 +21,7 @@ from reference.kv.prefix_hash import prefix_keys
 from reference.sched import RequestError, Scheduler, SchedulerConfig
 from reference.sched import Sequence as SchedSequence
 
-OPTS = WorkerOptions(num_blocks=128, block_size=8)
+OPTS = WorkerOptions(num_blocks=128, block_size=8, **FAST_FAULTS)
 
 
 def workload(n: int, seed: int = 0, max_tokens: int = 10) -> list[dict]:

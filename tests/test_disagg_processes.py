@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 from reference.disagg.batch import ProcessFaults, run_requests
-from reference.disagg.cluster import ProcessCluster, WorkerOptions
+from reference.disagg.cluster import FAST_FAULTS, ProcessCluster, WorkerOptions
 from reference.disagg.faults import FAULTS, FaultInjector
 from reference.disagg.models import load_model
 from reference.engine.engine import Engine
 from reference.engine.params import SamplingParams
 
-OPTS = WorkerOptions(num_blocks=128, block_size=8)
+OPTS = WorkerOptions(num_blocks=128, block_size=8, **FAST_FAULTS)
 ROOT = Path(__file__).resolve().parents[1]
 
 

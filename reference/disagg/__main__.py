@@ -19,7 +19,8 @@ from pathlib import Path
 
 from reference.disagg.faults import FAULTS
 
-EPILOG = "faults for --inject:\n" + "\n".join(f"  {name:13s} {what}" for name, what in FAULTS.items())
+EPILOG = ("faults for --inject (the workers then use short timeouts: handshake 0.5 s x 3, stream 3 s):\n"
+          + "\n".join(f"  {name:13s} {what}" for name, what in FAULTS.items()))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,13 +92,13 @@ def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: li
     from rich.progress import Progress
 
     from reference.disagg.batch import ProcessFaults, run_requests
-    from reference.disagg.cluster import InProcessCluster, ProcessCluster, WorkerOptions
+    from reference.disagg.cluster import FAST_FAULTS, InProcessCluster, ProcessCluster, WorkerOptions
     from reference.disagg.faults import FaultInjector
 
     injector = FaultInjector(faults, args.seed) if faults else None
     kind = InProcessCluster if args.in_process else ProcessCluster
     good = [r for r in requests if "_error" not in r]
-    opts = WorkerOptions(wire=args.kv_wire)
+    opts = WorkerOptions(wire=args.kv_wire, **(FAST_FAULTS if faults else {}))
     with kind(args.model, args.prefill, args.decode, opts=opts, injector=injector) as cluster:
         ProcessFaults(cluster, faults, args.seed, len(good))
         with Progress(transient=True) as progress:

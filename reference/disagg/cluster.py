@@ -45,8 +45,16 @@ class WorkerOptions:
     kv_dtype: str = "float32"  # the decode worker's cache
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 32
-    handshake_timeout: float = 0.5
-    stream_timeout: float = 3.0
+    # resend an unacknowledged MANIFEST / DONE every handshake_timeout s, give up after handshake_retries
+    # resends; a decode worker recomputes a stream that is silent for stream_timeout s. Generous, because a
+    # busy worker reads its frames only between steps (seconds on a loaded CPU); FAST_FAULTS is the
+    # short profile that tests and --inject use so that faults resolve quickly.
+    handshake_timeout: float = 1.0
+    handshake_retries: int = 8
+    stream_timeout: float = 10.0
+
+
+FAST_FAULTS = {"handshake_timeout": 0.5, "handshake_retries": 2, "stream_timeout": 3.0}
 
 
 def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions) -> PrefillWorker | DecodeWorker:
@@ -54,7 +62,8 @@ def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions) -> 
     common = {"model_digest": digest, "num_blocks": opts.num_blocks, "block_size": opts.block_size,
               "max_num_batched_tokens": opts.max_num_batched_tokens, "max_num_seqs": opts.max_num_seqs}
     if role == "prefill":
-        return PrefillWorker(model, link, wire=opts.wire, handshake_timeout=opts.handshake_timeout, **common)
+        return PrefillWorker(model, link, wire=opts.wire, handshake_timeout=opts.handshake_timeout,
+                             retries=opts.handshake_retries, **common)
     return DecodeWorker(model, link, kv_dtype=opts.kv_dtype, stream_timeout=opts.stream_timeout, **common)
 
 

@@ -54,7 +54,7 @@ class PrefillWorker(WorkerBase):
 
     def __init__(self, model: LlamaModel, link: Link, *, model_digest: str, num_blocks: int = 512,
                  block_size: int = 16, wire: str = "fp32", max_num_batched_tokens: int = 256,
-                 max_num_seqs: int = 32, handshake_timeout: float = 1.0, retries: int = 2,
+                 max_num_seqs: int = 32, handshake_timeout: float = 1.0, retries: int = 8,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model, self.link, self.digest, self.clock = model, link, model_digest, clock
         self.layout = KVLayout(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim,
