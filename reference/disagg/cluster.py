@@ -51,7 +51,7 @@ class WorkerOptions:
     # short profile that tests and --inject use so that faults resolve quickly.
     handshake_timeout: float = 1.0
     handshake_retries: int = 8
-    stream_timeout: float = 10.0
+    stream_timeout: float = 60.0
 
 
 FAST_FAULTS = {"handshake_timeout": 0.5, "handshake_retries": 2, "stream_timeout": 3.0}

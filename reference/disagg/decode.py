@@ -53,7 +53,7 @@ class DecodeWorker(WorkerBase):
 
     def __init__(self, model: LlamaModel, link: Link, *, model_digest: str, num_blocks: int = 512,
                  block_size: int = 16, kv_dtype: str = "float32", wires: tuple[str, ...] = ("fp32", "bf16", "fp8"),
-                 max_num_batched_tokens: int = 256, max_num_seqs: int = 32, stream_timeout: float = 10.0,
+                 max_num_batched_tokens: int = 256, max_num_seqs: int = 32, stream_timeout: float = 60.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model, self.link, self.digest, self.clock = model, link, model_digest, clock
         c = model.config
