@@ -97,30 +97,36 @@ def run(ctx: Context) -> Result:
                 for load, r in rows.items()}
 
     cpu_cut, sim_cut, long_cut = cut(cpu), cut(sim), cut(sim_long)
-    best_cpu, best_sim = max(cpu_cut, key=cpu_cut.get), max(sim_cut, key=sim_cut.get)
-    c, d = cpu[best_cpu]["colocated"]["itl_ms"]["p90"], cpu[best_cpu]["disaggregated"]["itl_ms"]["p90"]
-    sc, sd = sim[best_sim]["colocated"]["itl_ms"]["p90"], sim[best_sim]["disaggregated"]["itl_ms"]["p90"]
     p99_cut = {load: round(r["colocated"]["itl_ms"]["p99"] / r["disaggregated"]["itl_ms"]["p99"], 2)
                for load, r in sim.items()}
-    lc = max(long_cut, key=long_cut.get)
-    verdict = "matches" if max(cpu_cut.values()) >= 3 and max(sim_cut.values()) >= 3 else \
-        "partly matches" if max(*cpu_cut.values(), *sim_cut.values(), *long_cut.values()) >= 2 else "differs"
+
+    def pairs(rows: dict[str, dict[str, Any]], digits: int) -> str:
+        p90 = {load: (r["colocated"]["itl_ms"]["p90"], r["disaggregated"]["itl_ms"]["p90"]) for load, r in rows.items()}
+        return ", ".join(f"{c:.{digits}f}->{d:.{digits}f} at {load}" for load, (c, d) in p90.items())
+
+    if min(cpu_cut.values()) >= 3 and min(sim_cut.values()) >= 3:
+        verdict = "matches"
+    elif min(cpu_cut.values()) >= 2 or max(p99_cut.values()) >= 3:
+        verdict = "partly matches"
+    else:
+        verdict = "differs"
     return Result(
         measured={"cpu_processes": cpu, "cpu_worker_counters": handoffs, "h100_llama8b_sim": sim,
                   "h100_llama8b_sim_long_prompts": sim_long,
                   "p90_itl_cut_cpu": cpu_cut, "p90_itl_cut_sim": sim_cut, "p99_itl_cut_sim": p99_cut,
                   "p90_itl_cut_sim_long_prompts": long_cut},
-        summary=(f"p90 ITL colocated -> disaggregated: CPU/SmolLM2 {c:.0f} -> {d:.0f} ms ({cpu_cut[best_cpu]}x at "
-                 f"{best_cpu}); H100/8B sim {sc:.1f} -> {sd:.1f} ms ({sim_cut[best_sim]}x at {best_sim}; p99 "
-                 f"{max(p99_cut.values())}x), 8x longer prompts {long_cut[lc]}x at {lc}"),
+        summary=(f"p90 ITL colocated->disaggregated (ms): CPU/SmolLM2 {pairs(cpu, 0)}; H100/8B sim {pairs(sim, 1)} "
+                 f"(p99 cut up to {max(p99_cut.values())}x; prompts x8: p90 cut up to {max(long_cut.values())}x)"),
         verdict=verdict,
-        why=("'matches' needs a >= 3x cut of p90 ITL in both regimes. Disaggregation removes prefill chunks from "
+        why=("'matches' needs a >= 3x cut of p90 ITL at every load in both regimes; 'partly' a >= 2x cut at every "
+             "CPU load or a >= 3x cut of the simulated p99. Disaggregation removes prefill chunks from "
              "decode steps, so its ITL is the decode step alone; colocated ITL is hurt only by steps that carry "
              "prefill, which ShareGPT's mostly short prompts make a small share of the steps: the p90 moves less "
              "than the p99, and the cut grows with load and prompt length (the x8 rows). On the CPU a SmolLM2 "
              "decode step is memory-bound (~all weights read per step) and a 256-token prefill chunk costs ~10 "
              "of them, so colocated ITL spikes where a chunk lands; the decode-only worker also gathers a larger "
-             "batch per step, whose cost grows with it."),
+             "batch per step, whose cost grows with it. The CPU runs shared 2 cores with other developers' jobs "
+             "(load average ~10-15): even CPU-time ITL moves between runs, so read them with the counters."),
         setup={"weights": "smollm2 (NumPy float32, 1 BLAS thread per process) for the CPU runs; Llama-3.1-8B "
                           "shapes for the simulation",
                "clock": "ITL: CPU seconds of the decode process between tokens; TTFT and itl_wall: wall clock at "
