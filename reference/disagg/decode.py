@@ -30,7 +30,7 @@ from reference.disagg.wire import KVLayout, WireError, decode_kv, kv_digest
 from reference.disagg.worker import WorkerBase
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
-from reference.model.llama import Chunk, LlamaModel
+from reference.model.llama import LlamaModel
 from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError
 from reference.sched import Sequence as SchedSequence
 
@@ -259,13 +259,10 @@ class DecodeWorker(WorkerBase):
         return self.step()
 
     def step(self) -> bool:
-        batch = self.scheduler.schedule(self.clock())
-        if not batch.entries:
+        ran = self.run_step()
+        if ran is None:
             return False
-        for src, dst in batch.block_copies:
-            self.cache.copy_block(src, dst)
-        chunks = [Chunk(e.token_ids, e.start, e.block_table, logits=e.samples) for e in batch.entries]
-        logits = self.model.forward(chunks, self.cache)
+        batch, logits = ran
         tokens = [int(np.argmax(lg)) if e.samples else None for e, lg in zip(batch.entries, logits, strict=True)]
         self.scheduler.postprocess(batch, tokens, self.clock())
         for e, token in zip(batch.entries, tokens, strict=True):

@@ -28,7 +28,7 @@ from reference.disagg.wire import KVLayout, encode_kv, kv_digest
 from reference.disagg.worker import WorkerBase
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
-from reference.model.llama import Chunk, LlamaModel
+from reference.model.llama import LlamaModel
 from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError
 from reference.sched import Sequence as SchedSequence
 from reference.sched.batch import Batch
@@ -160,13 +160,10 @@ class PrefillWorker(WorkerBase):
         return self.step()
 
     def step(self) -> bool:
-        batch = self.scheduler.schedule(self.clock())
-        if not batch.entries:
+        ran = self.run_step(on_layer=lambda batch: lambda i: self._emit(i, batch))
+        if ran is None:
             return False
-        for src, dst in batch.block_copies:
-            self.cache.copy_block(src, dst)
-        chunks = [Chunk(e.token_ids, e.start, e.block_table, logits=e.samples) for e in batch.entries]
-        logits = self.model.forward(chunks, self.cache, on_layer=lambda i: self._emit(i, batch))
+        batch, logits = ran
         tokens: list[int | None] = []
         for e, lg in zip(batch.entries, logits, strict=True):
             token = int(np.argmax(lg)) if e.samples else None  # greedy, as reference.engine.sampling
