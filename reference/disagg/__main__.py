@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--kv-wire", default="fp32", choices=["fp32", "bf16", "fp8"])
     run.add_argument("--inject", default="", help="comma-separated faults (below)")
     run.add_argument("--seed", type=int, default=0, help="seed of the fault injector")
+    run.add_argument("--deadline", type=float, default=None,
+                     help="seconds a request may take before it fails with an error (default: 120 s plus 50 ms per "
+                          "token of the whole batch, since a request may queue behind all the others)")
     run.add_argument("--in-process", action="store_true", help="workers in this process (queues) instead of OS "
                                                                "processes (sockets)")
     work = sub.add_parser("worker", help="(started by the coordinator) one worker process")
@@ -99,7 +102,11 @@ def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: li
     kind = InProcessCluster if args.in_process else ProcessCluster
     good = [r for r in requests if "_error" not in r]
     opts = WorkerOptions(wire=args.kv_wire, **(FAST_FAULTS if faults else {}))
-    with kind(args.model, args.prefill, args.decode, opts=opts, injector=injector) as cluster:
+    total = sum(len(r.get("prompt_token_ids") or []) + (r.get("max_tokens") or 0) for r in good
+                if isinstance(r.get("max_tokens"), int) and isinstance(r.get("prompt_token_ids"), list))
+    seconds = args.deadline if args.deadline is not None else 120.0 + 0.05 * total
+    with kind(args.model, args.prefill, args.decode, opts=opts, injector=injector,
+              deadline=lambda p, o: seconds) as cluster:
         ProcessFaults(cluster, faults, args.seed, len(good))
         with Progress(transient=True) as progress:
             task = progress.add_task("requests", total=len(good))
