@@ -60,11 +60,11 @@ class Node:
     def step(self, on_token: Callable[[SchedSequence, float], None]) -> None:
         batch = self.sched.schedule(self.clock)
         shape = StepShape(tuple(e.num_new_tokens for e in batch.entries), tuple(e.context_len for e in batch.entries),
-                          sum(e.samples for e in batch.entries))
+                          sum(e.needs_sample for e in batch.entries))
         self.clock += self.cost(shape)
-        self.sched.postprocess(batch, [0 if e.samples else None for e in batch.entries], self.clock)
+        self.sched.postprocess(batch, [0 if e.needs_sample else None for e in batch.entries], self.clock)
         for e in batch.entries:
-            if e.samples:
+            if e.needs_sample:
                 on_token(e.seq, self.clock)
 
 

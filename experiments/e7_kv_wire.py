@@ -90,7 +90,7 @@ def run(ctx: Context) -> Result:
             prompt_tokens += n
             table = list(range(-(-(n + steps) // BLOCK)))
             src = model.new_cache(len(table) + 8, BLOCK)
-            model.forward([Chunk(prompt[:-1], 0, table, logits=False)], src)  # positions 0 .. n-2
+            model.forward([Chunk(prompt[:-1], 0, table, wants_logits=False)], src)  # positions 0 .. n-2
             n_kv = n - 1
             caches = {w: transfer(model, src, table, n_kv, w) for w in WIRES}
             b, ok = coded_bf16_bytes(src, table, n_kv, c.num_layers)

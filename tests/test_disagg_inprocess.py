@@ -202,7 +202,7 @@ def test_add_running_admits_a_sequence_computed_elsewhere():
     sched.add_running(seq, now=0.0)
     batch = sched.schedule(0.0)
     (entry,) = batch.entries
-    assert (entry.start, entry.num_new_tokens, entry.samples, entry.is_prefill) == (6, 1, True, False)
+    assert (entry.start, entry.num_new_tokens, entry.needs_sample, entry.is_prefill) == (6, 1, True, False)
     sched.postprocess(batch, [7], 0.1)
     assert seq.output_token_ids == [9, 7]
     other = SchedSequence(prompt_token_ids=[1, 2], max_tokens=2)

@@ -263,7 +263,7 @@ class DecodeWorker(WorkerBase):
         if ran is None:
             return False
         batch, logits = ran
-        tokens = [int(np.argmax(lg)) if e.samples else None for e, lg in zip(batch.entries, logits, strict=True)]
+        tokens = [int(np.argmax(lg)) if e.needs_sample else None for e, lg in zip(batch.entries, logits, strict=True)]
         self.scheduler.postprocess(batch, tokens, self.clock())
         for e, token in zip(batch.entries, tokens, strict=True):
             st: DecodeStream = e.seq.request

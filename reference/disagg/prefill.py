@@ -166,7 +166,7 @@ class PrefillWorker(WorkerBase):
         batch, logits = ran
         tokens: list[int | None] = []
         for e, lg in zip(batch.entries, logits, strict=True):
-            token = int(np.argmax(lg)) if e.samples else None  # greedy, as reference.engine.sampling
+            token = int(np.argmax(lg)) if e.needs_sample else None  # greedy, as reference.engine.sampling
             tokens.append(token)
             if token is not None:
                 e.seq.request.done = {"first_token": token, "kv_digest": kv_digest(

@@ -33,7 +33,7 @@ class WorkerBase:
             return None
         for src, dst in batch.block_copies:
             self.cache.copy_block(src, dst)
-        chunks = [Chunk(e.token_ids, e.start, e.block_table, logits=e.samples) for e in batch.entries]
+        chunks = [Chunk(e.token_ids, e.start, e.block_table, wants_logits=e.needs_sample) for e in batch.entries]
         hook = on_layer(batch) if on_layer is not None else None
         return batch, self.model.forward(chunks, self.cache, on_layer=hook)
 
