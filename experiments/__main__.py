@@ -41,13 +41,21 @@ def main(argv: list[str] | None = None) -> int:
         print_table(table_rows(experiments, load_results(), ran=set()))
         return 0
     if args.command == "paper":
-        print(f"wrote {build_paper(experiments)}")
+        try:
+            print(f"wrote {build_paper(experiments)}")
+        except ValueError as e:
+            print(f"paper not rebuilt: {e}", file=sys.stderr)
+            return 1
         return 0
 
     wanted = [c.strip().upper() for c in args.only.split(",") if c.strip()] or list(CLAIM_IDS)
     unknown = [c for c in wanted if c not in CLAIM_IDS]
     if unknown:
         parser.error(f"unknown claim id(s) {', '.join(unknown)}; known: {', '.join(CLAIM_IDS)}")
+    for source in args.weights:  # before any work: a wrong path should not cost a whole run
+        problem = weights_problem(source)
+        if problem:
+            parser.error(f"--weights {source}: {problem}")
     to_run = [experiments[c] for c in wanted if c in experiments]
     ctx = Context(full=args.full, weights=args.weights, results_dir=RESULTS_DIR,
                   progress_factory=_progress_factory())
@@ -57,21 +65,38 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             result = exp.run(ctx)
+            path = write_result(exp, result, args.full, time.perf_counter() - start, RESULTS_DIR)
         except Exception:  # report, keep going with the other claims, exit non-zero at the end
             traceback.print_exc()
             failed.append(exp.claim)
             continue
-        path = write_result(exp, result, args.full, time.perf_counter() - start, RESULTS_DIR)
         print(f"   {result.summary}  ->  {path.relative_to(RESULTS_DIR.parent.parent)}"
               f"  ({time.perf_counter() - start:.0f} s)", flush=True)
         ran.add(exp.claim)
     rows = [r for r in table_rows(experiments, load_results(), ran) if r[0] in wanted]
     print_table(rows)
-    build_paper(experiments)
+    try:
+        build_paper(experiments)
+    except ValueError as e:  # stored results that cannot go into the paper (e.g. without a clock)
+        print(f"paper not rebuilt: {e}", file=sys.stderr)
+        failed.append("paper")
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def weights_problem(source: str) -> str | None:
+    """Why ``--weights source`` cannot be read, or None: the weight files are opened (headers only)."""
+    from reference.model.errors import WeightError
+    from reference.model.safetensors_io import SafetensorsError
+    from reference.model.weights import open_weights
+
+    try:
+        open_weights(source)
+    except (WeightError, SafetensorsError, OSError) as e:
+        return str(e)
+    return None
 
 
 def _progress_factory():  # noqa: ANN202 - returns a callable making rich Progress objects

@@ -153,3 +153,20 @@ def test_torch_attention_matches_reference_on_random_steps(chunks: list[tuple[in
     q = rng.standard_normal((step.num_tokens, 2 * KV, D)).astype(np.float32)
     got = paged_attention(torch.from_numpy(q), fast, 0, step, backend="torch").numpy()
     np.testing.assert_allclose(got, _expected(ref, q, step, tables), rtol=2e-5, atol=2e-5)
+
+
+def test_copy_block_and_read_match_the_reference() -> None:
+    """Copy-on-write copies codes and scales; ``read`` returns what the reference's ``read`` does."""
+    rng = np.random.default_rng(5)
+    ref, fast = _pair("fp8")
+    slots = ref.slots([2, 7], 0, 6)
+    k, v = _values(rng, 6, 5), _values(rng, 6, 5)
+    ref.write(0, slots, k, v)
+    fast.write(0, torch.from_numpy(slots), torch.from_numpy(k), torch.from_numpy(v))
+    ref.copy_block(7, 9)
+    fast.copy_block(7, 9)
+    _same_store(ref, fast)
+    for got, want in zip(fast.read(0, [2, 9], 6), ref.read(0, [2, 9], 6), strict=True):
+        np.testing.assert_array_equal(got.numpy(), want)
+    with pytest.raises(KVCacheError, match="needs 2 blocks"):
+        fast.read(0, [2], 6)

@@ -6,6 +6,7 @@ real conformance CLI in-process on the KV cases.
 
 from __future__ import annotations
 
+import pytest
 from test_conformance_mutation import _mutant
 
 import fast  # noqa: F401  (switches the Triton interpreter on when there is no GPU)
@@ -50,3 +51,18 @@ def test_causal_mask_off_by_one_fails_the_prefill_case(monkeypatch, capsys, tmp_
     out = capsys.readouterr().out
     assert code == 1
     assert "FAIL: kv.prefill_attention.bfloat16.triton (bounded)" in out and "outside the bound at index" in out
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the cast's own overflows, in the interpreter
+def test_a_float_to_fp8_cast_slipping_in_fails_the_codes_case(monkeypatch, capsys, tmp_path):
+    """Encoding by ``x.to(tl.float8e4nv)`` instead of integer operations is caught (its rounding differs)."""
+    from fast.kv import fp8_triton, triton_write
+
+    mutant = _mutant(fp8_triton, "    return code | (sign << 7)\n",
+                     "    return (x * pow2(-e)).to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)\n",
+                     tmp_path, monkeypatch)
+    monkeypatch.setattr(triton_write, "encode_e4m3", mutant.encode_e4m3)
+    code = main(["--device", "cpu", "-k", "kv.fp8_encode.bit_classes"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: kv.fp8_encode.bit_classes (bit-exact)" in out and "output triton: first difference" in out
