@@ -105,6 +105,10 @@ def run(ctx: Context) -> Result:
     better = all(r["layerwise_exposed_ms"] < r["bulk_exposed_ms"] for regime in ("cpu_smollm2", "h100_llama8b_sim")
                  for rows in measured[regime].values() for r in rows.values())
     return Result(
+        clock="cpu-process",
+        clock_detail=('CPU rows: per-layer compute times from the on_layer hook in CPU seconds of this process, link '
+                      'times computed from frame sizes at the emulated bandwidth; H100 rows: simulated from FLOPs and '
+                      'the link model'),
         measured=measured,
         summary=(f"exposed transfer at 10 Gbit/s, layer-wise vs bulk: CPU/SmolLM2 fp32 "
                  f"{cpu10['layerwise_exposed_ms']:.2f} vs {cpu10['bulk_exposed_ms']:.2f} ms; H100/8B fp8 (sim) "
