@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                   "note": "2-core machine shared with other jobs during the run: absolute numbers are disturbed; "
                           "the in-process and served runs alternate so that both see alike load",
                   "machine": setup_info.machine(), "commit": setup_info.commit(), "date": setup_info.now()},
+        "clock": "wall", "clock_detail": "latencies and throughput: wall clock (time.perf_counter); "
+                                          "engine_process_cpu_s: CPU seconds of the process running the engine",
         "median": median, "overhead": overhead, "runs": runs,
     }
     Path(a.out).write_text(json.dumps(record, indent=2) + "\n")
