@@ -137,9 +137,33 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             lines += ["", table]
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}](../experiments/results/{fig})"]
+    lines += engine_bench_section(results_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+def engine_bench_section(results_dir: Path) -> list[str]:
+    """The engine benchmark (``python -m experiments.bench_engine``), if it has been run: one row per system."""
+    path = results_dir / "bench_engine.json"
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    m, s = r["measured"], r["setup"]
+    lines = ["", "## Engine benchmark: fast engine vs transformers vs reference", "",
+             f"**Goal:** {r.get('goal', '')}.  ", f"**Result:** {r.get('verdict', '')}. {r.get('why', '')}", "",
+             "| system | useful tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |", "|---|---|---|---|"]
+    for name, tok_s in m["useful_tok_s"].items():
+        ttft, itl = m["ttft_ms"][name], m["itl_ms"][name]
+        lines.append(f"| {name} | {tok_s:.1f} | {ttft['p50']:.0f} / {ttft['p99']:.0f} | "
+                     f"{itl['p50']:.0f} / {itl['p99']:.0f} |")
+    machine = s.get("machine", {})
+    lines += ["", f"Measured on: weights {s.get('weights')}; workload {s.get('workload')}; {s.get('threads')} "
+              f"threads on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores, load average "
+              f"{s.get('load_average')}); commit {s.get('commit')}; {s.get('date')}. transformers by batch size: "
+              f"{m.get('transformers_by_batch', {})} useful tok/s."]
+    lines += [f"\n![engine benchmark](../experiments/results/{fig})" for fig in r.get("figures", [])]
+    return lines
 
 
 def _jsonable(x: Any) -> Any:

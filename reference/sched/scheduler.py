@@ -54,6 +54,14 @@ class Scheduler:
 
     def add(self, seq: Sequence, now: float | None = None) -> None:
         """Queue a new request. Raises RequestError / UnknownTenantError; then nothing has changed."""
+        self.check(seq)
+        self.policy.on_add(seq)
+        if seq.arrival_time is None:
+            seq.arrival_time = time.monotonic() if now is None else now
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise what ``add`` would raise for ``seq``, changing nothing (to check many before adding any)."""
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise RequestError(f"sequence {seq.seq_id} was already scheduled; add a new Sequence")
         limit = self.config.max_model_len
@@ -68,10 +76,6 @@ class Scheduler:
                                f"the cache has {bm.num_blocks}")
         if self.tenants is not None:
             self.tenants.plan(seq.tenant)
-        self.policy.on_add(seq)
-        if seq.arrival_time is None:
-            seq.arrival_time = time.monotonic() if now is None else now
-        self.waiting.append(seq)
 
     def schedule(self, now: float | None = None) -> Batch:
         """Choose this step's work (see the module docstring). Call ``postprocess`` with its result."""
@@ -124,7 +128,7 @@ class Scheduler:
         """Record a step's results; returns the sequences that finished in it.
 
         ``new_token_ids[i]`` is the token sampled for ``batch.entries[i]``; it is read only where
-        ``entries[i].samples`` is true (pass None elsewhere). Sequences aborted since ``schedule``
+        ``entries[i].needs_sample`` is true (pass None elsewhere). Sequences aborted since ``schedule``
         are skipped.
         """
         if not batch.entries:
@@ -134,7 +138,7 @@ class Scheduler:
         if len(new_token_ids) != len(batch.entries):
             raise SchedulerError(f"{len(new_token_ids)} tokens for a batch of {len(batch.entries)} entries")
         for entry, token in zip(batch.entries, new_token_ids, strict=True):  # check all before changing any
-            if entry.samples and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
+            if entry.needs_sample and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
                 raise SchedulerError(f"sequence {entry.seq.seq_id}: sampled token must be an int >= 0, got {token!r}")
         self._in_flight = None
         now = time.monotonic() if now is None else now
@@ -145,7 +149,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if not entry.samples:
+            if not entry.needs_sample:
                 continue
             seq.token_ids.append(token)
             if seq.first_token_time is None:
@@ -170,7 +174,7 @@ class Scheduler:
         batch.block_copies += self.block_manager.may_append(seq, n)
         start = seq.num_computed_tokens
         batch.entries.append(ScheduledSeq(seq, start, n, seq.token_ids[start:start + n], list(seq.block_table),
-                                          samples=start + n == seq.num_tokens, is_prefill=is_prefill))
+                                          needs_sample=start + n == seq.num_tokens, is_prefill=is_prefill))
         self.policy.on_schedule(seq, n)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = batch.now
