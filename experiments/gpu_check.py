@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         kv = [py, "-m", "experiments.bench_kv", "--budget", str(args.kv_budget), "--json", str(out / "bench_kv.json")]
     summary: dict[str, object] = {"tiny": args.tiny, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     sys.path.insert(0, str(REPO))
-    from experiments.setup_info import commit, machine
+    from reference.provenance import commit, machine
 
     summary.update({"commit": commit(), "machine": machine()})
     try:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from experiments.kv_contiguous import ContiguousAllocator
 from reference.kv import BlockManager, check_block_manager
+from reference.kv.contiguous import ContiguousAllocator
 from reference.sched import Scheduler, SchedulerConfig, Sequence
 from tests.fake_plane import FakeKV, run_step
 
