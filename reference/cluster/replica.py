@@ -121,7 +121,7 @@ class Replica:
         if not batch.entries:
             return None
         shape = StepShape(tuple(e.num_new_tokens for e in batch.entries), tuple(e.context_len for e in batch.entries),
-                          sum(1 for e in batch.entries if e.samples))
+                          sum(1 for e in batch.entries if e.needs_sample))
         seconds = self.cost(shape)
         counted = max(0.0, min(seconds, self.measure_until - now))  # the part inside the measured window
         flops = self.flops(shape) * (counted / seconds if seconds > 0 else 0.0)
@@ -136,11 +136,11 @@ class Replica:
     def finish_step(self, batch: Batch, now: float) -> list[Any]:
         """Record the step; returns the scheduled entries (the caller reads which sampled, which finished)."""
         self.stepping = False
-        self.scheduler.postprocess(batch, [0 if e.samples else None for e in batch.entries], now)
+        self.scheduler.postprocess(batch, [0 if e.needs_sample else None for e in batch.entries], now)
         for e in batch.entries:
             if e.is_prefill:
                 self.pending_prefill = max(0, self.pending_prefill - e.num_new_tokens)
-            if e.samples:
+            if e.needs_sample:
                 self.pending_decode = max(0, self.pending_decode - 1)
         return batch.entries
 

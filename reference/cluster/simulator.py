@@ -154,7 +154,7 @@ class Simulator:
         if rep.epoch != epoch:
             return  # the replica failed during this step
         for e in rep.finish_step(batch, self.now):
-            if not e.samples:
+            if not e.needs_sample:
                 continue
             r: Request = e.seq.request
             d: Decision = r.decision
