@@ -41,10 +41,10 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "verdict": result.verdict,
         "why": result.why,
         "figures": result.figures,
-        "tables": result.tables,
         "notes": result.notes,
         "clock": result.clock,
         "clock_detail": result.clock_detail,
+        "tables": result.tables,
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{exp.claim}.json"
@@ -148,10 +148,10 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             f"{s.get('date', '?')}; {s.get('size', '?')} size.  ",
             f"**Clock:** {r['clock']}" + (f" ({r['clock_detail']})" if r.get("clock_detail") else "") + ".",
         ]
-        for table in r.get("tables", []):
-            lines += ["", table]
         for note in r.get("notes", []):
             lines += ["", f"**Note:** {note}"]
+        for table in r.get("tables", []):
+            lines += ["", table]
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}](../experiments/results/{fig})"]
     lines += engine_bench_section(results_dir)
@@ -176,7 +176,9 @@ def engine_bench_section(results_dir: Path) -> list[str]:
         lines.append(f"| {name} | {tok_s:.1f} | {ttft['p50']:.0f} / {ttft['p99']:.0f} | "
                      f"{itl['p50']:.0f} / {itl['p99']:.0f} |")
     machine = s.get("machine", {})
-    lines += ["", f"Measured on: weights {s.get('weights')}; workload {s.get('workload')}; {s.get('threads')} "
+    clock = "CPU time of each system's process" if s.get("clock") == "cpu" else "wall-clock time"
+    lines += ["", f"Times are {clock}. Measured on: weights {s.get('weights')}; workload {s.get('workload')}; "
+              f"{s.get('threads')} "
               f"threads on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores, load average "
               f"{s.get('load_average')}); commit {s.get('commit')}; {s.get('date')}. transformers by batch size: "
               f"{m.get('transformers_by_batch', {})} useful tok/s."]

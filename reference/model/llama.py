@@ -14,7 +14,7 @@ then a final RMSNorm and the output head (the embedding matrix itself when tied)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,8 +100,13 @@ class LlamaModel:
         c = self.config
         return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype)
 
-    def forward(self, chunks: Sequence[Chunk], cache: KVCache) -> list[np.ndarray | None]:
-        """Run one step; returns, per chunk, the float32 logits of its last token (None if not asked)."""
+    def forward(self, chunks: Sequence[Chunk], cache: KVCache,
+                on_layer: Callable[[int], None] | None = None) -> list[np.ndarray | None]:
+        """Run one step; returns, per chunk, the float32 logits of its last token (None if not asked).
+
+        ``on_layer(i)``, if given, is called right after layer i's K/V of this step are in the cache
+        (a prefill worker sends them from there while the next layer computes).
+        """
         c, w = self.config, self.weights
         sizes = [len(ch.tokens) for ch in chunks]
         tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
@@ -115,6 +120,8 @@ class LlamaModel:
             k = apply_rope(linear(h, layer.wk, layer.bk).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
             v = linear(h, layer.wv, layer.bv).reshape(-1, c.num_kv_heads, c.head_dim)
             cache.write(i, slots, k, v)
+            if on_layer is not None:
+                on_layer(i)
             out = np.empty_like(q)
             offset = 0
             for ch, n in zip(chunks, sizes, strict=True):

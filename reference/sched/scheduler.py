@@ -17,6 +17,7 @@ Each step has a token budget (``max_num_batched_tokens``) and a sequence limit (
 
 Use: ``add(seq)``; loop ``batch = schedule(now)``; run the model on ``batch``; ``postprocess(batch,
 token_ids, now)``. ``abort(seq_id)`` frees everything of a request at any time between steps.
+``add_running(seq)`` admits a sequence whose prompt K/V were computed elsewhere (a prefill worker).
 """
 
 from __future__ import annotations
@@ -76,6 +77,28 @@ class Scheduler:
                                f"the cache has {bm.num_blocks}")
         if self.tenants is not None:
             self.tenants.plan(seq.tenant)
+
+    def add_running(self, seq: Sequence, now: float | None = None) -> None:
+        """Admit a sequence whose blocks, and the K/V of its first ``num_computed_tokens`` tokens, are
+        already in this scheduler's cache: its prompt was computed elsewhere (a prefill worker) and
+        handed over. The caller allocated its blocks with this block manager. It runs from the next
+        step: a decode if only the last token is uncomputed, else a prefill of the rest.
+        """
+        if seq.status is not SequenceStatus.WAITING or not seq.block_table:
+            raise RequestError(f"sequence {seq.seq_id} must be waiting and hold its blocks to be added running")
+        if not 0 <= seq.num_computed_tokens < seq.num_tokens:
+            raise RequestError(f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed tokens of "
+                               f"{seq.num_tokens}; at least the last token must be left to compute")
+        if self.block_manager.blocks_for(seq.num_computed_tokens) > len(seq.block_table):
+            raise RequestError(f"sequence {seq.seq_id}: its block table does not cover its computed tokens")
+        if self.tenants is not None:
+            self.tenants.plan(seq.tenant)
+        self.policy.on_add(seq)
+        now = time.monotonic() if now is None else now
+        if seq.arrival_time is None:
+            seq.arrival_time = now
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def schedule(self, now: float | None = None) -> Batch:
         """Choose this step's work (see the module docstring). Call ``postprocess`` with its result."""
