@@ -82,6 +82,8 @@ def run(ctx: Context) -> Result:
                          "spill at 100 ms (edge) / 200 ms (regional) estimated wait"),
                "assumptions": ASSUMPTIONS, "time": SHARED_MACHINE},
         article={"claim": "~60% of requests end at the edge"},
+        clock="simulated",
+        clock_detail="roofline step costs on datasheet peaks; network delays from the scenario's RTTs",
         figures=[figure],
     )
 

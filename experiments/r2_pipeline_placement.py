@@ -91,6 +91,8 @@ def run(ctx: Context) -> Result:
                "assumptions": ASSUMPTIONS + f"; KV reserve {KV_TOKENS} tokens per layer; NVLink 3600 Gbit/s in a "
                               "node, 100 Gbit/s + 20 us between nodes", "time": SHARED_MACHINE},
         article={"claim": "a model too large for one edge GPU is split over the PoP's GPUs by memory and compute"},
+        clock="simulated",
+        clock_detail="stage times from the roofline of datasheet peaks; no discrete-event run",
         figures=[figure], tables=["\n".join(table)],
     )
 

@@ -78,6 +78,8 @@ def run(ctx: Context) -> Result:
                             "allowed, same seeds"),
                "time": SHARED_MACHINE},
         article={"claim": "requests under GDPR/PIPL-style rules are served only by GPUs in their jurisdiction"},
+        clock="simulated",
+        clock_detail="tiny synthetic models and GPUs; the counts (violations, refusals) carry no clock",
         figures=[figure],
     )
 

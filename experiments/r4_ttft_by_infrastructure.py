@@ -104,6 +104,8 @@ def run(ctx: Context) -> Result:
                "assumptions": ASSUMPTIONS, "time": SHARED_MACHINE},
         article={"ttft": "single-region cloud 350-800 ms, multi-region 150-400 ms, edge 80-200 ms",
                  "utilization": "45-60% / 55-70% / 75-85%"},
+        clock="simulated",
+        clock_detail="roofline step costs on datasheet peaks; network delays from the stated RTTs",
         figures=[figure], tables=["\n".join(table)],
     )
 
