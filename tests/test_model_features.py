@@ -59,6 +59,13 @@ def test_projection_biases_agree_with_transformers(tmp_path: Path, kind: str) ->
     scale = np.abs(want).max()
     assert np.abs(got - want).max() / scale < 1e-4
     assert np.abs(paged - want[-1]).max() / scale < 1e-4
+    # the fast engine's torch model applies the same biases (float32, bounded like the engine's other cases)
+    from fast.engine.engine import FastModel
+    from fast.engine.model import TorchLlama
+
+    runner = FastModel(TorchLlama.load(folder, dtype="float32"), cuda_graphs=False).make_runner(4, 4)
+    fast_last = runner.forward([Chunk(TOKENS, 0, [0, 1, 2])])[0]
+    assert np.abs(np.asarray(fast_last) - want[-1]).max() / scale < 1e-4
     # and the biases matter here: without them the logits are far off (what loading did before)
     for layer in model.weights.layers:
         layer.bq = layer.bk = layer.bv = layer.bo = None

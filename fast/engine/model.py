@@ -47,6 +47,8 @@ class TorchLayer:
     mlp_norm: torch.Tensor
     gate_up: Linear  # [2 * intermediate, hidden]
     down: Linear  # [hidden, intermediate]
+    qkv_bias: torch.Tensor | None = None  # float32 [(heads + 2 kv_heads) * head_dim] (Qwen2, attention_bias)
+    o_bias: torch.Tensor | None = None  # float32 [hidden]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,10 +84,20 @@ class TorchLlama:
             w = tensor(np.concatenate(parts) if len(parts) > 1 else parts[0])
             return compress(w, self.dtype) if name in which else DenseLinear(w)
 
+        def qkv_bias(lw: object) -> torch.Tensor | None:
+            # the reference adds each projection's bias (when the checkpoint has one) after the matmul
+            parts = [(getattr(lw, b), w.shape[0]) for b, w in (("bq", lw.wq), ("bk", lw.wk), ("bv", lw.wv))]
+            if all(b is None for b, _ in parts):
+                return None
+            return tensor(np.concatenate([np.zeros(n, np.float32) if b is None else b for b, n in parts]),
+                          torch.float32)
+
         self.layers = [TorchLayer(attn_norm=tensor(lw.attn_norm, torch.float32),
                                   qkv=linear("qkv", lw.wq, lw.wk, lw.wv), o=linear("o", lw.wo),
                                   mlp_norm=tensor(lw.mlp_norm, torch.float32),
-                                  gate_up=linear("gate_up", lw.w_gate, lw.w_up), down=linear("down", lw.w_down))
+                                  gate_up=linear("gate_up", lw.w_gate, lw.w_up), down=linear("down", lw.w_down),
+                                  qkv_bias=qkv_bias(lw),
+                                  o_bias=None if lw.bo is None else tensor(lw.bo, torch.float32))
                        for lw in weights.layers]
         self.embedding = tensor(weights.embedding)
         tied = weights.lm_head is weights.embedding
@@ -121,12 +133,16 @@ class TorchLlama:
         x = self.embedding[tokens].to(torch.float32)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps).to(self.dtype)
-            q, k, v = layer.qkv(h).split([heads * d, kv * d, kv * d], dim=-1)
+            qkv = layer.qkv(h)
+            if layer.qkv_bias is not None:
+                qkv = (qkv.float() + layer.qkv_bias).to(self.dtype)
+            q, k, v = qkv.split([heads * d, kv * d, kv * d], dim=-1)
             q = apply_rope(q.reshape(n, heads, d).float(), cos, sin)
             k = apply_rope(k.reshape(n, kv, d).float(), cos, sin)
             cache.write(i, step.slots, k, v.reshape(n, kv, d))
             out = paged_attention(q.to(self.dtype), cache, i, step)
-            x = x + layer.o(out.reshape(n, heads * d)).float()
+            attn = layer.o(out.reshape(n, heads * d)).float()
+            x = x + (attn if layer.o_bias is None else attn + layer.o_bias)
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps).to(self.dtype)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up).float()
