@@ -33,9 +33,10 @@ from reference.bf16 import float32_to_bf16
 from reference.codec import ans_format
 from reference.codec.ans_codec import ENCODE_BATCH, decode_rans_many, encode_rans_many
 from reference.codec.ans_format import RansTensor
-from reference.codec.codec import decode_many, encode
+from reference.codec.codec import encode
 from reference.codec.errors import CodecError
 from reference.codec.format import ARRAY_DTYPES, FORMAT_NAME, VERSION, CompressedTensor, crc32
+from reference.codec.lockstep import decode_many
 from reference.model.errors import WeightError
 from reference.model.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, write_safetensors
 from reference.model.weights import open_weights
