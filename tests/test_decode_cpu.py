@@ -138,3 +138,24 @@ def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> 
     assert np.array_equal(decode_cpu(BASE), TRAINED)
     with pytest.raises(CodecError, match="not available"):
         decode_cpu(BASE, native=True)
+
+
+@needs_c
+def test_a_broken_c_decoder_fails_the_conformance_suite_readably(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """Mutation: the exponent shifted by 6 instead of 7 in decode.c's assembly. The decoder's own data CRC
+    catches it before the comparison would: the case errors, naming the case and the failed check."""
+    from conformance.__main__ import main
+    from fast.codec import native_build
+
+    source = decode_native.SOURCE.read_text()
+    old = "(uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F))"
+    assert source.count(old) == 1
+    mutant = tmp_path / "decode.c"
+    mutant.write_text(source.replace(old, old.replace("<< 7", "<< 6")))
+    monkeypatch.setenv("UNFIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(decode_native, "_state", {"lib": native_build.build(mutant, decode_native._SIGNATURES)})
+    assert main(["--device", "cpu", "-k", "codec.cpu_decode_c.random"]) == 1
+    out = capsys.readouterr().out
+    assert "codec.cpu_decode_c.random" in out and "1 errors" in out
+    assert "decoded data fails its CRC-32 check" in " ".join(out.split())
