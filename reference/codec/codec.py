@@ -53,9 +53,9 @@ def encode(
     ``palette`` overrides the palette choice (used by the palette-form transcode, which must keep
     the palette it was given); by default it is the ``palette_size`` most frequent exponents.
     """
-    bits = _as_bf16(bits, name)
+    bits = as_bf16(bits, name)
     layout = Layout(tuple(int(d) for d in bits.shape), chunk_size, chunks_per_group)
-    _check_parameters(layout, palette_size, max_code_length)
+    check_parameters(layout, palette_size, max_code_length)
     flat = bits.reshape(-1)
     exponent = exponent_field(flat)
     if palette is None:
@@ -114,14 +114,16 @@ def decode(ct: CompressedTensor) -> np.ndarray:
     return decode_plain(ct)
 
 
-def _as_bf16(bits: np.ndarray, name: str) -> np.ndarray:
+def as_bf16(bits: np.ndarray, name: str) -> np.ndarray:
+    """``bits`` as a C-order uint16 array of bf16 patterns; CodecError for any other dtype."""
     bits = np.asarray(bits)
     if bits.dtype.newbyteorder("=") != np.dtype(np.uint16):
         raise CodecError(f"tensor {name!r}: bf16 tensors are uint16 bit patterns, got dtype {bits.dtype}")
     return np.asarray(bits, dtype=np.uint16, order="C")  # (ascontiguousarray makes 0-D 1-D)
 
 
-def _check_parameters(layout: Layout, palette_size: int, max_code_length: int) -> None:
+def check_parameters(layout: Layout, palette_size: int, max_code_length: int) -> None:
+    """Raise CodecError unless these encoder parameters are in the ranges FORMAT.md allows."""
     if not 1 <= layout.chunk_size <= MAX_CHUNK_SIZE:
         raise CodecError(f"chunk_size must be 1..{MAX_CHUNK_SIZE}, got {layout.chunk_size}")
     if not 1 <= layout.chunks_per_group <= MAX_CHUNKS_PER_GROUP:

@@ -23,7 +23,7 @@ import json
 import os
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,17 +49,20 @@ MODES = ("unweight", "rans")  # the Huffman form of sections 3-5, the rANS form 
 FORM_ARRAYS = {"huffman": ARRAY_DTYPES, ans_format.FORM: ans_format.ARRAY_DTYPES}  # the arrays of each form
 CONTAINER_VERSION = 2  # version 2 added each tensor's header_crc32 (FORMAT.md section 6.1)
 HEADER_CRC = "header_crc32"
+Encoder = Callable[..., CompressedTensor]  # encode(bits, name=..., **params): the Huffman form
+HuffmanDecoder = Callable[[list[CompressedTensor]], list[np.ndarray]]  # Huffman-form tensors -> their bits
 STORED_DTYPE = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32"}
 
 
 def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = False,
                         min_elements: int = MIN_ELEMENTS, progress: bool = False, mode: str = "unweight",
-                        **params: Any) -> dict[str, int]:
+                        encoder: Encoder = encode, **params: Any) -> dict[str, int]:
     """Compress every bf16 tensor of ``source`` (anything ``open_weights`` accepts) into ``out``.
 
     Returns counts: ``compressed``, ``passed`` (through unchanged) and ``castable_passed`` (float
     tensors left as they were because ``to_bf16`` was not given). ``mode`` is "unweight" (the
-    Huffman form) or "rans"; ``params`` go to ``encode`` or ``encode_rans_many``.
+    Huffman form) or "rans"; ``params`` go to ``encoder`` (default the reference ``encode``; the
+    fast CLI passes the C encoder, which gives the same bytes) or ``encode_rans_many``.
     """
     from tqdm import tqdm
 
@@ -100,7 +103,7 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
                     if sum(a.size for _, a, _ in pending) >= ENCODE_BATCH:
                         flush()
                 else:
-                    store(encode(array, name=name, **params), source_dtype)
+                    store(encoder(array, name=name, **params), source_dtype)
                 counts["compressed"] += 1
             else:
                 scratch.put(name, array, dtype)
@@ -114,11 +117,14 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
     return counts
 
 
-def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool = False) -> int:
-    """Write every tensor of a container back as a plain safetensors file (compressed ones as BF16)."""
+def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool = False,
+                          decoder: HuffmanDecoder | None = None) -> int:
+    """Write every tensor of a container back as a plain safetensors file (compressed ones as BF16).
+
+    ``decoder`` decodes the Huffman-form tensors (see ``Container``)."""
     out = Path(out)
     check_output(out, [Path(path)])
-    with Container(path) as c, _Scratch(out) as scratch:
+    with Container(path, decoder=decoder) as c, _Scratch(out) as scratch:
         for name, array, dtype in c.items(progress=progress):
             scratch.put(name, array, dtype)
         scratch.write(out, c.user_metadata)
@@ -128,7 +134,11 @@ def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool =
 class Container:
     """A container file, opened and checked. ``get(name)`` decodes and verifies one tensor."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, decoder: HuffmanDecoder | None = None):
+        """``decoder``: decodes a list of Huffman-form tensors whose headers are checked but whose arrays
+        are not (it checks them itself, as the C decoder does); None: the arrays are checked here and
+        the lockstep NumPy decoder runs."""
+        self._decoder = decoder
         self.path = Path(path)
         try:
             self._file = SafetensorsFile(self.path)
@@ -182,14 +192,17 @@ class Container:
                              f"{sorted(FORM_ARRAYS)} and 'raw')")
         return FORM_ARRAYS[form]
 
-    def compressed(self, name: str) -> CompressedTensor | RansTensor:
-        """A compressed tensor in its stored form (Huffman or rANS), every field checked."""
+    def compressed(self, name: str, *, check_arrays: bool = True) -> CompressedTensor | RansTensor:
+        """A compressed tensor in its stored form (Huffman or rANS), every field checked (with
+        ``check_arrays=False``, a Huffman-form tensor's array contents are left to its decoder)."""
         header = dict(self.headers[name])
         source_dtype = header.pop("source_dtype", None)
         if source_dtype not in ("BF16", *CASTABLE):
             raise CodecError(f"{self.path}: tensor {name!r}: bad source_dtype {source_dtype!r}")
         arrays = {k: self._file[f"{name}{SEP}{k}"] for k in self._arrays_of(name)}
         form = RansTensor if header.get("form") == ans_format.FORM else CompressedTensor
+        if form is CompressedTensor:
+            return CompressedTensor.from_parts(header, arrays, name=name, check_arrays=check_arrays)
         return form.from_parts(header, arrays, name=name)
 
     def get(self, name: str) -> np.ndarray:
@@ -205,9 +218,9 @@ class Container:
         for i, name in enumerate(tqdm(names, desc=f"decompress {self.path.name}", disable=not progress, unit="tensor")):
             pending.append(name)
             if self.is_compressed(name):
-                batch.append(self.compressed(name))
+                batch.append(self.compressed(name, check_arrays=self._decoder is None))
             if i + 1 == len(names) or sum(weight_count(ct) for ct in batch) >= DECODE_BATCH:
-                decoded = _decode_mixed(batch)
+                decoded = _decode_mixed(batch, self._decoder or decode_many)
                 for n in pending:
                     yield (n, decoded[n], "BF16") if n in decoded else (n, self._raw(n), self.headers[n]["dtype"])
                 pending, batch = [], []
@@ -238,11 +251,11 @@ def weight_count(ct: CompressedTensor | RansTensor) -> int:
     return ct.n if isinstance(ct, RansTensor) else ct.layout.n
 
 
-def _decode_mixed(batch: list[CompressedTensor | RansTensor]) -> dict[str, np.ndarray]:
+def _decode_mixed(batch: list[CompressedTensor | RansTensor], decode_huffman: HuffmanDecoder) -> dict[str, np.ndarray]:
     """Decode a batch of tensors of both forms: each form's tensors in one pass."""
     huffman = [ct for ct in batch if isinstance(ct, CompressedTensor)]
     rans = [ct for ct in batch if isinstance(ct, RansTensor)]
-    pairs = [*zip(huffman, decode_many(huffman), strict=True), *zip(rans, decode_rans_many(rans), strict=True)]
+    pairs = [*zip(huffman, decode_huffman(huffman), strict=True), *zip(rans, decode_rans_many(rans), strict=True)]
     return {ct.name: bits for ct, bits in pairs}
 
 
