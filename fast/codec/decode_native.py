@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import threading
 
 import numpy as np
@@ -29,6 +30,7 @@ from fast.codec import native_build
 from reference.codec.errors import CodecError
 from reference.codec.format import CompressedTensor
 from reference.codec.huffman import decode_table
+from reference.codec.layout import Layout
 from reference.codec.lockstep import decode_many
 
 SOURCE = native_build.NATIVE_DIR / "decode.c"
@@ -39,7 +41,7 @@ _SIGNATURES = {  # name: (return type, argument types), as in native/decode.c
     "unw_crc32": (_U32, [_P, _I64, _INT]),
     "unw_multi_table": (None, [_P, _INT, _P, _P]),
     "unw_decode": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _INT, _P, _P, _P, _INT,
-                          _I64, _I64, _I64, _I64, _INT, _P, _P, _P]),
+                          _I64, _I64, _I64, _I64, _INT, _P, _P]),
 }
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
 ERRORS = {  # unw_decode's return codes
@@ -66,18 +68,21 @@ def _ptr(a: np.ndarray) -> int:
 
 @functools.lru_cache(maxsize=64)
 def tables(palette: tuple[int, ...], code_lengths: tuple[int, ...], max_code_length: int
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The decoding tables of one code: one-symbol (exponent | length << 8, uint16 [2^L]), and the
-    multi-symbol exponents (uint32) and lengths/counts (uint16) of ``unw_multi_table``."""
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[int, int, int, int]]:
+    """The decoding tables of one code: one-symbol (exponent | length << 8, uint16 [2^L]), the
+    multi-symbol exponents (uint32) and lengths/counts (uint16) of ``unw_multi_table``, the palette
+    (uint8), and the four arrays' addresses (kept with them: the cache keeps them alive)."""
     symbols, lengths = decode_table(code_lengths, max_code_length)
     exponent = np.asarray(palette or (0,), np.uint16)[symbols]
     single = (exponent | (lengths.astype(np.uint16) << 8)).astype(np.uint16)
     multi_exp = np.empty(1 << max_code_length, np.uint32)
     multi_meta = np.empty(1 << max_code_length, np.uint16)
     library().unw_multi_table(_ptr(single), max_code_length, _ptr(multi_exp), _ptr(multi_meta))
-    for t in (single, multi_exp, multi_meta):
+    palette_array = np.asarray(palette, np.uint8)
+    for t in (single, multi_exp, multi_meta, palette_array):
         t.flags.writeable = False
-    return single, multi_exp, multi_meta
+    return single, multi_exp, multi_meta, palette_array, tuple(_ptr(t) for t in (single, multi_exp, multi_meta,
+                                                                                  palette_array))
 
 
 def crc32(data: np.ndarray, threads: int = 1) -> int:
@@ -98,23 +103,25 @@ def decode_cpu(ct: CompressedTensor, *, threads: int = 1, native: bool | None = 
             raise CodecError("decode_cpu: the C decoder is not available (no C compiler, or UNFIRE_NATIVE=0)")
         return decode_many([ct])[0]
     ct.check_header()
-    layout = ct.layout
+    layout = Layout(ct.shape, ct.chunk_size, ct.chunks_per_group)
     arrays = [np.ascontiguousarray(a) for a in (ct.stream, ct.offsets, ct.vchunks, ct.vexp, ct.sm)]
     for a in arrays:
         if a.dtype.byteorder == ">":  # check_header accepts either byte order; C reads native order
             raise CodecError(f"tensor {ct.name!r}: decode_cpu takes native-order arrays, got {a.dtype}")
     stream, offsets, vchunks, vexp, sm = arrays
-    single, multi_exp, multi_meta = tables(tuple(ct.palette), tuple(ct.code_lengths), ct.max_code_length)
-    palette = np.asarray(ct.palette, np.uint8)
-    expected = np.array([ct.crc[k] for k in CRC_ORDER], np.uint32)
-    out = np.empty(layout.n, np.uint16)
-    info = np.zeros(2, np.int64)
-    threads = max(1, min(threads, layout.n // MIN_WEIGHTS_PER_THREAD, 64))
+    *_, (single, multi_exp, multi_meta, palette) = tables(tuple(ct.palette), tuple(ct.code_lengths),
+                                                          ct.max_code_length)
+    crc = ct.crc
+    io = np.array([crc["sm"], crc["stream"], crc["offsets"], crc["vchunks"], crc["vexp"], crc["data"], 0, 0],
+                  np.uint32)  # the expected CRCs in, where an error was found out
+    n = math.prod(ct.shape)
+    out = np.empty(n, np.uint16)
+    threads = max(1, min(threads, n // MIN_WEIGHTS_PER_THREAD, 64))
     error = lib.unw_decode(
         _ptr(stream), stream.size, ct.stream_bits, _ptr(offsets), _ptr(vchunks), vchunks.size, _ptr(vexp), _ptr(sm),
-        _ptr(palette), palette.size, _ptr(single), _ptr(multi_exp), _ptr(multi_meta), ct.max_code_length,
-        layout.rows, layout.cols, layout.chunk_size, layout.chunks_per_group, threads, _ptr(expected), _ptr(out),
-        _ptr(info))
+        palette, len(ct.palette), single, multi_exp, multi_meta, ct.max_code_length, layout.rows, layout.cols,
+        layout.chunk_size, layout.chunks_per_group, threads, _ptr(io), _ptr(out))
+    info = io[6:].astype(np.int64)
     if error:
         where = f"tensor {ct.name!r}: " if ct.name else ""
         if error == 8:

@@ -32,8 +32,6 @@ Command line: ``python -m reference.codec compress IN OUT [--to-bf16] [--mode ra
 inspect FILE``.
 """
 
-from reference.codec.ans_codec import decode_rans, decode_rans_many, encode_rans, encode_rans_many
-from reference.codec.ans_format import RansTensor
 from reference.codec.codec import decode, encode
 from reference.codec.container import Container, compress_checkpoint, decompress_checkpoint
 from reference.codec.errors import CodecError
@@ -42,6 +40,7 @@ from reference.codec.huffman import canonical_codes, code_lengths, decode_table
 from reference.codec.layout import Layout
 from reference.codec.lockstep import decode_many, decode_symbols
 from reference.codec.paletteform import PaletteTensor, from_palette, palette_to_bf16, to_palette
+from reference.codec.rans import RansTensor, decode_rans, decode_rans_many, encode_rans, encode_rans_many
 
 __all__ = [
     "CodecError", "CompressedTensor", "Container", "Layout", "PaletteTensor", "RansTensor", "canonical_codes",

@@ -23,8 +23,6 @@ from contextlib import contextmanager
 import numpy as np
 
 from reference.bf16 import field_stats
-from reference.codec.ans_codec import BLOCK_SIZE, LANES, MANTISSA_BITS, PROB_BITS, TABLES
-from reference.codec.ans_format import RansTensor
 from reference.codec.codec import CHUNK_SIZE, CHUNKS_PER_GROUP, MAX_CODE_LENGTH, PALETTE_SIZE, encode
 from reference.codec.container import (
     MIN_ELEMENTS,
@@ -37,6 +35,7 @@ from reference.codec.container import (
     weight_count,
 )
 from reference.codec.errors import CodecError
+from reference.codec.rans import BLOCK_SIZE, LANES, MANTISSA_BITS, PROB_BITS, TABLES, RansTensor
 from reference.model.names import tensor_kind
 
 MODE_PARAMS = {

@@ -65,6 +65,11 @@ class CompressedTensor:
         return Layout(self.shape, self.chunk_size, self.chunks_per_group)
 
     @property
+    def n(self) -> int:
+        """Number of weights."""
+        return math.prod(self.shape)
+
+    @property
     def n_verbatim(self) -> int:
         return len(self.vchunks)
 
@@ -157,8 +162,9 @@ class CompressedTensor:
         expected = {"sm": (layout.n,), "stream": (self.stream_bits // 32 + (self.stream_bits % 32 > 0) + 1,),
                     "offsets": (layout.n_groups + 1,), "vchunks": (self.n_verbatim,),
                     "vexp": (self.n_verbatim, self.chunk_size)}
+        arrays = self.arrays()
         for key, dtype in ARRAY_DTYPES.items():
-            a = self.arrays()[key]
+            a = arrays[key]
             if a.dtype.newbyteorder("=") != np.dtype(dtype) or a.shape != expected[key]:
                 raise CodecError(f"{where}array {key} is {a.dtype}{list(a.shape)}, expected "
                                  f"{np.dtype(dtype)}{list(expected[key])} (truncated or corrupt)")

@@ -490,13 +490,14 @@ static void *decode_range(void *arg) {
 
 /* Check and decode a Huffman-form tensor into out (uint16 [rows * cols]). The header was checked by
  * the caller (array lengths as FORMAT.md 3.2 implies, code lengths valid, single = the decoding
- * table of exponents, multi_* from unw_multi_table). expected_crc: sm, stream, offsets, vchunks,
- * vexp, data. Returns OK or an error code; info[0], info[1]: where (group, chunk, array...). */
+ * table of exponents, multi_* from unw_multi_table). crc_io[0..5]: the expected CRC-32 of sm, stream,
+ * offsets, vchunks, vexp and the data. Returns OK or an error code, with crc_io[6], crc_io[7] saying
+ * where (a group and a bit position, a verbatim entry, which array). */
 int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const uint32_t *offsets,
                const uint32_t *vchunks, int64_t n_verbatim, const uint8_t *vexp, const uint8_t *sm,
                const uint8_t *palette, int p, const uint16_t *single, const uint32_t *multi_exp,
                const uint16_t *multi_meta, int L, int64_t rows, int64_t cols, int64_t cs, int64_t cpg, int threads,
-               const uint32_t *expected_crc, uint16_t *out, int64_t *info) {
+               uint32_t *crc_io, uint16_t *out) {
     Tensor x;
     Job jobs[MAX_THREADS];
     pthread_once(&crc_once, crc_init);
@@ -517,8 +518,8 @@ int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const
     run_threads(decode_range, jobs, sizeof(Job), x.threads);
     for (int t = 0; t < x.threads; t++)
         if (jobs[t].error) {
-            info[0] = jobs[t].where;
-            info[1] = jobs[t].detail;
+            crc_io[6] = (uint32_t)jobs[t].where;
+            crc_io[7] = (uint32_t)jobs[t].detail;
             return jobs[t].error;
         }
     uint32_t crc_out = jobs[0].crc_out, crc_sm = jobs[0].crc_sm;
@@ -531,9 +532,9 @@ int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const
                        unw_crc32((const uint8_t *)vchunks, 4 * n_verbatim, 1), unw_crc32(vexp, n_verbatim * cs, 1),
                        crc_out};
     for (int a = 0; a < 6; a++)
-        if (got[a] != expected_crc[a]) {
-            info[0] = a;
-            info[1] = got[a];
+        if (got[a] != crc_io[a]) {
+            crc_io[6] = (uint32_t)a;
+            crc_io[7] = got[a];
             return BAD_CRC;
         }
     return OK;
