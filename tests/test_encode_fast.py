@@ -22,6 +22,7 @@ from fast.codec.convert import huffman_arrays
 from fast.codec.forms import Geometry
 from fast.errors import KernelInputError
 from reference.codec.huffman import code_lengths
+from reference.codec.palette import choose_palette
 from tests.codec_strategies import SPECIALS, bf16_tensors, codec_params
 
 
@@ -85,7 +86,7 @@ def test_wrong_palette_guess_is_corrected(monkeypatch: pytest.MonkeyPatch, shift
     x = (rng.standard_normal(128 * 256) * 0.02).astype(np.float32)
     bits = (x.view(np.uint32) >> 16).astype(np.uint16).reshape(128, 256)
     counts = np.bincount(((bits >> 7) & 0xFF).ravel(), minlength=256)
-    palette = ew.choose_palette(counts, 16)
+    palette = choose_palette(counts, 16)
     assert len(palette) == 16 and max(palette) - min(palette) == 15  # consecutive: the guess path
     runs = []
     consecutive = ew._pass_consecutive
@@ -152,7 +153,7 @@ def test_c_palette_equals_reference(counts: list[int], palette_size: int, thread
     split = torch.tensor(counts, dtype=torch.int64).repeat(threads, 1)  # each range holds all of them
     palette = torch.zeros(256, dtype=torch.uint8)
     p = encode_native.library().unw_palette(split.data_ptr(), threads, palette_size, palette.data_ptr())
-    assert palette[:p].tolist() == ew.choose_palette(np.array(counts) * threads, palette_size)
+    assert palette[:p].tolist() == choose_palette(np.array(counts) * threads, palette_size)
 
 
 def _trained(rows: int = 32, cols: int = 256) -> np.ndarray:

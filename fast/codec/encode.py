@@ -15,7 +15,7 @@ It produces, byte for byte, what the reference encoder produces (FORMAT.md secti
 2. histogram the exponents and pick the palette; give every weight a 4-bit symbol. When the
    palette is 16 consecutive exponents (the usual case in trained weights) the symbol is simply
    ``exponent - smallest`` and an exponent outside the palette shows as a value >= 16; otherwise a
-   256-entry table maps exponents to palette indices (255 = none). The tables of step 4 are
+   256-entry table maps exponents to palette indices (255 = none, ``symbol_bytes``). The tables of step 4 are
    indexed by these stored symbols, so both cases share the rest;
 3. a chunk is verbatim iff one of its symbols is >= 16: viewed as int64, eight symbols are tested at
    once against 0xF0F0...F0;
@@ -40,14 +40,19 @@ import numpy as np
 import torch
 
 from fast.codec import encode_native, encode_words
-from fast.codec.encode_words import choose_palette
 from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
 from fast.errors import KernelInputError
 from reference.codec.huffman import canonical_codes, code_lengths
+from reference.codec.palette import NOT_IN_PALETTE, choose_palette, symbol_table
 
-NONE = 255  # "not in the palette" in the table-mapped symbols (palettes of up to 255 entries)
 HIGH_NIBBLES = -0x0F0F0F0F0F0F0F10  # 0xF0F0F0F0F0F0F0F0 as int64: any of 8 packed symbols >= 16
 _LOW_MASK = torch.tensor([-1] + [(1 << (64 - o)) - 1 for o in range(1, 64)], dtype=torch.int64)
+
+
+def symbol_bytes(palette: list[int]) -> np.ndarray:
+    """uint8[256]: the palette index of each exponent; an exponent outside the palette (NOT_IN_PALETTE)
+    gets 255, which is above every index whenever some exponent is left out (the palette then has < 256)."""
+    return np.minimum(symbol_table(palette), 255).astype(np.uint8)
 
 
 def split_bytes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -172,9 +177,8 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
     if form is not None:
         if not with_palette_form:
             return form
-        symbol_of = np.full(256, NONE, np.uint8)
-        symbol_of[form.palette] = np.arange(len(form.palette))
-        sym = torch.from_numpy(symbol_of).to(device).index_select(0, (bits >> 7).to(torch.uint8).to(torch.int32))
+        exponent = (bits >> 7).to(torch.uint8).to(torch.int32)
+        sym = torch.from_numpy(symbol_bytes(form.palette)).to(device).index_select(0, exponent)
         return form, palette_form_from_symbols(g, form.palette, sym, form.sm, form.vchunks, form.vexp)
     aligned = g.cols % chunk_size == 0
     group_weights = chunks_per_group * chunk_size
@@ -190,22 +194,22 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
     counts = counts_t.cpu().numpy()
     palette = choose_palette(counts, palette_size)
     p = len(palette)
-    symbol_of = np.full(256, NONE, np.int64)  # exponent -> palette index
-    symbol_of[palette] = np.arange(p)
+    symbol_of = symbol_table(palette).astype(np.int64)  # exponent -> palette index, NOT_IN_PALETTE outside
 
     # stored symbols: exponent - base for a palette of 16 consecutive exponents, else the palette index
     base = min(palette) if p == 16 and max(palette) - min(palette) == 15 else None
     if base is not None:
-        palette_index_of = np.append(symbol_of[base: base + 16], [NONE] * 240)  # stored symbol -> palette index
+        # stored symbol -> palette index
+        palette_index_of = np.append(symbol_of[base: base + 16], [NOT_IN_PALETTE] * 240)
     else:
         palette_index_of = np.arange(256)
-    symbol_table = torch.from_numpy(symbol_of.astype(np.uint8)).to(device)
+    symbol_of_t = torch.from_numpy(symbol_bytes(palette)).to(device)
 
     def stored(s0: int, s1: int) -> torch.Tensor:
         exponent = (bits[s0:s1] >> 7).to(torch.uint8)
         if base is not None:
             return exponent - base  # uint8 arithmetic wraps: exponents outside the palette become >= 16
-        return symbol_table.index_select(0, exponent.to(torch.int32))
+        return symbol_of_t.index_select(0, exponent.to(torch.int32))
 
     # pass 2: verbatim chunks, those holding an exponent outside the palette (none if it covers all)
     vchunks = torch.zeros(0, dtype=torch.int64, device=device)
@@ -217,7 +221,7 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
             if p <= 16 and chunk_size % 8 == 0:  # 8 stored symbols per int64: is any >= 16?
                 is_verbatim = ((chunks.view(torch.int64) & HIGH_NIBBLES) != 0).any(dim=1)
             else:
-                is_verbatim = chunks.amax(dim=1) >= (16 if p <= 16 else NONE)
+                is_verbatim = chunks.amax(dim=1) >= p  # stored symbols: < p in the palette, 255 outside
             found.append(torch.nonzero(is_verbatim).flatten() + s0 // chunk_size)
         vchunks = torch.cat(found)
     v = vchunks.numel()
@@ -275,7 +279,7 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
                        offsets, vchunks, vexp)
     if not with_palette_form:
         return form
-    sym = symbol_table.index_select(0, (bits >> 7).to(torch.uint8).to(torch.int32))
+    sym = symbol_of_t.index_select(0, (bits >> 7).to(torch.uint8).to(torch.int32))
     return form, palette_form_from_symbols(g, palette, sym, sm, vchunks, vexp)
 
 

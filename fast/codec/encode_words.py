@@ -18,7 +18,7 @@ Pass 1 (per block; sm bytes, palette indices, verbatim chunks):
   (trained weights: nearly always; guessed from a sample, checked after the pass) a subtraction
   of ``base`` in the int16 view turns each lane into ``exponent - base``, which is below 16 iff
   the exponent is in the palette. Other palettes map each pair of exponents through a 65,536-entry
-  table to two lanes (palette index, or 0x100 outside the palette).
+  table to two lanes (palette index, or NOT_IN_PALETTE = 0x100 outside the palette).
 * **Verbatim chunks**: ``lanes & 0x7FF0FFF0FFF0FFF0`` is 0 iff all four lanes are palette indices,
   and never negative, so its maximum over a chunk's words (``amax``, several times faster than
   ``!=`` or ``any``) is 0 iff the chunk is coded.
@@ -56,12 +56,12 @@ import torch
 from fast.codec.forms import Geometry, HuffmanForm
 from fast.errors import KernelInputError
 from reference.codec.huffman import canonical_codes, code_lengths
+from reference.codec.palette import choose_palette, symbol_table
 
 LANES = 0x0001_0001_0001_0001  # 1 in each 16-bit lane
 EXPONENTS = 0x00FF * LANES  # the exponent bits of four weights, after w >> 7
 CHECK = 0x7FF0_FFF0_FFF0_FFF0  # lane bits that are 0 iff the lane is < 16 (bit 63 left out: the result is >= 0)
-NOT_IN_PALETTE = 0x100  # the pair table's lane for an exponent outside the palette
-MAX_CODE_LENGTH = 14  # four codes of <= 14 bits, shifted left by 6, fit in an int64
+QUAD_MAX_CODE_LENGTH = 14  # this path's limit (the format's is 16): four codes of <= 14 bits, << 6, fit an int64
 SAMPLE = 1 << 13  # weights the palette guess looks at
 BLOCK_WEIGHTS = 1 << 19  # default block size (encode passes its own BLOCK_WEIGHTS)
 
@@ -69,14 +69,7 @@ BLOCK_WEIGHTS = 1 << 19  # default block size (encode passes its own BLOCK_WEIGH
 def applies(g: Geometry, palette_size: int, max_code_length: int) -> bool:
     """Whether the fast path handles these parameters (else the general path runs)."""
     return (g.n > 0 and g.chunk_size % 4 == 0 and g.cols % g.chunk_size == 0 and palette_size <= 16
-            and max_code_length <= MAX_CODE_LENGTH)
-
-
-def choose_palette(counts: np.ndarray, palette_size: int) -> list[int]:
-    """The most frequent exponent values that occur, by count descending then value ascending."""
-    used = np.flatnonzero(counts)
-    order = used[np.lexsort((used, -counts[used]))]
-    return [int(v) for v in order[:palette_size]]
+            and max_code_length <= QUAD_MAX_CODE_LENGTH)
 
 
 def fast_code_lengths(counts: np.ndarray, max_length: int) -> list[int]:
@@ -207,8 +200,7 @@ def _pass_pairs(work: _Work, palette_size: int, palette: list[int] | None) -> tu
         h = torch.bincount(pairs, minlength=65536).view(256, 256)  # [e1, e0]
         counts = (h.sum(0) + h.sum(1)).cpu().numpy()
         palette = choose_palette(counts, palette_size)
-    lane = np.full(256, NOT_IN_PALETTE, np.int64)  # exponent -> palette index
-    lane[palette] = np.arange(len(palette))
+    lane = symbol_table(palette).astype(np.int64)  # exponent -> palette index, NOT_IN_PALETTE outside
     table = torch.from_numpy((lane[None, :] | lane[:, None] << 16).reshape(-1).astype(np.int32)).to(device)
     for a, b in work.ranges:
         lanes = work.rows[2, : b - a]
