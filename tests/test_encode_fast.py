@@ -19,9 +19,9 @@ import reference.codec as rc
 from fast.bf16 import from_numpy_bits
 from fast.codec import encode_native
 from fast.codec.convert import huffman_arrays
-from fast.codec.forms import Geometry
 from fast.errors import KernelInputError
 from reference.codec.huffman import code_lengths
+from reference.codec.layout import Layout
 from reference.codec.palette import choose_palette
 from tests.codec_strategies import SPECIALS, bf16_tensors, codec_params
 
@@ -74,7 +74,7 @@ NATIVE = [False] + ([True] if encode_native.library() is not None else [])
 @given(case=aligned_tensors(), block=st.sampled_from([1, 4096, 1 << 20]))
 def test_fast_paths_equal_reference(native: bool, case: tuple[np.ndarray, dict[str, int]], block: int) -> None:
     bits, params = case
-    assert ew.applies(Geometry(bits.shape, params["chunk_size"], params["chunks_per_group"]),
+    assert ew.applies(Layout(bits.shape, params["chunk_size"], params["chunks_per_group"]),
                       params["palette_size"], params["max_code_length"])
     assert _same(bits, block, native, **params)
 

@@ -39,7 +39,7 @@ What the format costs a kernel (notes for whoever changes FORMAT.md):
 """
 
 from fast.codec.convert import huffman_from_reference, huffman_to_reference, palette_from_reference
-from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
+from fast.codec.forms import HuffmanForm, PaletteForm
 from fast.codec.huffman_decode import decode_huffman, transcode
 from fast.codec.linear import UnweightLinear
 from fast.codec.matmul import MatmulConfig, fused_matmul
@@ -47,7 +47,7 @@ from fast.codec.palette_decode import decode_palette
 from fast.codec.torch_ops import decode_palette_torch, transcode_torch
 
 __all__ = [
-    "Geometry", "HuffmanForm", "MatmulConfig", "PaletteForm", "UnweightLinear", "decode_huffman", "decode_palette",
+    "HuffmanForm", "MatmulConfig", "PaletteForm", "UnweightLinear", "decode_huffman", "decode_palette",
     "decode_palette_torch", "fused_matmul", "huffman_from_reference", "huffman_to_reference",
     "palette_from_reference", "transcode", "transcode_torch",
 ]

@@ -40,9 +40,10 @@ import numpy as np
 import torch
 
 from fast.codec import encode_native, encode_words
-from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
+from fast.codec.forms import HuffmanForm, PaletteForm
 from fast.errors import KernelInputError
 from reference.codec.huffman import canonical_codes, code_lengths
+from reference.codec.layout import Layout
 from reference.codec.palette import NOT_IN_PALETTE, choose_palette, symbol_table
 
 HIGH_NIBBLES = -0x0F0F0F0F0F0F0F10  # 0xF0F0F0F0F0F0F0F0 as int64: any of 8 packed symbols >= 16
@@ -77,7 +78,7 @@ def _check_input(x: torch.Tensor, chunk_size: int, chunks_per_group: int, palett
                                f"got {palette_size}, {max_code_length}")
 
 
-def _chunk_matrix(values: torch.Tensor, g: Geometry, fill: int) -> torch.Tensor:
+def _chunk_matrix(values: torch.Tensor, g: Layout, fill: int) -> torch.Tensor:
     """Per-weight values as a [n_chunks, chunk_size] matrix (a view when the rows are aligned)."""
     if g.cols % g.chunk_size == 0:
         return values.view(g.n_chunks, g.chunk_size)
@@ -86,7 +87,7 @@ def _chunk_matrix(values: torch.Tensor, g: Geometry, fill: int) -> torch.Tensor:
     return padded.view(g.n_chunks, g.chunk_size)
 
 
-def _chunk_lengths(g: Geometry, device: torch.device) -> torch.Tensor:
+def _chunk_lengths(g: Layout, device: torch.device) -> torch.Tensor:
     """int64 [n_chunks]: weights in each chunk (chunk_size, less for a row's short last chunk)."""
     lengths = torch.full((g.rows, g.chunks_per_row), g.chunk_size, dtype=torch.int64, device=device)
     if g.chunks_per_row:
@@ -164,7 +165,7 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
     """
     _check_input(x, chunk_size, chunks_per_group, palette_size, max_code_length)
     device = x.device
-    g = Geometry(tuple(x.shape), chunk_size, chunks_per_group)
+    g = Layout(tuple(x.shape), chunk_size, chunks_per_group)
     bits = x.contiguous().reshape(-1).view(torch.int16) if g.n else torch.zeros(0, dtype=torch.int16, device=device)
     form = None
     if native or (native is None and device.type == "cpu" and g.n and encode_native.library() is not None):
@@ -216,7 +217,7 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
     if counts.sum() > counts[palette].sum():
         found = []
         for s0, s1 in blocks:
-            chunks = _chunk_matrix(stored(s0, s1), Geometry((s1 - s0,) if aligned else g.shape, chunk_size), 0) \
+            chunks = _chunk_matrix(stored(s0, s1), Layout((s1 - s0,) if aligned else g.shape, chunk_size), 0) \
                 if aligned else _chunk_matrix(stored(s0, s1), g, fill=0)
             if p <= 16 and chunk_size % 8 == 0:  # 8 stored symbols per int64: is any >= 16?
                 is_verbatim = ((chunks.view(torch.int64) & HIGH_NIBBLES) != 0).any(dim=1)
@@ -275,15 +276,16 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
         group_starts.append(torch.cat([starts, torch.tensor([position], device=device)])[group_first])
     offsets = torch.cat([*group_starts, torch.tensor([stream_bits], dtype=torch.int64, device=device)])
 
-    form = HuffmanForm(g, max_code_length, palette, lengths, sm, _words32(words, stream_bits), stream_bits,
-                       offsets, vchunks, vexp)
+    form = HuffmanForm(layout=g, max_code_length=max_code_length, palette=palette, code_lengths=lengths, sm=sm,
+                       stream=_words32(words, stream_bits), stream_bits=stream_bits, offsets=offsets,
+                       vchunks=vchunks, vexp=vexp)
     if not with_palette_form:
         return form
     sym = symbol_of_t.index_select(0, (bits >> 7).to(torch.uint8).to(torch.int32))
     return form, palette_form_from_symbols(g, palette, sym, sm, vchunks, vexp)
 
 
-def palette_form_from_symbols(g: Geometry, palette: list[int], sym: torch.Tensor, sm: torch.Tensor,
+def palette_form_from_symbols(g: Layout, palette: list[int], sym: torch.Tensor, sm: torch.Tensor,
                               vchunks: torch.Tensor, vexp: torch.Tensor) -> PaletteForm:
     """Assemble the palette form from per-weight palette indices (any value in verbatim chunks)."""
     device = sm.device
@@ -301,4 +303,5 @@ def palette_form_from_symbols(g: Geometry, palette: list[int], sym: torch.Tensor
     pal = torch.zeros(16, dtype=torch.uint8, device=device)
     pal[: len(palette)] = torch.tensor(palette, dtype=torch.uint8)
     row_vstart = torch.searchsorted(vchunks, torch.arange(g.rows + 1, device=device) * g.chunks_per_row)
-    return PaletteForm(g, pal, idx, sm.view(g.rows, g.cols), vchunks, vexp, row_vstart, n_palette=len(palette))
+    return PaletteForm(layout=g, palette=pal, idx=idx, sm=sm.view(g.rows, g.cols), vchunks=vchunks, vexp=vexp,
+                       row_vstart=row_vstart, n_palette=len(palette))

@@ -27,8 +27,9 @@ import torch
 
 from fast.codec import native_build
 from fast.codec.encode_words import _empty, fast_code_lengths
-from fast.codec.forms import Geometry, HuffmanForm
+from fast.codec.forms import HuffmanForm
 from fast.errors import KernelInputError
+from reference.codec.layout import Layout
 
 SOURCE = native_build.NATIVE_DIR / "encode.c"
 _lock = threading.Lock()
@@ -51,7 +52,7 @@ def library() -> ctypes.CDLL | None:
     return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the C encoder", "the torch encoder")
 
 
-def encode_native(bits: torch.Tensor, g: Geometry, max_code_length: int, palette_size: int) -> HuffmanForm:
+def encode_native(bits: torch.Tensor, g: Layout, max_code_length: int, palette_size: int) -> HuffmanForm:
     """The Huffman form of a tensor's int16 bits (flat, contiguous, on the CPU, at least one weight).
 
     Buffers are torch tensors: ``data_ptr()`` is far cheaper than NumPy's ``ctypes.data`` (about
@@ -94,5 +95,6 @@ def encode_native(bits: torch.Tensor, g: Geometry, max_code_length: int, palette
         raise MemoryError("encode_native: out of memory for the stream")
     if packed != stream_bits:
         raise AssertionError(f"encode_native: packed {packed} bits, expected {stream_bits}")
-    return HuffmanForm(g, max_code_length, palette[:p].tolist(), lengths.tolist(), sm,
-                       stream[: (stream_bits + 31) // 32 + 1], stream_bits, offsets, vchunks, vexp)
+    return HuffmanForm(layout=g, max_code_length=max_code_length, palette=palette[:p].tolist(),
+                       code_lengths=lengths.tolist(), sm=sm, stream=stream[: (stream_bits + 31) // 32 + 1],
+                       stream_bits=stream_bits, offsets=offsets, vchunks=vchunks, vexp=vexp)

@@ -53,9 +53,10 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from fast.codec.forms import Geometry, HuffmanForm
+from fast.codec.forms import HuffmanForm
 from fast.errors import KernelInputError
 from reference.codec.huffman import canonical_codes, code_lengths
+from reference.codec.layout import Layout
 from reference.codec.palette import choose_palette, symbol_table
 
 LANES = 0x0001_0001_0001_0001  # 1 in each 16-bit lane
@@ -66,7 +67,7 @@ SAMPLE = 1 << 13  # weights the palette guess looks at
 BLOCK_WEIGHTS = 1 << 19  # default block size (encode passes its own BLOCK_WEIGHTS)
 
 
-def applies(g: Geometry, palette_size: int, max_code_length: int) -> bool:
+def applies(g: Layout, palette_size: int, max_code_length: int) -> bool:
     """Whether the fast path handles these parameters (else the general path runs)."""
     return (g.n > 0 and g.chunk_size % 4 == 0 and g.cols % g.chunk_size == 0 and palette_size <= 16
             and max_code_length <= QUAD_MAX_CODE_LENGTH)
@@ -137,7 +138,7 @@ def _guess_base(bits: torch.Tensor, palette_size: int) -> int | None:
 class _Work:
     """The tensor's words, cut into blocks of whole groups, and the buffers the passes reuse."""
 
-    def __init__(self, bits: torch.Tensor, g: Geometry, block_weights: int) -> None:
+    def __init__(self, bits: torch.Tensor, g: Layout, block_weights: int) -> None:
         device = bits.device
         self.g, self.bits, self.words = g, bits, bits.view(torch.int64)
         self.words_per_chunk = g.chunk_size // 4
@@ -269,7 +270,7 @@ def _verbatim(work: _Work) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     return vchunks, vexp, torch.bincount(vexp.reshape(-1), minlength=256).cpu().numpy()
 
 
-def encode_words(bits: torch.Tensor, g: Geometry, max_code_length: int, palette_size: int,
+def encode_words(bits: torch.Tensor, g: Layout, max_code_length: int, palette_size: int,
                  block_weights: int = BLOCK_WEIGHTS) -> HuffmanForm:
     """The Huffman form of a tensor's int16 bits (flat, contiguous) on the fast path (``applies``)."""
     device = bits.device
@@ -322,4 +323,5 @@ def encode_words(bits: torch.Tensor, g: Geometry, max_code_length: int, palette_
     words <<= 32
     words |= high_half
     stream = words.view(torch.int32)[: (stream_bits + 31) // 32 + 1].clone()
-    return HuffmanForm(g, max_code_length, palette, lengths, work.sm, stream, stream_bits, offsets, vchunks, vexp)
+    return HuffmanForm(layout=g, max_code_length=max_code_length, palette=palette, code_lengths=lengths, sm=work.sm,
+                       stream=stream, stream_bits=stream_bits, offsets=offsets, vchunks=vchunks, vexp=vexp)

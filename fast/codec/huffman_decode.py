@@ -113,7 +113,7 @@ def stream_windows(stream: torch.Tensor) -> torch.Tensor:
 
 
 def _check_form(form: HuffmanForm) -> None:
-    g = form.geometry
+    g = form.layout
     want = {
         "sm": (form.sm, torch.uint8, (g.n,)),
         "stream": (form.stream, torch.int32, ((form.stream_bits + 31) // 32 + 1,)),
@@ -141,7 +141,7 @@ def _check_form(form: HuffmanForm) -> None:
 
 def _run(form: HuffmanForm, mode: int, block: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     _check_form(form)
-    g = form.geometry
+    g = form.layout
     device = form.device
     if out is not None:  # checked by the caller: contiguous, the tensor's shape, bf16 or int16
         out = out.view(torch.int16).view(-1)
@@ -192,4 +192,4 @@ def transcode(form: HuffmanForm) -> PaletteForm:
     from fast.codec.encode import palette_form_from_symbols
 
     sym = _run(form, mode=1)
-    return palette_form_from_symbols(form.geometry, form.palette, sym, form.sm, form.vchunks, form.vexp)
+    return palette_form_from_symbols(form.layout, form.palette, sym, form.sm, form.vchunks, form.vexp)

@@ -20,7 +20,7 @@ from reference.codec.huffman import check_lengths, decode_table
 
 def coded_per_group(form: HuffmanForm) -> torch.Tensor:
     """int64 [n_groups]: how many coded weights (symbols) each group holds."""
-    g = form.geometry
+    g = form.layout
     dev = form.device
     per_chunk = torch.full((g.n_chunks,), g.chunk_size, dtype=torch.int64, device=dev)
     short = g.cols - (g.chunks_per_row - 1) * g.chunk_size
@@ -74,7 +74,7 @@ def transcode_torch(form: HuffmanForm) -> PaletteForm:
     if len(form.palette) > 16:
         raise KernelInputError(f"the palette form needs a palette of at most 16 entries, this one has "
                                f"{len(form.palette)}")
-    g = form.geometry
+    g = form.layout
     symbols = decode_symbols_torch(form)
     sym = torch.zeros(g.n, dtype=torch.uint8, device=form.device)
     sym[coded_mask(form)] = symbols
@@ -83,7 +83,7 @@ def transcode_torch(form: HuffmanForm) -> PaletteForm:
 
 def coded_mask(form: HuffmanForm) -> torch.Tensor:
     """bool [n]: which weights are coded (not in a verbatim chunk), in C order."""
-    g = form.geometry
+    g = form.layout
     is_v = torch.zeros(g.n_chunks, dtype=torch.bool, device=form.device)
     is_v[form.vchunks] = True
     per_weight = is_v.view(g.rows, g.chunks_per_row).repeat_interleave(g.chunk_size, dim=1)[:, : g.cols]
@@ -93,7 +93,7 @@ def coded_mask(form: HuffmanForm) -> torch.Tensor:
 def decode_palette_torch(form: PaletteForm) -> torch.Tensor:
     """Palette form -> torch.bfloat16 in plain torch, bit for bit."""
     form.check()
-    g = form.geometry
+    g = form.layout
     idx = form.idx.to(torch.int32)
     nib = torch.stack([idx & 0xF, idx >> 4], dim=-1).view(g.rows, 2 * idx.shape[1])[:, : g.cols]
     exponent = form.palette.to(torch.int32)[nib]
