@@ -39,8 +39,10 @@ import functools
 import numpy as np
 import torch
 
+from fast.bf16 import split_sm_exponent
 from fast.codec import encode_native, encode_words
 from fast.codec.forms import HuffmanForm, PaletteForm
+from fast.codec.words import stream_from_words64
 from fast.errors import KernelInputError
 from reference.codec.huffman import canonical_codes, code_lengths
 from reference.codec.layout import Layout
@@ -54,15 +56,6 @@ def symbol_bytes(palette: list[int]) -> np.ndarray:
     """uint8[256]: the palette index of each exponent; an exponent outside the palette (NOT_IN_PALETTE)
     gets 255, which is above every index whenever some exponent is left out (the palette then has < 256)."""
     return np.minimum(symbol_table(palette), 255).astype(np.uint8)
-
-
-def split_bytes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(exponent, sign/mantissa) uint8 tensors of a bf16 tensor, flat, C order."""
-    b = x.reshape(-1).view(torch.int16)
-    exponent = (b >> 7).to(torch.uint8)  # the cast keeps the low 8 bits: bits 7..14 of b
-    s = b & -32641  # 0x807F as int16: the sign and mantissa bits
-    sm = (s | (s >> 8)).to(torch.uint8)  # the arithmetic shift moves the sign bit into bit 7
-    return exponent, sm
 
 
 def _check_input(x: torch.Tensor, chunk_size: int, chunks_per_group: int, palette_size: int,
@@ -144,11 +137,6 @@ def _pack_into(words: torch.Tensor, code: torch.Tensor, length: torch.Tensor, fi
     return starts
 
 
-def _words32(words: torch.Tensor, total: int) -> torch.Tensor:
-    """64-bit words, MSB first -> the format's 32-bit words, MSB first ([high half, low half]), trimmed."""
-    return words.view(torch.int32).view(-1, 2).flip(1).reshape(-1)[: (total + 31) // 32 + 1].contiguous()
-
-
 BLOCK_WEIGHTS = 1 << 20  # per-weight work runs in blocks of about this many weights (cache-sized temporaries)
 
 
@@ -190,7 +178,7 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
     sm = torch.empty(g.n, dtype=torch.uint8, device=device)
     counts_t = torch.zeros(256, dtype=torch.int64, device=device)
     for s0, s1 in blocks:
-        exponent, sm[s0:s1] = split_bytes(bits[s0:s1])
+        exponent, sm[s0:s1] = split_sm_exponent(bits[s0:s1])
         counts_t += torch.bincount(exponent, minlength=256)
     counts = counts_t.cpu().numpy()
     palette = choose_palette(counts, palette_size)
@@ -277,7 +265,7 @@ def encode(x: torch.Tensor, chunk_size: int = 64, chunks_per_group: int = 32, pa
     offsets = torch.cat([*group_starts, torch.tensor([stream_bits], dtype=torch.int64, device=device)])
 
     form = HuffmanForm(layout=g, max_code_length=max_code_length, palette=palette, code_lengths=lengths, sm=sm,
-                       stream=_words32(words, stream_bits), stream_bits=stream_bits, offsets=offsets,
+                       stream=stream_from_words64(words, stream_bits), stream_bits=stream_bits, offsets=offsets,
                        vchunks=vchunks, vexp=vexp)
     if not with_palette_form:
         return form

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from fast.codec.forms import HuffmanForm
+from fast.codec.words import stream_from_words64
 from fast.errors import KernelInputError
 from reference.codec.huffman import canonical_codes, code_lengths
 from reference.codec.layout import Layout
@@ -317,11 +318,6 @@ def encode_words(bits: torch.Tensor, g: Layout, max_code_length: int, palette_si
     words, ends = _pack(work, table.to(device), vchunks, stream_bits)
     tail = [torch.tensor([stream_bits], device=device)] if g.n_chunks % g.chunks_per_group else []
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), *ends, *tail])
-    # 64-bit words MSB first -> 32-bit words MSB first: swap the halves (little-endian: low half first)
-    high_half = torch.bitwise_right_shift(words, 32, out=_scratch("half", words.numel(), torch.int64, device))
-    high_half &= 0xFFFFFFFF
-    words <<= 32
-    words |= high_half
-    stream = words.view(torch.int32)[: (stream_bits + 31) // 32 + 1].clone()
+    stream = stream_from_words64(words, stream_bits, _scratch("half", words.numel(), torch.int64, device))
     return HuffmanForm(layout=g, max_code_length=max_code_length, palette=palette, code_lengths=lengths, sm=work.sm,
                        stream=stream, stream_bits=stream_bits, offsets=offsets, vchunks=vchunks, vexp=vexp)

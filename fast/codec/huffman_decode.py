@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from fast.codec.forms import HuffmanForm, PaletteForm
+from fast.codec.words import stream_windows
 from fast.errors import KernelInputError
 from fast.triton_util import cdiv, check_kernel_device, on_interpreter
 from fast.validate import check_tensor
@@ -104,12 +105,6 @@ def lookup_table(form: HuffmanForm, exponents: bool) -> torch.Tensor:
     if exponents and form.palette:
         value = np.asarray(form.palette, dtype=np.int32)[value]
     return torch.from_numpy((value | (length.astype(np.int32) << 8)).astype(np.int64)).to(form.device)
-
-
-def stream_windows(stream: torch.Tensor) -> torch.Tensor:
-    """int64 [len - 1]: element i holds stream words i (high half) and i + 1 (low half), the bits of a uint64."""
-    w = stream.to(torch.int64) & 0xFFFFFFFF
-    return (w[:-1] << 32) | w[1:]
 
 
 def _check_form(form: HuffmanForm) -> None:
