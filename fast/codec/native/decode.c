@@ -266,6 +266,8 @@ typedef struct {
     const Tensor *x;
     int t;
     uint32_t crc_out, crc_sm;  /* of this range's flat weights */
+    uint32_t crc_stream;       /* of this thread's share of the stream's bytes */
+    int64_t stream_bytes;
     int64_t first, last;       /* the range's flat weights [first, last) */
     int error;
     int64_t where, detail;
@@ -403,6 +405,9 @@ static void *decode_range(void *arg) {
     }
     if (job->t == 0)
         check_index(x, job);
+    int64_t w0 = x->words * job->t / x->threads, w1 = x->words * (job->t + 1) / x->threads;
+    job->stream_bytes = 4 * (w1 - w0);
+    job->crc_stream = ~crc_update(~0u, (const uint8_t *)(x->stream + w0), (size_t)job->stream_bytes);
     int64_t k0 = min64(g0 * x->cpg, x->n_chunks), k1 = min64(g1 * x->cpg, x->n_chunks);
     job->first = k0 < x->n_chunks ? (k0 / x->cpr) * x->cols + (k0 % x->cpr) * x->cs : x->rows * x->cols;
     job->last = k1 < x->n_chunks ? (k1 / x->cpr) * x->cols + (k1 % x->cpr) * x->cs : x->rows * x->cols;
@@ -522,12 +527,13 @@ int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const
             crc_io[7] = (uint32_t)jobs[t].detail;
             return jobs[t].error;
         }
-    uint32_t crc_out = jobs[0].crc_out, crc_sm = jobs[0].crc_sm;
+    uint32_t crc_out = jobs[0].crc_out, crc_sm = jobs[0].crc_sm, crc_stream = jobs[0].crc_stream;
     for (int t = 1; t < x.threads; t++) {
         crc_out = crc_combine(crc_out, jobs[t].crc_out, 2 * (jobs[t].last - jobs[t].first));
         crc_sm = crc_combine(crc_sm, jobs[t].crc_sm, jobs[t].last - jobs[t].first);
+        crc_stream = crc_combine(crc_stream, jobs[t].crc_stream, jobs[t].stream_bytes);
     }
-    uint32_t got[6] = {crc_sm, unw_crc32((const uint8_t *)stream, 4 * words, x.threads),
+    uint32_t got[6] = {crc_sm, crc_stream,
                        unw_crc32((const uint8_t *)offsets, 4 * (x.n_groups + 1), 1),
                        unw_crc32((const uint8_t *)vchunks, 4 * n_verbatim, 1), unw_crc32(vexp, n_verbatim * cs, 1),
                        crc_out};
