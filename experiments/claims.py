@@ -1,4 +1,4 @@
-"""Every claim of ../shared/CLAIMS.md: its id, what it says, and the article's number.
+"""Every claim of paper/claims.md: its id, what it says, and the article's number.
 
 The reproduction table has one row per entry here, implemented or not. The article's numbers are
 quoted as text (they are the articles' words, not our measurements).
