@@ -142,9 +142,9 @@ def run(args: argparse.Namespace, encoder: Encoder = encode, decoder: HuffmanDec
 def inspect(path: str, decoder: HuffmanDecoder | None = None) -> None:
     """Print one row per tensor; decodes (and so verifies) every tensor to measure its entropy."""
     total_in = total_out = 0
-    print(f"{'tensor':52s} {'kind':9s} {'form':>7s} {'shape':>14s} {'dtype':>9s} {'ratio':>7s} {'bound':>7s} "
-          f"{'rare':>8s}")
     with Container(path, decoder=decoder) as c:
+        print(f"{'tensor':52s} {'kind':9s} {'form':>7s} {'shape':>14s} {'dtype':>9s} {'ratio':>7s} {'bound':>7s} "
+              f"{'rare':>8s}")
         for name, array, dtype in c.items(progress=True):
             shape = "x".join(map(str, array.shape)) or "scalar"
             if c.is_compressed(name):

@@ -98,8 +98,8 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
     except (WeightError, SafetensorsError) as e:
         raise CodecError(str(e)) from None
     out = Path(out)
+    metadata = _source_metadata(weights)  # (refuses a container first: the more useful message)
     check_output(out, _input_paths(source, weights))
-    metadata = _source_metadata(weights)
     names, counts = weights.names(), {"compressed": 0, "passed": 0, "castable_passed": 0}
     with _Scratch(out) as scratch:
         pending: list[tuple[str, np.ndarray, str]] = []  # tensors waiting to be encoded as one batch

@@ -18,7 +18,7 @@ Typical use::
 
 from __future__ import annotations
 
-import itertools
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +38,13 @@ from reference.sched import Sequence as SchedSequence
 
 class RequestRejected(EngineError):
     """A request was refused (bad prompt, unknown tenant, does not fit); nothing else changed."""
+
+
+class UnknownRequestError(EngineError, KeyError):
+    """No request has this id (a KeyError too, for code that looks requests up like a dict)."""
+
+    def __str__(self) -> str:  # KeyError would print the message with quotes around it
+        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,8 @@ class Engine:
                  max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
                  aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0, seed: int = 0,
                  clock: Callable[[], float] = time.monotonic):
+        _check_engine_args(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed)
         self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
         # the context: the checkpoint's, or less if asked, and never more than the whole KV cache holds
         limits = [model.config.max_position, num_blocks * block_size] + ([max_model_len] if max_model_len else [])
@@ -74,7 +83,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config, policy, tenants)
         self.requests: dict[str, Request] = {}
         self.step_log: list[StepRecord] = []
-        self._counter = itertools.count()
+        self._next_number = 0  # numbers the requests (default ids, default random streams)
         eos = tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else \
             model.config.eos_token_ids
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
@@ -84,36 +93,63 @@ class Engine:
                     tenant: str = "default", request_id: str | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, predicted_output_len: int | None = None) -> str:
         """Queue a request; returns its id. Raises ``EngineError`` and changes nothing on bad input."""
-        params = _as_params(params)
+        req = self._new_request(prompt, _as_params(params), tenant=tenant, request_id=request_id,
+                                arrival_time=arrival_time, cache_salt=cache_salt,
+                                predicted_output_len=predicted_output_len)
+        self._queue([req])
+        return req.request_id
+
+    def _new_request(self, prompt: str | Sequence[int], params: SamplingParams, *, tenant: str,
+                     request_id: str | None, arrival_time: float | None, cache_salt: str | None,
+                     predicted_output_len: int | None, pending: Sequence[Request] = ()) -> Request:
+        """Check one request completely and build it, without queuing it. ``pending``: requests built
+        for the same call, not queued yet. Raises ``RequestRejected``; changes nothing."""
         ids = self._prompt_ids(prompt)
-        number = next(self._counter)
+        _check_request_args(tenant=tenant, request_id=request_id, arrival_time=arrival_time, cache_salt=cache_salt,
+                            predicted_output_len=predicted_output_len)
+        taken = set(self.requests) | {r.request_id for r in pending}
+        number = max([self._next_number] + [r.number + 1 for r in pending])
+        if request_id is None:  # a generated id never takes one a caller chose
+            while str(number) in taken:
+                number += 1
         request_id = str(number) if request_id is None else str(request_id)
-        if request_id in self.requests:
+        if request_id in taken:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         eos = () if params.ignore_eos else self.eos_token_ids
         now = self.clock() if arrival_time is None else arrival_time
         rng = np.random.default_rng(params.seed if params.seed is not None else [self.seed, number])
-        req = Request(request_id, ids, params, tenant, rng, RequestMetrics(now))
+        req = Request(request_id, ids, params, tenant, rng, RequestMetrics(now), number=number)
         try:
-            req.seq = SchedSequence(ids, params.max_tokens, tenant, now, predicted_output_len,
-                                    eos[0] if eos else None, tuple(eos[1:]) + params.stop_token_ids,
-                                    cache_salt, request=req)
-            self.scheduler.add(req.seq, now)
+            req.seq = SchedSequence(ids, max_tokens=params.max_tokens, tenant=tenant, arrival_time=now,
+                                    predicted_output_len=predicted_output_len, eos_token_id=eos[0] if eos else None,
+                                    stop_token_ids=tuple(eos[1:]) + params.stop_token_ids, cache_salt=cache_salt,
+                                    request=req)
+            self.scheduler.check(req.seq)
         except (RequestError, SchedulerError) as e:  # includes an unknown tenant
             raise RequestRejected(f"request {request_id!r} rejected: {e}") from e
-        self.requests[request_id] = req
-        return request_id
+        return req
+
+    def _queue(self, reqs: list[Request]) -> None:
+        """Queue requests that ``_new_request`` built (checked: adding them cannot fail)."""
+        for req in reqs:
+            self.scheduler.add(req.seq, req.metrics.arrival_time)
+            self.requests[req.request_id] = req
+            self._next_number = max(self._next_number, req.number + 1)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected("a text prompt needs an engine with a tokenizer; pass token ids instead")
             ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, bytes | bytearray | memoryview):  # list(b"hi") would be [104, 105]: not token ids
+            raise RequestRejected("prompt must be a str or a list of token ids, not bytes: decode it to str first")
+        elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 or isinstance(prompt, list | tuple | range):
             ids = list(prompt)
             if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids):
                 raise RequestRejected("prompt token ids must be integers")
             ids = [int(t) for t in ids]
+        else:
+            raise RequestRejected(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
         if not ids:
             raise RequestRejected("empty prompt: a request needs at least one token")
         vocab = self.model.config.vocab_size
@@ -196,17 +232,65 @@ class Engine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | dict | None = None,
                  **kwargs: Any) -> list[RequestOutput]:
-        """Run a list of prompts to completion (continuous batching) and return their outputs in order."""
-        ids = [self.add_request(p, params, **kwargs) for p in prompts]
+        """Run a list of prompts to completion (continuous batching) and return their outputs in order.
+
+        Every prompt and the parameters are checked before any request is queued: on bad input it
+        raises ``EngineError`` and nothing is queued."""
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence | np.ndarray):
+            raise RequestRejected(f"prompts must be a list of prompts, not {type(prompts).__name__} "
+                                  "(for one prompt: [prompt])")
+        unknown = set(kwargs) - {"tenant", "request_id", "arrival_time", "cache_salt", "predicted_output_len"}
+        if unknown:
+            raise EngineError(f"generate() got unknown arguments {sorted(unknown)}")
+        options = {"tenant": "default", "request_id": None, "arrival_time": None, "cache_salt": None,
+                   "predicted_output_len": None} | kwargs
+        params = _as_params(params)
+        reqs: list[Request] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                reqs.append(self._new_request(prompt, params, pending=reqs, **options))
+            except EngineError as e:
+                raise type(e)(f"prompt {i}: {e}") from e
+        self._queue(reqs)
+        ids = [r.request_id for r in reqs]
         while not all(self.requests[i].finished for i in ids):
             self.step()
         return [self.output(i) for i in ids]
 
     def output(self, request_id: str) -> RequestOutput:
-        req = self.requests[request_id]
+        req = self.requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None:
+            raise UnknownRequestError(f"no request has the id {request_id!r}")
         text = self.tokenizer.decode(req.output_token_ids, skip_special=True) if self.tokenizer is not None else ""
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                              req.finish_reason, req.tenant, req.metrics, req.seq.num_cached_tokens)
+
+
+def _check_engine_args(*, max_model_len: int | None, seed: int, **counts: int) -> None:
+    """Engine arguments: each count an integer >= 1, max_model_len None or >= 1, seed >= 0."""
+    for name, value in counts.items():
+        if type(value) is not int or value < 1:
+            raise EngineError(f"{name}={value!r}: must be an integer >= 1")
+    if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
+        raise EngineError(f"max_model_len={max_model_len!r}: must be None (the model's context) or an integer >= 1")
+    if type(seed) is not int or seed < 0:
+        raise EngineError(f"seed={seed!r}: must be an integer >= 0")
+
+
+def _check_request_args(*, tenant: object, request_id: object, arrival_time: object, cache_salt: object,
+                        predicted_output_len: object) -> None:
+    """The types of add_request's keyword arguments (RequestRejected naming the argument)."""
+    if not isinstance(tenant, str):
+        raise RequestRejected(f"tenant={tenant!r}: must be a str")
+    if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, str | int)):
+        raise RequestRejected(f"request_id={request_id!r}: must be None, a str or an int")
+    if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)
+                                     or not math.isfinite(arrival_time)):
+        raise RequestRejected(f"arrival_time={arrival_time!r}: must be None or a finite number")
+    if cache_salt is not None and not isinstance(cache_salt, str):
+        raise RequestRejected(f"cache_salt={cache_salt!r}: must be None or a str")
+    if predicted_output_len is not None and (type(predicted_output_len) is not int or predicted_output_len < 0):
+        raise RequestRejected(f"predicted_output_len={predicted_output_len!r}: must be None or an integer >= 0")
 
 
 def _as_params(params: SamplingParams | dict | None) -> SamplingParams:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 
 class EngineError(ValueError):
@@ -39,19 +42,28 @@ class SamplingParams:
 
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.temperature, int | float) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "must be an integer >= 0 (0 means no top-k cut)")
-        if not isinstance(self.top_p, int | float) or not 0 < self.top_p <= 1:
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
             raise bad("seed", "must be None or an integer >= 0")
+        if not isinstance(self.ignore_eos, bool | np.bool_):
+            raise bad("ignore_eos", "must be True or False")
+        if isinstance(self.stop_token_ids, str | bytes | bytearray) or not isinstance(self.stop_token_ids, Iterable):
+            raise bad("stop_token_ids", "must be a list of non-negative integers (a single id: [id])")
         stops = tuple(self.stop_token_ids)
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stops):
+        if not all(isinstance(t, int | np.integer) and not isinstance(t, bool | np.bool_) and t >= 0 for t in stops):
             raise bad("stop_token_ids", "must be non-negative integers")
-        object.__setattr__(self, "stop_token_ids", stops)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_number(x: object) -> bool:
+    """An int or float, not a bool (True would pass for 1: a mistake, not a temperature)."""
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool | np.bool_)

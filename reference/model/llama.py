@@ -37,6 +37,12 @@ class Chunk:
     logits: bool = True  # return logits of the last token (False for a prompt piece that is not the last)
 
 
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """``x @ w.T``, plus the bias where the checkpoint has one (Qwen2's q/k/v projections)."""
+    y = x @ w.T
+    return y if bias is None else y + bias
+
+
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) * weight, per row."""
     variance = np.mean(x * x, axis=-1, keepdims=True)
@@ -95,9 +101,9 @@ class LlamaModel:
         x = w.embedding[tokens]
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q = apply_rope((h @ layer.wq.T).reshape(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope((h @ layer.wk.T).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            v = (h @ layer.wv.T).reshape(-1, c.num_kv_heads, c.head_dim)
+            q = apply_rope(linear(h, layer.wq, layer.bq).reshape(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(linear(h, layer.wk, layer.bk).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = linear(h, layer.wv, layer.bv).reshape(-1, c.num_kv_heads, c.head_dim)
             cache.write(i, slots, k, v)
             out = np.empty_like(q)
             offset = 0
@@ -105,7 +111,7 @@ class LlamaModel:
                 keys, values = cache.read(i, ch.block_table, ch.start + n)
                 out[offset:offset + n] = attention(q[offset:offset + n], keys, values, ch.start)
                 offset += n
-            x = x + out.reshape(len(tokens), -1) @ layer.wo.T
+            x = x + linear(out.reshape(len(tokens), -1), layer.wo, layer.bo)
             x = x + self._mlp(rms_norm(x, layer.mlp_norm, c.rms_norm_eps), i)
         last = np.cumsum(sizes) - 1
         wanted = [j for j, ch in enumerate(chunks) if ch.logits]
@@ -132,9 +138,9 @@ class LlamaModel:
         x = w.embedding[ids]
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q = apply_rope((h @ layer.wq.T).reshape(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope((h @ layer.wk.T).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            v = (h @ layer.wv.T).reshape(-1, c.num_kv_heads, c.head_dim)
-            x = x + attention(q, k, v, 0).reshape(len(ids), -1) @ layer.wo.T
+            q = apply_rope(linear(h, layer.wq, layer.bq).reshape(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(linear(h, layer.wk, layer.bk).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = linear(h, layer.wv, layer.bv).reshape(-1, c.num_kv_heads, c.head_dim)
+            x = x + linear(attention(q, k, v, 0).reshape(len(ids), -1), layer.wo, layer.bo)
             x = x + self._mlp(rms_norm(x, layer.mlp_norm, c.rms_norm_eps), i)
         return rms_norm(x, w.final_norm, c.rms_norm_eps) @ w.lm_head.T

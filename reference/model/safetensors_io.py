@@ -163,7 +163,7 @@ def _parse_entry(path: Path, name: str, entry: object, data_size: int) -> Tensor
     if not isinstance(entry, dict):
         raise bad("entry must be a JSON object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
@@ -247,6 +247,9 @@ def atomic_output(path: str | Path) -> Iterator[BinaryIO]:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0o022)  # mkstemp makes the file private (0600): give it the usual mode
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()

@@ -54,6 +54,14 @@ class Scheduler:
 
     def add(self, seq: Sequence, now: float | None = None) -> None:
         """Queue a new request. Raises RequestError / UnknownTenantError; then nothing has changed."""
+        self.check(seq)
+        self.policy.on_add(seq)
+        if seq.arrival_time is None:
+            seq.arrival_time = time.monotonic() if now is None else now
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise what ``add`` would raise for ``seq``, changing nothing (to check many before adding any)."""
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise RequestError(f"sequence {seq.seq_id} was already scheduled; add a new Sequence")
         limit = self.config.max_model_len
@@ -68,10 +76,6 @@ class Scheduler:
                                f"the cache has {bm.num_blocks}")
         if self.tenants is not None:
             self.tenants.plan(seq.tenant)
-        self.policy.on_add(seq)
-        if seq.arrival_time is None:
-            seq.arrival_time = time.monotonic() if now is None else now
-        self.waiting.append(seq)
 
     def schedule(self, now: float | None = None) -> Batch:
         """Choose this step's work (see the module docstring). Call ``postprocess`` with its result."""
