@@ -70,7 +70,7 @@ def _ptr(a: np.ndarray) -> int:
 def tables(palette: tuple[int, ...], code_lengths: tuple[int, ...], max_code_length: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[int, int, int, int]]:
     """The decoding tables of one code: one-symbol (exponent | length << 8, uint16 [2^L]), the
-    multi-symbol exponents (uint32) and lengths/counts (uint16) of ``unw_multi_table``, the palette
+    multi-symbol exponents (uint32) and length | count << 8 (uint16) of ``unw_multi_table``, the palette
     (uint8), and the four arrays' addresses (kept with them: the cache keeps them alive)."""
     symbols, lengths = decode_table(code_lengths, max_code_length)
     exponent = np.asarray(palette or (0,), np.uint16)[symbols]

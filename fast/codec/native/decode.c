@@ -41,7 +41,7 @@
 #endif
 
 #define MAX_THREADS 64
-#define INVALID 0x100   /* multi_meta flag: the window starts with no valid code */
+#define INVALID 0x80    /* multi_meta flag: the window starts with no valid code */
 #define CRC_BATCH 8192  /* weights of output between two CRC updates (stays in cache) */
 
 /* ---- CRC-32 ---- */
@@ -226,7 +226,8 @@ uint32_t unw_crc32(const uint8_t *p, int64_t n, int threads) {
 
 /* single[w] = exponent | length << 8 for every L-bit window w (length 0: no code starts there).
  * multi_exp[w] = the exponents of the (up to 4) whole codes that lie inside w, one per byte;
- * multi_meta[w] = their total length | count << 5, or INVALID | 1 << 5 if w starts with no code. */
+ * multi_meta[w] = their total length | count << 8, or INVALID | 1 << 8 if w starts with no code (the
+ * length sits in bits 0-4, so `x << (meta & 63)` is a shift by the length alone). */
 void unw_multi_table(const uint16_t *single, int L, uint32_t *multi_exp, uint16_t *multi_meta) {
     uint32_t mask = (1u << L) - 1;
     for (uint32_t w = 0; w <= mask; w++) {
@@ -241,7 +242,7 @@ void unw_multi_table(const uint16_t *single, int L, uint32_t *multi_exp, uint16_
             k++;
         }
         multi_exp[w] = exps;
-        multi_meta[w] = k ? (uint16_t)(used | k << 5) : (uint16_t)(INVALID | 1 << 5);
+        multi_meta[w] = k ? (uint16_t)(used | k << 8) : (uint16_t)(INVALID | 1 << 8);
     }
 }
 
@@ -293,16 +294,16 @@ static inline __attribute__((always_inline)) unsigned decode_group(const Tensor 
     uint64_t pos = *pos_io;
     unsigned bad = 0;
     while (i + 4 * R <= count) { /* R lookups of up to 4 codes each per refill */
-        uint64_t win = window64(s, words, pos);
+        uint64_t win = window64(s, words, pos) | 1; /* bit 0, never read (R * L < 64), marks the bits used */
         for (int r = 0; r < R; r++) {
             uint64_t w = win >> (64 - L);
             unsigned m = meta[w];
             memcpy(dst + i, &mexp[w], 4);
-            i += (m >> 5) & 7;
-            win <<= m & 31;
-            pos += m & 31;
+            i += m >> 8;
+            win <<= m & 63;
             bad |= m;
         }
+        pos += (uint64_t)__builtin_ctzll(win); /* the mark moved up by the bits used */
     }
     for (; i < count; i++) { /* the last codes one at a time */
         unsigned e = single[window64(s, words, pos) >> (64 - L)];
@@ -334,18 +335,20 @@ static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *
         unsigned m = meta[w];                     \
         uint32_t e = mexp[w];                     \
         memcpy(d##q + i##q, &e, 4);               \
-        i##q += (m >> 5) & 7;                     \
-        win##q <<= m & 31;                        \
-        p##q += m & 31;                           \
+        i##q += m >> 8;                           \
+        win##q <<= m & 63;                        \
         b |= m;                                   \
     }
     while (i0 <= c0 && i1 <= c1 && i2 <= c2 && i3 <= c3) {
-        uint64_t win0 = window64(s, words, p0), win1 = window64(s, words, p1);
-        uint64_t win2 = window64(s, words, p2), win3 = window64(s, words, p3);
+        /* bit 0 of each window, never read (R * L < 64), is a mark: it moves up by the bits used */
+        uint64_t win0 = window64(s, words, p0) | 1, win1 = window64(s, words, p1) | 1;
+        uint64_t win2 = window64(s, words, p2) | 1, win3 = window64(s, words, p3) | 1;
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             STEP(0) STEP(1) STEP(2) STEP(3)
         }
+        p0 += (uint64_t)__builtin_ctzll(win0), p1 += (uint64_t)__builtin_ctzll(win1);
+        p2 += (uint64_t)__builtin_ctzll(win2), p3 += (uint64_t)__builtin_ctzll(win3);
     }
 #undef STEP
     bad[0] = (b & INVALID) | decode_group(x, s, words, &p0, i0, count[0], d0, L, R);
@@ -448,10 +451,10 @@ static void *decode_range(void *arg) {
         if (ng == 4 && x->L == 12)
             decode_4_groups(x, s, words, pos, count, dst, bad, 12, 5);
         else if (ng == 4)
-            decode_4_groups(x, s, words, pos, count, dst, bad, x->L, x->L > 8 ? 64 / x->L : 8);
+            decode_4_groups(x, s, words, pos, count, dst, bad, x->L, x->L > 7 ? 63 / x->L : 8);
         else
             for (int q = 0; q < ng; q++)
-                bad[q] = decode_group(x, s, words, &pos[q], 0, count[q], dst[q], x->L, x->L > 8 ? 64 / x->L : 8);
+                bad[q] = decode_group(x, s, words, &pos[q], 0, count[q], dst[q], x->L, x->L > 7 ? 63 / x->L : 8);
         for (int q = 0; q < ng; q++) {
             if (bad[q])
                 fail(job, BAD_CODE, g + q, 0);
