@@ -153,6 +153,8 @@ def test_a_broken_c_decoder_fails_the_conformance_suite_readably(monkeypatch: py
     assert source.count(old) == 1
     mutant = tmp_path / "decode.c"
     mutant.write_text(source.replace(old, old.replace("<< 7", "<< 6")))
+    for header in decode_native.SOURCE.parent.glob("*.h"):
+        (tmp_path / header.name).write_bytes(header.read_bytes())
     monkeypatch.setenv("UNFIRE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(decode_native, "_state", {"lib": native_build.build(mutant, decode_native._SIGNATURES)})
     assert main(["--device", "cpu", "-k", "codec.cpu_decode_c.random"]) == 1

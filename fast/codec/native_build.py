@@ -1,8 +1,8 @@
 """Build a C file of ``fast/codec/native/`` with the system compiler on first use, and load it.
 
 ``$CC`` (default ``cc``) ``-O3 -std=c99 -pthread -shared -fPIC``, into ``$UNFIRE_CACHE`` (default
-``~/.cache/unfire``) under a name that hashes the source, the compiler and the platform, written to a
-temporary file and renamed (concurrent first uses are safe). No compiler, a failed build or
+``~/.cache/unfire``) under a name that hashes the source (and the headers beside it), the compiler and
+the platform, written to a temporary file and renamed (concurrent first uses are safe). No compiler, a failed build or
 ``UNFIRE_NATIVE=0``: ``load`` returns None (with a warning for a failed build) and the caller uses its
 torch or NumPy fallback, which gives the same bytes.
 """
@@ -30,7 +30,7 @@ def build(source: Path, signatures: Signatures) -> ctypes.CDLL:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         raise RuntimeError("no C compiler (set CC)")
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(text + f"{compiler}|{platform.machine()}|{platform.system()}".encode()).hexdigest()[:16]
     cache = Path(os.environ.get("UNFIRE_CACHE", Path.home() / ".cache" / "unfire"))
     try:

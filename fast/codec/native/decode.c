@@ -35,12 +35,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "threads.h"
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_CLMUL_CODE 1
 #endif
 
-#define MAX_THREADS 64
 #define INVALID 0x80    /* multi_meta flag: the window starts with no valid code */
 #define CRC_BATCH 8192  /* weights of output between two CRC updates (stays in cache) */
 
@@ -184,20 +185,6 @@ typedef struct {
     int64_t n;
     uint32_t crc;
 } CrcJob;
-
-static int run_threads(void *(*fn)(void *), void *arg, size_t size, int threads) {
-    pthread_t id[MAX_THREADS];
-    int started = 1, failed = 0;
-    for (; started < threads; started++)
-        if (pthread_create(&id[started], NULL, fn, (char *)arg + started * size) != 0)
-            break;
-    fn(arg);
-    for (int t = 1; t < started; t++)
-        pthread_join(id[t], NULL);
-    for (int t = started; t < threads; t++, failed = 1) /* could not start: do it here */
-        fn((char *)arg + t * size);
-    return failed ? -1 : 0;
-}
 
 static void *crc_piece(void *arg) {
     CrcJob *job = arg;
