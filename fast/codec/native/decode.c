@@ -280,9 +280,9 @@ static inline __attribute__((always_inline)) unsigned decode_group(const Tensor 
     const uint32_t *mexp = x->multi_exp;
     uint64_t pos = *pos_io;
     unsigned bad = 0;
-    while (i + 4 * R <= count) { /* R lookups of up to 4 codes each per refill */
+    while (i + 4 <= count) { /* up to R lookups of up to 4 codes each per refill, while 4 codes are left */
         uint64_t win = window64(s, words, pos) | 1; /* bit 0, never read (R * L < 64), marks the bits used */
-        for (int r = 0; r < R; r++) {
+        for (int r = 0; r < R && i + 4 <= count; r++) {
             uint64_t w = win >> (64 - L);
             unsigned m = meta[w];
             memcpy(dst + i, &mexp[w], 4);
@@ -292,7 +292,7 @@ static inline __attribute__((always_inline)) unsigned decode_group(const Tensor 
         }
         pos += (uint64_t)__builtin_ctzll(win); /* the mark moved up by the bits used */
     }
-    for (; i < count; i++) { /* the last codes one at a time */
+    for (; i < count; i++) { /* the last (at most 3) codes one at a time */
         unsigned e = single[window64(s, words, pos) >> (64 - L)];
         dst[i] = (uint8_t)e;
         pos += e >> 8;
