@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from reference.model.safetensors_io import atomic_output
+from reference.safe_write import atomic_output
 
 
 class UsageError(Exception):

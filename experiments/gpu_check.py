@@ -1,9 +1,10 @@
-"""One command for a GPU session: the conformance suite natively on CUDA (large shapes), then the benchmark.
+"""One command for a GPU session: the conformance suite natively on CUDA (large shapes), then the benchmarks.
 
 Each step runs in its own process with its own time limit, so a failure in one still leaves the
-other's results. Writes experiments/results/conformance_cuda.json, gpu_bench.json and a summary
-gpu_check.json (GPU name, date, commit, pass/fail, the goals). Sized for one 10-minute call:
-conformance <= 240 s, benchmark <= 300 s (it stops starting new rows at ``--bench-budget``).
+other's results. Writes experiments/results/conformance_cuda.json, gpu_bench.json, bench_kv.json and
+a summary gpu_check.json (GPU name, date, commit, pass/fail, the goals). Sized for one 10-minute call:
+conformance <= 240 s, codec benchmark <= 300 s (it stops starting new rows at ``--bench-budget``),
+KV decode-attention benchmark (``experiments/bench_kv.py``) <= ``--kv-timeout`` (rows stop at ``--kv-budget``).
 
 ``--tiny`` runs the same steps on the CPU under TRITON_INTERPRET=1 (a few conformance cases, the
 benchmark's tiny shapes) and writes to a temporary folder: a smoke test that the script works,
@@ -49,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conformance-timeout", type=float, default=240)
     p.add_argument("--bench-timeout", type=float, default=300)
     p.add_argument("--bench-budget", type=float, default=240)
+    p.add_argument("--kv-timeout", type=float, default=100)
+    p.add_argument("--kv-budget", type=float, default=60)
     args = p.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_check_")) if args.tiny else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,13 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         env["TRITON_INTERPRET"] = "1"
         conf = [py, "-m", "conformance", "--device", "cpu", "-k", "bf16.", "-k", "codec.palette_decode.random",
-                "-k", "matmul.fused_vs_plain.synthetic_96x320.b1", "--json", str(out / "conformance_cpu.json")]
+                "-k", "matmul.fused_vs_plain.synthetic_96x320.b1", "-k", "kv.decode_attention.fp8.triton",
+                "--json", str(out / "conformance_cpu.json")]
         bench = [py, "-m", "experiments.gpu_bench", "--tiny", "--json", str(out / "gpu_bench_tiny.json")]
+        kv = [py, "-m", "experiments.bench_kv", "--tiny", "--json", str(out / "bench_kv_tiny.json")]
     else:
         env.pop("TRITON_INTERPRET", None)
         conf = [py, "-m", "conformance", "--device", "cuda", "--large", "--json", str(out / "conformance_cuda.json")]
         bench = [py, "-m", "experiments.gpu_bench", "--budget", str(args.bench_budget),
                  "--json", str(out / "gpu_bench.json")]
+        kv = [py, "-m", "experiments.bench_kv", "--budget", str(args.kv_budget), "--json", str(out / "bench_kv.json")]
     summary: dict[str, object] = {"tiny": args.tiny, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     sys.path.insert(0, str(REPO))
     from experiments.setup_info import commit, machine
@@ -77,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
         summary["gpu"] = None
     summary["conformance"] = step("conformance", conf, args.conformance_timeout, env)
     summary["benchmark"] = step("benchmark", bench, args.bench_timeout, env)
+    summary["kv_benchmark"] = step("kv_benchmark", kv, args.kv_timeout, env)
+    kv_path = out / ("bench_kv_tiny.json" if args.tiny else "bench_kv.json")
+    if kv_path.exists():
+        rows = json.loads(kv_path.read_text()).get("rows", [])
+        summary["kv_benchmark"]["result_file"] = str(kv_path)
+        summary["kv_benchmark"]["triton_GBps"] = {f"{r['dtype']}.b{r['batch']}": r["triton_GBps"] for r in rows}
     for key, name in (("conformance", "conformance_cpu.json" if args.tiny else "conformance_cuda.json"),
                       ("benchmark", "gpu_bench_tiny.json" if args.tiny else "gpu_bench.json")):
         path = out / name
@@ -87,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                   else "goals")
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out / 'gpu_check.json'}")
-    ok = summary["conformance"]["rc"] == 0 and summary["benchmark"]["rc"] == 0
+    ok = all(summary[k]["rc"] == 0 for k in ("conformance", "benchmark", "kv_benchmark"))
     return 0 if ok else 1
 
 

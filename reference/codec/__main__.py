@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 
@@ -37,6 +34,7 @@ from reference.codec.container import (
 from reference.codec.errors import CodecError
 from reference.codec.rans import BLOCK_SIZE, LANES, MANTISSA_BITS, PROB_BITS, TABLES, RansTensor
 from reference.model.names import tensor_kind
+from reference.safe_write import Interrupted, remove_temporary_files, signals_raise
 
 MODE_PARAMS = {
     "unweight": {"palette-size": PALETTE_SIZE, "chunk-size": CHUNK_SIZE, "chunks-per-group": CHUNKS_PER_GROUP,
@@ -44,36 +42,6 @@ MODE_PARAMS = {
     "rans": {"block-size": BLOCK_SIZE, "lanes": LANES, "prob-bits": PROB_BITS, "mantissa-bits": MANTISSA_BITS,
              "max-tables": TABLES},
 }
-
-
-class Interrupted(BaseException):
-    """A signal arrived: unwinds the stack (so every ``finally`` removes its files) like Ctrl-C."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextmanager
-def signals_raise() -> Iterator[None]:
-    """While inside, SIGINT, SIGTERM and SIGHUP raise ``Interrupted``; later ones are ignored, so
-    the clean-up they started is not cut short. The old handlers come back on the way out."""
-    if threading.current_thread() is not threading.main_thread():  # only the main thread may set them
-        yield
-        return
-    catch = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
-
-    def handler(signum: int, frame: object) -> None:
-        for s in catch:
-            signal.signal(s, signal.SIG_IGN)
-        raise Interrupted(signum)
-
-    old = {s: signal.signal(s, handler) for s in catch}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m reference.codec", encoder: Encoder = encode,
@@ -110,7 +78,9 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m reference.code
         print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
         return 2
     except Interrupted as e:
-        print(f"interrupted by {signal.Signals(e.signum).name}: nothing written", file=sys.stderr)
+        remove_temporary_files()  # those the signal stopped before their own clean-up began
+        print(f"interrupted by {signal.Signals(e.signum).name}: temporary files removed, no partial output left",
+              file=sys.stderr)
         return 128 + e.signum
     return 0
 

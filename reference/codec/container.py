@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,9 +34,11 @@ from reference.codec.codec import encode
 from reference.codec.errors import CodecError
 from reference.codec.format import ARRAY_DTYPES, FORMAT_NAME, VERSION, CompressedTensor, crc32
 from reference.codec.lockstep import decode_many
+from reference.codec.paths import check_output, input_paths
 from reference.model.errors import WeightError
 from reference.model.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, write_safetensors
 from reference.model.weights import open_weights
+from reference.safe_write import discard, temporary_file
 
 MIN_ELEMENTS = 4096  # smaller tensors (norms, biases) pass through: their header would cost more than they save
 CASTABLE = ("F32", "F16")  # cast to bf16 (round-to-nearest-even) with to_bf16=True
@@ -99,7 +100,7 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
         raise CodecError(str(e)) from None
     out = Path(out)
     metadata = _source_metadata(weights)  # (refuses a container first: the more useful message)
-    check_output(out, _input_paths(source, weights))
+    check_output(out, input_paths(source, weights))
     names, counts = weights.names(), {"compressed": 0, "passed": 0, "castable_passed": 0}
     with _Scratch(out) as scratch:
         pending: list[tuple[str, np.ndarray, str]] = []  # tensors waiting to be encoded as one batch
@@ -302,34 +303,6 @@ def _raw_header(name: str, array: np.ndarray, dtype: str) -> str:
                                "shape": list(array.shape), "crc32": {"data": crc32(array)}})
 
 
-def check_output(out: Path, inputs: list[Path]) -> None:
-    """Refuse, before any work, an output path that cannot be written or would destroy an input."""
-    if out.is_dir():
-        raise CodecError(f"{out} is a directory: give the path of the file to write")
-    if not out.parent.is_dir():
-        raise CodecError(f"{out}: the directory {out.parent} does not exist")
-    if not os.access(out.parent, os.W_OK | os.X_OK):
-        raise CodecError(f"{out}: the directory {out.parent} is not writable")
-    for p in inputs:
-        if _same_file(out, p):
-            raise CodecError(f"{out} is the input {p}: write the output to another path (the input would be lost)")
-
-
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:  # one of them does not exist (yet): compare the resolved paths
-        return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _input_paths(source: str | Path, weights: Any) -> list[Path]:
-    """Every file a compression reads: the weight files, and a checkpoint directory's index."""
-    paths = [Path(f.path) for f in weights.files]
-    if Path(source).is_dir():
-        paths.append(Path(source) / "model.safetensors.index.json")
-    return paths
-
-
 def _source_metadata(weights: Any) -> dict[str, str]:
     """The source safetensors files' own metadata (GGUF key/values are not strings: not kept).
 
@@ -352,8 +325,8 @@ class _Scratch:
     """Arrays parked in a temporary file beside the output, then memory-mapped back for writing."""
 
     def __init__(self, out: Path):
-        fd, name = tempfile.mkstemp(prefix=out.name + ".", suffix=".scratch", dir=out.parent)
-        self.path, self._f = Path(name), os.fdopen(fd, "wb")
+        fd, self.path = temporary_file(out.parent, out.name + ".", ".scratch")  # removed by remove_temporary_files
+        self._f = os.fdopen(fd, "wb")
         self.entries: dict[str, tuple[int, np.dtype, tuple[int, ...], str]] = {}
 
     def put(self, name: str, array: np.ndarray, dtype: str) -> None:
@@ -374,4 +347,4 @@ class _Scratch:
 
     def __exit__(self, *exc: object) -> None:
         self._f.close()
-        self.path.unlink(missing_ok=True)
+        discard(self.path)

@@ -18,7 +18,6 @@ Typical use::
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,24 +26,21 @@ from typing import Any
 import numpy as np
 
 from reference.engine.cost import StepShape
-from reference.engine.params import EngineError, SamplingParams, SamplingParamsError
+from reference.engine.params import (
+    EngineError,
+    RequestRejected,
+    SamplingParams,
+    SamplingParamsError,
+    UnknownRequestError,
+    check_engine_args,
+    check_request_args,
+)
 from reference.engine.request import Request, RequestMetrics, RequestOutput, TokenEvent
 from reference.engine.sampling import sample
 from reference.kv.block_manager import BlockManager
 from reference.model.llama import Chunk, LlamaModel
 from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError, Tenants, make_policy
 from reference.sched import Sequence as SchedSequence
-
-
-class RequestRejected(EngineError):
-    """A request was refused (bad prompt, unknown tenant, does not fit); nothing else changed."""
-
-
-class UnknownRequestError(EngineError, KeyError):
-    """No request has this id (a KeyError too, for code that looks requests up like a dict)."""
-
-    def __str__(self) -> str:  # KeyError would print the message with quotes around it
-        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -69,7 +65,7 @@ class Engine:
                  max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
                  aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0, seed: int = 0,
                  clock: Callable[[], float] = time.monotonic):
-        _check_engine_args(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+        check_engine_args(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed)
         self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
         # the context: the checkpoint's, or less if asked, and never more than the whole KV cache holds
@@ -105,7 +101,7 @@ class Engine:
         """Check one request completely and build it, without queuing it. ``pending``: requests built
         for the same call, not queued yet. Raises ``RequestRejected``; changes nothing."""
         ids = self._prompt_ids(prompt)
-        _check_request_args(tenant=tenant, request_id=request_id, arrival_time=arrival_time, cache_salt=cache_salt,
+        check_request_args(tenant=tenant, request_id=request_id, arrival_time=arrival_time, cache_salt=cache_salt,
                             predicted_output_len=predicted_output_len)
         taken = set(self.requests) | {r.request_id for r in pending}
         number = max([self._next_number] + [r.number + 1 for r in pending])
@@ -264,33 +260,6 @@ class Engine:
         text = self.tokenizer.decode(req.output_token_ids, skip_special=True) if self.tokenizer is not None else ""
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                              req.finish_reason, req.tenant, req.metrics, req.seq.num_cached_tokens)
-
-
-def _check_engine_args(*, max_model_len: int | None, seed: int, **counts: int) -> None:
-    """Engine arguments: each count an integer >= 1, max_model_len None or >= 1, seed >= 0."""
-    for name, value in counts.items():
-        if type(value) is not int or value < 1:
-            raise EngineError(f"{name}={value!r}: must be an integer >= 1")
-    if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
-        raise EngineError(f"max_model_len={max_model_len!r}: must be None (the model's context) or an integer >= 1")
-    if type(seed) is not int or seed < 0:
-        raise EngineError(f"seed={seed!r}: must be an integer >= 0")
-
-
-def _check_request_args(*, tenant: object, request_id: object, arrival_time: object, cache_salt: object,
-                        predicted_output_len: object) -> None:
-    """The types of add_request's keyword arguments (RequestRejected naming the argument)."""
-    if not isinstance(tenant, str):
-        raise RequestRejected(f"tenant={tenant!r}: must be a str")
-    if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, str | int)):
-        raise RequestRejected(f"request_id={request_id!r}: must be None, a str or an int")
-    if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)
-                                     or not math.isfinite(arrival_time)):
-        raise RequestRejected(f"arrival_time={arrival_time!r}: must be None or a finite number")
-    if cache_salt is not None and not isinstance(cache_salt, str):
-        raise RequestRejected(f"cache_salt={cache_salt!r}: must be None or a str")
-    if predicted_output_len is not None and (type(predicted_output_len) is not int or predicted_output_len < 0):
-        raise RequestRejected(f"predicted_output_len={predicted_output_len!r}: must be None or an integer >= 0")
 
 
 def _as_params(params: SamplingParams | dict | None) -> SamplingParams:

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
+
+from reference.safe_write import atomic_output
 
 # safetensors dtype name -> the NumPy dtype we hold it in (bf16 and fp8 as raw bits)
 DTYPES: dict[str, np.dtype] = {
@@ -233,38 +231,3 @@ def write_safetensors(
         f.write(blob)
         for array in arrays:
             f.write(array.tobytes())
-
-
-@contextmanager
-def atomic_output(path: str | Path) -> Iterator[BinaryIO]:
-    """A file to write ``path`` through: it appears complete under ``path`` or not at all.
-
-    The bytes go to a fresh temporary file in the same directory (so the rename stays on one file
-    system), are flushed to disk (fsync), and only then renamed over ``path`` (``os.replace``, atomic
-    on POSIX). On any exception, KeyboardInterrupt and SystemExit included, the temporary file is
-    removed and whatever was under ``path`` before stays as it was.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        umask = os.umask(0o022)  # mkstemp makes the file private (0600): give it the usual mode
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
