@@ -111,7 +111,7 @@ def print_results(results: list, device: str, large: bool, seconds: float) -> No
 
 
 def write_json(path: Path, results: list, device: str, large: bool, seed: int, seconds: float) -> None:
-    from experiments.setup_info import commit, machine
+    from reference.provenance import commit, machine
 
     info = machine()
     try:

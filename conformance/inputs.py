@@ -9,16 +9,15 @@ several cases (encode, decode, transcode, ...) share one tensor and its referenc
 from __future__ import annotations
 
 import functools
-import json
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from reference.bf16 import float32_to_bf16, join_fields
+from reference.synthetic import minilm_exponent_counts, synthetic_weights  # noqa: F401  (re-exported for cases)
 
 MINILM_MATRICES = {  # a few real weight matrices of all-MiniLM-L6-v2 (fp32, cast to bf16 with RNE)
     "query": "encoder.layer.0.attention.self.query.weight",
@@ -61,37 +60,14 @@ def minilm_bits(name: str) -> np.ndarray:
     return float32_to_bf16(np.ascontiguousarray(open_weights("minilm").get(name), dtype=np.float32))
 
 
-EXPONENTS_FILE = Path(__file__).resolve().parent / "data" / "minilm_mlp_exponents.json"
 MLP_NAMES = [f"encoder.layer.{i}.{part}.dense.weight" for i in range(6) for part in ("intermediate", "output")]
 
 
-@functools.lru_cache(maxsize=1)
-def minilm_exponent_counts() -> np.ndarray:
-    """Exponent histogram (256 counts) pooled over MiniLM's 12 MLP matrices: a real exponent distribution.
-
-    Read from conformance/data (so that machines without the MiniLM package, like the GPU machine,
-    draw the same weights); ``tests/test_fast_codec.py`` checks it against the package's weights.
-    """
-    return np.asarray(json.loads(EXPONENTS_FILE.read_text())["counts"], dtype=np.int64)
-
-
 def minilm_exponent_counts_from_weights() -> np.ndarray:
-    """The same histogram computed from the installed MiniLM weights."""
+    """The exponent histogram of ``reference.synthetic`` computed from the installed MiniLM weights."""
     from reference.bf16 import exponent_frequencies
 
     return sum(exponent_frequencies(minilm_bits(n)) for n in MLP_NAMES)
-
-
-def synthetic_weights(shape: tuple[int, ...], rng: np.random.Generator, counts: np.ndarray | None = None) -> np.ndarray:
-    """Random bf16 weights whose exponents follow ``counts`` (default: MiniLM's MLP histogram);
-    sign and mantissa uniform (they are ~incompressible in real weights, claim U1)."""
-    counts = minilm_exponent_counts() if counts is None else counts
-    p = counts / counts.sum()
-    n = int(np.prod(shape))
-    exponent = rng.choice(256, size=n, p=p).astype(np.uint8)
-    sign = rng.integers(0, 2, n, dtype=np.uint8)
-    mantissa = rng.integers(0, 128, n, dtype=np.uint8)
-    return join_fields(sign, exponent, mantissa).reshape(shape)
 
 
 def _normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 0.02) -> np.ndarray:

@@ -5,8 +5,12 @@ compares the outputs at one of three levels (DESIGN.md, "Conformance levels"):
 
 * ``BIT_EXACT``: the fast output equals the reference bit for bit (integer and bit work: codecs).
 * ``SAME_KERNEL``: a fused kernel equals, bit for bit, the same kernel run on pre-decoded inputs.
+  It checks only what differs between the two runs (the fused decode); what both share (tile loads,
+  accumulation, epilogue) is invisible to it, so every such case needs a BOUNDED partner that
+  compares against an independent implementation (see conformance/cases/matmul_cases.py).
 * ``BOUNDED``: a floating-point result stays within a stated bound of a float64 reference; the
-  bound is written next to the case (``Bound.text``) and checked element by element.
+  bound is written next to the case (``Bound.text``) and checked element by element. A bound can
+  be a rounding interval (allowed 0 where only one result is correct), not just a tolerance.
 
 This module imports neither torch nor triton: the CLI must be able to set TRITON_INTERPRET first.
 """

@@ -41,7 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         print_table(table_rows(experiments, load_results(), ran=set()))
         return 0
     if args.command == "paper":
-        print(f"wrote {build_paper(experiments)}")
+        try:
+            print(f"wrote {build_paper(experiments)}")
+        except ValueError as e:
+            print(f"paper not rebuilt: {e}", file=sys.stderr)
+            return 1
         return 0
 
     wanted = [c.strip().upper() for c in args.only.split(",") if c.strip()] or list(CLAIM_IDS)
@@ -61,17 +65,21 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             result = exp.run(ctx)
+            path = write_result(exp, result, args.full, time.perf_counter() - start, RESULTS_DIR)
         except Exception:  # report, keep going with the other claims, exit non-zero at the end
             traceback.print_exc()
             failed.append(exp.claim)
             continue
-        path = write_result(exp, result, args.full, time.perf_counter() - start, RESULTS_DIR)
         print(f"   {result.summary}  ->  {path.relative_to(RESULTS_DIR.parent.parent)}"
               f"  ({time.perf_counter() - start:.0f} s)", flush=True)
         ran.add(exp.claim)
     rows = [r for r in table_rows(experiments, load_results(), ran) if r[0] in wanted]
     print_table(rows)
-    build_paper(experiments)
+    try:
+        build_paper(experiments)
+    except ValueError as e:  # stored results that cannot go into the paper (e.g. without a clock)
+        print(f"paper not rebuilt: {e}", file=sys.stderr)
+        failed.append("paper")
     if failed:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1

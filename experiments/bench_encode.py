@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, default=None, help="only the first N tensors")
     p.add_argument("--json", type=Path, default=None, help=f"write results here (e.g. {RESULTS}/bench_encode.json)")
     args = p.parse_args(argv)
-    from experiments.setup_info import commit, machine
+    from reference.provenance import commit, machine
 
     res = run(args.weights, args.threads, args.repeats, args.min_elements, args.limit)
     res["machine"], res["commit"] = machine(), commit()

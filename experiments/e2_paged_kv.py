@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from experiments.kv_contiguous import ContiguousAllocator
 from experiments.registry import Context, Experiment, Result
 from reference.kv import BlockManager
+from reference.kv.contiguous import ContiguousAllocator
 from reference.sched import Scheduler, SchedulerConfig, Sequence
 from reference.workload import iter_sharegpt
 
@@ -81,7 +81,7 @@ def simulate(allocator: Any, requests: list[tuple[int, int]], capacity: int, wat
     steps, computed_total, saturated = 0, 0, []
     while sched.has_unfinished():
         batch = sched.schedule(float(steps))
-        tokens = [(0 if e.seq.num_output_tokens + 1 >= true_out[e.seq.seq_id] else 1) if e.samples else None
+        tokens = [(0 if e.seq.num_output_tokens + 1 >= true_out[e.seq.seq_id] else 1) if e.needs_sample else None
                   for e in batch.entries]
         computed_total += batch.num_batched_tokens
         sched.postprocess(batch, tokens, float(steps))
@@ -154,9 +154,14 @@ def run(ctx: Context) -> Result:
              "contiguous 'allocated, empty' is internal fragmentation (reserved for tokens not produced yet or "
              "never); its 'free' share is mostly external fragmentation: holes too small for the next reservation"]
     return Result(
+        clock="wall",
+        clock_detail=("only the run time of each scheme ('seconds'); every headline number is a count of "
+                      "tokens, blocks or sequences"),
         measured={"setups": results, "notes": notes},
+        notes=notes,
         summary=(f"{results[0]['model']}, bs=16: {paged['mean_concurrency']:.0f} concurrent seqs, "
-                 f"{100 * paged['waste_fraction']:.1f}% of KV not holding tokens; contiguous: "
+                 f"{100 * paged['waste_fraction']:.1f}% of KV not holding tokens (with {paged['preemptions']} "
+                 f"preemptions, {100 * paged['recomputed_fraction']:.0f}% of computed tokens recomputed); contiguous: "
                  f"{main['contiguous max_context']['mean_concurrency']:.1f} (max ctx, "
                  f"{100 * main['contiguous max_context']['waste_fraction']:.0f}% waste) / "
                  f"{main['contiguous request']['mean_concurrency']:.1f} (prompt+max_tokens, "

@@ -3,7 +3,10 @@
 Not an experiment itself (its name has no claim id). The NumPy engine runs SmolLM2-135M on this
 CPU, with BLAS limited to one thread (a second thread on a shared 2-core machine spin-waits and is
 far slower), so the workloads are ShareGPT requests scaled down: prompts truncated, outputs capped.
-Engine time is ``CpuClock``: this process's CPU seconds, robust against other load on the machine.
+Engine time is ``CpuClock``: this process's CPU seconds (result clock "cpu-process"). That keeps out
+the time other jobs hold the CPU, but not their effect on caches, memory bandwidth and frequency:
+rerun under other load, absolute figures moved 1.4-3x. So each timed claim leads with a ratio of two
+configurations measured back to back in one run, repeated a few times, with its spread (``spread``).
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from reference.workload import iter_sharegpt
 class CpuClock:
     """The engine clock of these experiments: CPU seconds of this process, plus skipped idle time.
 
-    The machine is shared (other jobs come and go), so wall-clock step times would measure the
-    neighbours as much as the engine. With BLAS on one thread, this process's CPU time is the
-    engine's own work. When the engine is idle until the next arrival, ``idle_until`` moves the clock
-    forward instead of sleeping.
+    The machine is shared (other jobs come and go), so wall-clock step times would count the time
+    the neighbours hold the CPU. With BLAS on one thread, this process's CPU time excludes that, but
+    the neighbours still slow the engine's own work (shared caches, memory bandwidth, frequency).
+    When the engine is idle until the next arrival, ``idle_until`` moves the clock forward instead of
+    sleeping.
     """
 
     def __init__(self) -> None:
@@ -43,9 +47,22 @@ class CpuClock:
         self.offset += max(0.0, t - self())
 
 
-# how the engine experiments measure time (recorded in every result's setup)
-CLOCK = ("engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped), "
-         "so other load on the shared machine does not count")
+# how the engine experiments measure time (Result.clock_detail of every engine result)
+CLOCK = ("engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped) on a machine "
+         "shared with other developers' jobs; their load still slows the engine (caches, memory bandwidth), "
+         "so absolute times vary between runs: the headline is a ratio measured within one run")
+
+
+def spread(values: Sequence[float], digits: int = 3) -> dict[str, Any]:
+    """Median, min and max of a figure measured in several repeats (and the values themselves)."""
+    v = [float(x) for x in values]
+    return {"median": round(float(np.median(v)), digits), "min": round(min(v), digits),
+            "max": round(max(v), digits), "runs": [round(x, digits) for x in v]}
+
+
+def spread_text(s: dict[str, Any], unit: str = "x") -> str:
+    """'1.39x (1.31-1.45 over 3 runs)'."""
+    return f"{s['median']:.2f}{unit} ({s['min']:.2f}-{s['max']:.2f} over {len(s['runs'])} runs)"
 
 
 @contextmanager

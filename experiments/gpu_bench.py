@@ -90,9 +90,9 @@ def make_weights(shape: tuple[int, int], seed: int, chunks_per_group: int = 32) 
     """(bf16 weights, Huffman form, palette form), on the CPU, from MiniLM's exponent distribution."""
     import numpy as np
 
-    from conformance.inputs import synthetic_weights
     from fast.bf16 import from_numpy_bits
     from fast.codec.encode import encode
+    from reference.synthetic import synthetic_weights
 
     w = from_numpy_bits(synthetic_weights(shape, np.random.default_rng(seed)))
     hform, pform = encode(w, chunks_per_group=chunks_per_group, with_palette_form=True)
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.tiny and not torch.cuda.is_available():
         print("gpu_bench: no CUDA device; use --tiny for the CPU smoke test", file=sys.stderr)
         return 2
-    from experiments.setup_info import commit, machine
+    from reference.provenance import commit, machine
 
     res = bench(args.tiny, args.budget)
     res.update({"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": commit(), "machine": machine()})

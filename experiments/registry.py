@@ -6,6 +6,10 @@ runner discovers it, the table gets its row, the paper gets its section.
 
 ``run(ctx)`` does the work and returns a ``Result``; the runner adds the setup (machine, commit,
 date), writes ``experiments/results/<claim>.json`` and prints the table.
+
+Every result states the clock its times are on (``Result.clock``, one of ``CLOCKS``), and the paper
+prints it in the section; a result whose numbers look timed (a key ending in _ms, _s, _mbps, ...) with
+no clock, or with ``"none"``, is refused when written and when the paper is built.
 """
 
 from __future__ import annotations
@@ -20,6 +24,17 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# The clocks a result's times can be on (``Result.clock``), and what each means for a reader.
+CLOCKS = {
+    "wall": "wall-clock seconds (time.perf_counter) on the machine named below; other load on it counts",
+    "cpu-process": ("CPU seconds of the measuring process (time.process_time; idle gaps skipped): less "
+                    "exposed to other load than wall time, but not immune (caches, memory bandwidth and "
+                    "frequency are shared), so absolute figures move between runs; compare ratios"),
+    "simulated": "simulated seconds of a discrete-event model (costs calibrated from measurements)",
+    "none": "no timing: counts, sizes and ratios of them only",
+}
+_TIMED_KEY = re.compile(r"(_ms|_s|seconds|_per_s|_mbps|_gbps)$")
 _MODULE_RE = re.compile(r"^[a-z]\d+_\w+$")  # u1_entropy, e10_cpu_load, ...
 
 
@@ -34,6 +49,38 @@ class Result:
     setup: dict[str, Any] = field(default_factory=dict)  # weights, workload, sizes
     article: dict[str, Any] = field(default_factory=dict)  # the article's numbers, quoted
     figures: list[str] = field(default_factory=list)  # paths relative to experiments/results
+    clock: str | None = None  # one of CLOCKS: what every time in ``measured`` and ``summary`` is on
+    clock_detail: str = ""  # optional: how that clock was taken here (threads, what was skipped, ...)
+    notes: list[str] = field(default_factory=list)  # caveats the paper prints in the section's text
+    tables: list[str] = field(default_factory=list)  # markdown tables for the paper's section
+
+    def __post_init__(self) -> None:
+        if self.clock is not None and self.clock not in CLOCKS:
+            raise ValueError(f"Result.clock must be one of {sorted(CLOCKS)}, got {self.clock!r}")
+
+
+def clock_problem(clock: str | None, measured: Any) -> str | None:
+    """Why a result's clock is not acceptable (None if it is): a clock must be stated, and "none" is
+    only allowed when no measured key looks like a time (ends in _ms, _s, _seconds, _per_s, _mbps)."""
+    if clock is None:
+        return f"no clock stated: set Result.clock to one of {sorted(CLOCKS)}"
+    if clock not in CLOCKS:
+        return f"unknown clock {clock!r}: use one of {sorted(CLOCKS)}"
+    if clock == "none":
+        timed = sorted(k for k in _keys(measured) if _TIMED_KEY.search(k))
+        if timed:
+            return f"clock 'none' but these measured numbers look timed: {timed[:5]}"
+    return None
+
+
+def _keys(x: Any) -> Iterator[str]:
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield str(k)
+            yield from _keys(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _keys(v)
 
 
 @dataclass

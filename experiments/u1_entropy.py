@@ -89,6 +89,7 @@ def run(ctx: Context) -> Result:
     verdict = "matches" if all(verdicts) else "differs"
     smol = results[1]["pooled"]
     return Result(
+        clock="none",
         measured={"weights": results},
         summary=(f"exponent {p['exponent_bits']:.2f} bits, sign {p['sign_bits']:.3f}, mantissa "
                  f"{p['mantissa_bits']:.2f} of 7; top-16 cover {100 * p['top16_coverage']:.3f}% "

@@ -108,6 +108,7 @@ def run(ctx: Context) -> Result:
     main, smol = models[0], models[1]
     ok = all(m["all_exact"] for m in models)
     return Result(
+        clock="none",
         measured={"format": FORMAT_DOC, "models": models},
         summary=(f"bit-exact on all {sum(m['tensors_checked'] for m in models)} tensors (4 round trips + "
                  f"container); palette covers {100 * main['palette_coverage']:.3f}% of weights, "

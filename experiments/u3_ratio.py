@@ -168,6 +168,8 @@ def run(ctx: Context) -> Result:
     smol = models[1]
     sp = main["speed_mbps"]
     return Result(
+        clock="wall",
+        clock_detail="decode speeds only (time.perf_counter, on the shared machine); ratios and sizes involve no clock",
         measured={"models": models, "mlp_bound_check": {"limit": BOUND_GAP_LIMIT, "tensors": mlp_check,
                                                          "all_within": all(c["within"] for c in mlp_check)},
                   "rans_mode": rans, "rans_ablation": ablation},

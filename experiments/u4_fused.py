@@ -93,6 +93,9 @@ def run(ctx: Context) -> Result:
         why = lossless_text + f". GPU numbers from {gpu.get('date')} at commit {gpu.get('commit')}."
     figure = plot(rows, gpu, ctx)
     return Result(
+        clock="wall",
+        clock_detail=("kernel times only on a GPU run (CUDA events, in the GPU benchmark); on the CPU only "
+                      "losslessness is checked"),
         measured=measured, summary=summary, verdict=verdict, why=why, figures=[figure],
         setup={"weights": "minilm (every 2-D float tensor with >= 4096 weights, cast to bf16 with RNE)",
                "kernels": "Triton under TRITON_INTERPRET=1 on CPU; natively on a GPU via experiments/gpu_check.py"},

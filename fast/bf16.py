@@ -96,10 +96,15 @@ def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, bf16_bits_rne(x).to(tl.int16), mask=mask)
 
 
-def float32_to_bf16(x: torch.Tensor) -> torch.Tensor:
-    """Round a float32 tensor to torch.bfloat16 with the Triton kernel (bit-exact on GPU and interpreter)."""
+def float32_to_bf16(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Round a float32 tensor to torch.bfloat16 with the Triton kernel (bit-exact on GPU and interpreter);
+    into ``out`` (bf16 or int16, x's shape, contiguous) if given."""
     check_tensor(x, "x", dtype=torch.float32)
-    out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
+    if out is not None:
+        check_tensor(out, "out", dtype=(torch.bfloat16, torch.int16), shape=tuple(x.shape), device=x.device)
+        out = out.view(torch.int16)
+    else:
+        out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
     n = x.numel()
     if n:
         block = 1024

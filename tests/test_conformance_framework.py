@@ -75,3 +75,16 @@ def test_cli_runs_and_exits_zero(capsys, tmp_path):
 
 def test_cli_no_match_is_a_usage_error():
     assert main(["--device", "cpu", "-k", "no-such-case"]) == 2
+
+
+def test_float_inputs_are_embedded_amid_nan_poison() -> None:
+    import torch
+
+    from conformance.poison import GUARD_CELLS, embed
+
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        x = torch.arange(5, dtype=dtype)
+        e = embed(x)
+        assert e.dtype == dtype and torch.equal(e, x)
+        storage = torch.empty(0, dtype=dtype).set_(e.untyped_storage(), 0, (2 * GUARD_CELLS + 5,))
+        assert storage[:GUARD_CELLS].isnan().all() and storage[GUARD_CELLS + 5:].isnan().all()

@@ -6,6 +6,8 @@ real conformance CLI in-process; it must exit 1 and print the first differing el
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
@@ -25,8 +27,8 @@ def _broken_round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, rounded.to(tl.int16), mask=mask)
 
 
-def _broken_float32_to_bf16(x: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(x.shape, dtype=torch.int16, device=x.device)
+def _broken_float32_to_bf16(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=torch.int16, device=x.device) if out is None else out.view(torch.int16)
     _broken_round_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
     return out.view(torch.bfloat16)
 
@@ -50,6 +52,7 @@ def _mutant(module, old: str, new: str, tmp_path, monkeypatch):
     path.write_text(source.replace(old, new))
     spec = importlib.util.spec_from_file_location(path.stem, path)
     mutant = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, path.stem, mutant)  # dataclasses look their module up while defined
     spec.loader.exec_module(mutant)
     return mutant
 
@@ -104,3 +107,53 @@ def test_write_past_the_end_is_caught_by_the_nan_guard(monkeypatch, capsys, tmp_
     out = capsys.readouterr().out
     assert code == 1
     assert "output guard cells around the output (must stay NaN 0x7fc1): first difference at index" in out
+
+
+def test_truncating_epilogue_shared_by_both_kernels_fails_the_tight_matmul_cases(monkeypatch, capsys, tmp_path):
+    """A bug in what the fused and plain kernels share (here the epilogue truncates instead of rounding
+    to nearest even) is invisible to the same-kernel cases; the fused_vs_decoded cases catch it."""
+    from fast.codec import matmul
+
+    mutant = _mutant(matmul, "bf16_bits_rne(acc).to(tl.int16), mask=out_mask)",
+                     "(acc.to(tl.uint32, bitcast=True) >> 16).to(tl.int16), mask=out_mask)", tmp_path, monkeypatch)
+    monkeypatch.setattr(matmul, "matmul", mutant.matmul)
+    monkeypatch.setattr(matmul, "fused_matmul", mutant.fused_matmul)
+    code = main(["--device", "cpu", "-k", "matmul.fused_vs_*.synthetic_70x200*",
+                 "-k", "matmul.fused_vs_*.synthetic_96x320.b1"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "FAIL: matmul.fused_vs_plain" not in out  # the blind spot: both sides truncate alike
+    assert "FAIL: matmul.fused_vs_decoded.synthetic_70x200.b33 (bounded)" in out
+    assert "FAIL: matmul.fused_vs_decoded.synthetic_96x320.b1 (bounded)" in out
+    assert "outside the bound at index" in out
+
+
+def test_rounding_kernel_writing_past_the_end_is_caught_by_its_guard(monkeypatch, capsys, tmp_path):
+    # one lane too many: it reads the float32 input's poison and writes past the output's end
+    mutant = _mutant(bf16, "    mask = offs < n\n", "    mask = offs < n + 1\n", tmp_path, monkeypatch)
+    monkeypatch.setattr(bf16, "float32_to_bf16", mutant.float32_to_bf16)
+    assert main(["--device", "cpu", "-k", "bf16.round_rne.random"]) == 1
+    out = capsys.readouterr().out
+    # the cell past the end gets the input's poison, rounded (the float32 NaN 0x7fa5a5a5 -> bf16 0x7fe5)
+    assert "output guard cells around the output (must stay NaN 0x7fc1): first difference at index [67]" in out
+    assert "fast 0x7fe5" in out
+
+
+def test_transcode_kernel_writing_past_the_end_is_caught_by_its_guard(monkeypatch, tmp_path):
+    """The transcode case hands the kernel a uint8 output amid guard cells (codec.transcode.*): the
+    correct kernel leaves them alone, a kernel that writes one cell late changes the first one after."""
+    import numpy as np
+
+    import reference.codec as rc
+    from conformance.poison import PoisonedOutput, expected_guards
+    from fast.codec import huffman_decode
+    from fast.codec.convert import huffman_from_reference
+    from reference.synthetic import synthetic_weights
+
+    mutant = _mutant(huffman_decode, "tl.store(out_row + w, tl.where(is_v", "tl.store(out_row + w + 1, tl.where(is_v",
+                     tmp_path, monkeypatch)  # every index one cell late: the last lands past the end
+    form = huffman_from_reference(rc.encode(synthetic_weights((4, 128), np.random.default_rng(0))), "cpu")
+    for module, intact in [(huffman_decode, True), (mutant, False)]:
+        out = PoisonedOutput((4, 128), "cpu", kind="uint8")
+        module.transcode(form, symbols_out=out.view)
+        assert np.array_equal(out.guards().numpy(), expected_guards(kind="uint8")) == intact

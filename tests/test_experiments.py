@@ -10,7 +10,7 @@ import pytest
 from experiments import report
 from experiments.__main__ import main
 from experiments.claims import CLAIM_IDS, claim
-from experiments.registry import Context, discover
+from experiments.registry import Context, Result, clock_problem, discover
 
 
 def test_every_claim_of_claims_md_has_a_row() -> None:
@@ -56,3 +56,40 @@ def test_u1_on_minilm_end_to_end(tmp_path: Path) -> None:
     assert (tmp_path / "U1.png").stat().st_size > 10_000
     out = report.build_paper({"U1": exp}, results_dir=tmp_path, out=tmp_path / "report.md")
     assert "## U1" in out.read_text()
+
+
+def _result(clock: str | None, measured: dict) -> Result:
+    return Result(measured=measured, summary="s", verdict="matches", why="w", clock=clock)
+
+
+def test_a_result_without_a_clock_is_refused(tmp_path: Path) -> None:
+    exp = discover()["U1"]
+    with pytest.raises(ValueError, match="no clock stated"):
+        report.write_result(exp, _result(None, {"n": 1}), full=False, seconds=1.0, results_dir=tmp_path)
+    with pytest.raises(ValueError, match="look timed.*ttft_ms"):
+        report.write_result(exp, _result("none", {"runs": [{"ttft_ms": {"p50": 3.0}}]}), full=False, seconds=1.0,
+                            results_dir=tmp_path)
+    with pytest.raises(ValueError, match="must be one of"):
+        _result("cpu", {})
+    assert not (tmp_path / "U1.json").exists()
+
+
+def test_the_paper_names_each_sections_clock_and_refuses_a_stored_result_without_one(tmp_path: Path) -> None:
+    exp = discover()["U1"]
+    timed = _result("cpu-process", {"ttft_ms": {"p50": 3.0}})
+    timed.clock_detail = "1 BLAS thread"
+    timed.notes = ["a caveat next to the number"]
+    report.write_result(exp, timed, full=False, seconds=1.0, results_dir=tmp_path)
+    text = report.build_paper({"U1": exp}, results_dir=tmp_path, out=tmp_path / "report.md").read_text()
+    assert "**Clock:** cpu-process (1 BLAS thread)." in text and "**Note:** a caveat next to the number" in text
+    record = json.loads((tmp_path / "U1.json").read_text())
+    del record["clock"]  # a result stored before clocks existed, or written by hand
+    (tmp_path / "U1.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match="U1: no clock stated"):
+        report.build_paper({"U1": exp}, results_dir=tmp_path, out=tmp_path / "report.md")
+
+
+def test_every_stored_result_states_a_valid_clock() -> None:
+    """The committed results: each names its clock (a reviewer reads no time without one)."""
+    for claim_id, record in report.load_results().items():
+        assert clock_problem(record.get("clock"), record.get("measured", {})) is None, claim_id

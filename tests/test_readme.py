@@ -31,9 +31,20 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 
 @pytest.mark.slow
-def test_python_example_runs() -> None:
+def test_python_example_runs_and_checks_its_answer() -> None:
+    """The example asserts the answer it prints (greedy decoding, so the answer is fixed)."""
     code = re.search(r"```python\n(.*?)```", README, re.S).group(1)
+    assert re.search(r"^assert .*answer", code, re.M), "the README example must assert its output"
     from threadpoolctl import threadpool_limits
 
     with threadpool_limits(1):
         exec(compile(code, "README.md", "exec"), {})
+
+
+def test_readme_counts_the_conformance_cases_it_runs() -> None:
+    """The '~N cases' in the Tests section stays within 15% of the registered cases."""
+    from conformance.registry import load_cases
+
+    said = int(re.search(r"~(\d+) cases", README).group(1))
+    actual = len(load_cases())
+    assert abs(actual - said) <= 0.15 * actual, f"README says ~{said} conformance cases, there are {actual}"

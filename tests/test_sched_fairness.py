@@ -1,9 +1,9 @@
 """Weighted fair queuing under a permanent backlog: each tenant's service tracks its weight.
 
-The bound (derived in reference/sched/policy.py): with every tenant backlogged from the start and no
-preemption, at every step, for any two tenants a, b
+The bound (derived in reference/sched/policy.py, computed by ``wfq_fairness_bound``): with every
+tenant backlogged from the start and no preemption, at every step, for any two tenants a, b
 
-    |S_a / w_a - S_b / w_b| <= B = max_num_seqs * L_max / w_min
+    |S_a / w_a - S_b / w_b| <= B = (max_num_seqs * L_max + max_num_batched_tokens) / w_min
 
 where S_t is the number of tokens computed for tenant t and L_max the largest prompt + max_tokens.
 It follows that each tenant's share of all service S stays within ``w_a * B / S`` of its weight share
@@ -21,12 +21,12 @@ from hypothesis import strategies as st
 
 from reference.kv import BlockManager
 from reference.sched import FCFS, Scheduler, SchedulerConfig, Sequence, Tenants, sjf_wfq
-from reference.sched.policy import WFQ
+from reference.sched.policy import WFQ, wfq_fairness_bound
 from tests.fake_plane import FakeKV, run_step
 
 TENANTS = Tenants({"paid-a": "paid", "free-b": "free", "free-c": "free"})  # weights 4 : 1 : 1
 MAX_PROMPT, MAX_TOKENS, MAX_SEQS, BUDGET = 8, 8, 4, 16
-BOUND = MAX_SEQS * (MAX_PROMPT + MAX_TOKENS) / 1.0  # w_min = 1
+BOUND = wfq_fairness_bound(MAX_SEQS, MAX_PROMPT + MAX_TOKENS, BUDGET, w_min=1.0)
 
 
 def backlogged_run(policy, seed: int, steps: int):

@@ -1,6 +1,8 @@
 """float32 -> bf16 rounding in Triton (integer operations) against reference.bf16 (bit-exact).
 
-The fused matmul's epilogue rounds with the same Triton function, so these cases guard it.
+The fused matmul's epilogue rounds with the same Triton function, so these cases guard it. The
+float32 input sits amid NaN poison and the output amid guard cells (conformance/poison.py), so a
+read or a write past either end shows.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance.poison import GUARD, PoisonedOutput, embed, expected_guards
 from conformance.registry import Case, Gen, Level, register
 
 
@@ -40,16 +43,17 @@ def special_floats(gen: Gen) -> dict[str, Any]:
     return _to_device(np.concatenate(patterns).astype(np.uint32), gen)
 
 
-def _reference(inputs: dict[str, Any]) -> np.ndarray:
+def _reference(inputs: dict[str, Any]) -> dict[str, Any]:
     from reference.bf16 import float32_to_bf16
 
-    return float32_to_bf16(inputs["x32"])
+    return {"bf16": float32_to_bf16(inputs["x32"]), GUARD: expected_guards()}
 
 
-def _fast(inputs: dict[str, Any]) -> Any:
+def _fast(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast import bf16
 
-    return bf16.float32_to_bf16(inputs["x"])
+    out = PoisonedOutput(tuple(inputs["x"].shape), inputs["x"].device)
+    return {"bf16": bf16.float32_to_bf16(embed(inputs["x"]), out=out.view), GUARD: out.guards()}
 
 
 for _label, _gen in [("random", random_floats), ("special", special_floats)]:

@@ -3,7 +3,16 @@
 For each family of conformance/inputs.py (random, adversarial, real MiniLM):
 
 * ``codec.encode.F``, ``codec.encode_torch.F``, ``codec.encode_c.F``: ``encode()`` (its own choice), the
-  torch encoder and the C encoder vs ``reference.codec.encode``: every array and header number;
+  torch encoder and the C encoder vs ``reference.codec.encode``: every array and header number.
+  What is shared with the reference, and so compared with itself (checked only by the reference's
+  own tests, tests/test_codec_huffman.py): the torch encoder's fast path (``encode_words.py``, when
+  chunk_size % 4 == 0, cols % chunk_size == 0, P <= 16) has its own code lengths
+  (``fast_code_lengths``) but takes the canonical code assignment from the reference's
+  ``canonical_codes``; its general path (other geometries: the ``odd_1d``, ``odd_chunks`` and ``full_alphabet``
+  families, for example) takes both ``code_lengths`` and ``canonical_codes`` from the reference, so
+  there only the histogram, palette, verbatim choice and bit packing are the fast path's own. The C
+  encoder computes both itself, except that for few or many symbols it falls back to
+  ``fast_code_lengths``.
 * ``codec.huffman_decode.F``: the Triton Huffman decoder on the reference's Huffman form, vs the
   reference decoder and vs the original tensor;
 * ``codec.transcode.F`` / ``codec.transcode_torch.F``: Huffman -> palette form (Triton / plain torch)
@@ -17,7 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from conformance.inputs import FAMILIES, LARGE_ONLY, Family, encoded, minilm_missing
-from conformance.poison import GUARD, PoisonedOutput, embed_form, expected_guards
+from conformance.poison import GUARD, GUARD_UINT8, PoisonedOutput, embed_form, expected_guards
 from conformance.registry import Case, Gen, Level, register
 
 
@@ -64,6 +73,10 @@ def _ref_transcode(inputs: dict[str, Any]) -> dict[str, Any]:
     return reference_palette_arrays(inputs["enc"].pt)
 
 
+def _ref_transcode_guarded(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {**_ref_transcode(inputs), GUARD_UINT8: expected_guards(kind="uint8")}
+
+
 # ---- fast sides (looked up at call time, so tests can swap a kernel for a broken one) ----
 
 def _encoder(native: bool | None):
@@ -97,7 +110,8 @@ def _fast_transcode(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec.convert import huffman_from_reference, palette_arrays
 
     form = embed_form(huffman_from_reference(inputs["enc"].ct, inputs["device"]))
-    return palette_arrays(huffman_decode.transcode(form))
+    out = PoisonedOutput(tuple(form.shape), form.device, kind="uint8")  # the kernel's palette indices
+    return {**palette_arrays(huffman_decode.transcode(form, symbols_out=out.view)), GUARD_UINT8: out.guards()}
 
 
 def _fast_transcode_torch(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -133,12 +147,14 @@ def _ref_palette_decode_plain(inputs: dict[str, Any]) -> dict[str, Any]:
 KERNELS = [  # (name, reference, fast, needs a palette form, what it checks)
     ("encode", _ref_encode, _fast_encode, False, "encode() (C on a CPU that builds it, else torch) vs "
      "reference.codec.encode, every array"),
-    ("encode_torch", _ref_encode, _encoder(False), False, "the torch encoder vs reference.codec.encode, every array"),
+    ("encode_torch", _ref_encode, _encoder(False), False, "the torch encoder vs reference.codec.encode, every array "
+     "(canonical codes, and on its general path also code lengths, come from the reference: not checked here)"),
     ("encode_c", _ref_encode, _encoder(True), False, "the C encoder (fast/codec/native) vs reference.codec.encode, "
      "every array (on a GPU, or with no C compiler: encode()'s choice)"),
     ("huffman_decode", _ref_decode, _fast_huffman_decode, False,
      "Triton Huffman -> bf16 (inputs and output amid poison)"),
-    ("transcode", _ref_transcode, _fast_transcode, True, "Triton Huffman -> palette form, every array"),
+    ("transcode", _ref_transcode_guarded, _fast_transcode, True,
+     "Triton Huffman -> palette form, every array (inputs amid poison, the kernel's output amid guard cells)"),
     ("transcode_torch", _ref_transcode, _fast_transcode_torch, True, "torch Huffman -> palette form"),
     ("palette_decode", _ref_palette_decode, _fast_palette_decode, True,
      "Triton palette form -> bf16 (inputs and output amid poison)"),

@@ -1,11 +1,24 @@
-"""The fused palette-decode matmul and UnweightLinear.
+"""The fused palette-decode matmul and UnweightLinear: what each group of cases can and cannot catch.
 
 * ``matmul.fused_vs_plain.*`` (same-kernel exact): ``fused_matmul(x, W in palette form)`` equals, bit
   for bit, ``matmul(x, decode_palette(W))``: the same Triton kernel, tiling, K order and config, fed
-  the already-decoded weights. Any decode mistake in the fused tile loader (a wrong nibble, a
-  verbatim chunk patched into the wrong columns) changes the bits.
-* ``matmul.fused_vs_float64.*`` and ``matmul.linear.*`` (bounded): the result against the float64
-  product of the reference decoder's weights, within
+  the already-decoded weights. Catches: any decode mistake in the fused tile loader
+  (``palette_tile``: a wrong nibble, a verbatim chunk patched into the wrong columns). Cannot catch:
+  anything both sides share, i.e. the x tile loads, the K loop, the fp32 accumulator, the bias add,
+  the split-K reduction and the epilogue's rounding to bf16 (a truncating epilogue passes all of
+  them), nor a decode bug shared with ``decode_palette`` (``codec.palette_decode.*`` catches that).
+* ``matmul.fused_vs_decoded.*`` (bounded, tight): the fused result against an independently written
+  plain matmul: the palette-decode kernel's weights (checked bit-exact against the reference
+  decoder by ``codec.palette_decode.*``) multiplied in float64 by NumPy. fp32 accumulation (in any
+  order) of the K exact bf16 x bf16 products and the bias errs by at most
+  ``E = (K + 1) 2^-23 (|x| @ |W|^T + |b|)``, so a correctly rounded result lies in
+  ``[bf16(y64 - E), bf16(y64 + E)]`` (bf16 = round to nearest even, monotonic); where both ends
+  round to the same bf16 the result is fixed exactly. Catches what the same-kernel cases share:
+  a wrong rounding in the epilogue (truncation: ``tests/test_conformance_mutation.py``), a bias
+  added twice or not at all, a dropped K tile or split-K partial. Cannot catch: differences smaller
+  than the accumulation slack (an accumulation order, which it deliberately allows).
+* ``matmul.fused_vs_float64.*`` and ``matmul.linear.*`` (bounded, loose): the result against the
+  float64 product of the reference decoder's weights, within
 
       |y - y64| <= 2^-8 |y64| + (K + 1) 2^-23 (|x| @ |W|^T + |b|) + 2^-133   (each element)
 
@@ -13,7 +26,11 @@
   order errs by at most (K - 1 + 1) u sum|terms| with u = 2^-24 for round-to-nearest; we allow
   u = 2^-23 to cover tensor cores that truncate during accumulation, and one more term for split-K
   partial sums. The final rounding to bf16 (RNE) adds at most 2^-8 relative (2^-133 absolute in
-  bf16's subnormal range). A tile loaded from the wrong place breaks the bound by orders of magnitude.
+  bf16's subnormal range). Catches: a tile loaded from the wrong place, wrong rows or columns
+  (orders of magnitude outside), and a final rounding off by more than half a bf16 ulp plus the
+  slack (a truncating epilogue fails it on some elements). Cannot catch: a rounding mistake within
+  that half ulp plus slack (e.g. a wrong tie rule, or a result one ulp off where the slack is wide);
+  the tight cases above bound every element to the rounding interval instead.
 """
 
 from __future__ import annotations
@@ -24,9 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from conformance.inputs import Family, encoded, minilm_missing, synthetic_weights
+from conformance.inputs import Family, encoded, minilm_missing
 from conformance.poison import GUARD, PoisonedOutput, embed, embed_form, expected_guards
 from conformance.registry import Bound, Case, Gen, Level, register
+from reference.synthetic import synthetic_weights
 
 BOUND_TEXT = "|y-y64| <= 2^-8|y64| + (K+1)2^-23(|x||W|^T+|b|)"
 
@@ -128,6 +146,61 @@ def _float64(inputs: dict[str, Any]) -> dict[str, Any]:
     return {"y": y + inputs["b64"] if inputs["b64"] is not None else y, GUARD: expected_guards()}
 
 
+TIGHT_TEXT = "y in [bf16(y64-E), bf16(y64+E)], E = (K+1)2^-23(|x||W|^T+|b|), W = decode kernel's"
+
+
+def _bf16_values(y: np.ndarray) -> np.ndarray:
+    """float64 -> the nearest-even bf16 values (via float32; the float32 step is covered by the slack)."""
+    from reference.bf16 import float32_to_bf16
+
+    return _as_float64(float32_to_bf16(y.astype(np.float32)))
+
+
+def _decoded_bracket(inputs: dict[str, Any]) -> dict[str, Any]:
+    """The interval a correctly rounded fused result must lie in, as (midpoint, half width).
+
+    The weights are the palette-decode kernel's output; the product is NumPy's, in float64 (a plain
+    matmul written independently of the Triton kernel)."""
+    from fast.bf16 import to_numpy_bits
+    from fast.codec import palette_decode
+
+    w = _as_float64(to_numpy_bits(palette_decode.decode_palette(inputs["form"])))
+    x = inputs["x64"]
+    b = inputs["b64"]
+    y = x @ w.T + (b if b is not None else 0.0)
+    k = w.shape[1]
+    slack = (k + 1) * 2.0**-23 * (np.abs(x) @ np.abs(w).T + (np.abs(b) if b is not None else 0.0))
+    slack += 2.0**-22 * np.abs(y) + 2.0**-133  # float64 -> float32 on the way to bf16, and subnormals
+    with np.errstate(invalid="ignore", over="ignore"):
+        lo, hi = _bf16_values(y - slack), _bf16_values(y + slack)
+        finite = np.isfinite(lo) & np.isfinite(hi)
+        mid = np.where(finite, (lo + hi) / 2, y)
+        half = np.where(finite, (hi - lo) / 2, 0.0)
+    return {"y": mid, "_half_width": half}
+
+
+def _tight_allowed(inputs: dict[str, Any], ref: np.ndarray) -> np.ndarray:
+    return inputs["_half_width"]
+
+
+TIGHT = Bound(TIGHT_TEXT, _tight_allowed)
+
+
+def _with_bracket(make):
+    """Inputs plus the bracket's half width (the bound reads it; computed once per case)."""
+    def run(gen: Gen) -> dict[str, Any]:
+        inputs = make(gen)
+        inputs["_bracket"] = _decoded_bracket(inputs)
+        inputs["_half_width"] = inputs["_bracket"].pop("_half_width")
+        return inputs
+
+    return run
+
+
+def _bracket_mid(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"y": inputs["_bracket"]["y"], GUARD: expected_guards()}
+
+
 def _linear(fused: bool):
     def run(inputs: dict[str, Any]) -> Any:
         from fast.codec.linear import UnweightLinear
@@ -162,6 +235,9 @@ def _register_all() -> None:
         register(Case(f"matmul.fused_vs_plain.{label}", Level.SAME_KERNEL, make, _plain_on_decoded(split),
                       _fused(split), about="fused palette matmul vs the same Triton kernel on decoded weights",
                       requires=needs))
+        register(Case(f"matmul.fused_vs_decoded.{label}", Level.BOUNDED, _with_bracket(make), _bracket_mid,
+                      _fused(split), bound=TIGHT, requires=needs,
+                      about="fused matmul vs NumPy on the decode kernel's weights, correctly rounded"))
         register(Case(f"matmul.fused_vs_float64.{label}", Level.BOUNDED, make, _float64, _fused(split), bound=BOUND,
                       about="fused palette matmul vs the float64 product", requires=needs))
     for label, fused in [("fused_path", True), ("decode_then_matmul", False)]:

@@ -138,8 +138,8 @@ def _run(form: HuffmanForm, mode: int, block: int | None = None, out: torch.Tens
     _check_form(form)
     g = form.layout
     device = form.device
-    if out is not None:  # checked by the caller: contiguous, the tensor's shape, bf16 or int16
-        out = out.view(torch.int16).view(-1)
+    if out is not None:  # checked by the caller: contiguous, the tensor's shape, bf16/int16 (mode 0) or uint8
+        out = out.view(torch.int16 if mode == 0 else torch.uint8).view(-1)
     else:
         out = torch.empty(g.n, dtype=torch.int16 if mode == 0 else torch.uint8, device=device)
     if g.n == 0:
@@ -179,12 +179,16 @@ def decode_huffman(form: HuffmanForm, out: torch.Tensor | None = None) -> torch.
     return _run(form, mode=0, out=out).view(torch.bfloat16).view(form.shape)
 
 
-def transcode(form: HuffmanForm) -> PaletteForm:
-    """Huffman form -> palette form (FORMAT.md section 5), decoding the stream with the Triton kernel."""
+def transcode(form: HuffmanForm, symbols_out: torch.Tensor | None = None) -> PaletteForm:
+    """Huffman form -> palette form (FORMAT.md section 5), decoding the stream with the Triton kernel.
+    ``symbols_out`` (uint8, the tensor's shape): where the kernel writes each weight's palette index
+    (conformance cases pass a buffer with guard cells around it)."""
+    if symbols_out is not None:
+        check_tensor(symbols_out, "symbols_out", dtype=torch.uint8, shape=form.shape, device=form.device)
     if len(form.palette) > 16:
         raise KernelInputError(f"the palette form needs a palette of at most 16 entries, this one has "
                                f"{len(form.palette)}")
     from fast.codec.encode import palette_form_from_symbols
 
-    sym = _run(form, mode=1)
+    sym = _run(form, mode=1, out=symbols_out)
     return palette_form_from_symbols(form.layout, form.palette, sym, form.sm, form.vchunks, form.vexp)

@@ -3,8 +3,8 @@
 Each ``step()``:
   1. the scheduler (``reference/sched``) picks this step's work within its token budget: decodes of
      running sequences first, then prefill chunks, admitting waiting requests while KV blocks last;
-  2. copy-on-write block copies it asks for are applied to the KV arrays;
-  3. the model runs every scheduled chunk in one forward pass over the paged KV cache;
+  2. the model runner applies the copy-on-write block copies it asks for to the KV cache;
+  3. the model runner runs every scheduled chunk in one forward pass over the paged KV cache;
   4. a token is sampled for each sequence whose prompt is complete, with the request's own generator;
   5. the scheduler records the tokens and finishes requests (end token, stop id, max_tokens, context).
 
@@ -12,8 +12,13 @@ Typical use::
 
     engine = Engine(LlamaModel.load("smollm2"), load_tokenizer("smollm2"))
     outputs = engine.generate(["Hello"], SamplingParams(max_tokens=20))
+    # the fast engine is this class with a torch runner: fast.engine.Engine.load("smollm2")
     for event in engine.stream("Tell me a story", SamplingParams(temperature=0.8, seed=1)):
         print(event.text, end="")
+
+The model runner (``reference/model/runner.py``) is the only part that differs between the NumPy
+engine and the fast one: ``model.make_runner(...)`` gives the data plane, everything else here is
+the one control plane both share.
 """
 
 from __future__ import annotations
@@ -38,17 +43,19 @@ from reference.engine.params import (
 from reference.engine.request import Request, RequestMetrics, RequestOutput, TokenEvent
 from reference.engine.sampling import sample
 from reference.kv.block_manager import BlockManager
-from reference.model.llama import Chunk, LlamaModel
+from reference.model.llama import Chunk
+from reference.model.runner import ModelRunner, RunnableModel
 from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError, Tenants, make_policy
 from reference.sched import Sequence as SchedSequence
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """What one step computed (for throughput and arithmetic-intensity accounting)."""
 
     time: float  # engine clock at the end of the step
     duration: float  # seconds the step took (schedule + forward + sample)
+    model_time: float  # seconds of it spent in the model runner; the rest is the control plane
     new_tokens: tuple[int, ...]  # tokens computed per scheduled sequence
     context_lens: tuple[int, ...]  # tokens attention covered per sequence (cached + new)
     is_prefill: tuple[bool, ...]
@@ -60,7 +67,7 @@ class StepRecord:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
+    def __init__(self, model: RunnableModel, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
                  kv_dtype: str = "float32", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
                  max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
                  aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0, seed: int = 0,
@@ -71,7 +78,8 @@ class Engine:
         # the context: the checkpoint's, or less if asked, and never more than the whole KV cache holds
         limits = [model.config.max_position, num_blocks * block_size] + ([max_model_len] if max_model_len else [])
         self.max_model_len = min(limits)
-        self.cache = model.new_cache(num_blocks, block_size, kv_dtype)
+        # the data plane: model.make_runner gives an object with ModelRunner's interface (it owns the KV cache)
+        self.runner: ModelRunner = model.make_runner(num_blocks, block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
         if isinstance(policy, str):
             policy = make_policy(policy, tenants, aging)
@@ -178,11 +186,12 @@ class Engine:
             if self.has_unfinished():
                 raise EngineError("the scheduler scheduled nothing although requests are waiting")
             return []
-        for src, dst in batch.block_copies:
-            self.cache.copy_block(src, dst)
-        chunks = [Chunk(e.token_ids, e.start, e.block_table, logits=e.samples) for e in batch.entries]
-        logits = self.model.forward(chunks, self.cache)
-        tokens = [sample(lg, e.seq.request.params, e.seq.request.rng) if e.samples else None
+        model_started = self.clock()
+        self.runner.copy_blocks(batch.block_copies)
+        chunks = [Chunk(e.token_ids, e.start, e.block_table, wants_logits=e.needs_sample) for e in batch.entries]
+        logits = self.runner.forward(chunks)
+        model_time = self.clock() - model_started
+        tokens = [sample(lg, e.seq.request.params, e.seq.request.rng) if e.needs_sample else None
                   for e, lg in zip(batch.entries, logits, strict=True)]
         now = self.clock()
         self.scheduler.postprocess(batch, tokens, now)
@@ -198,10 +207,12 @@ class Engine:
             text = self.tokenizer.decode([token], skip_special=True) if self.tokenizer is not None else ""
             events.append(TokenEvent(req.request_id, token, len(req.output_token_ids) - 1, now, req.finished,
                                      req.finish_reason, text))
-        self.step_log.append(StepRecord(now, now - started, tuple(e.num_new_tokens for e in batch.entries),
-                                        tuple(e.context_len for e in batch.entries),
-                                        tuple(e.is_prefill for e in batch.entries),
-                                        sum(t is not None for t in tokens), len(batch.preempted)))
+        self.step_log.append(StepRecord(time=now, duration=now - started, model_time=model_time,
+                                        new_tokens=tuple(e.num_new_tokens for e in batch.entries),
+                                        context_lens=tuple(e.context_len for e in batch.entries),
+                                        is_prefill=tuple(e.is_prefill for e in batch.entries),
+                                        num_sampled=sum(t is not None for t in tokens),
+                                        num_preempted=len(batch.preempted)))
         return events
 
     def events(self) -> Iterator[TokenEvent]:

@@ -17,13 +17,13 @@ first. Keys end with ``(arrival_time, seq_id)`` so that every decision is determ
 * ``Static``: the static-batching baseline: admits a batch only when nothing is running, then no new
   admissions until the whole batch has finished.
 
-Fairness bound of WFQ (tested in tests/test_sched_fairness.py): with tenants backlogged from the
-start, admission always picks the tenant with the smallest counter, and after its last admission a
-tenant's counter can grow only by the remaining work of its running requests, at most
-``max_num_seqs * L_max / w`` (L_max = the largest prompt + max_tokens), plus what one step charges,
-at most ``max_num_batched_tokens / w``. So at any time, for any two backlogged tenants a and b,
-``|S_a / w_a - S_b / w_b| <= (max_num_seqs * L_max + max_num_batched_tokens) / w_min`` where S is the
-number of tokens computed for the tenant (without preemptions, which recompute tokens).
+Fairness bound of WFQ (``wfq_fairness_bound`` below; tests/test_sched_fairness.py asserts exactly
+it): with tenants backlogged from the start, admission always picks the tenant with the smallest
+counter, and after its last admission a tenant's counter can grow only by the remaining work of its
+running requests, at most ``max_num_seqs * L_max / w`` (L_max = the largest prompt + max_tokens), plus
+what one step charges, at most ``max_num_batched_tokens / w``. So at any time, for any two backlogged
+tenants a and b, ``|S_a / w_a - S_b / w_b| <= (max_num_seqs * L_max + max_num_batched_tokens) / w_min``
+where S is the number of tokens computed for the tenant (without preemptions, which recompute tokens).
 """
 
 from __future__ import annotations
@@ -137,6 +137,14 @@ class Static(Policy):
 
     def on_finish(self, seq: Sequence) -> None:
         self.within.on_finish(seq)
+
+
+def wfq_fairness_bound(max_num_seqs: int, max_len: int, max_num_batched_tokens: int, w_min: float) -> float:
+    """The bound B on ``|S_a / w_a - S_b / w_b|`` for backlogged tenants under WFQ (derived in the module
+    docstring): ``(max_num_seqs * max_len + max_num_batched_tokens) / w_min``."""
+    if w_min <= 0:
+        raise ConfigError(f"the smallest tenant weight must be positive, got {w_min}")
+    return (max_num_seqs * max_len + max_num_batched_tokens) / w_min
 
 
 def sjf_wfq(tenants: Tenants, aging: float = 0.0) -> WFQ:

@@ -10,15 +10,18 @@ too small for the next reservation). How much a sequence reserves is the ``reser
 * ``"oracle"``: prompt + the true output length (not knowable in practice: a lower bound).
 
 It has the part of the ``BlockManager`` interface the ``Scheduler`` uses, with one "block" per token
-slot, so the real scheduler drives it unchanged. Used by experiment E2 only.
+slot, so the real scheduler drives it unchanged. Experiment E2 compares paged KV against it.
 """
 
 from __future__ import annotations
 
 import bisect
+from typing import TYPE_CHECKING
 
-from reference.kv import OutOfBlocksError
-from reference.sched import Sequence
+from reference.kv.errors import OutOfBlocksError
+
+if TYPE_CHECKING:  # reference.sched imports reference.kv: no import cycle at run time
+    from reference.sched import Sequence
 
 RESERVE_RULES = ("max_context", "request", "oracle")
 
