@@ -22,9 +22,9 @@ import numpy as np
 from experiments.registry import Context
 from reference.bf16 import field_stats
 from reference.codec import CompressedTensor, RansTensor, encode, encode_rans_many
-from reference.codec.ans_model import split_weights
 from reference.codec.errors import CodecError
 from reference.codec.huffman import code_lengths
+from reference.codec.rans.model import split_weights
 
 FINAL = {"mantissa_bits": 2, "max_tables": 16, "escapes": True, "block_size": 65536, "prob_bits": 12}
 LEAVE_ONE_OUT = {  # idea -> the parameters that switch it off

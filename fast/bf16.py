@@ -52,6 +52,28 @@ def to_numpy_bits(x: torch.Tensor) -> np.ndarray:
 
 
 @triton.jit
+def split_sm_exponent(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exponent, sign/mantissa byte) of int16 bf16 bit patterns, uint8 tensors, flat, C order.
+
+    The torch twin of ``reference.bf16.sign_mantissa_byte`` (FORMAT.md section 1): sm = sign in bit 7,
+    mantissa in bits 6..0. ``fast/codec/encode_words.py`` does the same into preallocated buffers.
+    """
+    b = bits.reshape(-1)
+    exponent = (b >> 7).to(torch.uint8)  # the cast keeps the low 8 bits: bits 7..14 of b
+    s = b & -32641  # 0x807F as int16: the sign and mantissa bits
+    sm = (s | (s >> 8)).to(torch.uint8)  # the arithmetic shift moves the sign bit into bit 7
+    return exponent, sm
+
+
+def join_sm_exponent(sm: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
+    """int16 bf16 bit patterns from sm bytes and exponents: ``((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)``.
+
+    The torch twin of ``reference.bf16.join_sign_mantissa``; the Triton kernels write the same line inline.
+    """
+    sm = sm.to(torch.int32)
+    return (((sm & 0x80) << 8) | (exponent.to(torch.int32) << 7) | (sm & 0x7F)).to(torch.int16)
+
+
 def bf16_bits_rne(x):
     """float32 values -> bf16 bit patterns (int32 holding 16 bits), round-to-nearest-even.
 

@@ -75,6 +75,16 @@ def sign_mantissa_byte(bits: np.ndarray) -> np.ndarray:
     return (((bits >> 8) & 0x80) | (bits & MANTISSA_MASK)).astype(np.uint8)
 
 
+def join_sign_mantissa(sm: np.ndarray, exponent: np.ndarray) -> np.ndarray:
+    """Inverse of ``sign_mantissa_byte``: bf16 bits (uint16) from the sm byte and the 8-bit exponent.
+
+    ``b = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)`` (FORMAT.md section 1).
+    """
+    sm = np.asarray(sm).astype(np.uint16)
+    exponent = np.asarray(exponent).astype(np.uint16)
+    return ((sm & 0x80) << 8) | (exponent << EXPONENT_SHIFT) | (sm & MANTISSA_MASK)
+
+
 def shannon_entropy(counts: np.ndarray) -> float:
     """Shannon entropy in bits of a histogram (counts, not probabilities). 0 for an empty one."""
     counts = np.asarray(counts, dtype=np.float64)

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from reference.bf16 import float32_to_bf16
 from reference.codec import RansTensor, decode_rans, decode_rans_many, encode, encode_rans, encode_rans_many
-from reference.codec.ans import quantize, slot_tables
-from reference.codec.ans_model import pack_fields, unpack_fields
 from reference.codec.errors import CodecError
+from reference.codec.rans.coder import quantize, slot_tables
+from reference.codec.rans.model import pack_fields, unpack_fields
 from tests.codec_strategies import bf16_tensors
 
 ALL_PATTERNS = np.arange(65536, dtype=np.uint16)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from hypothesis import given
+from hypothesis import strategies as st
 
 from reference.codec import (
     CompressedTensor,
@@ -17,6 +18,7 @@ from reference.codec import (
 )
 from reference.codec.bitstream import pack_codes
 from reference.codec.errors import CodecError
+from reference.codec.format import crc32
 from tests.codec_strategies import bf16_tensors, codec_params
 
 ALL_PATTERNS = np.arange(65536, dtype=np.uint16)
@@ -57,6 +59,32 @@ def test_palette_form_and_transcode(bits: np.ndarray, params: dict) -> None:
     assert back.header() == ct.header()
     for key, array in ct.arrays().items():
         assert np.array_equal(back.arrays()[key], array), key
+
+
+@given(bf16_tensors(), codec_params())
+def test_lockstep_decoder_equals_plain_decoder(bits: np.ndarray, params: dict) -> None:
+    """decode_many (the lockstep NumPy decoder) is an optimisation of decode (FORMAT.md 3.5 line by line)."""
+    ct = encode(bits, **params)
+    assert same_bits(decode_many([ct])[0], decode(ct))
+
+
+@given(bf16_tensors(), codec_params(), st.integers(0, 2**40), st.integers(0, 31))
+def test_lockstep_and_plain_decoders_reject_the_same_damaged_streams(bits: np.ndarray, params: dict, where: int,
+                                                                    bit: int) -> None:
+    """A flipped stream bit (array CRC recomputed, so only decoding can tell): both decoders agree."""
+    ct = encode(bits, **params)
+    if ct.stream_bits == 0:
+        return
+    ct.stream = ct.stream.copy()
+    ct.stream[(where % ct.stream_bits) // 32] ^= np.uint32(1 << bit)
+    ct.crc["stream"] = crc32(ct.stream)
+    outcomes = []
+    for decoder in (decode, lambda c: decode_many([c])[0]):
+        try:
+            outcomes.append(same_bits(decoder(ct), bits))
+        except CodecError:
+            outcomes.append("CodecError")
+    assert outcomes[0] == outcomes[1] and outcomes[0] in (True, "CodecError")
 
 
 def test_decode_many_equals_decode_one_by_one() -> None:

@@ -19,9 +19,10 @@ import reference.codec as rc
 from fast.bf16 import from_numpy_bits
 from fast.codec import encode_native
 from fast.codec.convert import huffman_arrays
-from fast.codec.forms import Geometry
 from fast.errors import KernelInputError
 from reference.codec.huffman import code_lengths
+from reference.codec.layout import Layout
+from reference.codec.palette import choose_palette
 from tests.codec_strategies import SPECIALS, bf16_tensors, codec_params
 
 
@@ -73,7 +74,7 @@ NATIVE = [False] + ([True] if encode_native.library() is not None else [])
 @given(case=aligned_tensors(), block=st.sampled_from([1, 4096, 1 << 20]))
 def test_fast_paths_equal_reference(native: bool, case: tuple[np.ndarray, dict[str, int]], block: int) -> None:
     bits, params = case
-    assert ew.applies(Geometry(bits.shape, params["chunk_size"], params["chunks_per_group"]),
+    assert ew.applies(Layout(bits.shape, params["chunk_size"], params["chunks_per_group"]),
                       params["palette_size"], params["max_code_length"])
     assert _same(bits, block, native, **params)
 
@@ -85,7 +86,7 @@ def test_wrong_palette_guess_is_corrected(monkeypatch: pytest.MonkeyPatch, shift
     x = (rng.standard_normal(128 * 256) * 0.02).astype(np.float32)
     bits = (x.view(np.uint32) >> 16).astype(np.uint16).reshape(128, 256)
     counts = np.bincount(((bits >> 7) & 0xFF).ravel(), minlength=256)
-    palette = ew.choose_palette(counts, 16)
+    palette = choose_palette(counts, 16)
     assert len(palette) == 16 and max(palette) - min(palette) == 15  # consecutive: the guess path
     runs = []
     consecutive = ew._pass_consecutive
@@ -152,7 +153,7 @@ def test_c_palette_equals_reference(counts: list[int], palette_size: int, thread
     split = torch.tensor(counts, dtype=torch.int64).repeat(threads, 1)  # each range holds all of them
     palette = torch.zeros(256, dtype=torch.uint8)
     p = encode_native.library().unw_palette(split.data_ptr(), threads, palette_size, palette.data_ptr())
-    assert palette[:p].tolist() == ew.choose_palette(np.array(counts) * threads, palette_size)
+    assert palette[:p].tolist() == choose_palette(np.array(counts) * threads, palette_size)
 
 
 def _trained(rows: int = 32, cols: int = 256) -> np.ndarray:

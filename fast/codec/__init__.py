@@ -7,6 +7,9 @@ Public API (bf16 tensors are torch.bfloat16; forms are ``fast.codec.forms.Huffma
            with_palette_form=False, native=None)   encoder, byte-identical to reference.codec.encode: on the
                                              CPU in C (codec/native/encode.c, built on first use with the
                                              system compiler), else (GPU, no compiler) torch
+    decode_cpu(ct, threads=1) -> bits        the CPU decoder (fast.codec.decode_native; C, native/decode.c):
+                                             reference CompressedTensor -> uint16 bits, every FORMAT.md 3.6
+                                             check kept; NumPy lockstep fallback without a C compiler
     decode_huffman(hform) -> bf16            Triton: Huffman form -> bf16, one lane per group
     transcode(hform) -> PaletteForm          Triton: Huffman form -> palette form (done once at load)
     decode_palette(pform) -> bf16            Triton: palette form -> bf16, tiles with verbatim patching
@@ -18,8 +21,12 @@ Public API (bf16 tensors are torch.bfloat16; forms are ``fast.codec.forms.Huffma
     transcode_torch(hform), decode_palette_torch(pform)   plain-torch versions (CPU fallback)
     huffman_from_reference(ct), palette_from_reference(pt), huffman_to_reference(hform)   adapters
 
-Conformance levels (``python -m conformance``): encode, decode_huffman, transcode, decode_palette and
-the torch versions are bit-exact against the reference and the original tensor; fused_matmul is
+Command line: ``python -m fast.codec compress|decompress|inspect``, the arguments and files of
+``python -m reference.codec`` with the C encoder and decoder.
+
+Conformance levels (``python -m conformance``): encode, decode_cpu (C and NumPy lockstep, against the
+plain reference decoder), decode_huffman, transcode, decode_palette and the torch versions are
+bit-exact against the reference and the original tensor; fused_matmul is
 same-kernel exact against ``matmul`` on the decoded weights (same config), and bounded against a
 float64 product: |y - y64| <= 2^-8 |y64| + (K + 1) 2^-23 (|x| @ |W|^T + |b|).
 
@@ -39,7 +46,8 @@ What the format costs a kernel (notes for whoever changes FORMAT.md):
 """
 
 from fast.codec.convert import huffman_from_reference, huffman_to_reference, palette_from_reference
-from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
+from fast.codec.decode_native import decode_cpu
+from fast.codec.forms import HuffmanForm, PaletteForm
 from fast.codec.huffman_decode import decode_huffman, transcode
 from fast.codec.linear import UnweightLinear
 from fast.codec.matmul import MatmulConfig, fused_matmul
@@ -47,7 +55,7 @@ from fast.codec.palette_decode import decode_palette
 from fast.codec.torch_ops import decode_palette_torch, transcode_torch
 
 __all__ = [
-    "Geometry", "HuffmanForm", "MatmulConfig", "PaletteForm", "UnweightLinear", "decode_huffman", "decode_palette",
+    "HuffmanForm", "MatmulConfig", "PaletteForm", "UnweightLinear", "decode_cpu", "decode_huffman", "decode_palette",
     "decode_palette_torch", "fused_matmul", "huffman_from_reference", "huffman_to_reference",
     "palette_from_reference", "transcode", "transcode_torch",
 ]

@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
+from fast.codec.forms import HuffmanForm, PaletteForm
 from reference.codec import CompressedTensor, PaletteTensor
 from reference.codec.format import crc32
+from reference.codec.layout import Layout
 
 
 def huffman_from_reference(ct: CompressedTensor, device: str | torch.device = "cpu") -> HuffmanForm:
@@ -21,7 +22,7 @@ def huffman_from_reference(ct: CompressedTensor, device: str | torch.device = "c
         return torch.from_numpy(a).to(device)
 
     return HuffmanForm(
-        geometry=Geometry(tuple(ct.shape), ct.chunk_size, ct.chunks_per_group),
+        layout=Layout(tuple(ct.shape), ct.chunk_size, ct.chunks_per_group),
         max_code_length=ct.max_code_length, palette=list(ct.palette), code_lengths=list(ct.code_lengths),
         sm=t(ct.sm), stream=t(ct.stream.view(np.int32)), stream_bits=ct.stream_bits,
         offsets=t(ct.offsets, np.int64), vchunks=t(ct.vchunks, np.int64), vexp=t(ct.vexp),
@@ -31,7 +32,7 @@ def huffman_from_reference(ct: CompressedTensor, device: str | torch.device = "c
 
 def huffman_to_reference(form: HuffmanForm, data_crc: int | None = None, name: str = "") -> CompressedTensor:
     """A HuffmanForm as the reference's CompressedTensor (CRCs computed here; ``data_crc`` of the bf16 bytes)."""
-    g = form.geometry
+    g = form.layout
     ct = CompressedTensor(
         shape=tuple(g.shape), chunk_size=g.chunk_size, chunks_per_group=g.chunks_per_group,
         max_code_length=form.max_code_length, palette=tuple(form.palette), code_lengths=tuple(form.code_lengths),
@@ -52,7 +53,7 @@ def palette_from_reference(pt: PaletteTensor, device: str | torch.device = "cpu"
         return torch.from_numpy(a).to(device)
 
     return PaletteForm(
-        geometry=Geometry(tuple(pt.shape), pt.chunk_size), palette=t(pt.palette), idx=t(pt.idx), sm=t(pt.sm),
+        layout=Layout(tuple(pt.shape), pt.chunk_size), palette=t(pt.palette), idx=t(pt.idx), sm=t(pt.sm),
         vchunks=t(pt.vchunks, np.int64), vexp=t(pt.vexp), row_vstart=t(pt.row_vstart, np.int64),
         n_palette=pt.palette_size,
     )

@@ -11,34 +11,27 @@ in all, Python included, at one thread (``experiments/results/bench_encode.json`
 speed at one thread, 1.4x at two, on MiniLM). Tensors of at least ``2 * MIN_WEIGHTS_PER_THREAD``
 weights are split into ``torch.get_num_threads()`` ranges of groups, encoded in POSIX threads.
 
-The build: ``$CC`` (default ``cc``) ``-O3 -std=c99 -pthread -shared -fPIC``, into ``$UNFIRE_CACHE``
-(default ``~/.cache/unfire``) under a name that hashes the source, the compiler and the platform,
-written to a temporary file and renamed (concurrent first uses are safe). No compiler, a failed
-build or ``UNFIRE_NATIVE=0``: ``library()`` returns None and ``fast.codec.encode.encode`` uses the
-torch encoder, which gives the same bytes (both are tested against the reference encoder).
+The build (``native_build.py``): the system C compiler on first use, cached in ``$UNFIRE_CACHE``. No
+compiler, a failed build or ``UNFIRE_NATIVE=0``: ``library()`` returns None and
+``fast.codec.encode.encode`` uses the torch encoder, which gives the same bytes (both are tested
+against the reference encoder).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
-import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from fast.codec import native_build
 from fast.codec.encode_words import _empty, fast_code_lengths
-from fast.codec.forms import Geometry, HuffmanForm
+from fast.codec.forms import HuffmanForm
 from fast.errors import KernelInputError
+from reference.codec.layout import Layout
 
-SOURCE = Path(__file__).with_name("native") / "encode.c"
+SOURCE = native_build.NATIVE_DIR / "encode.c"
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 
@@ -54,52 +47,12 @@ _SIGNATURES = {  # name: (return type, argument types), as in native/encode.c
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
 
 
-def _build() -> ctypes.CDLL:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    if compiler is None:
-        raise RuntimeError("no C compiler (set CC)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + f"{compiler}|{platform.machine()}|{platform.system()}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("UNFIRE_CACHE", Path.home() / ".cache" / "unfire"))
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a read-only home: a private directory in /tmp
-        cache = Path(tempfile.gettempdir()) / f"unfire-{os.getuid()}"
-        cache.mkdir(mode=0o700, exist_ok=True)
-    target = cache / f"encode-{key}.so"
-    if not target.exists():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, "-O3", "-std=c99", "-pthread", "-shared", "-fPIC", "-o", tmp, str(SOURCE)],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
-
-
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None if they cannot be (or ``UNFIRE_NATIVE=0``)."""
-    if os.environ.get("UNFIRE_NATIVE", "1") == "0":
-        return None
-    with _lock:
-        if "lib" not in _state:
-            try:
-                _state["lib"] = _build()
-            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-                warnings.warn(f"fast.codec: the C encoder could not be built ({e}); using the torch encoder",
-                              RuntimeWarning, stacklevel=3)
-                _state["lib"] = None
-    return _state["lib"]
+    return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the C encoder", "the torch encoder")
 
 
-def encode_native(bits: torch.Tensor, g: Geometry, max_code_length: int, palette_size: int) -> HuffmanForm:
+def encode_native(bits: torch.Tensor, g: Layout, max_code_length: int, palette_size: int) -> HuffmanForm:
     """The Huffman form of a tensor's int16 bits (flat, contiguous, on the CPU, at least one weight).
 
     Buffers are torch tensors: ``data_ptr()`` is far cheaper than NumPy's ``ctypes.data`` (about
@@ -142,5 +95,6 @@ def encode_native(bits: torch.Tensor, g: Geometry, max_code_length: int, palette
         raise MemoryError("encode_native: out of memory for the stream")
     if packed != stream_bits:
         raise AssertionError(f"encode_native: packed {packed} bits, expected {stream_bits}")
-    return HuffmanForm(g, max_code_length, palette[:p].tolist(), lengths.tolist(), sm,
-                       stream[: (stream_bits + 31) // 32 + 1], stream_bits, offsets, vchunks, vexp)
+    return HuffmanForm(layout=g, max_code_length=max_code_length, palette=palette[:p].tolist(),
+                       code_lengths=lengths.tolist(), sm=sm, stream=stream[: (stream_bits + 31) // 32 + 1],
+                       stream_bits=stream_bits, offsets=offsets, vchunks=vchunks, vexp=vexp)

@@ -18,7 +18,7 @@ Pass 1 (per block; sm bytes, palette indices, verbatim chunks):
   (trained weights: nearly always; guessed from a sample, checked after the pass) a subtraction
   of ``base`` in the int16 view turns each lane into ``exponent - base``, which is below 16 iff
   the exponent is in the palette. Other palettes map each pair of exponents through a 65,536-entry
-  table to two lanes (palette index, or 0x100 outside the palette).
+  table to two lanes (palette index, or NOT_IN_PALETTE = 0x100 outside the palette).
 * **Verbatim chunks**: ``lanes & 0x7FF0FFF0FFF0FFF0`` is 0 iff all four lanes are palette indices,
   and never negative, so its maximum over a chunk's words (``amax``, several times faster than
   ``!=`` or ``any``) is 0 iff the chunk is coded.
@@ -53,30 +53,25 @@ from operator import itemgetter
 import numpy as np
 import torch
 
-from fast.codec.forms import Geometry, HuffmanForm
+from fast.codec.forms import HuffmanForm
+from fast.codec.words import stream_from_words64
 from fast.errors import KernelInputError
 from reference.codec.huffman import canonical_codes, code_lengths
+from reference.codec.layout import Layout
+from reference.codec.palette import choose_palette, symbol_table
 
 LANES = 0x0001_0001_0001_0001  # 1 in each 16-bit lane
 EXPONENTS = 0x00FF * LANES  # the exponent bits of four weights, after w >> 7
 CHECK = 0x7FF0_FFF0_FFF0_FFF0  # lane bits that are 0 iff the lane is < 16 (bit 63 left out: the result is >= 0)
-NOT_IN_PALETTE = 0x100  # the pair table's lane for an exponent outside the palette
-MAX_CODE_LENGTH = 14  # four codes of <= 14 bits, shifted left by 6, fit in an int64
+QUAD_MAX_CODE_LENGTH = 14  # this path's limit (the format's is 16): four codes of <= 14 bits, << 6, fit an int64
 SAMPLE = 1 << 13  # weights the palette guess looks at
 BLOCK_WEIGHTS = 1 << 19  # default block size (encode passes its own BLOCK_WEIGHTS)
 
 
-def applies(g: Geometry, palette_size: int, max_code_length: int) -> bool:
+def applies(g: Layout, palette_size: int, max_code_length: int) -> bool:
     """Whether the fast path handles these parameters (else the general path runs)."""
     return (g.n > 0 and g.chunk_size % 4 == 0 and g.cols % g.chunk_size == 0 and palette_size <= 16
-            and max_code_length <= MAX_CODE_LENGTH)
-
-
-def choose_palette(counts: np.ndarray, palette_size: int) -> list[int]:
-    """The most frequent exponent values that occur, by count descending then value ascending."""
-    used = np.flatnonzero(counts)
-    order = used[np.lexsort((used, -counts[used]))]
-    return [int(v) for v in order[:palette_size]]
+            and max_code_length <= QUAD_MAX_CODE_LENGTH)
 
 
 def fast_code_lengths(counts: np.ndarray, max_length: int) -> list[int]:
@@ -144,7 +139,7 @@ def _guess_base(bits: torch.Tensor, palette_size: int) -> int | None:
 class _Work:
     """The tensor's words, cut into blocks of whole groups, and the buffers the passes reuse."""
 
-    def __init__(self, bits: torch.Tensor, g: Geometry, block_weights: int) -> None:
+    def __init__(self, bits: torch.Tensor, g: Layout, block_weights: int) -> None:
         device = bits.device
         self.g, self.bits, self.words = g, bits, bits.view(torch.int64)
         self.words_per_chunk = g.chunk_size // 4
@@ -207,8 +202,7 @@ def _pass_pairs(work: _Work, palette_size: int, palette: list[int] | None) -> tu
         h = torch.bincount(pairs, minlength=65536).view(256, 256)  # [e1, e0]
         counts = (h.sum(0) + h.sum(1)).cpu().numpy()
         palette = choose_palette(counts, palette_size)
-    lane = np.full(256, NOT_IN_PALETTE, np.int64)  # exponent -> palette index
-    lane[palette] = np.arange(len(palette))
+    lane = symbol_table(palette).astype(np.int64)  # exponent -> palette index, NOT_IN_PALETTE outside
     table = torch.from_numpy((lane[None, :] | lane[:, None] << 16).reshape(-1).astype(np.int32)).to(device)
     for a, b in work.ranges:
         lanes = work.rows[2, : b - a]
@@ -277,7 +271,7 @@ def _verbatim(work: _Work) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     return vchunks, vexp, torch.bincount(vexp.reshape(-1), minlength=256).cpu().numpy()
 
 
-def encode_words(bits: torch.Tensor, g: Geometry, max_code_length: int, palette_size: int,
+def encode_words(bits: torch.Tensor, g: Layout, max_code_length: int, palette_size: int,
                  block_weights: int = BLOCK_WEIGHTS) -> HuffmanForm:
     """The Huffman form of a tensor's int16 bits (flat, contiguous) on the fast path (``applies``)."""
     device = bits.device
@@ -324,10 +318,6 @@ def encode_words(bits: torch.Tensor, g: Geometry, max_code_length: int, palette_
     words, ends = _pack(work, table.to(device), vchunks, stream_bits)
     tail = [torch.tensor([stream_bits], device=device)] if g.n_chunks % g.chunks_per_group else []
     offsets = torch.cat([torch.zeros(1, dtype=torch.int64, device=device), *ends, *tail])
-    # 64-bit words MSB first -> 32-bit words MSB first: swap the halves (little-endian: low half first)
-    high_half = torch.bitwise_right_shift(words, 32, out=_scratch("half", words.numel(), torch.int64, device))
-    high_half &= 0xFFFFFFFF
-    words <<= 32
-    words |= high_half
-    stream = words.view(torch.int32)[: (stream_bits + 31) // 32 + 1].clone()
-    return HuffmanForm(g, max_code_length, palette, lengths, work.sm, stream, stream_bits, offsets, vchunks, vexp)
+    stream = stream_from_words64(words, stream_bits, _scratch("half", words.numel(), torch.int64, device))
+    return HuffmanForm(layout=g, max_code_length=max_code_length, palette=palette, code_lengths=lengths, sm=work.sm,
+                       stream=stream, stream_bits=stream_bits, offsets=offsets, vchunks=vchunks, vexp=vexp)

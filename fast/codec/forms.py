@@ -1,9 +1,10 @@
 """The two forms of a compressed tensor (reference/codec/FORMAT.md), held as torch tensors.
 
-Field names follow FORMAT.md. torch's unsigned 32-bit type supports few operations, so uint32
-arrays are kept as int32 tensors holding the same bits (``stream``) or widened to int64 when they
-are small and their values may reach 2^31 (``offsets``, ``vchunks``, ``row_vstart``). Both forms
-live on one device; ``.to(device)`` moves them.
+Field names follow FORMAT.md; ``layout`` (rows, columns, chunks, groups: FORMAT.md section 1) is the
+reference's ``Layout``. Both forms are built with keywords only. torch's unsigned 32-bit type supports
+few operations, so uint32 arrays are kept as int32 tensors holding the same bits (``stream``) or
+widened to int64 when they are small and their values may reach 2^31 (``offsets``, ``vchunks``,
+``row_vstart``). Both forms live on one device; ``.to(device)`` moves them.
 """
 
 from __future__ import annotations
@@ -15,16 +16,12 @@ import torch
 from fast.errors import KernelInputError
 from reference.codec.layout import Layout
 
-# Rows, columns, chunks and groups of a tensor (FORMAT.md section 1): plain arithmetic, shared with
-# the reference rather than written twice.
-Geometry = Layout
 
-
-@dataclass
+@dataclass(kw_only=True)
 class HuffmanForm:
     """Huffman form: sm bytes, the MSB-first bit stream with per-group offsets, verbatim chunks."""
 
-    geometry: Geometry
+    layout: Layout
     max_code_length: int
     palette: list[int]  # P exponent values, most frequent first
     code_lengths: list[int]  # P lengths (0 = unused)
@@ -38,7 +35,7 @@ class HuffmanForm:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.geometry.shape
+        return self.layout.shape
 
     @property
     def device(self) -> torch.device:
@@ -54,11 +51,11 @@ class HuffmanForm:
                 + self.vexp.numel())
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PaletteForm:
     """Palette form: a 4-bit palette index and the sm byte per weight, verbatim chunks, CSR row index."""
 
-    geometry: Geometry
+    layout: Layout
     palette: torch.Tensor  # uint8 [16], zero-padded
     idx: torch.Tensor  # uint8 [R, ceil(C / 2)], low nibble = even column
     sm: torch.Tensor  # uint8 [R, C]
@@ -69,7 +66,7 @@ class PaletteForm:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.geometry.shape
+        return self.layout.shape
 
     @property
     def device(self) -> torch.device:
@@ -85,11 +82,11 @@ class PaletteForm:
                 + 4 * self.row_vstart.numel())
 
     def check(self) -> None:
-        """Raise KernelInputError if the arrays do not have the shapes and dtypes the geometry implies.
+        """Raise KernelInputError if the arrays do not have the shapes and dtypes the layout implies.
 
         Kernels index with these arrays, so a wrong length would read past an end.
         """
-        g = self.geometry
+        g = self.layout
         want = {
             "palette": (self.palette, torch.uint8, (16,)),
             "idx": (self.idx, torch.uint8, (g.rows, -(-g.cols // 2))),

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from fast.codec.forms import HuffmanForm, PaletteForm
+from fast.codec.words import stream_windows
 from fast.errors import KernelInputError
 from fast.triton_util import cdiv, check_kernel_device, on_interpreter
 from fast.validate import check_tensor
@@ -106,14 +107,8 @@ def lookup_table(form: HuffmanForm, exponents: bool) -> torch.Tensor:
     return torch.from_numpy((value | (length.astype(np.int32) << 8)).astype(np.int64)).to(form.device)
 
 
-def stream_windows(stream: torch.Tensor) -> torch.Tensor:
-    """int64 [len - 1]: element i holds stream words i (high half) and i + 1 (low half), the bits of a uint64."""
-    w = stream.to(torch.int64) & 0xFFFFFFFF
-    return (w[:-1] << 32) | w[1:]
-
-
 def _check_form(form: HuffmanForm) -> None:
-    g = form.geometry
+    g = form.layout
     want = {
         "sm": (form.sm, torch.uint8, (g.n,)),
         "stream": (form.stream, torch.int32, ((form.stream_bits + 31) // 32 + 1,)),
@@ -141,7 +136,7 @@ def _check_form(form: HuffmanForm) -> None:
 
 def _run(form: HuffmanForm, mode: int, block: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     _check_form(form)
-    g = form.geometry
+    g = form.layout
     device = form.device
     if out is not None:  # checked by the caller: contiguous, the tensor's shape, bf16/int16 (mode 0) or uint8
         out = out.view(torch.int16 if mode == 0 else torch.uint8).view(-1)
@@ -196,4 +191,4 @@ def transcode(form: HuffmanForm, symbols_out: torch.Tensor | None = None) -> Pal
     from fast.codec.encode import palette_form_from_symbols
 
     sym = _run(form, mode=1, out=symbols_out)
-    return palette_form_from_symbols(form.geometry, form.palette, sym, form.sm, form.vchunks, form.vexp)
+    return palette_form_from_symbols(form.layout, form.palette, sym, form.sm, form.vchunks, form.vexp)

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fast.codec.forms import Geometry, HuffmanForm, PaletteForm
+from fast.codec.forms import HuffmanForm, PaletteForm
 from fast.errors import KernelInputError
 from fast.triton_util import on_interpreter
+from reference.codec.layout import Layout
 
 _FORM_BUFFERS = ("palette", "idx", "sm", "vchunks", "vexp", "row_vstart")
 
@@ -34,7 +35,7 @@ class UnweightLinear(nn.Module):
             raise KernelInputError(f"UnweightLinear: the weight must be 2-D [out, in], got shape {form.shape}")
         form.check()
         self.out_features, self.in_features = form.shape
-        self.chunk_size = form.geometry.chunk_size
+        self.chunk_size = form.layout.chunk_size
         self.n_palette = form.n_palette
         for name in _FORM_BUFFERS:
             self.register_buffer(name, getattr(form, name))
@@ -85,8 +86,8 @@ class UnweightLinear(nn.Module):
     # ---- use ----
     @property
     def form(self) -> PaletteForm:
-        return PaletteForm(Geometry((self.out_features, self.in_features), self.chunk_size),
-                           *(getattr(self, n) for n in _FORM_BUFFERS), n_palette=self.n_palette)
+        return PaletteForm(layout=Layout((self.out_features, self.in_features), self.chunk_size),
+                           **{n: getattr(self, n) for n in _FORM_BUFFERS}, n_palette=self.n_palette)
 
     def decoded_weight(self) -> torch.Tensor:
         """The weight as a bf16 [out, in] tensor (decoded now; not kept)."""

@@ -150,7 +150,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor | None, form: PaletteForm | None, n
         vchunks, vexp = kernel_arrays(form)
         vstart = split_vstart(form, k_per_split, split)
         args = (dummy8, form.idx, form.sm, form.palette, vchunks, vexp, vstart, form.row_vstart)
-        half_k, cpr, cs = form.idx.shape[1], form.geometry.chunks_per_row, form.geometry.chunk_size
+        half_k, cpr, cs = form.idx.shape[1], form.layout.chunks_per_row, form.layout.chunk_size
     else:
         args = (w, dummy8, dummy8, dummy8, dummy64, dummy8, dummy64, dummy64)
         half_k, cpr, cs = 0, 1, 64

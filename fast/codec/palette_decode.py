@@ -75,7 +75,7 @@ def _palette_decode_kernel(idx_ptr, sm_ptr, palette_ptr, vchunks_ptr, vexp_ptr, 
 def split_vstart(form: PaletteForm, cols_per_split: int, splits: int) -> torch.Tensor:
     """int64 [R, splits]: for each row and column range, the first verbatim slot whose chunk ends past
     the range's first column (= searchsorted(vchunks, r * cpr + first_col // chunk_size))."""
-    g = form.geometry
+    g = form.layout
     r = torch.arange(g.rows, device=form.device)[:, None] * g.chunks_per_row
     first_chunk = (torch.arange(splits, device=form.device) * cols_per_split // g.chunk_size)[None, :]
     return torch.searchsorted(form.vchunks, (r + first_chunk).reshape(-1)).view(g.rows, splits).contiguous()
@@ -100,7 +100,7 @@ def decode_palette(form: PaletteForm, block_rows: int | None = None, block_cols:
                    splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a palette-form tensor to torch.bfloat16 (same shape), bit for bit; into ``out`` if given."""
     check_palette_form(form)
-    g = form.geometry
+    g = form.layout
     if out is not None:
         check_tensor(out, "out", dtype=(torch.bfloat16, torch.int16), shape=g.shape, device=form.device)
         out = out.view(torch.int16).view(g.rows, g.cols)

@@ -11,8 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from fast.bf16 import join_sm_exponent
 from fast.codec.encode import palette_form_from_symbols
 from fast.codec.forms import HuffmanForm, PaletteForm
+from fast.codec.words import stream_windows
 from fast.errors import KernelInputError
 from reference.codec.errors import CodecError
 from reference.codec.huffman import check_lengths, decode_table
@@ -20,7 +22,7 @@ from reference.codec.huffman import check_lengths, decode_table
 
 def coded_per_group(form: HuffmanForm) -> torch.Tensor:
     """int64 [n_groups]: how many coded weights (symbols) each group holds."""
-    g = form.geometry
+    g = form.layout
     dev = form.device
     per_chunk = torch.full((g.n_chunks,), g.chunk_size, dtype=torch.int64, device=dev)
     short = g.cols - (g.chunks_per_row - 1) * g.chunk_size
@@ -42,8 +44,7 @@ def decode_symbols_torch(form: HuffmanForm) -> torch.Tensor:
     sym_t, len_t = decode_table(form.code_lengths, form.max_code_length)
     table_sym = torch.from_numpy(sym_t).to(dev)
     table_len = torch.from_numpy(np.where(len_t == 0, 1 << 40, len_t.astype(np.int64))).to(dev)
-    w = form.stream.to(torch.int64) & 0xFFFFFFFF
-    windows = (w[:-1] << 32) | w[1:]  # words i and i + 1: any L bits are one gather away
+    windows = stream_windows(form.stream)  # words i and i + 1: any L bits are one gather away
     order = torch.argsort(counts, descending=True, stable=True)  # active groups form a prefix
     pos = form.offsets[:-1][order].clone()
     sorted_counts = counts[order]
@@ -74,7 +75,7 @@ def transcode_torch(form: HuffmanForm) -> PaletteForm:
     if len(form.palette) > 16:
         raise KernelInputError(f"the palette form needs a palette of at most 16 entries, this one has "
                                f"{len(form.palette)}")
-    g = form.geometry
+    g = form.layout
     symbols = decode_symbols_torch(form)
     sym = torch.zeros(g.n, dtype=torch.uint8, device=form.device)
     sym[coded_mask(form)] = symbols
@@ -83,7 +84,7 @@ def transcode_torch(form: HuffmanForm) -> PaletteForm:
 
 def coded_mask(form: HuffmanForm) -> torch.Tensor:
     """bool [n]: which weights are coded (not in a verbatim chunk), in C order."""
-    g = form.geometry
+    g = form.layout
     is_v = torch.zeros(g.n_chunks, dtype=torch.bool, device=form.device)
     is_v[form.vchunks] = True
     per_weight = is_v.view(g.rows, g.chunks_per_row).repeat_interleave(g.chunk_size, dim=1)[:, : g.cols]
@@ -93,7 +94,7 @@ def coded_mask(form: HuffmanForm) -> torch.Tensor:
 def decode_palette_torch(form: PaletteForm) -> torch.Tensor:
     """Palette form -> torch.bfloat16 in plain torch, bit for bit."""
     form.check()
-    g = form.geometry
+    g = form.layout
     idx = form.idx.to(torch.int32)
     nib = torch.stack([idx & 0xF, idx >> 4], dim=-1).view(g.rows, 2 * idx.shape[1])[:, : g.cols]
     exponent = form.palette.to(torch.int32)[nib]
@@ -103,6 +104,4 @@ def decode_palette_torch(form: PaletteForm) -> torch.Tensor:
         cols = j[:, None] * g.chunk_size + torch.arange(g.chunk_size, device=form.device)
         real = cols < g.cols
         exponent[rows[:, None].expand_as(cols)[real], cols[real]] = form.vexp.to(torch.int32)[real]
-    sm = form.sm.to(torch.int32)
-    bits = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
-    return bits.to(torch.int16).view(torch.bfloat16).view(g.shape)
+    return join_sm_exponent(form.sm, exponent).view(torch.bfloat16).view(g.shape)

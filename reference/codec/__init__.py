@@ -5,8 +5,9 @@ Public API (bf16 tensors are uint16 arrays of bit patterns, see reference/bf16.p
     encode(bits, *, palette_size=16, chunk_size=64, chunks_per_group=32, max_code_length=12)
         -> CompressedTensor            the Huffman form (header fields + arrays sm, stream,
                                        offsets, vchunks, vexp; .header(), .nbytes, .check())
-    decode(ct) -> bits                 bit-exact; verifies every check and CRC, raises CodecError
-    decode_many([ct, ...]) -> [bits]   one lockstep pass over all their groups (fast for many tensors)
+    decode(ct) -> bits                 the plain decoder (decoder.py: FORMAT.md 3.5 line by line, slow);
+                                       bit-exact; verifies every check and CRC, raises CodecError
+    decode_many([ct, ...]) -> [bits]   the same, one lockstep NumPy pass over all their groups (lockstep.py)
     CompressedTensor.from_parts(header, arrays, name)   rebuild from stored parts, fully checked
     to_palette(ct) -> PaletteTensor    transcode to the palette form (palette[16], idx[R, ceil(C/2)],
                                        sm[R, C], vchunks, vexp, row_vstart[R+1])
@@ -31,15 +32,15 @@ Command line: ``python -m reference.codec compress IN OUT [--to-bf16] [--mode ra
 inspect FILE``.
 """
 
-from reference.codec.ans_codec import decode_rans, decode_rans_many, encode_rans, encode_rans_many
-from reference.codec.ans_format import RansTensor
-from reference.codec.codec import decode, decode_many, decode_symbols, encode
+from reference.codec.codec import decode, encode
 from reference.codec.container import Container, compress_checkpoint, decompress_checkpoint
 from reference.codec.errors import CodecError
 from reference.codec.format import CompressedTensor
 from reference.codec.huffman import canonical_codes, code_lengths, decode_table
 from reference.codec.layout import Layout
+from reference.codec.lockstep import decode_many, decode_symbols
 from reference.codec.paletteform import PaletteTensor, from_palette, palette_to_bf16, to_palette
+from reference.codec.rans import RansTensor, decode_rans, decode_rans_many, encode_rans, encode_rans_many
 
 __all__ = [
     "CodecError", "CompressedTensor", "Container", "Layout", "PaletteTensor", "RansTensor", "canonical_codes",

@@ -20,18 +20,19 @@ import sys
 import numpy as np
 
 from reference.bf16 import field_stats
-from reference.codec.ans_codec import BLOCK_SIZE, LANES, MANTISSA_BITS, PROB_BITS, TABLES
-from reference.codec.ans_format import RansTensor
-from reference.codec.codec import CHUNK_SIZE, CHUNKS_PER_GROUP, MAX_CODE_LENGTH, PALETTE_SIZE
+from reference.codec.codec import CHUNK_SIZE, CHUNKS_PER_GROUP, MAX_CODE_LENGTH, PALETTE_SIZE, encode
 from reference.codec.container import (
     MIN_ELEMENTS,
     MODES,
     Container,
+    Encoder,
+    HuffmanDecoder,
     compress_checkpoint,
     decompress_checkpoint,
     weight_count,
 )
 from reference.codec.errors import CodecError
+from reference.codec.rans import BLOCK_SIZE, LANES, MANTISSA_BITS, PROB_BITS, TABLES, RansTensor
 from reference.model.names import tensor_kind
 from reference.safe_write import Interrupted, remove_temporary_files, signals_raise
 
@@ -43,8 +44,11 @@ MODE_PARAMS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m reference.codec", description=__doc__,
+def main(argv: list[str] | None = None, *, prog: str = "python -m reference.codec", encoder: Encoder = encode,
+         decoder: HuffmanDecoder | None = None, description: str | None = None) -> int:
+    """The command line. ``python -m fast.codec`` is this function with the C encoder and decoder
+    (``encoder``, ``decoder``: see ``compress_checkpoint`` and ``Container``): same arguments, same files."""
+    parser = argparse.ArgumentParser(prog=prog, description=description or __doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compress", help="compress a checkpoint into a container file")
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         with signals_raise():
-            run(args)
+            run(args, encoder, decoder)
     except CodecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -81,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace, encoder: Encoder = encode, decoder: HuffmanDecoder | None = None) -> None:
     """Carry out one parsed command."""
     if args.command == "compress":
         params = {}
@@ -93,28 +97,28 @@ def run(args: argparse.Namespace) -> None:
                 if value is not None:
                     params[flag.replace("-", "_")] = value
         counts = compress_checkpoint(args.source, args.out, to_bf16=args.to_bf16, min_elements=args.min_elements,
-                                     progress=True, mode=args.mode, **params)
+                                     progress=True, mode=args.mode, encoder=encoder, **params)
         print(f"wrote {args.out}: {counts['compressed']} tensors compressed, {counts['passed']} passed through")
         if counts["castable_passed"]:
             print(f"note: {counts['castable_passed']} float32/float16 tensors were passed through unchanged; "
                   "add --to-bf16 to cast them to bf16 and compress them", file=sys.stderr)
     elif args.command == "decompress":
-        n = decompress_checkpoint(args.container, args.out, progress=True)
+        n = decompress_checkpoint(args.container, args.out, progress=True, decoder=decoder)
         print(f"wrote {args.out}: {n} tensors")
     else:
-        inspect(args.container)
+        inspect(args.container, decoder)
 
 
-def inspect(path: str) -> None:
+def inspect(path: str, decoder: HuffmanDecoder | None = None) -> None:
     """Print one row per tensor; decodes (and so verifies) every tensor to measure its entropy."""
     total_in = total_out = 0
-    with Container(path) as c:
+    with Container(path, decoder=decoder) as c:
         print(f"{'tensor':52s} {'kind':9s} {'form':>7s} {'shape':>14s} {'dtype':>9s} {'ratio':>7s} {'bound':>7s} "
               f"{'rare':>8s}")
         for name, array, dtype in c.items(progress=True):
             shape = "x".join(map(str, array.shape)) or "scalar"
             if c.is_compressed(name):
-                ct = c.compressed(name)
+                ct = c.compressed(name, check_arrays=False)  # items() has just decoded and verified it
                 n = weight_count(ct)
                 h = field_stats(array).exponent_entropy
                 ratio, bound = 2 * n / ct.nbytes, 16 / (8 + h)

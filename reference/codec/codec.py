@@ -3,7 +3,8 @@
     ct = encode(bits)          # bits: uint16 array of bf16 patterns, any shape
     assert (decode(ct) == bits).all()
 
-``decode_many`` decodes a list of tensors in one lockstep pass (much faster for many small ones).
+``decode`` is the plain decoder (``decoder.py``); ``decode_many`` (``lockstep.py``) decodes a list of
+tensors in one lockstep pass, with the same result, much faster.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from reference.bf16 import sign_mantissa_byte
-from reference.codec.bitstream import pack_codes, read_groups
+from reference.codec.bitstream import pack_codes
+from reference.codec.decoder import decode_plain
 from reference.codec.errors import CodecError
 from reference.codec.format import (
     MAX_CHUNK_SIZE,
@@ -23,7 +25,7 @@ from reference.codec.format import (
     CompressedTensor,
     crc32,
 )
-from reference.codec.huffman import MAX_SUPPORTED_LENGTH, canonical_codes, code_lengths, decode_table
+from reference.codec.huffman import MAX_SUPPORTED_LENGTH, canonical_codes, code_lengths
 from reference.codec.layout import Layout
 from reference.codec.palette import (
     choose_palette,
@@ -51,9 +53,9 @@ def encode(
     ``palette`` overrides the palette choice (used by the palette-form transcode, which must keep
     the palette it was given); by default it is the ``palette_size`` most frequent exponents.
     """
-    bits = _as_bf16(bits, name)
+    bits = as_bf16(bits, name)
     layout = Layout(tuple(int(d) for d in bits.shape), chunk_size, chunks_per_group)
-    _check_parameters(layout, palette_size, max_code_length)
+    check_parameters(layout, palette_size, max_code_length)
     flat = bits.reshape(-1)
     exponent = exponent_field(flat)
     if palette is None:
@@ -104,103 +106,24 @@ def _write_stream(
 
 
 def decode(ct: CompressedTensor) -> np.ndarray:
-    """Decompress one tensor: its bf16 bit patterns (uint16, original shape). Raises CodecError."""
-    return decode_many([ct])[0]
+    """Decompress one tensor: its bf16 bit patterns (uint16, original shape). Raises CodecError.
 
-
-def decode_many(tensors: Sequence[CompressedTensor]) -> list[np.ndarray]:
-    """Decompress several tensors, decoding all their groups in one lockstep pass."""
-    for ct in tensors:
-        ct.check()
-    exponents = decode_symbols(tensors, as_exponents=True)
-    return [_assemble(ct, e) for ct, e in zip(tensors, exponents, strict=True)]
-
-
-def decode_symbols(tensors: Sequence[CompressedTensor], as_exponents: bool = False) -> list[np.ndarray]:
-    """The Huffman symbols (palette indices) of each tensor's coded weights, in stream order.
-
-    With ``as_exponents`` the decoding tables hold palette[symbol], so what comes out is exponents.
-
-    Builds one work list over the groups of all tensors (their streams concatenated, one decoding
-    table each) and hands it to ``read_groups``. All tables are built for the batch's longest
-    ``max_code_length`` (a table for fewer bits simply repeats each entry), so every group peeks the
-    same number of bits. Tensors must have passed ``check()``.
+    The plain decoder of ``decoder.py`` (FORMAT.md 3.5 line by line); ``decode_many`` gives the same
+    bits much faster for big or many tensors.
     """
-    if not tensors:
-        return []
-    window_bits = max(ct.max_code_length for ct in tensors)
-    starts, ends, counts, table_of_group, tables = [], [], [], [], []
-    word_base = 0
-    for i, ct in enumerate(tensors):
-        offsets = ct.offsets.astype(np.int64) + 32 * word_base
-        starts.append(offsets[:-1])
-        ends.append(offsets[1:])
-        counts.append(_coded_weights_per_group(ct))
-        table_of_group.append(np.full(ct.layout.n_groups, i, np.int64))
-        symbols, lengths = decode_table(ct.code_lengths, window_bits)
-        tables.append((np.asarray(ct.palette, np.uint8)[symbols] if as_exponents and ct.palette else symbols, lengths))
-        word_base += len(ct.stream)
-    try:
-        decoded = read_groups(
-            np.concatenate([ct.stream for ct in tensors]), np.concatenate(starts), np.concatenate(ends),
-            np.concatenate(counts), window_bits, np.stack([s for s, _ in tables]), np.stack([n for _, n in tables]),
-            np.concatenate(table_of_group) if len(tensors) > 1 else None)
-    except CodecError as e:
-        names = ", ".join(repr(ct.name) for ct in tensors[:4]) + (" ..." if len(tensors) > 4 else "")
-        raise CodecError(f"tensor(s) {names}: {e}") from None
-    return np.split(decoded, np.cumsum([int(c.sum()) for c in counts])[:-1])
+    return decode_plain(ct)
 
 
-def _coded_weights_per_group(ct: CompressedTensor) -> np.ndarray:
-    """How many coded weights (= Huffman symbols) each group of ``ct`` holds (int64 per group)."""
-    layout = ct.layout
-    per_chunk = layout.chunk_length(np.arange(layout.n_chunks, dtype=np.int64))
-    per_chunk[ct.vchunks.astype(np.int64)] = 0
-    if layout.n_chunks == 0:
-        return np.zeros(0, np.int64)
-    return np.add.reduceat(per_chunk, np.arange(0, layout.n_chunks, layout.chunks_per_group))
-
-
-def _assemble(ct: CompressedTensor, exponents: np.ndarray) -> np.ndarray:
-    """Rebuild the bf16 bits from the coded weights' exponents, the verbatim chunks and sm; check the CRC."""
-    layout = ct.layout
-    coded = exponents.astype(np.uint16)
-    coded <<= 7  # the exponent field of a bf16
-    chunks = place_chunks(ct, coded, ct.vexp.astype(np.uint16) << 7)
-    bits = ct.sm.astype(np.uint16)  # sm = s mmmmmmm (sign in bit 7)
-    bits |= bits << 8  # a copy of the sign lands in bit 15
-    bits &= 0x807F  # keep the sign (bit 15) and the mantissa (bits 6..0)
-    bits |= layout.unchunk(chunks, 0, layout.n_chunks)
-    if crc32(bits) != ct.crc["data"]:
-        raise CodecError(f"tensor {ct.name!r}: decoded data fails its CRC-32 check (corrupt header or stream)")
-    return bits.reshape(ct.shape)
-
-
-def place_chunks(ct: CompressedTensor, coded_values: np.ndarray, verbatim_values: np.ndarray) -> np.ndarray:
-    """A (n_chunks, chunk_size) matrix: ``coded_values`` (one per coded weight, in order) in the coded
-    chunks, the rows of ``verbatim_values`` in the verbatim chunks; slots past a row's end are 0."""
-    layout = ct.layout
-    if layout.aligned and ct.n_verbatim == 0:  # the common case: a reshape, no copy
-        return coded_values.reshape(layout.n_chunks, layout.chunk_size)
-    verbatim = np.zeros(layout.n_chunks, bool)
-    verbatim[ct.vchunks.astype(np.int64)] = True
-    matrix = np.zeros((layout.n_chunks, layout.chunk_size), coded_values.dtype)
-    if layout.aligned:
-        matrix[~verbatim] = coded_values.reshape(-1, layout.chunk_size)
-    else:
-        matrix[layout.column_mask(0, layout.n_chunks) & ~verbatim[:, None]] = coded_values
-    matrix[verbatim] = verbatim_values
-    return matrix
-
-
-def _as_bf16(bits: np.ndarray, name: str) -> np.ndarray:
+def as_bf16(bits: np.ndarray, name: str) -> np.ndarray:
+    """``bits`` as a C-order uint16 array of bf16 patterns; CodecError for any other dtype."""
     bits = np.asarray(bits)
     if bits.dtype.newbyteorder("=") != np.dtype(np.uint16):
         raise CodecError(f"tensor {name!r}: bf16 tensors are uint16 bit patterns, got dtype {bits.dtype}")
     return np.asarray(bits, dtype=np.uint16, order="C")  # (ascontiguousarray makes 0-D 1-D)
 
 
-def _check_parameters(layout: Layout, palette_size: int, max_code_length: int) -> None:
+def check_parameters(layout: Layout, palette_size: int, max_code_length: int) -> None:
+    """Raise CodecError unless these encoder parameters are in the ranges FORMAT.md allows."""
     if not 1 <= layout.chunk_size <= MAX_CHUNK_SIZE:
         raise CodecError(f"chunk_size must be 1..{MAX_CHUNK_SIZE}, got {layout.chunk_size}")
     if not 1 <= layout.chunks_per_group <= MAX_CHUNKS_PER_GROUP:

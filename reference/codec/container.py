@@ -22,19 +22,18 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from reference.bf16 import float32_to_bf16
-from reference.codec import ans_format
-from reference.codec.ans_codec import ENCODE_BATCH, decode_rans_many, encode_rans_many
-from reference.codec.ans_format import RansTensor
-from reference.codec.codec import decode_many, encode
+from reference.codec import rans
+from reference.codec.codec import encode
 from reference.codec.errors import CodecError
 from reference.codec.format import ARRAY_DTYPES, FORMAT_NAME, VERSION, CompressedTensor, crc32
+from reference.codec.lockstep import decode_many
 from reference.codec.paths import check_output, input_paths
 from reference.model.errors import WeightError
 from reference.model.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, write_safetensors
@@ -45,26 +44,56 @@ MIN_ELEMENTS = 4096  # smaller tensors (norms, biases) pass through: their heade
 CASTABLE = ("F32", "F16")  # cast to bf16 (round-to-nearest-even) with to_bf16=True
 DECODE_BATCH = 1 << 24  # weights decoded together in one lockstep pass
 SEP = "::"
-MODES = ("unweight", "rans")  # the Huffman form of sections 3-5, the rANS form of section 9
-FORM_ARRAYS = {"huffman": ARRAY_DTYPES, ans_format.FORM: ans_format.ARRAY_DTYPES}  # the arrays of each form
+MODES = {"unweight": "huffman", "rans": rans.FORM}  # a mode (the CLI's --mode) writes one form
 CONTAINER_VERSION = 2  # version 2 added each tensor's header_crc32 (FORMAT.md section 6.1)
 HEADER_CRC = "header_crc32"
+Encoder = Callable[..., CompressedTensor]  # encode(bits, name=..., **params): the Huffman form
+HuffmanDecoder = Callable[[list[CompressedTensor]], list[np.ndarray]]  # Huffman-form tensors -> their bits
+Compressed = CompressedTensor | rans.RansTensor
+
+
+class Form(NamedTuple):
+    """What the container needs of a compressed form; FORMS maps the header's ``form`` value to it.
+
+    The tensor type has ``from_parts(header, arrays, name=...)``, ``header()``, ``arrays()``, ``n``
+    and ``nbytes``; ``encode_many(bit arrays, names=..., **params)`` and ``decode_many(tensors)`` work
+    on lists; the container gathers ``batch_weights`` weights before it encodes (0: one at a time)."""
+
+    arrays: dict[str, type]
+    tensor: type
+    encode_many: Callable[..., list[Compressed]]
+    decode_many: Callable[[list[Any]], list[np.ndarray]]
+    batch_weights: int
+
+
+def huffman_form(encoder: Encoder = encode, decoder: HuffmanDecoder = decode_many) -> Form:
+    """The Unweight Huffman form (FORMAT.md sections 3-6), with a given encoder and decoder."""
+    def encode_many(tensors: list[np.ndarray], *, names: list[str], **params: Any) -> list[CompressedTensor]:
+        return [encoder(bits, name=name, **params) for bits, name in zip(tensors, names, strict=True)]
+
+    return Form(ARRAY_DTYPES, CompressedTensor, encode_many, decoder, 0)
+
+
+RANS_FORM = Form(rans.ARRAY_DTYPES, rans.RansTensor, rans.encode_rans_many, rans.decode_rans_many, rans.ENCODE_BATCH)
+FORMS = {"huffman": huffman_form(), rans.FORM: RANS_FORM}
 STORED_DTYPE = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32"}
 
 
 def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = False,
                         min_elements: int = MIN_ELEMENTS, progress: bool = False, mode: str = "unweight",
-                        **params: Any) -> dict[str, int]:
+                        encoder: Encoder = encode, **params: Any) -> dict[str, int]:
     """Compress every bf16 tensor of ``source`` (anything ``open_weights`` accepts) into ``out``.
 
     Returns counts: ``compressed``, ``passed`` (through unchanged) and ``castable_passed`` (float
     tensors left as they were because ``to_bf16`` was not given). ``mode`` is "unweight" (the
-    Huffman form) or "rans"; ``params`` go to ``encode`` or ``encode_rans_many``.
+    Huffman form) or "rans"; ``params`` go to ``encoder`` (default the reference ``encode``; the
+    fast CLI passes the C encoder, which gives the same bytes) or ``encode_rans_many``.
     """
     from tqdm import tqdm
 
     if mode not in MODES:
         raise CodecError(f"unknown mode {mode!r}; the modes are {list(MODES)}")
+    form = huffman_form(encoder) if MODES[mode] == "huffman" else FORMS[MODES[mode]]
     try:
         weights = open_weights(source)
     except (WeightError, SafetensorsError) as e:
@@ -74,16 +103,16 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
     check_output(out, input_paths(source, weights))
     names, counts = weights.names(), {"compressed": 0, "passed": 0, "castable_passed": 0}
     with _Scratch(out) as scratch:
-        pending: list[tuple[str, np.ndarray, str]] = []  # rANS mode: tensors waiting to be encoded as one batch
+        pending: list[tuple[str, np.ndarray, str]] = []  # tensors waiting to be encoded as one batch
 
-        def store(ct: CompressedTensor | RansTensor, source_dtype: str) -> None:
+        def store(ct: Compressed, source_dtype: str) -> None:
             for key, a in ct.arrays().items():
                 scratch.put(f"{ct.name}{SEP}{key}", a, STORED_DTYPE[a.dtype])
             header = ct.header() | {"source_dtype": source_dtype}
             metadata[f"{FORMAT_NAME}{SEP}{ct.name}"] = _header_json(ct.name, header)
 
         def flush() -> None:
-            batch = encode_rans_many([a for _, a, _ in pending], names=[n for n, _, _ in pending], **params)
+            batch = form.encode_many([a for _, a, _ in pending], names=[n for n, _, _ in pending], **params)
             for ct, (_, _, source_dtype) in zip(batch, pending, strict=True):
                 store(ct, source_dtype)
             pending.clear()
@@ -95,12 +124,9 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
             else:
                 source_dtype = dtype
             if dtype == "BF16" and array.size >= min_elements:
-                if mode == "rans":
-                    pending.append((name, array, source_dtype))
-                    if sum(a.size for _, a, _ in pending) >= ENCODE_BATCH:
-                        flush()
-                else:
-                    store(encode(array, name=name, **params), source_dtype)
+                pending.append((name, array, source_dtype))
+                if sum(a.size for _, a, _ in pending) >= form.batch_weights:
+                    flush()
                 counts["compressed"] += 1
             else:
                 scratch.put(name, array, dtype)
@@ -114,11 +140,14 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
     return counts
 
 
-def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool = False) -> int:
-    """Write every tensor of a container back as a plain safetensors file (compressed ones as BF16)."""
+def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool = False,
+                          decoder: HuffmanDecoder | None = None) -> int:
+    """Write every tensor of a container back as a plain safetensors file (compressed ones as BF16).
+
+    ``decoder`` decodes the Huffman-form tensors (see ``Container``)."""
     out = Path(out)
     check_output(out, [Path(path)])
-    with Container(path) as c, _Scratch(out) as scratch:
+    with Container(path, decoder=decoder) as c, _Scratch(out) as scratch:
         for name, array, dtype in c.items(progress=progress):
             scratch.put(name, array, dtype)
         scratch.write(out, c.user_metadata)
@@ -128,7 +157,12 @@ def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool =
 class Container:
     """A container file, opened and checked. ``get(name)`` decodes and verifies one tensor."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, *, decoder: HuffmanDecoder | None = None):
+        """``decoder``: decodes a list of Huffman-form tensors whose headers are checked but whose arrays
+        are not (it checks them itself, as the C decoder does); None: the arrays are checked here and
+        the lockstep NumPy decoder runs."""
+        self.forms = FORMS if decoder is None else FORMS | {"huffman": huffman_form(decoder=decoder)}
+        self._decoder = decoder
         self.path = Path(path)
         try:
             self._file = SafetensorsFile(self.path)
@@ -175,22 +209,28 @@ class Container:
     def is_compressed(self, name: str) -> bool:
         return self.headers[name].get("form") != "raw"
 
-    def _arrays_of(self, name: str) -> dict[str, type]:
+    def _form_of(self, name: str) -> Form:
         form = self.headers[name].get("form")
-        if form not in FORM_ARRAYS:
+        if form not in self.forms:
             raise CodecError(f"{self.path}: tensor {name!r}: unknown form {form!r} (this reader knows "
-                             f"{sorted(FORM_ARRAYS)} and 'raw')")
-        return FORM_ARRAYS[form]
+                             f"{sorted(self.forms)} and 'raw')")
+        return self.forms[form]
 
-    def compressed(self, name: str) -> CompressedTensor | RansTensor:
-        """A compressed tensor in its stored form (Huffman or rANS), every field checked."""
+    def _arrays_of(self, name: str) -> dict[str, type]:
+        return self._form_of(name).arrays
+
+    def compressed(self, name: str, *, check_arrays: bool = True) -> Compressed:
+        """A compressed tensor in its stored form (Huffman or rANS), every field checked (with
+        ``check_arrays=False``, a Huffman-form tensor's array contents are left to its decoder)."""
         header = dict(self.headers[name])
         source_dtype = header.pop("source_dtype", None)
         if source_dtype not in ("BF16", *CASTABLE):
             raise CodecError(f"{self.path}: tensor {name!r}: bad source_dtype {source_dtype!r}")
         arrays = {k: self._file[f"{name}{SEP}{k}"] for k in self._arrays_of(name)}
-        form = RansTensor if header.get("form") == ans_format.FORM else CompressedTensor
-        return form.from_parts(header, arrays, name=name)
+        tensor = self._form_of(name).tensor
+        if tensor is CompressedTensor:
+            return CompressedTensor.from_parts(header, arrays, name=name, check_arrays=check_arrays)
+        return tensor.from_parts(header, arrays, name=name)
 
     def get(self, name: str) -> np.ndarray:
         return next(a for _, a, _ in self.items([name]))
@@ -201,16 +241,24 @@ class Container:
 
         names = self.names if names is None else names
         pending: list[str] = []  # names read but not yet yielded: their batch is not decoded yet
-        batch: list[CompressedTensor | RansTensor] = []
+        batch: list[Compressed] = []
         for i, name in enumerate(tqdm(names, desc=f"decompress {self.path.name}", disable=not progress, unit="tensor")):
             pending.append(name)
             if self.is_compressed(name):
-                batch.append(self.compressed(name))
+                batch.append(self.compressed(name, check_arrays=self._decoder is None))
             if i + 1 == len(names) or sum(weight_count(ct) for ct in batch) >= DECODE_BATCH:
-                decoded = _decode_mixed(batch)
+                decoded = self._decode(batch)
                 for n in pending:
                     yield (n, decoded[n], "BF16") if n in decoded else (n, self._raw(n), self.headers[n]["dtype"])
                 pending, batch = [], []
+
+    def _decode(self, batch: list[Compressed]) -> dict[str, np.ndarray]:
+        """Decode a batch of compressed tensors, each form's in one call: {name: bits}."""
+        out: dict[str, np.ndarray] = {}
+        for form in self.forms.values():
+            mine = [ct for ct in batch if type(ct) is form.tensor]
+            out |= {ct.name: bits for ct, bits in zip(mine, form.decode_many(mine) if mine else [], strict=True)}
+        return out
 
     def _raw(self, name: str) -> np.ndarray:
         header, info = self.headers[name], self._file.info(name)
@@ -233,17 +281,9 @@ class Container:
         self.close()
 
 
-def weight_count(ct: CompressedTensor | RansTensor) -> int:
+def weight_count(ct: Compressed) -> int:
     """Number of weights of a compressed tensor of either form."""
-    return ct.n if isinstance(ct, RansTensor) else ct.layout.n
-
-
-def _decode_mixed(batch: list[CompressedTensor | RansTensor]) -> dict[str, np.ndarray]:
-    """Decode a batch of tensors of both forms: each form's tensors in one pass."""
-    huffman = [ct for ct in batch if isinstance(ct, CompressedTensor)]
-    rans = [ct for ct in batch if isinstance(ct, RansTensor)]
-    pairs = [*zip(huffman, decode_many(huffman), strict=True), *zip(rans, decode_rans_many(rans), strict=True)]
-    return {ct.name: bits for ct, bits in pairs}
+    return ct.n
 
 
 def header_crc(name: str, header: dict[str, Any]) -> int:

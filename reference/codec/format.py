@@ -65,6 +65,11 @@ class CompressedTensor:
         return Layout(self.shape, self.chunk_size, self.chunks_per_group)
 
     @property
+    def n(self) -> int:
+        """Number of weights."""
+        return math.prod(self.shape)
+
+    @property
     def n_verbatim(self) -> int:
         return len(self.vchunks)
 
@@ -89,9 +94,12 @@ class CompressedTensor:
 
     @classmethod
     def from_parts(
-        cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = ""
+        cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "", *, check_arrays: bool = True
     ) -> CompressedTensor:
-        """Build from a parsed header and the five arrays, checking every field (raises CodecError)."""
+        """Build from a parsed header and the five arrays, checking every field (raises CodecError).
+
+        ``check_arrays=False`` leaves the checks of the arrays' contents to the decoder (the C decoder
+        does them in its own pass); such a tensor must not be used before it is decoded."""
         where = f"tensor {name!r}: " if name else ""
         if not isinstance(header, Mapping):
             raise CodecError(f"{where}header must be a JSON object")
@@ -124,11 +132,19 @@ class CompressedTensor:
         )
         if _int(header["n_verbatim"], "n_verbatim", 0, None, where) != ct.n_verbatim:
             raise CodecError(f"{where}header says {header['n_verbatim']} verbatim chunks, vchunks has {ct.n_verbatim}")
-        ct.check()
+        ct.check_header()
+        if check_arrays:
+            ct.check_arrays()
         return ct
 
     def check(self) -> None:
         """Validate header ranges, array dtypes and lengths, offsets, verbatim ids and array CRCs."""
+        self.check_header()
+        self.check_arrays()
+
+    def check_header(self) -> None:
+        """The checks that read no array's contents: header ranges, palette, code lengths, array dtypes
+        and lengths. A decoder that does the content checks itself (the C one) runs only these."""
         where = f"tensor {self.name!r}: " if self.name else ""
         layout = self.layout
         if self.chunk_size * self.chunks_per_group > MAX_GROUP_WEIGHTS:
@@ -146,11 +162,19 @@ class CompressedTensor:
         expected = {"sm": (layout.n,), "stream": (self.stream_bits // 32 + (self.stream_bits % 32 > 0) + 1,),
                     "offsets": (layout.n_groups + 1,), "vchunks": (self.n_verbatim,),
                     "vexp": (self.n_verbatim, self.chunk_size)}
+        arrays = self.arrays()
         for key, dtype in ARRAY_DTYPES.items():
-            a = self.arrays()[key]
+            a = arrays[key]
             if a.dtype.newbyteorder("=") != np.dtype(dtype) or a.shape != expected[key]:
                 raise CodecError(f"{where}array {key} is {a.dtype}{list(a.shape)}, expected "
                                  f"{np.dtype(dtype)}{list(expected[key])} (truncated or corrupt)")
+
+    def check_arrays(self) -> None:
+        """The checks on the arrays' contents (FORMAT.md 3.6): CRCs, offsets, verbatim ids and chunks, tail bits.
+
+        Call ``check_header`` first: these read the arrays at the lengths it checked."""
+        where = f"tensor {self.name!r}: " if self.name else ""
+        layout = self.layout
         for key, a in self.arrays().items():
             if crc32(a) != self.crc[key]:
                 raise CodecError(f"{where}array {key} fails its CRC-32 check: the data is corrupt")

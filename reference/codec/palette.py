@@ -11,7 +11,7 @@ import numpy as np
 
 from reference.codec.layout import Layout
 
-NOT_IN_PALETTE = -1
+NOT_IN_PALETTE = 0x100  # "this exponent is not in the palette": above every palette index (0 ... 255)
 SLICE_WEIGHTS = 1 << 22  # the encoder walks big tensors in slices of about this many weights
 
 
@@ -28,7 +28,7 @@ def choose_palette(exponent_counts: np.ndarray, palette_size: int) -> list[int]:
 
 
 def symbol_table(palette: list[int] | tuple[int, ...]) -> np.ndarray:
-    """int16[256]: the palette index of each exponent value, NOT_IN_PALETTE (-1) for the others."""
+    """int16[256]: the palette index of each exponent value, NOT_IN_PALETTE for the others."""
     table = np.full(256, NOT_IN_PALETTE, np.int16)
     table[np.asarray(palette, np.int64)] = np.arange(len(palette), dtype=np.int16)
     return table

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from reference.codec.codec import CHUNKS_PER_GROUP, MAX_CODE_LENGTH, decode_symbols, encode, place_chunks
+from reference.codec.codec import CHUNKS_PER_GROUP, MAX_CODE_LENGTH, encode
 from reference.codec.errors import CodecError
 from reference.codec.format import CompressedTensor, crc32
 from reference.codec.layout import Layout
+from reference.codec.lockstep import decode_symbols, place_chunks
 
 PALETTE_FORM_SLOTS = 16
 

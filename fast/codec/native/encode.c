@@ -25,12 +25,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "threads.h"
+
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
 #error "unw_pack reads four bf16 weights as one little-endian uint64"
 #endif
 
 #define EXPONENT(b) (((b) >> 7) & 0xFF)
-#define MAX_THREADS 64
 
 static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
@@ -45,21 +46,6 @@ static Range range_of(const uint16_t *bits, int64_t rows, int64_t cols, int64_t 
     g.k0 = min64(n_chunks, n_groups * t / threads * cpg);
     g.k1 = min64(n_chunks, n_groups * (t + 1) / threads * cpg);
     return g;
-}
-
-/* Runs fn(arg + t * size) for t < threads, on threads 1.. and the caller; 0, or -1 if a thread failed to start. */
-static int run_threads(void *(*fn)(void *), void *arg, size_t size, int threads) {
-    pthread_t id[MAX_THREADS];
-    int started = 1, failed = 0;
-    for (; started < threads; started++)
-        if (pthread_create(&id[started], NULL, fn, (char *)arg + started * size) != 0)
-            break;
-    fn(arg);
-    for (int t = 1; t < started; t++)
-        pthread_join(id[t], NULL);
-    for (int t = started; t < threads; t++, failed = 1) /* could not start: do it here */
-        fn((char *)arg + t * size);
-    return failed ? -1 : 0;
 }
 
 /* ---- pass 1 ---- */

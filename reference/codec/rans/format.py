@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from reference.codec.ans import MAX_PROB_BITS, STATE_LOW
-from reference.codec.ans_model import packed_length
 from reference.codec.errors import CodecError
 from reference.codec.format import FORMAT_NAME, UINT32_LIMIT, VERSION, _int, _int_list, crc32
+from reference.codec.rans.coder import MAX_PROB_BITS, STATE_LOW
+from reference.codec.rans.model import packed_length
 
 FORM = "rans"
 ARRAY_DTYPES = {"raw": np.uint8, "alphabet": np.uint16, "tables": np.uint16, "stream": np.uint16,

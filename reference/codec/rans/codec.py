@@ -15,9 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from reference.codec.ans import MAX_PROB_BITS, decode_lanes, encode_lanes, slot_tables
-from reference.codec.ans_format import MAX_BLOCK_SIZE, MAX_LANE_STEPS, MAX_LANES, MAX_TABLES, MIN_PROB_BITS, RansTensor
-from reference.codec.ans_model import (
+from reference.codec.codec import as_bf16
+from reference.codec.errors import CodecError
+from reference.codec.format import UINT32_LIMIT, crc32
+from reference.codec.rans.coder import MAX_PROB_BITS, decode_lanes, encode_lanes, slot_tables
+from reference.codec.rans.format import MAX_BLOCK_SIZE, MAX_LANE_STEPS, MAX_LANES, MAX_TABLES, MIN_PROB_BITS, RansTensor
+from reference.codec.rans.model import (
     choose_alphabet,
     choose_tables,
     join_weights,
@@ -25,8 +28,6 @@ from reference.codec.ans_model import (
     split_weights,
     unpack_fields,
 )
-from reference.codec.errors import CodecError
-from reference.codec.format import UINT32_LIMIT, crc32
 
 BLOCK_SIZE, LANES, PROB_BITS, MANTISSA_BITS, TABLES = 65536, 32, 12, 2, 16
 ESCAPE_VALUE = 0xFFFF  # what the decoding tables give for the escape symbol (values are < 2^15)
@@ -52,7 +53,7 @@ def encode_rans_many(
     time are encoded in one lockstep pass."""
     _check_parameters(block_size, lanes, prob_bits, mantissa_bits, max_tables)
     names = list(names) if names is not None else [""] * len(tensors)
-    tensors = [_as_bf16(b, nm) for b, nm in zip(tensors, names, strict=True)]
+    tensors = [as_bf16(b, nm) for b, nm in zip(tensors, names, strict=True)]
     out, batch = [], []
     for i, bits in enumerate(tensors):
         batch.append(_model(bits, names[i], block_size, prob_bits, mantissa_bits, max_tables, escapes, own_tables))
@@ -185,13 +186,6 @@ def _assemble(t: RansTensor, values: np.ndarray) -> np.ndarray:
     if crc32(bits) != t.crc["data"]:
         raise CodecError(f"tensor {t.name!r}: decoded data fails its CRC-32 check (corrupt header or stream)")
     return bits.reshape(t.shape)
-
-
-def _as_bf16(bits: np.ndarray, name: str) -> np.ndarray:
-    bits = np.asarray(bits)
-    if bits.dtype.newbyteorder("=") != np.dtype(np.uint16):
-        raise CodecError(f"tensor {name!r}: bf16 tensors are uint16 bit patterns, got dtype {bits.dtype}")
-    return np.asarray(bits, dtype=np.uint16, order="C")
 
 
 def _check_parameters(block_size: int, lanes: int, prob_bits: int, mantissa_bits: int, max_tables: int) -> None:

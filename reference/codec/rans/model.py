@@ -21,8 +21,8 @@ from math import gcd
 
 import numpy as np
 
-from reference.codec.ans import quantize
 from reference.codec.errors import CodecError
+from reference.codec.rans.coder import quantize
 
 TABLE_ENTRY_BITS = 16  # a frequency is stored as a uint16
 CLUSTER_ROUNDS = 8

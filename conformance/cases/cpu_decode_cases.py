@@ -1,0 +1,87 @@
+"""The fast CPU decoders against the plain reference decoder, bit for bit, on every input family.
+
+For each family of conformance/inputs.py (random, adversarial, real MiniLM), the reference side is
+``reference.codec.decode`` (the plain decoder: FORMAT.md 3.5 line by line) and the original tensor:
+
+* ``codec.cpu_decode_c.F``: ``fast.codec.decode_native.decode_cpu`` (the C decoder of
+  fast/codec/native/decode.c), in two threads with ranges as small as the tensor allows;
+* ``codec.cpu_decode_numpy.F``: ``reference.codec.decode_many`` (the lockstep NumPy decoder, the
+  fallback when there is no C compiler).
+
+Both modes of the format's Huffman form (palettes of 16 and the full 256-entry alphabet) are among
+the families; the rANS form has no fast decoder yet. Without a C compiler the C case is skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from conformance.inputs import FAMILIES, LARGE_ONLY, Family, encoded, minilm_missing
+from conformance.registry import Case, Gen, Level, register
+
+
+def _inputs(family: Family):
+    def make(gen: Gen) -> dict[str, Any]:
+        return {"enc": encoded(family, gen.large, gen.seed), "key": (family, gen.large, gen.seed)}
+
+    return make
+
+
+@functools.lru_cache(maxsize=2)
+def _plain_decode(key: tuple[Family, bool, int]) -> Any:
+    """The plain decoder's output (about a microsecond per weight), once for the family's two cases."""
+    import reference.codec as rc
+
+    return rc.decode(encoded(*key).ct)
+
+
+def _requires_c(family: Family):
+    def requires() -> str | None:
+        from fast.codec import decode_native
+
+        if decode_native.library() is None:
+            return "no C compiler: the C decoder is not built"
+        return minilm_missing() if family.needs_minilm else None
+
+    return requires
+
+
+def _reference(inputs: dict[str, Any]) -> dict[str, Any]:
+    return {"vs plain reference decoder": _plain_decode(inputs["key"]), "vs original": inputs["enc"].bits}
+
+
+def _both(decoded: Any) -> dict[str, Any]:
+    return {"vs plain reference decoder": decoded, "vs original": decoded}
+
+
+def _fast_c(inputs: dict[str, Any]) -> dict[str, Any]:
+    from fast.codec import decode_native  # looked up at call time: tests swap in a broken build
+
+    saved = decode_native.MIN_WEIGHTS_PER_THREAD
+    decode_native.MIN_WEIGHTS_PER_THREAD = 1  # even small tensors are split into two ranges of groups
+    try:
+        return _both(decode_native.decode_cpu(inputs["enc"].ct, threads=2, native=True))
+    finally:
+        decode_native.MIN_WEIGHTS_PER_THREAD = saved
+
+
+def _fast_numpy(inputs: dict[str, Any]) -> dict[str, Any]:
+    import reference.codec as rc
+
+    return _both(rc.decode_many([inputs["enc"].ct])[0])
+
+
+def register_family(family: Family, large_only: bool = False) -> None:
+    register(Case(f"codec.cpu_decode_c.{family.name}", Level.BIT_EXACT, _inputs(family), _reference, _fast_c,
+                  about=f"C decoder (fast/codec/native/decode.c), 2 threads, vs the plain decoder; {family.about}",
+                  requires=_requires_c(family), large_only=large_only))
+    register(Case(f"codec.cpu_decode_numpy.{family.name}", Level.BIT_EXACT, _inputs(family), _reference, _fast_numpy,
+                  about=f"lockstep NumPy decoder vs the plain decoder; {family.about}",
+                  requires=minilm_missing if family.needs_minilm else None, large_only=large_only))
+
+
+for _family in FAMILIES:
+    register_family(_family)
+for _family in LARGE_ONLY:
+    register_family(_family, large_only=True)

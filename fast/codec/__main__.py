@@ -1,0 +1,57 @@
+"""Command line: ``python -m fast.codec compress IN OUT [--mode rans] | decompress IN OUT | inspect FILE``.
+
+The same command, arguments and files as ``python -m reference.codec`` (byte for byte: a test
+compares them), with the C encoder and decoder of ``fast/codec/native/`` doing the Huffman-form
+work: ``fast.codec.encode.encode`` to compress, ``decode_native.decode_cpu`` (every check of
+FORMAT.md 3.6 kept) to decompress and inspect, in ``torch.get_num_threads()`` threads. The rANS mode
+has no fast path yet: it runs the reference coder. The argument parsing, the safe writes (atomic
+output, refusing an output that is an input) and the signal handling are the reference CLI's own:
+``reference.codec.__main__.main`` is called with these two functions.
+
+Without a C compiler both fall back (torch encoder, NumPy lockstep decoder) to the same bytes.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import numpy as np
+
+from reference.codec.__main__ import main as reference_main
+from reference.codec.codec import CHUNK_SIZE, CHUNKS_PER_GROUP, MAX_CODE_LENGTH, PALETTE_SIZE, as_bf16, check_parameters
+from reference.codec.format import CompressedTensor, crc32
+from reference.codec.layout import Layout
+
+
+def encode_to_reference(bits: np.ndarray, *, name: str = "", palette_size: int = PALETTE_SIZE,
+                        chunk_size: int = CHUNK_SIZE, chunks_per_group: int = CHUNKS_PER_GROUP,
+                        max_code_length: int = MAX_CODE_LENGTH) -> CompressedTensor:
+    """``reference.codec.encode``'s result (the same bytes), computed by the fast encoder."""
+    from fast.bf16 import from_numpy_bits
+    from fast.codec.convert import huffman_to_reference
+    from fast.codec.encode import encode
+
+    bits = as_bf16(bits, name)
+    check_parameters(Layout(bits.shape, chunk_size, chunks_per_group), palette_size, max_code_length)
+    form = encode(from_numpy_bits(bits), chunk_size=chunk_size, chunks_per_group=chunks_per_group,
+                  palette_size=palette_size, max_code_length=max_code_length)
+    return huffman_to_reference(form, data_crc=crc32(bits), name=name)
+
+
+def decode_batch(tensors: list[CompressedTensor]) -> list[np.ndarray]:
+    """Decode Huffman-form tensors (headers checked, arrays not: the C decoder checks them)."""
+    import torch
+
+    from fast.codec.decode_native import decode_cpu
+
+    return [decode_cpu(ct, threads=torch.get_num_threads()) for ct in tensors]
+
+
+def main(argv: list[str] | None = None, **kwargs: Any) -> int:
+    return reference_main(argv, prog="python -m fast.codec", encoder=encode_to_reference, decoder=decode_batch,
+                          description=__doc__, **kwargs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

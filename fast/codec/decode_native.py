@@ -1,0 +1,132 @@
+"""The CPU decoder: Huffman form -> bf16 in C (``native/decode.c``), every check of FORMAT.md 3.6 kept.
+
+    bits = decode_cpu(ct)                      # ct: reference.codec.CompressedTensor; uint16, its shape
+    bits = decode_cpu(ct, threads=2)           # ranges of groups in POSIX threads
+
+Conformance level: bit-exact against ``reference.codec.decode`` (the plain decoder of FORMAT.md 3.5):
+the same bits for every valid tensor, and CodecError (never wrong data) for every damaged one
+(``conformance/cases/cpu_decode_cases.py``, ``tests/test_decode_cpu.py``).
+
+Python checks the header (``CompressedTensor.check_header``: ranges, palette, code lengths, every
+array's dtype and length); the C code checks the contents (CRC-32 of every array and of the decoded
+data, offsets, verbatim ids and chunks, the tail bits, every code, every group's end) in the same pass
+that decodes. Its CRC-32 uses carry-less multiplication where the CPU has it (zlib 1.2's CRC would
+cost more than the whole decode). How the decode loop is made fast: see the comment atop decode.c.
+
+Without a C compiler (or with ``UNFIRE_NATIVE=0``) ``decode_cpu`` runs the lockstep NumPy decoder
+(``reference.codec.lockstep``): the same bits, several times slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import threading
+
+import numpy as np
+
+from fast.codec import native_build
+from reference.codec.errors import CodecError
+from reference.codec.format import CompressedTensor
+from reference.codec.huffman import decode_table
+from reference.codec.layout import Layout
+from reference.codec.lockstep import decode_many
+
+SOURCE = native_build.NATIVE_DIR / "decode.c"
+_lock = threading.Lock()
+_state: dict[str, ctypes.CDLL | None] = {}
+_P, _I64, _INT, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
+_SIGNATURES = {  # name: (return type, argument types), as in native/decode.c
+    "unw_crc32": (_U32, [_P, _I64, _INT]),
+    "unw_multi_table": (None, [_P, _INT, _P, _P]),
+    "unw_decode": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _INT, _P, _P, _P, _INT,
+                          _I64, _I64, _I64, _I64, _INT, _P, _P]),
+}
+MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
+ERRORS = {  # unw_decode's return codes
+    1: "group offsets must rise from 0 to stream_bits",
+    2: "verbatim chunk ids must be increasing and below the number of chunks (entry {0})",
+    3: "padding bytes of short verbatim chunks must be 0 (verbatim chunk {0})",
+    4: "verbatim chunk {0} holds only palette exponents (the verbatim rule is iff)",
+    5: "bits after the end of the stream must be 0",
+    6: "corrupt Huffman stream: group {0} starts with an invalid code",
+    7: "corrupt Huffman stream: group {0} ended at bit {1}, not at the next group's offset",
+    9: "out of memory",
+}
+CRC_ORDER = ("sm", "stream", "offsets", "vchunks", "vexp", "data")
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled decoder, built on first use; None if it cannot be (or ``UNFIRE_NATIVE=0``)."""
+    return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the C decoder", "the NumPy lockstep decoder")
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]  # cheaper than a.ctypes.data
+
+
+@functools.lru_cache(maxsize=64)
+def tables(palette: tuple[int, ...], code_lengths: tuple[int, ...], max_code_length: int
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[int, int, int, int]]:
+    """The decoding tables of one code: one-symbol (exponent | length << 8, uint16 [2^L]), the
+    multi-symbol exponents (uint32) and length | count << 8 (uint16) of ``unw_multi_table``, the palette
+    (uint8), and the four arrays' addresses (kept with them: the cache keeps them alive)."""
+    symbols, lengths = decode_table(code_lengths, max_code_length)
+    exponent = np.asarray(palette or (0,), np.uint16)[symbols]
+    single = (exponent | (lengths.astype(np.uint16) << 8)).astype(np.uint16)
+    multi_exp = np.empty(1 << max_code_length, np.uint32)
+    multi_meta = np.empty(1 << max_code_length, np.uint16)
+    library().unw_multi_table(_ptr(single), max_code_length, _ptr(multi_exp), _ptr(multi_meta))
+    palette_array = np.asarray(palette, np.uint8)
+    for t in (single, multi_exp, multi_meta, palette_array):
+        t.flags.writeable = False
+    return single, multi_exp, multi_meta, palette_array, tuple(_ptr(t) for t in (single, multi_exp, multi_meta,
+                                                                                  palette_array))
+
+
+def crc32(data: np.ndarray, threads: int = 1) -> int:
+    """zlib.crc32 of an array's bytes (C order), computed in C (carry-less multiplication where it can)."""
+    data = np.ascontiguousarray(data)
+    return int(library().unw_crc32(_ptr(data), data.nbytes, threads))
+
+
+def decode_cpu(ct: CompressedTensor, *, threads: int = 1, native: bool | None = None) -> np.ndarray:
+    """Decompress a Huffman-form tensor on the CPU: its bf16 bits (uint16, original shape). Raises CodecError.
+
+    ``threads`` splits tensors of at least ``2 * MIN_WEIGHTS_PER_THREAD`` weights into ranges of groups.
+    ``native=None`` uses the C decoder when it builds, ``False`` the NumPy lockstep decoder, ``True`` C or raise.
+    """
+    lib = library() if native is not False else None
+    if lib is None:
+        if native:
+            raise CodecError("decode_cpu: the C decoder is not available (no C compiler, or UNFIRE_NATIVE=0)")
+        return decode_many([ct])[0]
+    ct.check_header()
+    layout = Layout(ct.shape, ct.chunk_size, ct.chunks_per_group)
+    arrays = [np.ascontiguousarray(a) for a in (ct.stream, ct.offsets, ct.vchunks, ct.vexp, ct.sm)]
+    for a in arrays:
+        if a.dtype.byteorder == ">":  # check_header accepts either byte order; C reads native order
+            raise CodecError(f"tensor {ct.name!r}: decode_cpu takes native-order arrays, got {a.dtype}")
+    stream, offsets, vchunks, vexp, sm = arrays
+    *_, (single, multi_exp, multi_meta, palette) = tables(tuple(ct.palette), tuple(ct.code_lengths),
+                                                          ct.max_code_length)
+    crc = ct.crc
+    io = np.array([crc["sm"], crc["stream"], crc["offsets"], crc["vchunks"], crc["vexp"], crc["data"], 0, 0],
+                  np.uint32)  # the expected CRCs in, where an error was found out
+    n = math.prod(ct.shape)
+    out = np.empty(n, np.uint16)
+    threads = max(1, min(threads, n // MIN_WEIGHTS_PER_THREAD, 64))
+    error = lib.unw_decode(
+        _ptr(stream), stream.size, ct.stream_bits, _ptr(offsets), _ptr(vchunks), vchunks.size, _ptr(vexp), _ptr(sm),
+        palette, len(ct.palette), single, multi_exp, multi_meta, ct.max_code_length, layout.rows, layout.cols,
+        layout.chunk_size, layout.chunks_per_group, threads, _ptr(io), _ptr(out))
+    info = io[6:].astype(np.int64)
+    if error:
+        where = f"tensor {ct.name!r}: " if ct.name else ""
+        if error == 8:
+            key = CRC_ORDER[int(info[0])]
+            what = "decoded data" if key == "data" else f"array {key}"
+            raise CodecError(f"{where}{what} fails its CRC-32 check: the data is corrupt")
+        raise CodecError(where + ERRORS.get(error, f"C decoder error {error}").format(int(info[0]), int(info[1])))
+    return out.reshape(ct.shape)

@@ -1,0 +1,537 @@
+/* The Unweight decoder for the CPU, in C (FORMAT.md sections 3.4-3.6): Huffman form -> bf16.
+ *
+ * fast/codec/decode_native.py builds this file with the system C compiler on first use (as the
+ * encoder, native/encode.c), loads it with ctypes and calls:
+ *
+ *   unw_crc32          CRC-32 (IEEE, the value zlib.crc32 gives) of a buffer, in threads
+ *   unw_multi_table    the multi-symbol decoding table, from the one-symbol table (FORMAT.md 3.3)
+ *   unw_decode         every check of FORMAT.md 3.6 that reads array contents, and the decode
+ *
+ * Python checks the header (ranges, array dtypes and lengths) first; unw_decode checks the rest:
+ * the CRC-32 of every array and of the decoded data, offsets (0 ... B, non-decreasing), verbatim
+ * ids (increasing, in range), vexp padding, the verbatim rule, the stream's tail bits, every table
+ * hit, and that every group ends exactly at the next group's offset. No value read from the arrays
+ * is used as an address before it is clamped or checked, so damaged input cannot read out of bounds
+ * and every loop is bounded by the tensor's geometry.
+ *
+ * How it decodes. Threads take ranges of whole groups (flat weights [start, end) of the tensor, in
+ * order). Per group: count its coded weights (its chunks less the verbatim ones), decode that many
+ * exponents into a scratch buffer, then assemble bf16 = sign | exponent << 7 | mantissa chunk by
+ * chunk (verbatim chunks from vexp). Decoding a group is a chain: each code's length says where the
+ * next starts. To keep that chain short:
+ *   - the 64-bit window is built once per refill from three stream words (MSB first within each
+ *     32-bit word, so the words are swapped as they are read) and serves 64 / L table lookups;
+ *   - the multi-symbol table, indexed by the next L bits as the one-symbol table of FORMAT.md 3.3
+ *     is, gives up to 4 whole codes that fit in those L bits at once: their exponents (4 bytes,
+ *     written in one store) and their total length. With L = 12 and ~2.7-bit codes that is ~4
+ *     weights per lookup. The last few weights of a group go one code at a time, so a group never
+ *     reads a code past its own count;
+ *   - an invalid window is an entry of 1 symbol and 0 bits with a flag: the loop always advances
+ *     and the flag is checked once per group.
+ * The CRCs of the output and of sm are computed per thread while the data is in cache, and joined
+ * (crc32_combine, as zlib does) in thread order.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "threads.h"
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_CLMUL_CODE 1
+#endif
+
+#define INVALID 0x80    /* multi_meta flag: the window starts with no valid code */
+#define CRC_BATCH 8192  /* weights of output between two CRC updates (stays in cache) */
+
+/* ---- CRC-32 ---- */
+
+static uint32_t crc_table[8][256];
+static int have_clmul;
+static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
+
+static void crc_init(void) {
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t c = n;
+        for (int k = 0; k < 8; k++)
+            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][n] = c;
+    }
+    for (int t = 1; t < 8; t++) /* table t: byte n followed by t zero bytes */
+        for (uint32_t n = 0; n < 256; n++)
+            crc_table[t][n] = crc_table[0][crc_table[t - 1][n] & 0xFF] ^ (crc_table[t - 1][n] >> 8);
+#ifdef HAVE_CLMUL_CODE
+    __builtin_cpu_init();
+    have_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
+#endif
+}
+
+/* Slicing by 8 (little-endian loads). c is the running state (the inverted CRC). */
+static uint32_t crc_soft(uint32_t c, const uint8_t *p, size_t n) {
+    while (n >= 8) {
+        uint64_t w;
+        memcpy(&w, p, 8);
+        uint32_t lo = (uint32_t)w ^ c, hi = (uint32_t)(w >> 32);
+        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^ crc_table[5][(lo >> 16) & 0xFF] ^
+            crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
+            crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--)
+        c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return c;
+}
+
+#ifdef HAVE_CLMUL_CODE
+/* Carry-less multiplication folding (Gopal et al., "Fast CRC computation for generic polynomials
+ * using PCLMULQDQ", Intel 2009; the bit-reflected constants of its appendix, as in zlib-ng and
+ * Chromium's zlib). n >= 64 and a multiple of 16; c is the running state. */
+__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_clmul(uint32_t c, const uint8_t *p, size_t n) {
+    const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596, 0x0154442bd4);
+    const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009e, 0x01751997d0);
+    const __m128i k5k0 = _mm_set_epi64x(0, 0x0163cd6124);
+    const __m128i poly = _mm_set_epi64x(0x01f7011641, 0x01db710641);
+    const __m128i mask32 = _mm_setr_epi32(~0, 0, ~0, 0);
+    __m128i x1 = _mm_loadu_si128((const __m128i *)(p + 0x00)), x2 = _mm_loadu_si128((const __m128i *)(p + 0x10));
+    __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 0x20)), x4 = _mm_loadu_si128((const __m128i *)(p + 0x30));
+    __m128i x5, x6, x7, x8;
+    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)c));
+    p += 64;
+    n -= 64;
+    while (n >= 64) { /* fold four 128-bit lanes forward by 512 bits */
+        x5 = _mm_clmulepi64_si128(x1, k1k2, 0x00);
+        x6 = _mm_clmulepi64_si128(x2, k1k2, 0x00);
+        x7 = _mm_clmulepi64_si128(x3, k1k2, 0x00);
+        x8 = _mm_clmulepi64_si128(x4, k1k2, 0x00);
+        x1 = _mm_clmulepi64_si128(x1, k1k2, 0x11);
+        x2 = _mm_clmulepi64_si128(x2, k1k2, 0x11);
+        x3 = _mm_clmulepi64_si128(x3, k1k2, 0x11);
+        x4 = _mm_clmulepi64_si128(x4, k1k2, 0x11);
+        x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), _mm_loadu_si128((const __m128i *)(p + 0x00)));
+        x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), _mm_loadu_si128((const __m128i *)(p + 0x10)));
+        x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), _mm_loadu_si128((const __m128i *)(p + 0x20)));
+        x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), _mm_loadu_si128((const __m128i *)(p + 0x30)));
+        p += 64;
+        n -= 64;
+    }
+    /* fold the four lanes into one */
+    x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
+    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x2), x5);
+    x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
+    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x3), x5);
+    x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
+    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x4), x5);
+    while (n >= 16) {
+        x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
+        x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), _mm_loadu_si128((const __m128i *)p)), x5);
+        p += 16;
+        n -= 16;
+    }
+    /* 128 -> 64 bits, then Barrett reduction to 32 */
+    x2 = _mm_clmulepi64_si128(x1, k3k4, 0x10);
+    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2);
+    x2 = _mm_srli_si128(x1, 4);
+    x1 = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x1, mask32), k5k0, 0x00), x2);
+    x2 = _mm_clmulepi64_si128(_mm_and_si128(x1, mask32), poly, 0x10);
+    x2 = _mm_clmulepi64_si128(_mm_and_si128(x2, mask32), poly, 0x00);
+    x1 = _mm_xor_si128(x1, x2);
+    return (uint32_t)_mm_extract_epi32(x1, 1);
+}
+#endif
+
+/* Continue the running state c over n bytes. */
+static uint32_t crc_update(uint32_t c, const uint8_t *p, size_t n) {
+#ifdef HAVE_CLMUL_CODE
+    if (have_clmul && n >= 64) {
+        size_t m = n & ~(size_t)15;
+        c = crc_clmul(c, p, m);
+        p += m;
+        n -= m;
+    }
+#endif
+    return crc_soft(c, p, n);
+}
+
+/* CRC-32 algebra modulo the polynomial, as zlib's crc32_combine: a * b, and x^(8 * n). */
+static uint32_t mult_mod_p(uint32_t a, uint32_t b) {
+    uint32_t m = 1u << 31, p = 0;
+    for (; m; m >>= 1) {
+        if (a & m)
+            p ^= b;
+        b = b & 1 ? (b >> 1) ^ 0xEDB88320u : b >> 1;
+    }
+    return p;
+}
+
+static uint32_t x8n_mod_p(int64_t n) {
+    uint32_t p = 1u << 31, x2k = 1u << 23; /* x^0 and x^8 (one byte), bit-reflected: x^k is bit 31 - k */
+    for (; n; n >>= 1) {
+        if (n & 1)
+            p = mult_mod_p(x2k, p);
+        x2k = mult_mod_p(x2k, x2k);
+    }
+    return p;
+}
+
+/* The CRC of A then B, from crc(A), crc(B) and B's length in bytes. */
+static uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, int64_t len_b) {
+    return mult_mod_p(x8n_mod_p(len_b), crc_a) ^ crc_b;
+}
+
+typedef struct {
+    const uint8_t *p;
+    int64_t n;
+    uint32_t crc;
+} CrcJob;
+
+static void *crc_piece(void *arg) {
+    CrcJob *job = arg;
+    job->crc = ~crc_update(~0u, job->p, (size_t)job->n);
+    return NULL;
+}
+
+/* zlib.crc32(p[0:n]), computed in `threads` pieces and joined. */
+uint32_t unw_crc32(const uint8_t *p, int64_t n, int threads) {
+    CrcJob jobs[MAX_THREADS];
+    pthread_once(&crc_once, crc_init);
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    for (int t = 0; t < threads; t++) {
+        int64_t a = n * t / threads, b = n * (t + 1) / threads;
+        jobs[t].p = p + a;
+        jobs[t].n = b - a;
+    }
+    run_threads(crc_piece, jobs, sizeof(CrcJob), threads);
+    uint32_t crc = jobs[0].crc;
+    for (int t = 1; t < threads; t++)
+        crc = crc_combine(crc, jobs[t].crc, jobs[t].n);
+    return crc;
+}
+
+/* ---- the tables ---- */
+
+/* single[w] = exponent | length << 8 for every L-bit window w (length 0: no code starts there).
+ * multi_exp[w] = the exponents of the (up to 4) whole codes that lie inside w, one per byte;
+ * multi_meta[w] = their total length | count << 8, or INVALID | 1 << 8 if w starts with no code (the
+ * length sits in bits 0-4, so `x << (meta & 63)` is a shift by the length alone). */
+void unw_multi_table(const uint16_t *single, int L, uint32_t *multi_exp, uint16_t *multi_meta) {
+    uint32_t mask = (1u << L) - 1;
+    for (uint32_t w = 0; w <= mask; w++) {
+        uint32_t exps = 0, used = 0, k = 0;
+        while (k < 4) {
+            uint16_t e = single[(w << used) & mask]; /* the bits after `used`, zeros shifted in */
+            uint32_t len = e >> 8;
+            if (len == 0 || used + len > (uint32_t)L) /* invalid, or not wholly inside w */
+                break;
+            exps |= (uint32_t)(e & 0xFF) << (8 * k);
+            used += len;
+            k++;
+        }
+        multi_exp[w] = exps;
+        multi_meta[w] = k ? (uint16_t)(used | k << 8) : (uint16_t)(INVALID | 1 << 8);
+    }
+}
+
+/* ---- decoding ---- */
+
+enum { OK, BAD_OFFSETS, BAD_VCHUNKS, BAD_VEXP_PADDING, BAD_VERBATIM_RULE, BAD_TAIL, BAD_CODE, BAD_GROUP_END,
+       BAD_CRC, NO_MEMORY };
+
+typedef struct {
+    const uint32_t *stream, *offsets, *vchunks;
+    int64_t words, stream_bits, n_verbatim;
+    const uint8_t *vexp, *sm;
+    const uint16_t *single, *multi_meta;
+    const uint32_t *multi_exp;
+    uint8_t in_palette[256];
+    int L, threads;
+    int64_t rows, cols, cs, cpg, cpr, n_chunks, n_groups;
+    uint16_t *out;
+} Tensor;
+
+typedef struct {
+    const Tensor *x;
+    int t;
+    uint32_t crc_out, crc_sm;  /* of this range's flat weights */
+    uint32_t crc_stream;       /* of this thread's share of the stream's bytes */
+    int64_t stream_bytes;
+    int64_t first, last;       /* the range's flat weights [first, last) */
+    int error;
+    int64_t where, detail;
+} Job;
+
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* The 64 bits of the stream from bit pos (words read MSB first; past the end reads zeros). */
+static inline uint64_t window64(const uint32_t *s, int64_t words, uint64_t pos) {
+    uint64_t i = pos >> 5, sh = pos & 31;
+    if (i > (uint64_t)words - 2) /* a corrupt group ran past the end: read the last words (caught later) */
+        i = (uint64_t)words - 2;
+    uint64_t third = i + 2 < (uint64_t)words ? s[i + 2] : 0;
+    return ((((uint64_t)s[i] << 32) | s[i + 1]) << sh) | ((third >> 1) >> (31 - sh));
+}
+
+/* Decode exponents i ... count - 1 of one group into dst, from bit *pos; returns the INVALID flag or 0. */
+static inline __attribute__((always_inline)) unsigned decode_group(const Tensor *x, const uint32_t *s, int64_t words,
+                                                                   uint64_t *pos_io, int64_t i, int64_t count,
+                                                                   uint8_t *dst, const int L, const int R) {
+    const uint16_t *meta = x->multi_meta, *single = x->single;
+    const uint32_t *mexp = x->multi_exp;
+    uint64_t pos = *pos_io;
+    unsigned bad = 0;
+    while (i + 4 <= count) { /* up to R lookups of up to 4 codes each per refill, while 4 codes are left */
+        uint64_t win = window64(s, words, pos) | 1; /* bit 0, never read (R * L < 64), marks the bits used */
+        for (int r = 0; r < R && i + 4 <= count; r++) {
+            uint64_t w = win >> (64 - L);
+            unsigned m = meta[w];
+            memcpy(dst + i, &mexp[w], 4);
+            i += m >> 8;
+            win <<= m & 63;
+            bad |= m;
+        }
+        pos += (uint64_t)__builtin_ctzll(win); /* the mark moved up by the bits used */
+    }
+    for (; i < count; i++) { /* the last (at most 3) codes one at a time */
+        unsigned e = single[window64(s, words, pos) >> (64 - L)];
+        dst[i] = (uint8_t)e;
+        pos += e >> 8;
+        bad |= (e >> 8) == 0 ? INVALID : 0;
+    }
+    *pos_io = pos;
+    return bad & INVALID;
+}
+
+/* Four groups at once (their chains of lookups are independent, so the CPU overlaps them), as far as
+ * all four have R * 4 codes left; each then finishes alone. bad[q]: the INVALID flag of group q (or,
+ * from the part decoded together, of any of the four: the error then names the first). */
+static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *x, const uint32_t *s, int64_t words,
+                                                                  uint64_t *pos, const int64_t *count,
+                                                                  uint8_t *const *dst, unsigned *bad, const int L,
+                                                                  const int R) {
+    const uint16_t *meta = x->multi_meta;
+    const uint32_t *mexp = x->multi_exp;
+    uint64_t p0 = pos[0], p1 = pos[1], p2 = pos[2], p3 = pos[3];
+    int64_t i0 = 0, i1 = 0, i2 = 0, i3 = 0;
+    const int64_t c0 = count[0] - 4 * R, c1 = count[1] - 4 * R, c2 = count[2] - 4 * R, c3 = count[3] - 4 * R;
+    uint8_t *d0 = dst[0], *d1 = dst[1], *d2 = dst[2], *d3 = dst[3];
+    unsigned b = 0; /* one flag for the four: fewer registers in the loop */
+#define STEP(q)                                   \
+    {                                             \
+        uint64_t w = win##q >> (64 - L);          \
+        unsigned m = meta[w];                     \
+        uint32_t e = mexp[w];                     \
+        memcpy(d##q + i##q, &e, 4);               \
+        i##q += m >> 8;                           \
+        win##q <<= m & 63;                        \
+        b |= m;                                   \
+    }
+    while (i0 <= c0 && i1 <= c1 && i2 <= c2 && i3 <= c3) {
+        /* bit 0 of each window, never read (R * L < 64), is a mark: it moves up by the bits used */
+        uint64_t win0 = window64(s, words, p0) | 1, win1 = window64(s, words, p1) | 1;
+        uint64_t win2 = window64(s, words, p2) | 1, win3 = window64(s, words, p3) | 1;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            STEP(0) STEP(1) STEP(2) STEP(3)
+        }
+        p0 += (uint64_t)__builtin_ctzll(win0), p1 += (uint64_t)__builtin_ctzll(win1);
+        p2 += (uint64_t)__builtin_ctzll(win2), p3 += (uint64_t)__builtin_ctzll(win3);
+    }
+#undef STEP
+    bad[0] = (b & INVALID) | decode_group(x, s, words, &p0, i0, count[0], d0, L, R);
+    bad[1] = (b & INVALID) | decode_group(x, s, words, &p1, i1, count[1], d1, L, R);
+    bad[2] = (b & INVALID) | decode_group(x, s, words, &p2, i2, count[2], d2, L, R);
+    bad[3] = (b & INVALID) | decode_group(x, s, words, &p3, i3, count[3], d3, L, R);
+    pos[0] = p0, pos[1] = p1, pos[2] = p2, pos[3] = p3;
+}
+
+static void fail(Job *job, int error, int64_t where, int64_t detail) {
+    if (!job->error) {
+        job->error = error;
+        job->where = where;
+        job->detail = detail;
+    }
+}
+
+/* Thread 0's share of the checks: offsets, vchunks, the tail bits. */
+static void check_index(const Tensor *x, Job *job) {
+    if (x->offsets[0] != 0 || (int64_t)x->offsets[x->n_groups] != x->stream_bits)
+        fail(job, BAD_OFFSETS, 0, 0);
+    for (int64_t g = 0; g < x->n_groups; g++)
+        if (x->offsets[g + 1] < x->offsets[g])
+            fail(job, BAD_OFFSETS, g, 0);
+    for (int64_t v = 0; v < x->n_verbatim; v++)
+        if ((int64_t)x->vchunks[v] >= x->n_chunks || (v && x->vchunks[v] <= x->vchunks[v - 1]))
+            fail(job, BAD_VCHUNKS, v, 0);
+    int64_t tail = x->stream_bits & 31;
+    if ((tail && (x->stream[x->stream_bits >> 5] & ((1u << (32 - tail)) - 1))) || x->stream[x->words - 1])
+        fail(job, BAD_TAIL, 0, 0);
+}
+
+/* Is the verbatim chunk v (of n weights) valid: zero padding, at least one exponent outside the palette? */
+static void check_verbatim(const Tensor *x, Job *job, int64_t v, int64_t n) {
+    const uint8_t *e = x->vexp + v * x->cs;
+    int outside = 0;
+    for (int64_t t = 0; t < n; t++)
+        outside |= !x->in_palette[e[t]];
+    for (int64_t t = n; t < x->cs; t++)
+        if (e[t])
+            fail(job, BAD_VEXP_PADDING, v, 0);
+    if (!outside)
+        fail(job, BAD_VERBATIM_RULE, v, 0);
+}
+
+static void *decode_range(void *arg) {
+    Job *job = arg;
+    const Tensor *x = job->x;
+    int64_t g0 = x->n_groups * job->t / x->threads, g1 = x->n_groups * (job->t + 1) / x->threads;
+    uint32_t pad[2] = {0, 0};
+    const uint32_t *s = x->stream;
+    int64_t words = x->words;
+    if (words < 2) { /* window64 reads two words */
+        pad[0] = words ? s[0] : 0;
+        s = pad;
+        words = 2;
+    }
+    if (job->t == 0)
+        check_index(x, job);
+    int64_t w0 = x->words * job->t / x->threads, w1 = x->words * (job->t + 1) / x->threads;
+    job->stream_bytes = 4 * (w1 - w0);
+    job->crc_stream = ~crc_update(~0u, (const uint8_t *)(x->stream + w0), (size_t)job->stream_bytes);
+    int64_t k0 = min64(g0 * x->cpg, x->n_chunks), k1 = min64(g1 * x->cpg, x->n_chunks);
+    job->first = k0 < x->n_chunks ? (k0 / x->cpr) * x->cols + (k0 % x->cpr) * x->cs : x->rows * x->cols;
+    job->last = k1 < x->n_chunks ? (k1 / x->cpr) * x->cols + (k1 % x->cpr) * x->cs : x->rows * x->cols;
+    uint32_t crc_out = ~0u, crc_sm = ~0u;
+    int64_t crc_done = job->first;
+    uint8_t *scratch = malloc((size_t)(4 * (x->cpg * x->cs + 64)));
+    if (!scratch) {
+        fail(job, NO_MEMORY, 0, 0);
+        return NULL;
+    }
+    int64_t lo = 0, hi = x->n_verbatim; /* v = the first verbatim chunk >= k0 (a binary search) */
+    while (lo < hi) {
+        int64_t mid = (lo + hi) / 2;
+        if ((int64_t)x->vchunks[mid] < k0)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    int64_t v = lo;
+    for (int64_t g = g0; g < g1 && !job->error; g += 4) {
+        int64_t ng = min64(4, g1 - g), count[4] = {0, 0, 0, 0}, vv = v;
+        uint64_t pos[4] = {0, 0, 0, 0};
+        unsigned bad[4] = {0, 0, 0, 0};
+        uint8_t *dst[4];
+        for (int q = 0; q < ng; q++) { /* each group's coded weights */
+            int64_t gk0 = (g + q) * x->cpg, gk1 = min64(gk0 + x->cpg, x->n_chunks), j = gk0 % x->cpr;
+            for (int64_t k = gk0; k < gk1; k++) {
+                if (vv < x->n_verbatim && x->vchunks[vv] == (uint64_t)k)
+                    vv++;
+                else
+                    count[q] += min64(x->cs, x->cols - j * x->cs);
+                if (++j == x->cpr)
+                    j = 0;
+            }
+            pos[q] = x->offsets[g + q];
+            dst[q] = scratch + q * (x->cpg * x->cs + 64);
+        }
+        if (ng == 4 && x->L == 12)
+            decode_4_groups(x, s, words, pos, count, dst, bad, 12, 5);
+        else if (ng == 4)
+            decode_4_groups(x, s, words, pos, count, dst, bad, x->L, x->L > 7 ? 63 / x->L : 8);
+        else
+            for (int q = 0; q < ng; q++)
+                bad[q] = decode_group(x, s, words, &pos[q], 0, count[q], dst[q], x->L, x->L > 7 ? 63 / x->L : 8);
+        for (int q = 0; q < ng; q++) {
+            if (bad[q])
+                fail(job, BAD_CODE, g + q, 0);
+            else if (pos[q] != x->offsets[g + q + 1])
+                fail(job, BAD_GROUP_END, g + q, (int64_t)pos[q]);
+        }
+        int64_t gk0 = g * x->cpg, gk1 = min64((g + ng) * x->cpg, x->n_chunks), j = gk0 % x->cpr;
+        int64_t start = (gk0 / x->cpr) * x->cols + j * x->cs, coded_q = 0;
+        const uint8_t *coded = dst[0];
+        for (int64_t k = gk0; k < gk1; k++) { /* assemble: sign | exponent << 7 | mantissa */
+            if (k - gk0 == (coded_q + 1) * x->cpg) /* the next group's exponents */
+                coded = dst[++coded_q];
+            int64_t n = min64(x->cs, x->cols - j * x->cs);
+            const uint8_t *restrict e, *restrict q = x->sm + start;
+            if (v < x->n_verbatim && x->vchunks[v] == (uint64_t)k) {
+                check_verbatim(x, job, v, n);
+                e = x->vexp + v * x->cs;
+                v++;
+            } else {
+                e = coded;
+                coded += n;
+            }
+            uint16_t *restrict o = x->out + start;
+            for (int64_t t = 0; t < n; t++)
+                o[t] = (uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F));
+            start += n;
+            if (++j == x->cpr)
+                j = 0;
+        }
+        if (start - crc_done >= CRC_BATCH || g + ng >= g1) { /* CRC what was just written, while it is in cache */
+            crc_out = crc_update(crc_out, (const uint8_t *)(x->out + crc_done), (size_t)(2 * (start - crc_done)));
+            crc_sm = crc_update(crc_sm, x->sm + crc_done, (size_t)(start - crc_done));
+            crc_done = start;
+        }
+    }
+    free(scratch);
+    job->crc_out = ~crc_out;
+    job->crc_sm = ~crc_sm;
+    return NULL;
+}
+
+/* Check and decode a Huffman-form tensor into out (uint16 [rows * cols]). The header was checked by
+ * the caller (array lengths as FORMAT.md 3.2 implies, code lengths valid, single = the decoding
+ * table of exponents, multi_* from unw_multi_table). crc_io[0..5]: the expected CRC-32 of sm, stream,
+ * offsets, vchunks, vexp and the data. Returns OK or an error code, with crc_io[6], crc_io[7] saying
+ * where (a group and a bit position, a verbatim entry, which array). */
+int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const uint32_t *offsets,
+               const uint32_t *vchunks, int64_t n_verbatim, const uint8_t *vexp, const uint8_t *sm,
+               const uint8_t *palette, int p, const uint16_t *single, const uint32_t *multi_exp,
+               const uint16_t *multi_meta, int L, int64_t rows, int64_t cols, int64_t cs, int64_t cpg, int threads,
+               uint32_t *crc_io, uint16_t *out) {
+    Tensor x;
+    Job jobs[MAX_THREADS];
+    pthread_once(&crc_once, crc_init);
+    memset(&x, 0, sizeof x);
+    x.stream = stream, x.offsets = offsets, x.vchunks = vchunks, x.words = words, x.stream_bits = stream_bits;
+    x.n_verbatim = n_verbatim, x.vexp = vexp, x.sm = sm, x.single = single, x.multi_meta = multi_meta;
+    x.multi_exp = multi_exp, x.L = L, x.rows = rows, x.cols = cols, x.cs = cs, x.cpg = cpg;
+    x.cpr = (cols + cs - 1) / cs, x.n_chunks = rows * x.cpr, x.n_groups = (x.n_chunks + cpg - 1) / cpg, x.out = out;
+    for (int i = 0; i < p; i++)
+        x.in_palette[palette[i]] = 1;
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    x.threads = (int)min64(threads, x.n_groups > 0 ? x.n_groups : 1);
+    for (int t = 0; t < x.threads; t++) {
+        memset(&jobs[t], 0, sizeof(Job));
+        jobs[t].x = &x;
+        jobs[t].t = t;
+    }
+    run_threads(decode_range, jobs, sizeof(Job), x.threads);
+    for (int t = 0; t < x.threads; t++)
+        if (jobs[t].error) {
+            crc_io[6] = (uint32_t)jobs[t].where;
+            crc_io[7] = (uint32_t)jobs[t].detail;
+            return jobs[t].error;
+        }
+    uint32_t crc_out = jobs[0].crc_out, crc_sm = jobs[0].crc_sm, crc_stream = jobs[0].crc_stream;
+    for (int t = 1; t < x.threads; t++) {
+        crc_out = crc_combine(crc_out, jobs[t].crc_out, 2 * (jobs[t].last - jobs[t].first));
+        crc_sm = crc_combine(crc_sm, jobs[t].crc_sm, jobs[t].last - jobs[t].first);
+        crc_stream = crc_combine(crc_stream, jobs[t].crc_stream, jobs[t].stream_bytes);
+    }
+    uint32_t got[6] = {crc_sm, crc_stream,
+                       unw_crc32((const uint8_t *)offsets, 4 * (x.n_groups + 1), 1),
+                       unw_crc32((const uint8_t *)vchunks, 4 * n_verbatim, 1), unw_crc32(vexp, n_verbatim * cs, 1),
+                       crc_out};
+    for (int a = 0; a < 6; a++)
+        if (got[a] != crc_io[a]) {
+            crc_io[6] = (uint32_t)a;
+            crc_io[7] = got[a];
+            return BAD_CRC;
+        }
+    return OK;
+}

@@ -1,0 +1,72 @@
+"""Build a C file of ``fast/codec/native/`` with the system compiler on first use, and load it.
+
+``$CC`` (default ``cc``) ``-O3 -std=c99 -pthread -shared -fPIC``, into ``$UNFIRE_CACHE`` (default
+``~/.cache/unfire``) under a name that hashes the source (and the headers beside it), the compiler and
+the platform, written to a temporary file and renamed (concurrent first uses are safe). No compiler, a failed build or
+``UNFIRE_NATIVE=0``: ``load`` returns None (with a warning for a failed build) and the caller uses its
+torch or NumPy fallback, which gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+NATIVE_DIR = Path(__file__).with_name("native")
+Signatures = dict[str, tuple[Any, list[Any]]]  # function name: (return type, argument types)
+
+
+def build(source: Path, signatures: Signatures) -> ctypes.CDLL:
+    """Compile ``source`` (or reuse the cached build) and declare the functions' signatures."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise RuntimeError("no C compiler (set CC)")
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(text + f"{compiler}|{platform.machine()}|{platform.system()}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("UNFIRE_CACHE", Path.home() / ".cache" / "unfire"))
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: a private directory in /tmp
+        cache = Path(tempfile.gettempdir()) / f"unfire-{os.getuid()}"
+        cache.mkdir(mode=0o700, exist_ok=True)
+    target = cache / f"{source.stem}-{key}.so"
+    if not target.exists():
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, "-O3", "-std=c99", "-pthread", "-shared", "-fPIC", "-o", tmp, str(source)],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def load(state: dict[str, ctypes.CDLL | None], lock: threading.Lock, source: Path, signatures: Signatures,
+         what: str, fallback: str) -> ctypes.CDLL | None:
+    """The library of ``source``, built once per process (kept in ``state``); None if it cannot be."""
+    if os.environ.get("UNFIRE_NATIVE", "1") == "0":
+        return None
+    with lock:
+        if "lib" not in state:
+            try:
+                state["lib"] = build(source, signatures)
+            except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+                warnings.warn(f"fast.codec: {what} could not be built ({e}); using {fallback}",
+                              RuntimeWarning, stacklevel=4)
+                state["lib"] = None
+    return state["lib"]

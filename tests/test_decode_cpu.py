@@ -1,0 +1,163 @@
+"""The fast CPU decoder (fast/codec/native/decode.c via decode_cpu): bit-exact to the plain reference
+decoder, every check of FORMAT.md 3.6 kept (damaged input: CodecError or the exact original), its
+CRC-32 equal to zlib's, and the NumPy fallback when there is no compiler."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fast.codec import decode_native
+from fast.codec.decode_native import decode_cpu
+from reference.codec import CompressedTensor, decode, encode
+from reference.codec.errors import CodecError
+from reference.codec.format import crc32
+from tests.codec_strategies import JUNK, bf16_tensors, codec_params
+
+HAS_C = decode_native.library() is not None
+needs_c = pytest.mark.skipif(not HAS_C, reason="no C compiler: the C decoder is not built")
+
+rng = np.random.default_rng(11)
+TRAINED = (rng.standard_normal((96, 200)) * 0.02).astype(np.float32).view(np.uint32) >> 16
+TRAINED = TRAINED.astype(np.uint16)
+TRAINED[3, 5] = 0x0001  # a subnormal: an out-of-palette exponent, so there is a verbatim chunk
+BASE = encode(TRAINED, chunks_per_group=4)
+
+
+@contextlib.contextmanager
+def many_threads() -> Iterator[None]:
+    """Let even tiny tensors be split into ranges of groups (the threaded join is what is tested)."""
+    saved = decode_native.MIN_WEIGHTS_PER_THREAD
+    decode_native.MIN_WEIGHTS_PER_THREAD = 1
+    try:
+        yield
+    finally:
+        decode_native.MIN_WEIGHTS_PER_THREAD = saved
+
+
+@needs_c
+@settings(max_examples=150, deadline=None)
+@given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([1, 2, 3, 7]))
+def test_c_decoder_equals_plain_reference_decoder(bits: np.ndarray, params: dict, threads: int) -> None:
+    ct = encode(bits, **params)
+    with many_threads():
+        got = decode_cpu(ct, threads=threads, native=True)
+    assert got.dtype == np.uint16 and got.shape == bits.shape
+    assert np.array_equal(got, decode(ct)) and np.array_equal(got, bits)
+
+
+def decodes_exactly_or_raises(header: object, arrays: dict[str, np.ndarray], original: np.ndarray,
+                              threads: int = 1) -> None:
+    try:
+        out = decode_cpu(CompressedTensor.from_parts(header, arrays, check_arrays=False), threads=threads,
+                         native=True)
+    except CodecError:
+        return
+    assert out.shape == original.shape and np.array_equal(out, original)
+
+
+@needs_c
+@given(st.sampled_from(list(BASE.arrays())), st.integers(0, 2**40), st.integers(0, 7), st.booleans(),
+       st.sampled_from([1, 3]))
+def test_damaged_arrays_are_caught_by_the_c_decoder(key: str, where: int, bit: int, fix_crc: bool,
+                                                    threads: int) -> None:
+    """A flipped bit anywhere; with ``fix_crc`` the array's CRC is recomputed so the decoder's own checks
+    (offsets, verbatim ids and chunks, codes, group ends, data CRC) must catch it."""
+    arrays = {k: np.array(v) for k, v in BASE.arrays().items()}
+    raw = arrays[key].view(np.uint8).reshape(-1)
+    if raw.size == 0:
+        return
+    raw[where % raw.size] ^= 1 << bit
+    header = copy.deepcopy(BASE.header())
+    with many_threads():
+        if fix_crc:
+            header["crc32"][key] = crc32(arrays[key])
+        else:
+            with pytest.raises(CodecError, match="CRC|corrupt|must|holds"):
+                decode_cpu(CompressedTensor.from_parts(header, arrays, check_arrays=False), threads=threads,
+                           native=True)
+        decodes_exactly_or_raises(header, arrays, TRAINED, threads)
+
+
+@needs_c
+@given(st.sampled_from([*BASE.header(), "crc32.sm", "crc32.data"]), JUNK)
+def test_tampered_header_field_c_decoder(key: str, value: object) -> None:
+    header = copy.deepcopy(BASE.header())
+    if key.startswith("crc32."):
+        header["crc32"][key[6:]] = value
+    else:
+        header[key] = value
+    decodes_exactly_or_raises(header, BASE.arrays(), TRAINED)
+
+
+@needs_c
+@given(st.sampled_from(["offsets", "vchunks"]), st.integers(0, 100), st.integers(0, 2**32 - 1))
+def test_out_of_range_entries_c_decoder(key: str, index: int, value: int) -> None:
+    """Offsets and verbatim ids far out of range (CRC fixed): read nothing out of bounds, raise CodecError."""
+    header, arrays = copy.deepcopy(BASE.header()), {k: np.array(v) for k, v in BASE.arrays().items()}
+    if arrays[key].size == 0:
+        return
+    arrays[key][index % arrays[key].size] = value
+    header["crc32"][key] = crc32(arrays[key])
+    decodes_exactly_or_raises(header, arrays, TRAINED)
+
+
+@needs_c
+def test_errors_name_the_problem() -> None:
+    arrays = {k: np.array(v) for k, v in BASE.arrays().items()}
+    arrays["stream"][0] ^= np.uint32(0xFFFF0000)
+    header = copy.deepcopy(BASE.header())
+    header["crc32"]["stream"] = crc32(arrays["stream"])
+    with pytest.raises(CodecError, match="group 0"):
+        decode_cpu(CompressedTensor.from_parts(header, arrays, check_arrays=False), native=True)
+    arrays = {k: np.array(v) for k, v in BASE.arrays().items()}
+    arrays["sm"][7] ^= 1
+    with pytest.raises(CodecError, match="array sm fails its CRC-32"):
+        decode_cpu(CompressedTensor.from_parts(BASE.header(), arrays, check_arrays=False), native=True)
+
+
+@needs_c
+@given(st.integers(0, 5000), st.integers(1, 9), st.integers(0, 2**32 - 1))
+def test_crc32_equals_zlib(n: int, threads: int, seed: int) -> None:
+    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    assert decode_native.crc32(data, threads) == zlib.crc32(data.tobytes())
+
+
+def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert np.array_equal(decode_cpu(BASE, native=False), TRAINED)
+    monkeypatch.setattr(decode_native, "_state", {})
+    monkeypatch.setenv("UNFIRE_NATIVE", "0")
+    assert decode_native.library() is None
+    assert np.array_equal(decode_cpu(BASE), TRAINED)
+    with pytest.raises(CodecError, match="not available"):
+        decode_cpu(BASE, native=True)
+
+
+@needs_c
+def test_a_broken_c_decoder_fails_the_conformance_suite_readably(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                                 capsys: pytest.CaptureFixture) -> None:
+    """Mutation: the exponent shifted by 6 instead of 7 in decode.c's assembly. The decoder's own data CRC
+    catches it before the comparison would: the case errors, naming the case and the failed check."""
+    from conformance.__main__ import main
+    from fast.codec import native_build
+
+    source = decode_native.SOURCE.read_text()
+    old = "(uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F))"
+    assert source.count(old) == 1
+    mutant = tmp_path / "decode.c"
+    mutant.write_text(source.replace(old, old.replace("<< 7", "<< 6")))
+    for header in decode_native.SOURCE.parent.glob("*.h"):
+        (tmp_path / header.name).write_bytes(header.read_bytes())
+    monkeypatch.setenv("UNFIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(decode_native, "_state", {"lib": native_build.build(mutant, decode_native._SIGNATURES)})
+    assert main(["--device", "cpu", "-k", "codec.cpu_decode_c.random"]) == 1
+    out = capsys.readouterr().out
+    assert "codec.cpu_decode_c.random" in out and "1 errors" in out
+    assert "decoded data fails its CRC-32 check" in " ".join(out.split())
