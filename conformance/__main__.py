@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from reference.safe_write import atomic_output
+
 
 class UsageError(Exception):
     """A bad combination of options or environment: printed, exit status 2."""
@@ -126,11 +128,32 @@ def write_json(path: Path, results: list, device: str, large: bool, seed: int, s
         "passed": all(not r.failed for r in results), "cases": [r.to_json() for r in results],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+    with atomic_output(path) as f:  # complete or not at all
+        f.write((json.dumps(doc, indent=1) + "\n").encode())
+
+
+def json_problem(path: Path) -> str | None:
+    """Why the results could not be written to ``path`` (checked before the run), or None."""
+    if path.is_dir():
+        return "is a directory"
+    if path.exists() and not os.access(path, os.W_OK):
+        return "is not writable"
+    folder = path.parent
+    while not folder.exists():  # write_json creates the missing folders: the first existing one must allow it
+        folder = folder.parent
+    if not folder.is_dir():
+        return f"{folder} is not a directory"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the directory {folder} is not writable"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    problem = json_problem(args.json) if args.json else None
+    if problem:  # found out now, not after the whole run
+        print(f"python -m conformance: --json {args.json}: {problem}", file=sys.stderr)
+        return 2
     try:
         device = choose_device(args.device)
     except UsageError as e:
@@ -157,7 +180,11 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     print_results(results, device, large, seconds)
     if args.json:
-        write_json(args.json, results, device, large, args.seed, seconds)
+        try:
+            write_json(args.json, results, device, large, args.seed, seconds)
+        except OSError as e:  # the disk filled up meanwhile: say so in one line (exit 2, not "a case failed")
+            print(f"python -m conformance: --json {args.json}: {e.strerror or e}", file=sys.stderr)
+            return 2
     return 1 if any(r.failed for r in results) else 0
 
 

@@ -52,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [c for c in wanted if c not in CLAIM_IDS]
     if unknown:
         parser.error(f"unknown claim id(s) {', '.join(unknown)}; known: {', '.join(CLAIM_IDS)}")
+    for source in args.weights:  # before any work: a wrong path should not cost a whole run
+        problem = weights_problem(source)
+        if problem:
+            parser.error(f"--weights {source}: {problem}")
     to_run = [experiments[c] for c in wanted if c in experiments]
     ctx = Context(full=args.full, weights=args.weights, results_dir=RESULTS_DIR,
                   progress_factory=_progress_factory())
@@ -80,6 +84,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def weights_problem(source: str) -> str | None:
+    """Why ``--weights source`` cannot be read, or None: the weight files are opened (headers only)."""
+    from reference.model.errors import WeightError
+    from reference.model.safetensors_io import SafetensorsError
+    from reference.model.weights import open_weights
+
+    try:
+        open_weights(source)
+    except (WeightError, SafetensorsError, OSError) as e:
+        return str(e)
+    return None
 
 
 def _progress_factory():  # noqa: ANN202 - returns a callable making rich Progress objects

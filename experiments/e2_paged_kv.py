@@ -81,7 +81,7 @@ def simulate(allocator: Any, requests: list[tuple[int, int]], capacity: int, wat
     steps, computed_total, saturated = 0, 0, []
     while sched.has_unfinished():
         batch = sched.schedule(float(steps))
-        tokens = [(0 if e.seq.num_output_tokens + 1 >= true_out[e.seq.seq_id] else 1) if e.samples else None
+        tokens = [(0 if e.seq.num_output_tokens + 1 >= true_out[e.seq.seq_id] else 1) if e.needs_sample else None
                   for e in batch.entries]
         computed_total += batch.num_batched_tokens
         sched.postprocess(batch, tokens, float(steps))

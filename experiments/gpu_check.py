@@ -1,9 +1,12 @@
-"""One command for a GPU session: the conformance suite natively on CUDA (large shapes), then the benchmark.
+"""One command for a GPU session: the conformance suite natively on CUDA (large shapes), then the benchmarks:
+the codec kernels (``gpu_bench.py``), KV decode attention (``bench_kv.py``) and the engine (tokens/s,
+TTFT, ITL, control-plane share at batch 1..256, bf16 and compressed weights: ``gpu_engine.py``).
 
 Each step runs in its own process with its own time limit, so a failure in one still leaves the
-other's results. Writes experiments/results/conformance_cuda.json, gpu_bench.json and a summary
-gpu_check.json (GPU name, date, commit, pass/fail, the goals). Sized for one 10-minute call:
-conformance <= 240 s, benchmark <= 300 s (it stops starting new rows at ``--bench-budget``).
+others' results. Writes experiments/results/conformance_cuda.json, gpu_bench.json, bench_kv.json,
+gpu_engine.json and a summary gpu_check.json (GPU name, date, commit, pass/fail, the goals). Sized
+for one 10-minute call: conformance <= 240 s, codec benchmark <= 160 s, KV benchmark <= 90 s, engine
+<= 110 s (the benchmarks stop starting new rows at their ``--*-budget``).
 
 ``--tiny`` runs the same steps on the CPU under TRITON_INTERPRET=1 (a few conformance cases, the
 benchmark's tiny shapes) and writes to a temporary folder: a smoke test that the script works,
@@ -47,8 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="results folder (default experiments/results; "
                    "a temporary folder with --tiny)")
     p.add_argument("--conformance-timeout", type=float, default=240)
-    p.add_argument("--bench-timeout", type=float, default=300)
-    p.add_argument("--bench-budget", type=float, default=240)
+    p.add_argument("--bench-timeout", type=float, default=160)
+    p.add_argument("--bench-budget", type=float, default=120)
+    p.add_argument("--kv-timeout", type=float, default=90)
+    p.add_argument("--kv-budget", type=float, default=50)
+    p.add_argument("--engine-timeout", type=float, default=110)
+    p.add_argument("--engine-budget", type=float, default=70)
     args = p.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_check_")) if args.tiny else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
@@ -57,13 +64,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         env["TRITON_INTERPRET"] = "1"
         conf = [py, "-m", "conformance", "--device", "cpu", "-k", "bf16.", "-k", "codec.palette_decode.random",
-                "-k", "matmul.fused_vs_plain.synthetic_96x320.b1", "--json", str(out / "conformance_cpu.json")]
+                "-k", "matmul.fused_vs_plain.synthetic_96x320.b1", "-k", "kv.decode_attention.fp8.triton",
+                "--json", str(out / "conformance_cpu.json")]
         bench = [py, "-m", "experiments.gpu_bench", "--tiny", "--json", str(out / "gpu_bench_tiny.json")]
+        engine = [py, "-m", "experiments.gpu_engine", "--tiny", "--json", str(out / "gpu_engine_tiny.json")]
+        kv = [py, "-m", "experiments.bench_kv", "--tiny", "--json", str(out / "bench_kv_tiny.json")]
     else:
         env.pop("TRITON_INTERPRET", None)
         conf = [py, "-m", "conformance", "--device", "cuda", "--large", "--json", str(out / "conformance_cuda.json")]
         bench = [py, "-m", "experiments.gpu_bench", "--budget", str(args.bench_budget),
                  "--json", str(out / "gpu_bench.json")]
+        engine = [py, "-m", "experiments.gpu_engine", "--budget", str(args.engine_budget),
+                  "--json", str(out / "gpu_engine.json")]
+        kv = [py, "-m", "experiments.bench_kv", "--budget", str(args.kv_budget), "--json", str(out / "bench_kv.json")]
     summary: dict[str, object] = {"tiny": args.tiny, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     sys.path.insert(0, str(REPO))
     from reference.provenance import commit, machine
@@ -77,8 +90,16 @@ def main(argv: list[str] | None = None) -> int:
         summary["gpu"] = None
     summary["conformance"] = step("conformance", conf, args.conformance_timeout, env)
     summary["benchmark"] = step("benchmark", bench, args.bench_timeout, env)
+    summary["kv_benchmark"] = step("kv_benchmark", kv, args.kv_timeout, env)
+    kv_path = out / ("bench_kv_tiny.json" if args.tiny else "bench_kv.json")
+    if kv_path.exists():
+        rows = json.loads(kv_path.read_text()).get("rows", [])
+        summary["kv_benchmark"]["result_file"] = str(kv_path)
+        summary["kv_benchmark"]["triton_GBps"] = {f"{r['dtype']}.b{r['batch']}": r["triton_GBps"] for r in rows}
+    summary["engine"] = step("engine", engine, args.engine_timeout, env)
     for key, name in (("conformance", "conformance_cpu.json" if args.tiny else "conformance_cuda.json"),
-                      ("benchmark", "gpu_bench_tiny.json" if args.tiny else "gpu_bench.json")):
+                      ("benchmark", "gpu_bench_tiny.json" if args.tiny else "gpu_bench.json"),
+                      ("engine", "gpu_engine_tiny.json" if args.tiny else "gpu_engine.json")):
         path = out / name
         if path.exists():
             doc = json.loads(path.read_text())
@@ -87,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                   else "goals")
     (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out / 'gpu_check.json'}")
-    ok = summary["conformance"]["rc"] == 0 and summary["benchmark"]["rc"] == 0
+    ok = all(summary[k]["rc"] == 0 for k in ("conformance", "benchmark", "kv_benchmark", "engine"))
     return 0 if ok else 1
 
 

@@ -52,6 +52,7 @@ class Result:
     clock: str | None = None  # one of CLOCKS: what every time in ``measured`` and ``summary`` is on
     clock_detail: str = ""  # optional: how that clock was taken here (threads, what was skipped, ...)
     notes: list[str] = field(default_factory=list)  # caveats the paper prints in the section's text
+    tables: list[str] = field(default_factory=list)  # markdown tables for the paper's section
 
     def __post_init__(self) -> None:
         if self.clock is not None and self.clock not in CLOCKS:

@@ -44,6 +44,7 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "notes": result.notes,
         "clock": result.clock,
         "clock_detail": result.clock_detail,
+        "tables": result.tables,
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{exp.claim}.json"
@@ -149,11 +150,70 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
         ]
         for note in r.get("notes", []):
             lines += ["", f"**Note:** {note}"]
+        for table in r.get("tables", []):
+            lines += ["", table]
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}](../experiments/results/{fig})"]
+    lines += engine_bench_section(results_dir)
+    lines += _serve_section(results_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return out
+
+
+def engine_bench_section(results_dir: Path) -> list[str]:
+    """The engine benchmark (``python -m experiments.bench_engine``), if it has been run: one row per system."""
+    path = results_dir / "bench_engine.json"
+    if not path.exists():
+        return []
+    r = json.loads(path.read_text())
+    m, s = r["measured"], r["setup"]
+    lines = ["", "## Engine benchmark: fast engine vs transformers vs reference", "",
+             f"**Goal:** {r.get('goal', '')}.  ", f"**Result:** {r.get('verdict', '')}. {r.get('why', '')}", "",
+             "| system | useful tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |", "|---|---|---|---|"]
+    for name, tok_s in m["useful_tok_s"].items():
+        ttft, itl = m["ttft_ms"][name], m["itl_ms"][name]
+        lines.append(f"| {name} | {tok_s:.1f} | {ttft['p50']:.0f} / {ttft['p99']:.0f} | "
+                     f"{itl['p50']:.0f} / {itl['p99']:.0f} |")
+    machine = s.get("machine", {})
+    lines += ["", f"Measured on: weights {s.get('weights')}; workload {s.get('workload')}; {s.get('threads')} "
+              f"threads on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores, load average "
+              f"{s.get('load_average')}); commit {s.get('commit')}; {s.get('date')}. transformers by batch size: "
+              f"{m.get('transformers_by_batch', {})} useful tok/s."]
+    lines += [f"\n![engine benchmark](../experiments/results/{fig})" for fig in r.get("figures", [])]
+    return lines
+
+
+def _serve_section(results_dir: Path) -> list[str]:
+    """The HTTP server's overhead (``python -m experiments.bench_serve``), when it was measured."""
+    path = results_dir / "serve_overhead.json"
+    try:
+        r = json.loads(path.read_text())
+        med, s = r["median"], r["setup"]
+        rows = [(side, med[side]) for side in ("in_process", "served")]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return []
+    w, m = s.get("workload", {}), s.get("machine", {})
+    lines = ["", "## Serving: the HTTP layer's overhead", "",
+             f"`python -m serve.bench` against `python -m serve` vs the same engine in-process, same workload "
+             f"({w.get('num_prompts')} ShareGPT prompts, {w.get('max_tokens')} output tokens each, greedy, "
+             f"arrivals {w.get('arrivals')}); medians of {s.get('repeats')} alternating runs.", "",
+             "| | output tok/s | TTFT p50 (ms) | TTFT p90 (ms) | ITL p50 (ms) | ITL p90 (ms) | e2e p50 (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for side, v in rows:
+        cells = [v.get(k) for k in ("output_throughput_tok_s", "ttft_ms.p50", "ttft_ms.p90", "itl_ms.p50",
+                                    "itl_ms.p90", "e2e_ms.p50")]
+        lines.append(f"| {side.replace('_', '-')} | " + " | ".join("-" if c is None else f"{c:.1f}" for c in cells)
+                     + " |")
+    pairs = r.get("overhead", {}).get("median_of_pairs", {})
+    if isinstance(pairs, dict) and pairs.get("engine_process_cpu_per_token_ratio") is not None:
+        lines += ["", f"CPU seconds per output token of the process running the engine, served / in-process "
+                  f"(median over pairs): {pairs['engine_process_cpu_per_token_ratio']:.2f}; the load generator's "
+                  f"own CPU: {pairs.get('client_cpu_per_token_ms', float('nan')):.1f} ms per output token."]
+    lines += ["", f"Measured on: weights {s.get('weights', '-')}; {s.get('engine', '-')} engine; "
+              f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores); commit {s.get('commit', '?')}; "
+              f"{s.get('date', '?')}. {s.get('note', '')}"]
+    return lines
 
 
 def _jsonable(x: Any) -> Any:

@@ -60,6 +60,6 @@ def run_step(sched: Scheduler, kv: FakeKV, now: float, seed: int = 0, vocab: int
         seen = kv.read(e.block_table, e.start)
         assert seen == e.seq.token_ids[:e.start], f"seq {e.seq.seq_id}: wrong cached context"
         kv.write(e.block_table, e.positions, e.token_ids)
-        tokens.append(fake_token(seed, e.seq.seq_id, e.context_len, vocab) if e.samples else None)
+        tokens.append(fake_token(seed, e.seq.seq_id, e.context_len, vocab) if e.needs_sample else None)
     finished = sched.postprocess(batch, tokens, now)
     return batch, finished

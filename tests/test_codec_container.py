@@ -141,10 +141,11 @@ def test_wrong_container_version_and_plain_file(checkpoint: Path, tmp_path: Path
         tensors = {n: np.array(f[n]) for n in f}
         dtypes = {n: f.info(n).dtype for n in f}
         meta = dict(f.metadata)
-    meta["unweight"] = meta["unweight"].replace('"version": 1', '"version": 2')
-    write_safetensors(tmp_path / "v2.safetensors", tensors, dtypes=dtypes, metadata=meta)
-    with pytest.raises(CodecError, match="version"):
-        Container(tmp_path / "v2.safetensors")
+    for version, message in ((3, "unsupported container version 3"), (1, "version 1 has no header checks")):
+        meta["unweight"] = json.dumps(json.loads(meta["unweight"]) | {"version": version})
+        write_safetensors(tmp_path / "v.safetensors", tensors, dtypes=dtypes, metadata=meta)
+        with pytest.raises(CodecError, match=message):
+            Container(tmp_path / "v.safetensors")
 
 
 @pytest.mark.slow

@@ -31,6 +31,7 @@ def test_gpu_check_tiny_runs_both_steps(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
     assert summary["conformance"]["passed"] is True and summary["benchmark"]["goals"]
+    assert summary["engine"]["rc"] == 0 and summary["engine"]["goals"]
 
 
 def test_bench_encode_checks_bytes_and_reports_both(capsys) -> None:

@@ -38,7 +38,7 @@ def test_reservation_rules_and_the_real_scheduler_finishes_everything():
         while sched.has_unfinished():
             batch = sched.schedule(float(t))
             sched.postprocess(batch, [(0 if e.seq.num_output_tokens + 1 >= true_out[e.seq.seq_id] else 1)
-                                      if e.samples else None for e in batch.entries], float(t))
+                                      if e.needs_sample else None for e in batch.entries], float(t))
             assert not batch.preempted  # reservations never grow
             t += 1
         assert [s.num_output_tokens for s in seqs] == [o for _, o in reqs] and arena.holes == [[0, 40]]

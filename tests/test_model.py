@@ -109,7 +109,7 @@ def test_paged_chunked_batched_forward_equals_contiguous(kv_dtype):
     ref_a, ref_b = model.forward_contiguous(a), model.forward_contiguous(b)
     cache = model.new_cache(num_blocks=16, block_size=4, dtype=kv_dtype)
     table_a, table_b = [11, 2, 7, 0, 14, 5, 9], [3, 15, 1]
-    model.forward([Chunk(a[:10], 0, table_a, logits=False), Chunk(b[:8], 0, table_b, logits=False)], cache)
+    model.forward([Chunk(a[:10], 0, table_a, wants_logits=False), Chunk(b[:8], 0, table_b, wants_logits=False)], cache)
     out = model.forward([Chunk(a[10:22], 10, table_a), Chunk(b[8:], 8, table_b)], cache)
     out2 = model.forward([Chunk(a[22:], 22, table_a)], cache)
     tol = 1e-4 if kv_dtype == "float32" else 0.1  # fp8: a bound on the relative logit error, see below

@@ -71,7 +71,7 @@ def test_fcfs_run_finishes_everything_with_chunked_prefill():
     assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == s.max_tokens for s in seqs)
     assert all(b.num_batched_tokens <= 8 and len(b) <= 3 for b in batches)
     first = batches[0].entries  # the 20-token prompt arrived first: it takes the whole first budget
-    assert [(e.seq, e.start, e.num_new_tokens, e.samples) for e in first] == [(seqs[0], 0, 8, False)]
+    assert [(e.seq, e.start, e.num_new_tokens, e.needs_sample) for e in first] == [(seqs[0], 0, 8, False)]
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
@@ -126,7 +126,7 @@ def test_abort_frees_everything_and_is_skipped_in_postprocess():
     sched.add(b, 0.0)
     batch = sched.schedule(1.0)
     assert sched.abort(a.seq_id) is a and a.status is SequenceStatus.ABORTED and a.block_table == []
-    sched.postprocess(batch, [1 if e.samples else None for e in batch.entries], 1.0)
+    sched.postprocess(batch, [1 if e.needs_sample else None for e in batch.entries], 1.0)
     assert a.num_computed_tokens == 0 and b.num_computed_tokens > 0
     assert sched.abort(a.seq_id) is None
     sched.abort(b.seq_id)

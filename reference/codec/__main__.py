@@ -5,11 +5,16 @@ a .safetensors file, a checkpoint directory, a .gguf file. float32/float16 tenso
 only with ``--to-bf16`` (round-to-nearest-even; ``decompress`` then writes that bf16 checkpoint).
 ``--mode unweight`` (default) writes the Unweight Huffman form; ``--mode rans`` our rANS form
 (FORMAT.md section 9: smaller, decoded by interleaved lanes). Each mode takes its own parameters.
+
+OUT appears complete or not at all: it is written to a temporary file beside it and renamed when
+done. Interrupted (Ctrl-C, SIGTERM, SIGHUP), the command removes its temporary files, leaves OUT as
+it was and exits with 128 + the signal number. Errors print one line and exit 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 import numpy as np
@@ -28,6 +33,7 @@ from reference.codec.container import (
 )
 from reference.codec.errors import CodecError
 from reference.model.names import tensor_kind
+from reference.safe_write import Interrupted, remove_temporary_files, signals_raise
 
 MODE_PARAMS = {
     "unweight": {"palette-size": PALETTE_SIZE, "chunk-size": CHUNK_SIZE, "chunks-per-group": CHUNKS_PER_GROUP,
@@ -59,38 +65,52 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("container")
     args = parser.parse_args(argv)
     try:
-        if args.command == "compress":
-            params = {}
-            for mode, flags in MODE_PARAMS.items():
-                for flag in flags:
-                    value = getattr(args, flag.replace("-", "_"))
-                    if value is not None and mode != args.mode:
-                        raise CodecError(f"--{flag} is a parameter of --mode {mode}, not of --mode {args.mode}")
-                    if value is not None:
-                        params[flag.replace("-", "_")] = value
-            counts = compress_checkpoint(args.source, args.out, to_bf16=args.to_bf16, min_elements=args.min_elements,
-                                         progress=True, mode=args.mode, **params)
-            print(f"wrote {args.out}: {counts['compressed']} tensors compressed, {counts['passed']} passed through")
-            if counts["castable_passed"]:
-                print(f"note: {counts['castable_passed']} float32/float16 tensors were passed through unchanged; "
-                      "add --to-bf16 to cast them to bf16 and compress them", file=sys.stderr)
-        elif args.command == "decompress":
-            n = decompress_checkpoint(args.container, args.out, progress=True)
-            print(f"wrote {args.out}: {n} tensors")
-        else:
-            inspect(args.container)
+        with signals_raise():
+            run(args)
     except CodecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the disk is full, a permission is missing: name it, without a traceback
+        print(f"error: {e.strerror or e}{f': {e.filename}' if e.filename else ''}", file=sys.stderr)
+        return 2
+    except Interrupted as e:
+        remove_temporary_files()  # those the signal stopped before their own clean-up began
+        print(f"interrupted by {signal.Signals(e.signum).name}: temporary files removed, no partial output left",
+              file=sys.stderr)
+        return 128 + e.signum
     return 0
+
+
+def run(args: argparse.Namespace) -> None:
+    """Carry out one parsed command."""
+    if args.command == "compress":
+        params = {}
+        for mode, flags in MODE_PARAMS.items():
+            for flag in flags:
+                value = getattr(args, flag.replace("-", "_"))
+                if value is not None and mode != args.mode:
+                    raise CodecError(f"--{flag} is a parameter of --mode {mode}, not of --mode {args.mode}")
+                if value is not None:
+                    params[flag.replace("-", "_")] = value
+        counts = compress_checkpoint(args.source, args.out, to_bf16=args.to_bf16, min_elements=args.min_elements,
+                                     progress=True, mode=args.mode, **params)
+        print(f"wrote {args.out}: {counts['compressed']} tensors compressed, {counts['passed']} passed through")
+        if counts["castable_passed"]:
+            print(f"note: {counts['castable_passed']} float32/float16 tensors were passed through unchanged; "
+                  "add --to-bf16 to cast them to bf16 and compress them", file=sys.stderr)
+    elif args.command == "decompress":
+        n = decompress_checkpoint(args.container, args.out, progress=True)
+        print(f"wrote {args.out}: {n} tensors")
+    else:
+        inspect(args.container)
 
 
 def inspect(path: str) -> None:
     """Print one row per tensor; decodes (and so verifies) every tensor to measure its entropy."""
     total_in = total_out = 0
-    print(f"{'tensor':52s} {'kind':9s} {'form':>7s} {'shape':>14s} {'dtype':>9s} {'ratio':>7s} {'bound':>7s} "
-          f"{'rare':>8s}")
     with Container(path) as c:
+        print(f"{'tensor':52s} {'kind':9s} {'form':>7s} {'shape':>14s} {'dtype':>9s} {'ratio':>7s} {'bound':>7s} "
+              f"{'rare':>8s}")
         for name, array, dtype in c.items(progress=True):
             shape = "x".join(map(str, array.shape)) or "scalar"
             if c.is_compressed(name):

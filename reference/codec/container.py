@@ -10,13 +10,18 @@ Any safetensors tool opens the container: each compressed tensor is a few plain 
 memory at once: arrays are parked in a scratch file next to the output and memory-mapped back.
 ``mode="rans"`` stores the tensors in the rANS form (FORMAT.md section 9) instead of the Unweight
 Huffman form; a container may hold both, each tensor's header says which.
+
+Nothing is lost on the way: the output appears complete or not at all (``atomic_output``), the
+scratch file goes on every exit path, an output that is the input is refused, and so is a container
+given as the source. Each tensor's header carries a CRC-32 of itself and the tensor's name
+(``header_crc32``, FORMAT.md section 6.1), so a changed shape or dtype is caught, not decoded.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,9 +35,11 @@ from reference.codec.ans_format import RansTensor
 from reference.codec.codec import decode_many, encode
 from reference.codec.errors import CodecError
 from reference.codec.format import ARRAY_DTYPES, FORMAT_NAME, VERSION, CompressedTensor, crc32
+from reference.codec.paths import check_output, input_paths
 from reference.model.errors import WeightError
 from reference.model.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, write_safetensors
 from reference.model.weights import open_weights
+from reference.safe_write import discard, temporary_file
 
 MIN_ELEMENTS = 4096  # smaller tensors (norms, biases) pass through: their header would cost more than they save
 CASTABLE = ("F32", "F16")  # cast to bf16 (round-to-nearest-even) with to_bf16=True
@@ -40,6 +47,8 @@ DECODE_BATCH = 1 << 24  # weights decoded together in one lockstep pass
 SEP = "::"
 MODES = ("unweight", "rans")  # the Huffman form of sections 3-5, the rANS form of section 9
 FORM_ARRAYS = {"huffman": ARRAY_DTYPES, ans_format.FORM: ans_format.ARRAY_DTYPES}  # the arrays of each form
+CONTAINER_VERSION = 2  # version 2 added each tensor's header_crc32 (FORMAT.md section 6.1)
+HEADER_CRC = "header_crc32"
 STORED_DTYPE = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32"}
 
 
@@ -61,7 +70,8 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
     except (WeightError, SafetensorsError) as e:
         raise CodecError(str(e)) from None
     out = Path(out)
-    metadata = _source_metadata(weights)
+    metadata = _source_metadata(weights)  # (refuses a container first: the more useful message)
+    check_output(out, input_paths(source, weights))
     names, counts = weights.names(), {"compressed": 0, "passed": 0, "castable_passed": 0}
     with _Scratch(out) as scratch:
         pending: list[tuple[str, np.ndarray, str]] = []  # rANS mode: tensors waiting to be encoded as one batch
@@ -69,8 +79,8 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
         def store(ct: CompressedTensor | RansTensor, source_dtype: str) -> None:
             for key, a in ct.arrays().items():
                 scratch.put(f"{ct.name}{SEP}{key}", a, STORED_DTYPE[a.dtype])
-            metadata[f"{FORMAT_NAME}{SEP}{ct.name}"] = json.dumps(ct.header() | {"source_dtype": source_dtype},
-                                                                 separators=(",", ":"))
+            header = ct.header() | {"source_dtype": source_dtype}
+            metadata[f"{FORMAT_NAME}{SEP}{ct.name}"] = _header_json(ct.name, header)
 
         def flush() -> None:
             batch = encode_rans_many([a for _, a, _ in pending], names=[n for n, _, _ in pending], **params)
@@ -94,12 +104,12 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
                 counts["compressed"] += 1
             else:
                 scratch.put(name, array, dtype)
-                metadata[f"{FORMAT_NAME}{SEP}{name}"] = _raw_header(array, dtype)
+                metadata[f"{FORMAT_NAME}{SEP}{name}"] = _raw_header(name, array, dtype)
                 counts["passed"] += 1
                 counts["castable_passed"] += dtype in CASTABLE
         if pending:
             flush()
-        metadata[FORMAT_NAME] = json.dumps({"format": FORMAT_NAME, "version": VERSION, "tensors": names})
+        metadata[FORMAT_NAME] = json.dumps({"format": FORMAT_NAME, "version": CONTAINER_VERSION, "tensors": names})
         scratch.write(out, metadata)
     return counts
 
@@ -107,6 +117,7 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
 def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool = False) -> int:
     """Write every tensor of a container back as a plain safetensors file (compressed ones as BF16)."""
     out = Path(out)
+    check_output(out, [Path(path)])
     with Container(path) as c, _Scratch(out) as scratch:
         for name, array, dtype in c.items(progress=progress):
             scratch.put(name, array, dtype)
@@ -129,9 +140,12 @@ class Container:
             assert isinstance(top, dict) and isinstance(top.get("tensors"), list)
         except (KeyError, ValueError, AssertionError):
             raise CodecError(f"{self.path}: no valid '{FORMAT_NAME}' entry in the metadata: not a container") from None
-        if top.get("format") != FORMAT_NAME or top.get("version") != VERSION:
+        if top.get("format") == FORMAT_NAME and top.get("version") == 1:
+            raise CodecError(f"{self.path}: container version 1 has no header checks (FORMAT.md section 6.1); "
+                             "compress the original checkpoint again")
+        if top.get("format") != FORMAT_NAME or top.get("version") != CONTAINER_VERSION:
             raise CodecError(f"{self.path}: unsupported container version {top.get('version')!r} "
-                             f"(this reader: {VERSION})")
+                             f"(this reader: {CONTAINER_VERSION})")
         self.names: list[str] = top["tensors"]
         if not all(isinstance(n, str) for n in self.names) or len(set(self.names)) != len(self.names):
             raise CodecError(f"{self.path}: the tensor list must hold distinct names")
@@ -152,6 +166,10 @@ class Container:
             raise CodecError(f"{self.path}: tensor {name!r} has no valid header in the metadata") from None
         if not isinstance(header, dict):
             raise CodecError(f"{self.path}: tensor {name!r}: header must be a JSON object")
+        stored = header.pop(HEADER_CRC, None)
+        if type(stored) is not int or stored != header_crc(name, header):
+            raise CodecError(f"{self.path}: tensor {name!r}: its header fails its CRC-32 check ({HEADER_CRC}): "
+                             "the header was changed or damaged")
         return header
 
     def is_compressed(self, name: str) -> bool:
@@ -228,16 +246,35 @@ def _decode_mixed(batch: list[CompressedTensor | RansTensor]) -> dict[str, np.nd
     return {ct.name: bits for ct, bits in pairs}
 
 
-def _raw_header(array: np.ndarray, dtype: str) -> str:
-    return json.dumps({"format": FORMAT_NAME, "version": VERSION, "form": "raw", "dtype": dtype,
-                       "shape": list(array.shape), "crc32": {"data": crc32(array)}}, separators=(",", ":"))
+def header_crc(name: str, header: dict[str, Any]) -> int:
+    """CRC-32 of a tensor's name and header (every key but ``header_crc32``) in a canonical JSON form:
+    keys sorted, no spaces, ASCII only (FORMAT.md section 6.1)."""
+    entry = {"name": name, "header": {k: v for k, v in header.items() if k != HEADER_CRC}}
+    return zlib.crc32(json.dumps(entry, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii"))
+
+
+def _header_json(name: str, header: dict[str, Any]) -> str:
+    """A tensor's metadata value: its header with ``header_crc32`` added."""
+    return json.dumps(header | {HEADER_CRC: header_crc(name, header)}, separators=(",", ":"))
+
+
+def _raw_header(name: str, array: np.ndarray, dtype: str) -> str:
+    return _header_json(name, {"format": FORMAT_NAME, "version": VERSION, "form": "raw", "dtype": dtype,
+                               "shape": list(array.shape), "crc32": {"data": crc32(array)}})
 
 
 def _source_metadata(weights: Any) -> dict[str, str]:
-    """The source safetensors files' own metadata (GGUF key/values are not strings: not kept)."""
+    """The source safetensors files' own metadata (GGUF key/values are not strings: not kept).
+
+    A source that is itself a container is refused: its tensors would pass through as opaque arrays
+    and the output could no longer be decompressed to the weights.
+    """
     meta: dict[str, str] = {}
     for f in weights.files:
         if isinstance(f, SafetensorsFile):
+            if any(k == FORMAT_NAME or k.startswith(FORMAT_NAME + SEP) for k in f.metadata):
+                raise CodecError(f"{f.path} is already an {FORMAT_NAME} container: compress the original "
+                                 "checkpoint, or decompress this file first")
             for k, v in f.metadata.items():
                 if not k.startswith(FORMAT_NAME):
                     meta.setdefault(k, v)
@@ -248,8 +285,8 @@ class _Scratch:
     """Arrays parked in a temporary file beside the output, then memory-mapped back for writing."""
 
     def __init__(self, out: Path):
-        fd, name = tempfile.mkstemp(prefix=out.name + ".", suffix=".scratch", dir=out.parent)
-        self.path, self._f = Path(name), os.fdopen(fd, "wb")
+        fd, self.path = temporary_file(out.parent, out.name + ".", ".scratch")  # removed by remove_temporary_files
+        self._f = os.fdopen(fd, "wb")
         self.entries: dict[str, tuple[int, np.dtype, tuple[int, ...], str]] = {}
 
     def put(self, name: str, array: np.ndarray, dtype: str) -> None:
@@ -270,4 +307,4 @@ class _Scratch:
 
     def __exit__(self, *exc: object) -> None:
         self._f.close()
-        self.path.unlink(missing_ok=True)
+        discard(self.path)

@@ -3,8 +3,8 @@
 Each ``step()``:
   1. the scheduler (``reference/sched``) picks this step's work within its token budget: decodes of
      running sequences first, then prefill chunks, admitting waiting requests while KV blocks last;
-  2. copy-on-write block copies it asks for are applied to the KV arrays;
-  3. the model runs every scheduled chunk in one forward pass over the paged KV cache;
+  2. the model runner applies the copy-on-write block copies it asks for to the KV cache;
+  3. the model runner runs every scheduled chunk in one forward pass over the paged KV cache;
   4. a token is sampled for each sequence whose prompt is complete, with the request's own generator;
   5. the scheduler records the tokens and finishes requests (end token, stop id, max_tokens, context).
 
@@ -12,13 +12,17 @@ Typical use::
 
     engine = Engine(LlamaModel.load("smollm2"), load_tokenizer("smollm2"))
     outputs = engine.generate(["Hello"], SamplingParams(max_tokens=20))
+    # the fast engine is this class with a torch runner: fast.engine.Engine.load("smollm2")
     for event in engine.stream("Tell me a story", SamplingParams(temperature=0.8, seed=1)):
         print(event.text, end="")
+
+The model runner (``reference/model/runner.py``) is the only part that differs between the NumPy
+engine and the fast one: ``model.make_runner(...)`` gives the data plane, everything else here is
+the one control plane both share.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -27,25 +31,31 @@ from typing import Any
 import numpy as np
 
 from reference.engine.cost import StepShape
-from reference.engine.params import EngineError, SamplingParams, SamplingParamsError
+from reference.engine.params import (
+    EngineError,
+    RequestRejected,
+    SamplingParams,
+    SamplingParamsError,
+    UnknownRequestError,
+    check_engine_args,
+    check_request_args,
+)
 from reference.engine.request import Request, RequestMetrics, RequestOutput, TokenEvent
 from reference.engine.sampling import sample
 from reference.kv.block_manager import BlockManager
-from reference.model.llama import Chunk, LlamaModel
+from reference.model.llama import Chunk
+from reference.model.runner import ModelRunner, RunnableModel
 from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError, Tenants, make_policy
 from reference.sched import Sequence as SchedSequence
 
 
-class RequestRejected(EngineError):
-    """A request was refused (bad prompt, unknown tenant, does not fit); nothing else changed."""
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StepRecord:
     """What one step computed (for throughput and arithmetic-intensity accounting)."""
 
     time: float  # engine clock at the end of the step
     duration: float  # seconds the step took (schedule + forward + sample)
+    model_time: float  # seconds of it spent in the model runner; the rest is the control plane
     new_tokens: tuple[int, ...]  # tokens computed per scheduled sequence
     context_lens: tuple[int, ...]  # tokens attention covered per sequence (cached + new)
     is_prefill: tuple[bool, ...]
@@ -57,16 +67,19 @@ class StepRecord:
 
 
 class Engine:
-    def __init__(self, model: LlamaModel, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
+    def __init__(self, model: RunnableModel, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
                  kv_dtype: str = "float32", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
                  max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
                  aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0, seed: int = 0,
                  clock: Callable[[], float] = time.monotonic):
+        check_engine_args(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+                           max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed)
         self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
         # the context: the checkpoint's, or less if asked, and never more than the whole KV cache holds
         limits = [model.config.max_position, num_blocks * block_size] + ([max_model_len] if max_model_len else [])
         self.max_model_len = min(limits)
-        self.cache = model.new_cache(num_blocks, block_size, kv_dtype)
+        # the data plane: model.make_runner gives an object with ModelRunner's interface (it owns the KV cache)
+        self.runner: ModelRunner = model.make_runner(num_blocks, block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
         if isinstance(policy, str):
             policy = make_policy(policy, tenants, aging)
@@ -74,7 +87,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config, policy, tenants)
         self.requests: dict[str, Request] = {}
         self.step_log: list[StepRecord] = []
-        self._counter = itertools.count()
+        self._next_number = 0  # numbers the requests (default ids, default random streams)
         eos = tokenizer.eos_token_ids if tokenizer is not None and tokenizer.eos_token_ids else \
             model.config.eos_token_ids
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
@@ -84,36 +97,63 @@ class Engine:
                     tenant: str = "default", request_id: str | None = None, arrival_time: float | None = None,
                     cache_salt: str | None = None, predicted_output_len: int | None = None) -> str:
         """Queue a request; returns its id. Raises ``EngineError`` and changes nothing on bad input."""
-        params = _as_params(params)
+        req = self._new_request(prompt, _as_params(params), tenant=tenant, request_id=request_id,
+                                arrival_time=arrival_time, cache_salt=cache_salt,
+                                predicted_output_len=predicted_output_len)
+        self._queue([req])
+        return req.request_id
+
+    def _new_request(self, prompt: str | Sequence[int], params: SamplingParams, *, tenant: str,
+                     request_id: str | None, arrival_time: float | None, cache_salt: str | None,
+                     predicted_output_len: int | None, pending: Sequence[Request] = ()) -> Request:
+        """Check one request completely and build it, without queuing it. ``pending``: requests built
+        for the same call, not queued yet. Raises ``RequestRejected``; changes nothing."""
         ids = self._prompt_ids(prompt)
-        number = next(self._counter)
+        check_request_args(tenant=tenant, request_id=request_id, arrival_time=arrival_time, cache_salt=cache_salt,
+                            predicted_output_len=predicted_output_len)
+        taken = set(self.requests) | {r.request_id for r in pending}
+        number = max([self._next_number] + [r.number + 1 for r in pending])
+        if request_id is None:  # a generated id never takes one a caller chose
+            while str(number) in taken:
+                number += 1
         request_id = str(number) if request_id is None else str(request_id)
-        if request_id in self.requests:
+        if request_id in taken:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         eos = () if params.ignore_eos else self.eos_token_ids
         now = self.clock() if arrival_time is None else arrival_time
         rng = np.random.default_rng(params.seed if params.seed is not None else [self.seed, number])
-        req = Request(request_id, ids, params, tenant, rng, RequestMetrics(now))
+        req = Request(request_id, ids, params, tenant, rng, RequestMetrics(now), number=number)
         try:
-            req.seq = SchedSequence(ids, params.max_tokens, tenant, now, predicted_output_len,
-                                    eos[0] if eos else None, tuple(eos[1:]) + params.stop_token_ids,
-                                    cache_salt, request=req)
-            self.scheduler.add(req.seq, now)
+            req.seq = SchedSequence(ids, max_tokens=params.max_tokens, tenant=tenant, arrival_time=now,
+                                    predicted_output_len=predicted_output_len, eos_token_id=eos[0] if eos else None,
+                                    stop_token_ids=tuple(eos[1:]) + params.stop_token_ids, cache_salt=cache_salt,
+                                    request=req)
+            self.scheduler.check(req.seq)
         except (RequestError, SchedulerError) as e:  # includes an unknown tenant
             raise RequestRejected(f"request {request_id!r} rejected: {e}") from e
-        self.requests[request_id] = req
-        return request_id
+        return req
+
+    def _queue(self, reqs: list[Request]) -> None:
+        """Queue requests that ``_new_request`` built (checked: adding them cannot fail)."""
+        for req in reqs:
+            self.scheduler.add(req.seq, req.metrics.arrival_time)
+            self.requests[req.request_id] = req
+            self._next_number = max(self._next_number, req.number + 1)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestRejected("a text prompt needs an engine with a tokenizer; pass token ids instead")
             ids = self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, bytes | bytearray | memoryview):  # list(b"hi") would be [104, 105]: not token ids
+            raise RequestRejected("prompt must be a str or a list of token ids, not bytes: decode it to str first")
+        elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 or isinstance(prompt, list | tuple | range):
             ids = list(prompt)
             if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids):
                 raise RequestRejected("prompt token ids must be integers")
             ids = [int(t) for t in ids]
+        else:
+            raise RequestRejected(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
         if not ids:
             raise RequestRejected("empty prompt: a request needs at least one token")
         vocab = self.model.config.vocab_size
@@ -146,11 +186,12 @@ class Engine:
             if self.has_unfinished():
                 raise EngineError("the scheduler scheduled nothing although requests are waiting")
             return []
-        for src, dst in batch.block_copies:
-            self.cache.copy_block(src, dst)
-        chunks = [Chunk(e.token_ids, e.start, e.block_table, logits=e.samples) for e in batch.entries]
-        logits = self.model.forward(chunks, self.cache)
-        tokens = [sample(lg, e.seq.request.params, e.seq.request.rng) if e.samples else None
+        model_started = self.clock()
+        self.runner.copy_blocks(batch.block_copies)
+        chunks = [Chunk(e.token_ids, e.start, e.block_table, wants_logits=e.needs_sample) for e in batch.entries]
+        logits = self.runner.forward(chunks)
+        model_time = self.clock() - model_started
+        tokens = [sample(lg, e.seq.request.params, e.seq.request.rng) if e.needs_sample else None
                   for e, lg in zip(batch.entries, logits, strict=True)]
         now = self.clock()
         self.scheduler.postprocess(batch, tokens, now)
@@ -166,10 +207,12 @@ class Engine:
             text = self.tokenizer.decode([token], skip_special=True) if self.tokenizer is not None else ""
             events.append(TokenEvent(req.request_id, token, len(req.output_token_ids) - 1, now, req.finished,
                                      req.finish_reason, text))
-        self.step_log.append(StepRecord(now, now - started, tuple(e.num_new_tokens for e in batch.entries),
-                                        tuple(e.context_len for e in batch.entries),
-                                        tuple(e.is_prefill for e in batch.entries),
-                                        sum(t is not None for t in tokens), len(batch.preempted)))
+        self.step_log.append(StepRecord(time=now, duration=now - started, model_time=model_time,
+                                        new_tokens=tuple(e.num_new_tokens for e in batch.entries),
+                                        context_lens=tuple(e.context_len for e in batch.entries),
+                                        is_prefill=tuple(e.is_prefill for e in batch.entries),
+                                        num_sampled=sum(t is not None for t in tokens),
+                                        num_preempted=len(batch.preempted)))
         return events
 
     def events(self) -> Iterator[TokenEvent]:
@@ -196,14 +239,35 @@ class Engine:
 
     def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | dict | None = None,
                  **kwargs: Any) -> list[RequestOutput]:
-        """Run a list of prompts to completion (continuous batching) and return their outputs in order."""
-        ids = [self.add_request(p, params, **kwargs) for p in prompts]
+        """Run a list of prompts to completion (continuous batching) and return their outputs in order.
+
+        Every prompt and the parameters are checked before any request is queued: on bad input it
+        raises ``EngineError`` and nothing is queued."""
+        if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence | np.ndarray):
+            raise RequestRejected(f"prompts must be a list of prompts, not {type(prompts).__name__} "
+                                  "(for one prompt: [prompt])")
+        unknown = set(kwargs) - {"tenant", "request_id", "arrival_time", "cache_salt", "predicted_output_len"}
+        if unknown:
+            raise EngineError(f"generate() got unknown arguments {sorted(unknown)}")
+        options = {"tenant": "default", "request_id": None, "arrival_time": None, "cache_salt": None,
+                   "predicted_output_len": None} | kwargs
+        params = _as_params(params)
+        reqs: list[Request] = []
+        for i, prompt in enumerate(prompts):
+            try:
+                reqs.append(self._new_request(prompt, params, pending=reqs, **options))
+            except EngineError as e:
+                raise type(e)(f"prompt {i}: {e}") from e
+        self._queue(reqs)
+        ids = [r.request_id for r in reqs]
         while not all(self.requests[i].finished for i in ids):
             self.step()
         return [self.output(i) for i in ids]
 
     def output(self, request_id: str) -> RequestOutput:
-        req = self.requests[request_id]
+        req = self.requests.get(request_id) if isinstance(request_id, str) else None
+        if req is None:
+            raise UnknownRequestError(f"no request has the id {request_id!r}")
         text = self.tokenizer.decode(req.output_token_ids, skip_special=True) if self.tokenizer is not None else ""
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                              req.finish_reason, req.tenant, req.metrics, req.seq.num_cached_tokens)

@@ -56,6 +56,7 @@ class Request:
     rng: np.random.Generator
     metrics: RequestMetrics
     seq: Any = None  # the scheduler's Sequence
+    number: int = 0  # the engine's serial number: the default id and random stream come from it
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 

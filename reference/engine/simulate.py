@@ -59,22 +59,22 @@ def simulate(requests: Sequence[SimRequest], policy: object, cost_model: Callabl
         while i < len(order) and order[i].arrival <= now:
             r = order[i]
             prompt = rng.integers(0, 30000, size=r.prompt_len).tolist()
-            sched.add(SchedSequence(prompt, r.output_len, r.tenant, r.arrival, r.predicted_output_len,
-                                    request=r), r.arrival)
+            sched.add(SchedSequence(prompt, max_tokens=r.output_len, tenant=r.tenant, arrival_time=r.arrival,
+                                    predicted_output_len=r.predicted_output_len, request=r), r.arrival)
             i += 1
         if not sched.has_unfinished():
             now = order[i].arrival
             continue
         batch = sched.schedule(now)
         shape = StepShape(tuple(e.num_new_tokens for e in batch.entries), tuple(e.context_len for e in batch.entries),
-                          sum(e.samples for e in batch.entries))
+                          sum(e.needs_sample for e in batch.entries))
         end = now + cost_model(shape)
         served: dict[str, int] = {}
         for e in batch.entries:
             served[e.seq.tenant] = served.get(e.seq.tenant, 0) + e.num_new_tokens
-        sched.postprocess(batch, [0 if e.samples else None for e in batch.entries], end)
+        sched.postprocess(batch, [0 if e.needs_sample else None for e in batch.entries], end)
         for e in batch.entries:
-            if e.samples:
+            if e.needs_sample:
                 e.seq.request.token_times.append(end)
                 if e.seq.is_finished:
                     e.seq.request.finish = end

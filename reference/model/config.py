@@ -116,6 +116,7 @@ def config_from_hf(path: str | Path) -> LlamaConfig:
     if cfg.get("model_type", "llama") not in ("llama", "mistral", "qwen2") and "LlamaForCausalLM" not in cfg.get(
             "architectures", []):
         raise ConfigError(f"{where}: model_type {cfg.get('model_type')!r} is not Llama-style")
+    refuse_unsupported(cfg, where)
     hidden, heads = int(_need(cfg, "hidden_size", where)), int(_need(cfg, "num_attention_heads", where))
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
@@ -150,6 +151,22 @@ def config_from_hf(path: str | Path) -> LlamaConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=eos_ids,
     )
+
+
+def refuse_unsupported(cfg: dict[str, Any], where: str) -> None:
+    """Refuse a config asking for what the Llama forward does not compute: loading it would give wrong
+    logits without a word. (q/k/v/o biases are implemented: the loader takes them when present.)"""
+    act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (the MLP computes SiLU only)")
+    if cfg.get("mlp_bias"):
+        raise ConfigError(f"{where}: mlp_bias is not supported (the MLP has no biases)")
+    window = cfg.get("sliding_window")
+    in_use = cfg.get("use_sliding_window", True) if cfg.get("model_type") == "qwen2" else True
+    max_position = cfg.get("max_position_embeddings", 2048)
+    if window is not None and in_use and (not isinstance(window, int) or window < max_position):
+        raise ConfigError(f"{where}: sliding_window={window!r} is shorter than the context of {max_position} "
+                          "tokens: sliding-window attention is not supported (every token attends to all before it)")
 
 
 # Llama-3.1-8B, for shape-only calculations (experiment E3) when the checkpoint itself is absent.

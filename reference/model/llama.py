@@ -14,9 +14,10 @@ then a final RMSNorm and the output head (the embedding matrix itself when tied)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from reference.model.loader import LlamaWeights, load_llama
 from reference.model.rope import apply_rope, inverse_frequencies, rope_tables
 from reference.model.weights import WeightSource
 
+if TYPE_CHECKING:
+    from reference.model.runner import NumpyRunner
+
 
 @dataclass
 class Chunk:
@@ -34,7 +38,13 @@ class Chunk:
     tokens: Sequence[int]  # token ids to run
     start: int  # how many tokens of this sequence are already in the cache (first new position)
     block_table: Sequence[int]  # the sequence's blocks, covering positions [0, start + len(tokens))
-    logits: bool = True  # return logits of the last token (False for a prompt piece that is not the last)
+    wants_logits: bool = True  # return logits of the last token (False for a prompt piece that is not the last)
+
+
+def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """``x @ w.T``, plus the bias where the checkpoint has one (Qwen2's q/k/v projections)."""
+    y = x @ w.T
+    return y if bias is None else y + bias
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -80,12 +90,23 @@ class LlamaModel:
         """Load a checkpoint: a packaged name (default ``smollm2``), a path, or an open WeightSource."""
         return cls(*load_llama(source))
 
+    def make_runner(self, num_blocks: int, block_size: int = 16, kv_dtype: str = "float32") -> NumpyRunner:
+        """The engine's data plane for this model: a ``NumpyRunner`` owning a new KV cache."""
+        from reference.model.runner import NumpyRunner  # runner.py imports this module
+
+        return NumpyRunner(self, num_blocks, block_size, kv_dtype)
+
     def new_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "float32") -> KVCache:
         c = self.config
         return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype)
 
-    def forward(self, chunks: Sequence[Chunk], cache: KVCache) -> list[np.ndarray | None]:
-        """Run one step; returns, per chunk, the float32 logits of its last token (None if not asked)."""
+    def forward(self, chunks: Sequence[Chunk], cache: KVCache,
+                on_layer: Callable[[int], None] | None = None) -> list[np.ndarray | None]:
+        """Run one step; returns, per chunk, the float32 logits of its last token (None if not asked).
+
+        ``on_layer(i)``, if given, is called right after layer i's K/V of this step are in the cache
+        (a prefill worker sends them from there while the next layer computes).
+        """
         c, w = self.config, self.weights
         sizes = [len(ch.tokens) for ch in chunks]
         tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
@@ -95,20 +116,22 @@ class LlamaModel:
         x = w.embedding[tokens]
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q = apply_rope((h @ layer.wq.T).reshape(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope((h @ layer.wk.T).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            v = (h @ layer.wv.T).reshape(-1, c.num_kv_heads, c.head_dim)
+            q = apply_rope(linear(h, layer.wq, layer.bq).reshape(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(linear(h, layer.wk, layer.bk).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = linear(h, layer.wv, layer.bv).reshape(-1, c.num_kv_heads, c.head_dim)
             cache.write(i, slots, k, v)
+            if on_layer is not None:
+                on_layer(i)
             out = np.empty_like(q)
             offset = 0
             for ch, n in zip(chunks, sizes, strict=True):
                 keys, values = cache.read(i, ch.block_table, ch.start + n)
                 out[offset:offset + n] = attention(q[offset:offset + n], keys, values, ch.start)
                 offset += n
-            x = x + out.reshape(len(tokens), -1) @ layer.wo.T
+            x = x + linear(out.reshape(len(tokens), -1), layer.wo, layer.bo)
             x = x + self._mlp(rms_norm(x, layer.mlp_norm, c.rms_norm_eps), i)
         last = np.cumsum(sizes) - 1
-        wanted = [j for j, ch in enumerate(chunks) if ch.logits]
+        wanted = [j for j, ch in enumerate(chunks) if ch.wants_logits]
         results: list[np.ndarray | None] = [None] * len(chunks)
         if wanted:
             final = rms_norm(x[last[wanted]], w.final_norm, c.rms_norm_eps)
@@ -132,9 +155,9 @@ class LlamaModel:
         x = w.embedding[ids]
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q = apply_rope((h @ layer.wq.T).reshape(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope((h @ layer.wk.T).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            v = (h @ layer.wv.T).reshape(-1, c.num_kv_heads, c.head_dim)
-            x = x + attention(q, k, v, 0).reshape(len(ids), -1) @ layer.wo.T
+            q = apply_rope(linear(h, layer.wq, layer.bq).reshape(-1, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(linear(h, layer.wk, layer.bk).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = linear(h, layer.wv, layer.bv).reshape(-1, c.num_kv_heads, c.head_dim)
+            x = x + linear(attention(q, k, v, 0).reshape(len(ids), -1), layer.wo, layer.bo)
             x = x + self._mlp(rms_norm(x, layer.mlp_norm, c.rms_norm_eps), i)
         return rms_norm(x, w.final_norm, c.rms_norm_eps) @ w.lm_head.T

@@ -3,6 +3,11 @@
 Two naming schemes are understood: GGUF (``blk.3.attn_q.weight``) and Hugging Face
 (``model.layers.3.self_attn.q_proj.weight``). Matrices keep the (out, in) layout of both formats.
 
+Every tensor of a checkpoint must be used: a tensor the forward does not read (an MLP bias, a
+layer of another architecture) means the model would compute something else, so it is refused with
+a ``ConfigError`` naming it. The q/k/v (and o) projection biases of the Qwen2 family and of Llama's
+``attention_bias`` are read when present.
+
 GGUF quirk: llama.cpp's converter permutes the rows of the q and k projections so that its RoPE can
 rotate adjacent pairs. We undo that permutation here, so one RoPE (Hugging Face's, rotating the two
 halves of each head) serves every checkpoint.
@@ -32,6 +37,10 @@ class LayerWeights:
     w_gate: np.ndarray  # [intermediate, hidden]
     w_up: np.ndarray  # [intermediate, hidden]
     w_down: np.ndarray  # [hidden, intermediate]
+    bq: np.ndarray | None = None  # [heads * head_dim] projection biases (Qwen2, Llama attention_bias), if any
+    bk: np.ndarray | None = None  # [kv_heads * head_dim]
+    bv: np.ndarray | None = None  # [kv_heads * head_dim]
+    bo: np.ndarray | None = None  # [hidden]
 
 
 @dataclass
@@ -48,6 +57,8 @@ GGUF_NAMES = {"attn_norm": "attn_norm", "wq": "attn_q", "wk": "attn_k", "wv": "a
 HF_NAMES = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
             "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+HF_BIASES = {"bq": "self_attn.q_proj", "bk": "self_attn.k_proj", "bv": "self_attn.v_proj", "bo": "self_attn.o_proj"}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # a buffer older checkpoints saved: recomputed from rope_theta
 
 
 def unpermute_gguf_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -66,10 +77,17 @@ def load_llama(source: str | Path | WeightSource) -> tuple[LlamaConfig, LlamaWei
     src = source if isinstance(source, WeightSource) else open_weights(source)
     names = set(src.names())
     if "token_embd.weight" in names:
-        return _load_gguf(src, names)
-    if "model.embed_tokens.weight" in names:
-        return _load_hf(src, names)
-    raise ConfigError(f"{src.label}: not a Llama-style checkpoint (no token_embd / model.embed_tokens tensor)")
+        cfg, weights, used = _load_gguf(src, names)
+    elif "model.embed_tokens.weight" in names:
+        cfg, weights, used = _load_hf(src, names)
+    else:
+        raise ConfigError(f"{src.label}: not a Llama-style checkpoint (no token_embd / model.embed_tokens tensor)")
+    unused = sorted(n for n in names - used if not n.endswith(IGNORED_SUFFIXES))
+    if unused:
+        more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+        raise ConfigError(f"{src.label}: the checkpoint holds tensors this Llama forward does not use: "
+                          f"{unused[:5]}{more}; it would compute a different model")
+    return cfg, weights
 
 
 def _float32(src: WeightSource, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -90,7 +108,7 @@ def _shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
             "w_gate": (f, h), "w_up": (f, h), "w_down": (h, f)}
 
 
-def _load_gguf(src: WeightSource, names: set[str]) -> tuple[LlamaConfig, LlamaWeights]:
+def _load_gguf(src: WeightSource, names: set[str]) -> tuple[LlamaConfig, LlamaWeights, set[str]]:
     gguf = next(f for f in src.files if isinstance(f, GGUFFile))
     cfg = config_from_gguf(gguf.metadata(), str(gguf.path), has_output="output.weight" in names)
     shapes = _shapes(cfg)
@@ -103,19 +121,27 @@ def _load_gguf(src: WeightSource, names: set[str]) -> tuple[LlamaConfig, LlamaWe
     emb = _float32(src, "token_embd.weight", (cfg.vocab_size, cfg.hidden_size))
     head = emb if cfg.tie_embeddings else _float32(src, "output.weight", emb.shape)
     factors = _float32(src, "rope_freqs.weight", (cfg.head_dim // 2,)) if "rope_freqs.weight" in names else None
-    return cfg, LlamaWeights(emb, layers, _float32(src, "output_norm.weight", (cfg.hidden_size,)), head, factors)
+    used = {f"blk.{i}.{n}.weight" for i in range(cfg.num_layers) for n in GGUF_NAMES.values()}
+    used |= {"token_embd.weight", "output.weight", "output_norm.weight", "rope_freqs.weight"} & names
+    return cfg, LlamaWeights(emb, layers, _float32(src, "output_norm.weight", (cfg.hidden_size,)), head, factors), used
 
 
-def _load_hf(src: WeightSource, names: set[str]) -> tuple[LlamaConfig, LlamaWeights]:
+def _load_hf(src: WeightSource, names: set[str]) -> tuple[LlamaConfig, LlamaWeights, set[str]]:
     folder = Path(src.label)
     folder = folder if folder.is_dir() else folder.parent
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{src.label}: a safetensors checkpoint needs its config.json beside the weights")
     cfg = config_from_hf(folder)
     shapes = _shapes(cfg)
-    layers = [LayerWeights(**{k: _float32(src, f"model.layers.{i}.{n}.weight", shapes[k])
-                              for k, n in HF_NAMES.items()}) for i in range(cfg.num_layers)]
+    used = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} & names
+    layers = []
+    for i in range(cfg.num_layers):
+        w = {k: _float32(src, f"model.layers.{i}.{n}.weight", shapes[k]) for k, n in HF_NAMES.items()}
+        biases = {k: f"model.layers.{i}.{n}.bias" for k, n in HF_BIASES.items()}
+        w |= {k: _float32(src, name, shapes["w" + k[1:]][:1]) for k, name in biases.items() if name in names}
+        used |= {f"model.layers.{i}.{n}.weight" for n in HF_NAMES.values()} | (set(biases.values()) & names)
+        layers.append(LayerWeights(**w))
     emb = _float32(src, "model.embed_tokens.weight", (cfg.vocab_size, cfg.hidden_size))
-    tied = cfg.tie_embeddings or "lm_head.weight" not in names
+    tied = cfg.tie_embeddings or "lm_head.weight" not in names  # tied: transformers ignores a stored lm_head too
     head = emb if tied else _float32(src, "lm_head.weight", emb.shape)
-    return cfg, LlamaWeights(emb, layers, _float32(src, "model.norm.weight", (cfg.hidden_size,)), head)
+    return cfg, LlamaWeights(emb, layers, _float32(src, "model.norm.weight", (cfg.hidden_size,)), head), used

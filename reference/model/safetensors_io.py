@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from reference.safe_write import atomic_output
+
 # safetensors dtype name -> the NumPy dtype we hold it in (bf16 and fp8 as raw bits)
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype(np.bool_),
@@ -159,7 +161,7 @@ def _parse_entry(path: Path, name: str, entry: object, data_size: int) -> Tensor
     if not isinstance(entry, dict):
         raise bad("entry must be a JSON object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
         raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
@@ -200,7 +202,7 @@ def write_safetensors(
 
     ``dtypes`` overrides the safetensors dtype of a tensor; use it for bf16 (a uint16 array written
     as "BF16") and fp8 (uint8 written as "F8_E4M3"). The file is written to a temporary name and
-    renamed, so a crash never leaves a half-written file under ``path``.
+    renamed, so a crash never leaves a half-written file under ``path`` (see ``atomic_output``).
     """
     path = Path(path)
     dtypes = dict(dtypes or {})
@@ -224,10 +226,8 @@ def write_safetensors(
         arrays.append(array)
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)  # pad so the data section starts 8-byte aligned
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_output(path) as f:
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for array in arrays:
             f.write(array.tobytes())
-    tmp.replace(path)

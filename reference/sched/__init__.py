@@ -2,7 +2,7 @@
 
 API:
 
-    seq = Sequence(prompt_token_ids, max_tokens=16, tenant="default", arrival_time=None,
+    seq = Sequence(prompt_token_ids, *, max_tokens=16, tenant="default", arrival_time=None,
                    predicted_output_len=None, eos_token_id=None, stop_token_ids=(), cache_salt=None,
                    request=None)            # request: the engine's own object, never read here
     sched = Scheduler(BlockManager(num_blocks, block_size),
@@ -13,7 +13,7 @@ API:
     batch = sched.schedule(now)             # Batch: entries, block_copies (src, dst), preempted
     for e in batch.entries:                 # ScheduledSeq: seq, start, num_new_tokens, token_ids,
         ...                                 #   positions, block_table, slot_mapping(bs), context_len,
-                                            #   samples (sample a token from the last position?), is_prefill
+                                            #   needs_sample (sample a token from the last position?), is_prefill
     finished = sched.postprocess(batch, [token or None per entry], now)
     sched.abort(seq_id, now)                # frees everything; returns the Sequence or None
     sched.has_unfinished(), sched.waiting, sched.running

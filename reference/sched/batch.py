@@ -45,7 +45,7 @@ class ScheduledSeq:
     """One sequence's share of a step: compute K/V for tokens ``start .. start + num_new_tokens - 1``.
 
     ``token_ids`` are those tokens, ``positions`` their positions; attention reads the K/V of
-    positions ``0 .. start + num_new_tokens - 1`` through ``block_table``. When ``samples`` is true
+    positions ``0 .. start + num_new_tokens - 1`` through ``block_table``. When ``needs_sample`` is true
     this is the sequence's last uncomputed token, so the logits at the last position give its next
     token (pass it to ``Scheduler.postprocess``); otherwise this is a prefill chunk and no token is
     sampled.
@@ -56,7 +56,7 @@ class ScheduledSeq:
     num_new_tokens: int
     token_ids: list[int]
     block_table: list[int]
-    samples: bool
+    needs_sample: bool
     is_prefill: bool  # False: a decode (the one token sampled last step)
 
     @property

@@ -17,6 +17,7 @@ Each step has a token budget (``max_num_batched_tokens``) and a sequence limit (
 
 Use: ``add(seq)``; loop ``batch = schedule(now)``; run the model on ``batch``; ``postprocess(batch,
 token_ids, now)``. ``abort(seq_id)`` frees everything of a request at any time between steps.
+``add_running(seq)`` admits a sequence whose prompt K/V were computed elsewhere (a prefill worker).
 """
 
 from __future__ import annotations
@@ -54,6 +55,14 @@ class Scheduler:
 
     def add(self, seq: Sequence, now: float | None = None) -> None:
         """Queue a new request. Raises RequestError / UnknownTenantError; then nothing has changed."""
+        self.check(seq)
+        self.policy.on_add(seq)
+        if seq.arrival_time is None:
+            seq.arrival_time = time.monotonic() if now is None else now
+        self.waiting.append(seq)
+
+    def check(self, seq: Sequence) -> None:
+        """Raise what ``add`` would raise for ``seq``, changing nothing (to check many before adding any)."""
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise RequestError(f"sequence {seq.seq_id} was already scheduled; add a new Sequence")
         limit = self.config.max_model_len
@@ -68,10 +77,28 @@ class Scheduler:
                                f"the cache has {bm.num_blocks}")
         if self.tenants is not None:
             self.tenants.plan(seq.tenant)
+
+    def add_running(self, seq: Sequence, now: float | None = None) -> None:
+        """Admit a sequence whose blocks, and the K/V of its first ``num_computed_tokens`` tokens, are
+        already in this scheduler's cache: its prompt was computed elsewhere (a prefill worker) and
+        handed over. The caller allocated its blocks with this block manager. It runs from the next
+        step: a decode if only the last token is uncomputed, else a prefill of the rest.
+        """
+        if seq.status is not SequenceStatus.WAITING or not seq.block_table:
+            raise RequestError(f"sequence {seq.seq_id} must be waiting and hold its blocks to be added running")
+        if not 0 <= seq.num_computed_tokens < seq.num_tokens:
+            raise RequestError(f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed tokens of "
+                               f"{seq.num_tokens}; at least the last token must be left to compute")
+        if self.block_manager.blocks_for(seq.num_computed_tokens) > len(seq.block_table):
+            raise RequestError(f"sequence {seq.seq_id}: its block table does not cover its computed tokens")
+        if self.tenants is not None:
+            self.tenants.plan(seq.tenant)
         self.policy.on_add(seq)
+        now = time.monotonic() if now is None else now
         if seq.arrival_time is None:
-            seq.arrival_time = time.monotonic() if now is None else now
-        self.waiting.append(seq)
+            seq.arrival_time = now
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def schedule(self, now: float | None = None) -> Batch:
         """Choose this step's work (see the module docstring). Call ``postprocess`` with its result."""
@@ -124,7 +151,7 @@ class Scheduler:
         """Record a step's results; returns the sequences that finished in it.
 
         ``new_token_ids[i]`` is the token sampled for ``batch.entries[i]``; it is read only where
-        ``entries[i].samples`` is true (pass None elsewhere). Sequences aborted since ``schedule``
+        ``entries[i].needs_sample`` is true (pass None elsewhere). Sequences aborted since ``schedule``
         are skipped.
         """
         if not batch.entries:
@@ -134,7 +161,7 @@ class Scheduler:
         if len(new_token_ids) != len(batch.entries):
             raise SchedulerError(f"{len(new_token_ids)} tokens for a batch of {len(batch.entries)} entries")
         for entry, token in zip(batch.entries, new_token_ids, strict=True):  # check all before changing any
-            if entry.samples and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
+            if entry.needs_sample and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
                 raise SchedulerError(f"sequence {entry.seq.seq_id}: sampled token must be an int >= 0, got {token!r}")
         self._in_flight = None
         now = time.monotonic() if now is None else now
@@ -145,7 +172,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
             self.block_manager.cache_full_blocks(seq)
-            if not entry.samples:
+            if not entry.needs_sample:
                 continue
             seq.token_ids.append(token)
             if seq.first_token_time is None:
@@ -170,7 +197,7 @@ class Scheduler:
         batch.block_copies += self.block_manager.may_append(seq, n)
         start = seq.num_computed_tokens
         batch.entries.append(ScheduledSeq(seq, start, n, seq.token_ids[start:start + n], list(seq.block_table),
-                                          samples=start + n == seq.num_tokens, is_prefill=is_prefill))
+                                          needs_sample=start + n == seq.num_tokens, is_prefill=is_prefill))
         self.policy.on_schedule(seq, n)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = batch.now

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from reference.sched.errors import RequestError
@@ -30,6 +30,7 @@ class Sequence:
     """
 
     prompt_token_ids: list[int]
+    _: KW_ONLY  # everything after the prompt is passed by name
     max_tokens: int = 16
     tenant: str = "default"
     arrival_time: float | None = None  # set by Scheduler.add when None

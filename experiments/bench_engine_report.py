@@ -1,0 +1,75 @@
+"""The engine benchmark's JSON (summary, verdict against the issue's goals) and figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+GOAL = "fast engine >= 2x the useful tok/s of transformers bf16 at its best batch size, and above llama.cpp"
+LLAMA_CPP_EARLIER = "~155 useful tok/s, static B=32, measured earlier on this machine (not in this run)"
+
+
+def result_json(measured: dict[str, Any], setup: dict[str, Any]) -> dict[str, Any]:
+    systems = {k: v for k, v in measured.items() if isinstance(v, dict) and "useful_tok_s" in v}
+    tok_s = {k: v["useful_tok_s"] for k, v in systems.items()}
+    out: dict[str, Any] = {
+        "title": "Engine throughput: fast engine vs transformers vs reference (one run, same threads)",
+        "measured": {"useful_tok_s": tok_s,
+                     "ttft_ms": {k: v["ttft_ms"] for k, v in systems.items()},
+                     "itl_ms": {k: v["itl_ms"] for k, v in systems.items()},
+                     "seconds": {k: v["seconds"] for k, v in systems.items()}},
+        "setup": setup, "goal": GOAL, "llama_cpp_reference_point": LLAMA_CPP_EARLIER,
+    }
+    if "transformers_by_batch" in measured:
+        out["measured"]["transformers_by_batch"] = measured["transformers_by_batch"]
+        out["measured"]["transformers_best_batch"] = systems["transformers_bf16"]["batch_size"]
+    fast = max((tok_s[k] for k in ("fast_bf16", "fast_fp32") if k in tok_s), default=None)
+    hf = tok_s.get("transformers_bf16")
+    parts = [f"{k} {v:.1f}" for k, v in tok_s.items()]
+    out["summary"] = "useful tok/s: " + ", ".join(parts)
+    if fast is not None and hf:
+        ratio = fast / hf
+        out["measured"]["fast_over_transformers"] = round(ratio, 2)
+        out["verdict"] = "goal met" if ratio >= 2 else "goal missed"
+        if setup.get("clock") == "cpu":
+            timing = (f"times are CPU seconds of each system's process ({setup.get('threads')} thread), so the "
+                      f"other jobs on the shared machine (load average {setup.get('load_average')}) count only "
+                      "through what they do to a shared core's caches and execution units")
+        else:
+            timing = (f"{setup.get('threads')} threads, wall clock; the machine may have been shared (load average "
+                      f"{setup.get('load_average')}): the ratios, measured in one run, are the result")
+        out["why"] = (f"the fast engine made {ratio:.2f}x the useful tokens/s of transformers bf16 at its best "
+                      f"batch size (goal 2x); {timing}")
+    else:
+        out["verdict"], out["why"] = "not compared", "run fast and transformers_bf16 together to compare them"
+    return out
+
+
+def figure(result: dict[str, Any], path: Path) -> Path:
+    """Bars of useful tok/s per system, and TTFT / ITL p50 and p99 per system."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    m = result["measured"]
+    names = list(m["useful_tok_s"])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    axes[0].bar(names, [m["useful_tok_s"][n] for n in names], color="tab:blue")
+    axes[0].set_title("useful output tokens/s (higher is better)")
+    for ax, key, title in ((axes[1], "ttft_ms", "TTFT (ms)"), (axes[2], "itl_ms", "inter-token latency (ms)")):
+        x = range(len(names))
+        ax.bar([i - 0.2 for i in x], [m[key][n]["p50"] for n in names], width=0.4, label="p50")
+        ax.bar([i + 0.2 for i in x], [m[key][n]["p99"] for n in names], width=0.4, label="p99")
+        ax.set_xticks(list(x), names)
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.legend()
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=25)
+    s = result["setup"]
+    fig.suptitle(f"{s['workload'][:90]}; {s['threads']} threads; commit {s['commit']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

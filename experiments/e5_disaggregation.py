@@ -1,0 +1,152 @@
+"""E5: cluster utilization with prefill/decode disaggregation, and the simulator's fidelity.
+
+1. Disaggregation at the same GPU count. One site of 8 H100s serves a Llama-8B-shaped model either as
+   8 colocated replicas (chunked prefill mixed with decodes, the engine's scheduler) or as P prefill
+   + (8 - P) decode replicas (KV handed over at the site's 400 Gbit/s). Traffic: ShareGPT lengths,
+   Poisson, at a ladder of rates. A rate is *sustained* under an SLO when TTFT p90 <= 1 s and the p99 gap
+   between consecutive tokens (ITL) <= 25 ms (strict) or 50 ms (loose): a colocated step that carries
+   a long prefill chunk stalls every decode in it. Utilization is measured while requests arrive (not during the drain).
+   For each layout, at its highest sustained rate: GPU busy share and compute
+   utilization (FLOPs done / peak), and the prefill pool's compute utilization while busy.
+2. Fidelity (``experiments.cluster_fidelity``): the step cost model fitted on real SmolLM2 engine
+   steps, held-out workloads replayed in the simulator vs the real engine, both ways.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, save_figure, scenario, site
+from experiments.cluster_fidelity import fidelity, table
+from experiments.engine_bench import CLOCK
+from experiments.registry import Context, Experiment, Result
+from reference.cluster import scenario_from_dict, simulate
+from reference.cluster.lengths import sharegpt_lengths
+
+GPUS = 8
+SLOS = {"strict": {"ttft_p90_ms": 1000.0, "itl_p99_ms": 25.0},  # interactive chat: first token within 1 s,
+        "loose": {"ttft_p90_ms": 1000.0, "itl_p99_ms": 50.0}}  # and no stall longer than the ITL bound
+
+
+def fleet(prefill: int, rate: float, duration_s: float) -> dict[str, Any]:
+    model = {"model": "llama-8b", "gpu": "H100"}
+    replicas = [{**model, "count": GPUS}] if prefill == 0 else \
+        [{**model, "count": prefill, "role": "prefill"}, {**model, "count": GPUS - prefill, "role": "decode"}]
+    traffic = [{"name": "chat", "origins": ["dc"], "rate_per_s": rate, "models": ["llama-8b"], "allowed": ["W"],
+                "max_prompt": 2048, "max_output": 512, "output_scale": 1.0}]
+    return scenario([site("dc", "central", "W", replicas)], [], traffic, duration_s=duration_s, models=("llama-8b",),
+                    max_wait_s=60.0)
+
+
+def run(ctx: Context) -> Result:
+    duration = 10.0 if ctx.full else 3.0
+    rates = [50.0, 100.0, 150.0, 200.0, 250.0, 300.0, 350.0] if ctx.full else [100.0, 200.0, 300.0]
+    layouts = {"colocated": 0, "disagg 2P+6D": 2, "disagg 3P+5D": 3} if ctx.full else \
+        {"colocated": 0, "disagg 2P+6D": 2}
+    lengths = sharegpt_lengths()
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in layouts}
+    for name, rate in ctx.track([(n, r) for n in layouts for r in rates], "E5 layouts x rates"):
+        s = simulate(scenario_from_dict(fleet(layouts[name], rate, duration)), seed=5, lengths=lengths,
+                     record_gaps=True).summary()
+        runs[name].append({"rate": rate, "ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"],
+                           "tpot_ms": s["tpot_ms"], "utilization": s["utilization"], "requests": s["requests"],
+                           "refused": s["refused"]})
+    fid = fidelity(ctx.track)
+    figure = plot(runs, ctx)
+    by_slo = {slo: compare_at(runs, limits) for slo, limits in SLOS.items()}
+    measured: dict[str, Any] = {"slos": SLOS, "runs": runs, "by_slo": by_slo, "fidelity": fid}
+    strict, loose = by_slo["strict"], by_slo["loose"]
+    if "gain_compute" in strict and "gain_compute" in loose:
+        pre = strict["disaggregated"]["utilization"]["prefill"]
+        summary = (f"compute utilization at the highest rate meeting the SLO: {strict['gain_compute']:+.0%} "
+                   f"(ITL p99 <= 25 ms), {loose['gain_compute']:+.0%} (<= 50 ms) vs colocated; prefill pool "
+                   f"{pre['compute_utilization_while_busy']:.0%} of peak FLOP/s while busy, busy "
+                   f"{pre['busy_share']:.0%}; "
+                   f"simulator vs real engine (held out) within {worst(fid):.1%} at p50/p90/p99")
+        verdict = "partly matches" if strict["gain_compute"] > 0.2 else "differs"
+        why = (f"On the same {GPUS} GPUs, disaggregation keeps decode steps free of prefill chunks, so under a strict "
+               f"ITL SLO it sustains {strict['disaggregated']['rate']:g} vs {strict['colocated']['rate']:g} req/s "
+               f"({strict['gain_compute']:+.0%} compute utilization; article ~+40%); under a loose one "
+               f"{loose['disaggregated']['rate']:g} vs {loose['colocated']['rate']:g} req/s "
+               f"({loose['gain_compute']:+.0%}): the gain is a latency-SLO effect more than raw capacity (as vLLM's "
+               "documentation warns). The prefill pool's compute utilization while busy "
+               f"is {pre['compute_utilization_while_busy']:.0%}: below the assumed achievable MFU of 0.7, so the "
+               "article's >= 85% is out of reach by construction. " + fidelity_sentence(fid))
+    else:
+        summary, verdict = "a layout met no SLO at the tried rates", "inconclusive"
+        why = "No rate on the ladder met the SLO for one of the layouts; widen the ladder."
+    return Result(
+        measured=measured, summary=summary, verdict=verdict, why=why,
+        setup={"weights": "none for part 1 (Llama-8B shape); SmolLM2-135M (NumPy engine, 1 BLAS thread) for fidelity",
+               "workload": (f"ShareGPT lengths (prompts <= 2048, answers <= 512), Poisson, {duration:g} s per run, "
+                            f"rates {rates} req/s; fidelity: two 8-request ShareGPT workloads"),
+               "fleet": f"{GPUS} H100, layouts {list(layouts)}", "assumptions": ASSUMPTIONS,
+               "clock": CLOCK + " (fidelity part)", "time": SHARED_MACHINE},
+        article={"claim": "~40% higher cluster GPU utilization than colocated; prefill GPUs >= 85% compute (H100)"},
+        figures=[figure], tables=[table(fid)],
+    )
+
+
+def worst(fid: dict[str, Any]) -> float:
+    """The largest relative error of the simulator over both held-out workloads, metrics and percentiles."""
+    return max(e for k, v in fid.items() if k.startswith("fit") for m in v["sim_vs_real"].values() for e in m.values())
+
+
+def fidelity_sentence(fid: dict[str, Any]) -> str:
+    """The fidelity verdict in words: errors against the 5% goal, next to the real engine's own spread."""
+    err = [e for k, v in fid.items() if k.startswith("fit") for m in v["sim_vs_real"].values() for e in m.values()]
+    spread = [e for k, v in fid.items() if k.startswith("fit") for m in v["real_run_to_run"].values()
+              for e in m.values()]
+    return (f"Fidelity (table): simulated vs real engine on held-out workloads, TTFT/ITL/e2e at p50/p90/p99, median "
+            f"error {np.median(err):.1%}, largest {max(err):.1%}; the goal of <= 5% is "
+            f"{'met' if max(err) <= 0.05 else 'not met'}. The real engine's own run-to-run difference is up to "
+            f"{max(spread):.1%} (median {np.median(spread):.1%}) on this shared machine, which bounds how precisely "
+            "a fit can be checked here; tails (p90/p99 of ITL) carry the largest errors.")
+
+
+def compare_at(runs: dict[str, list[dict[str, Any]]], limits: dict[str, float]) -> dict[str, Any]:
+    """Each layout's highest rate meeting ``limits``, and disaggregation's utilization gain there."""
+    best = {}
+    for name, rows in runs.items():
+        ok = [r for r in rows
+              if r["ttft_ms"]["p90"] <= limits["ttft_p90_ms"] and r["itl_ms"]["p99"] <= limits["itl_p99_ms"]]
+        best[name] = max(ok, key=lambda r: r["rate"]) if ok else None
+    out: dict[str, Any] = {"colocated": best.pop("colocated")}
+    disagg = [b for b in best.values() if b is not None]
+    out["disaggregated"] = max(disagg, key=lambda r: r["rate"]) if disagg else None
+    col, dis = out["colocated"], out["disaggregated"]
+    if col and dis:
+        u = {k: v["utilization"]["all"] for k, v in (("c", col), ("d", dis))}
+        out["gain_compute"] = round(u["d"]["compute_utilization"] / u["c"]["compute_utilization"] - 1, 3)
+        out["gain_busy"] = round(u["d"]["busy_share"] / u["c"]["busy_share"] - 1, 3)
+    return out
+
+
+def plot(runs: dict[str, list[dict[str, Any]]], ctx: Context) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for name, rows in runs.items():
+        rates = [r["rate"] for r in rows]
+        axes[0].plot(rates, [r["itl_ms"]["p99"] for r in rows], "o-", label=name)
+        axes[1].plot(rates, [r["ttft_ms"]["p90"] for r in rows], "o-", label=name)
+        axes[2].plot(rates, [r["utilization"]["all"]["compute_utilization"] for r in rows], "o-", label=name)
+    for limits in SLOS.values():
+        axes[0].axhline(limits["itl_p99_ms"], color="k", ls=":", lw=1)
+    axes[1].axhline(SLOS["strict"]["ttft_p90_ms"], color="k", ls=":", lw=1)
+    for ax, label in zip(axes, ("inter-token latency p99 (ms)", "TTFT p90 (ms)", "cluster compute utilization"),
+                         strict=True):
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel(label)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    return save_figure(fig, ctx, "E5.png")
+
+
+EXPERIMENT = Experiment(claim="E5", title="Disaggregation: utilization at the same GPU count; simulator fidelity",
+                        run=run, quick_minutes=2.5)

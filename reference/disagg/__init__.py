@@ -1,0 +1,15 @@
+"""Disaggregated prefill/decode: a prefill worker streams each prompt's KV, layer by layer, to a decode
+worker, over a written, checked protocol (``PROTOCOL.md``).
+
+    from reference.disagg.batch import run_requests
+    from reference.disagg.cluster import InProcessCluster, ProcessCluster
+    with ProcessCluster("smollm2", num_prefill=1, num_decode=1) as cluster:       # OS processes, TCP
+        results = run_requests(cluster, [{"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 8}])
+
+Files: ``frames.py`` (header, tag, checks), ``messages.py`` (control payload schemas), ``wire.py`` (KV
+payload in fp32 / bf16 / fp8, model and KV digests), ``transport.py`` (in-process queues, sockets,
+``Link``), ``prefill.py`` and ``decode.py`` (the workers), ``coordinator.py`` (routing, relaying,
+every request ends once), ``faults.py`` (seeded injector), ``cluster.py`` (in one process or as
+processes), ``__main__.py`` (the batch command). ``fast/disagg`` carries the same frames over
+torch.distributed.
+"""

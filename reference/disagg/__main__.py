@@ -1,0 +1,177 @@
+"""Command line: ``python -m reference.disagg run ...`` (batch) and ``... worker ...`` (one worker process).
+
+    python -m reference.disagg run --model smollm2 --prefill 1 --decode 1 --prompts IN.jsonl --out OUT.jsonl \\
+        [--kv-wire fp32|bf16|fp8] [--inject FAULT[,FAULT...]] [--seed N]
+
+IN: one JSON object per line, ``{"id": str, "prompt_token_ids": [int], "max_tokens": int}`` (greedy).
+OUT: one line per input line, in order, whatever happens: ``{"id", "output_token_ids", "finish_reason",
+"error"}``. ``--prefill 0 --decode 0`` runs the same prompts colocated, in one engine in this process.
+Exit status: 0 when every request ended without error, 1 otherwise, 2 for bad arguments or input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from reference.disagg.faults import FAULTS
+
+EPILOG = ("faults for --inject (the workers then use short timeouts: handshake 0.5 s x 3, stream 3 s):\n"
+          + "\n".join(f"  {name:13s} {what}" for name, what in FAULTS.items()))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m reference.disagg", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a batch of prompts (disaggregated or colocated)", epilog=EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("--model", default="smollm2", help="smollm2, tiny[:SEED], or a checkpoint path")
+    run.add_argument("--prefill", type=int, default=1, help="prefill worker processes (0 with --decode 0: colocated)")
+    run.add_argument("--decode", type=int, default=1, help="decode worker processes")
+    run.add_argument("--prompts", required=True, type=Path, help="input JSONL")
+    run.add_argument("--out", required=True, type=Path, help="output JSONL")
+    run.add_argument("--kv-wire", default="fp32", choices=["fp32", "bf16", "fp8"])
+    run.add_argument("--inject", default="", help="comma-separated faults (below)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the fault injector")
+    run.add_argument("--deadline", type=float, default=None,
+                     help="seconds a request may take before it fails with an error (default: 120 s plus 50 ms per "
+                          "token of the whole batch, since a request may queue behind all the others)")
+    run.add_argument("--in-process", action="store_true", help="workers in this process (queues) instead of OS "
+                                                               "processes (sockets)")
+    work = sub.add_parser("worker", help="(started by the coordinator) one worker process")
+    work.add_argument("--role", choices=["prefill", "decode"], required=True)
+    work.add_argument("--node", type=int, required=True)
+    work.add_argument("--port", type=int, required=True)
+    work.add_argument("--model", required=True)
+    work.add_argument("--kv-wire", default="fp32", choices=["fp32", "bf16", "fp8"])
+    work.add_argument("--options", default="", help="WorkerOptions fields as name=value,...")
+    return parser.parse_args(argv)
+
+
+def read_prompts(path: Path) -> list[dict]:
+    """Input lines; a malformed line becomes a request that fails with its reason (its line is kept)."""
+    requests = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            if not isinstance(r, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            r = {"id": f"line-{number}", "_error": f"line {number} is not valid JSON: {e}"}
+        requests.append(r)
+    return requests
+
+
+def run_colocated(model_spec: str, requests: list[dict]) -> list[dict]:
+    from reference.disagg.models import load_model
+    from reference.engine.engine import Engine, EngineError
+    from reference.engine.params import SamplingParams
+
+    engine, ids = Engine(load_model(model_spec)), {}
+    results: list[dict | None] = [None] * len(requests)
+    for i, r in enumerate(requests):
+        try:
+            if "_error" in r:
+                raise EngineError(r["_error"])
+            ids[i] = engine.add_request(r.get("prompt_token_ids"), SamplingParams(max_tokens=r.get("max_tokens")),
+                                        request_id=r.get("id"))
+        except (EngineError, TypeError) as e:
+            results[i] = {"id": r.get("id"), "output_token_ids": [], "finish_reason": "error", "error": str(e)}
+    while engine.has_unfinished():
+        engine.step()
+    for i, rid in ids.items():
+        out = engine.output(rid)
+        results[i] = {"id": rid, "output_token_ids": out.output_token_ids, "finish_reason": out.finish_reason,
+                      "error": None}
+    return results  # type: ignore[return-value]
+
+
+def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: list[str]) -> list[dict]:
+    from rich.progress import Progress
+
+    from reference.disagg.batch import ProcessFaults, run_requests
+    from reference.disagg.cluster import FAST_FAULTS, InProcessCluster, ProcessCluster, WorkerOptions
+    from reference.disagg.faults import FaultInjector
+
+    injector = FaultInjector(faults, args.seed) if faults else None
+    kind = InProcessCluster if args.in_process else ProcessCluster
+    good = [r for r in requests if "_error" not in r]
+    opts = WorkerOptions(wire=args.kv_wire, **(FAST_FAULTS if faults else {}))
+    total = sum(len(r.get("prompt_token_ids") or []) + (r.get("max_tokens") or 0) for r in good
+                if isinstance(r.get("max_tokens"), int) and isinstance(r.get("prompt_token_ids"), list))
+    seconds = args.deadline if args.deadline is not None else 120.0 + 0.05 * total
+    with kind(args.model, args.prefill, args.decode, opts=opts, injector=injector,
+              deadline=lambda p, o: seconds) as cluster:
+        ProcessFaults(cluster, faults, args.seed, len(good))
+        with Progress(transient=True) as progress:
+            task = progress.add_task("requests", total=len(good))
+            done = run_requests(cluster, good, on_progress=lambda n: progress.advance(task, n))
+    by_index = iter(done)
+    return [{"id": r.get("id"), "output_token_ids": [], "finish_reason": "error", "error": r["_error"]}
+            if "_error" in r else next(by_index) for r in requests]
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    from reference.disagg.cluster import SECRET_ENV, WorkerOptions, hello, make_worker, serve
+    from reference.disagg.transport import Link, connect
+
+    secret = bytes.fromhex(os.environ.get(SECRET_ENV, ""))
+    if not secret:
+        print(f"worker: the shared secret must be in ${SECRET_ENV}", file=sys.stderr)
+        return 2
+    fields = {f: type(getattr(WorkerOptions(), f)) for f in WorkerOptions.__dataclass_fields__}
+    values: dict = {"wire": args.kv_wire}
+    for item in filter(None, args.options.split(",")):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            print(f"worker: unknown option {name!r}", file=sys.stderr)
+            return 2
+        values[name] = fields[name](value)
+    opts = WorkerOptions(**values)
+    try:
+        link = Link(connect(args.port), secret, args.node)
+    except OSError as e:
+        print(f"worker: cannot connect to the coordinator on 127.0.0.1:{args.port}: {e}", file=sys.stderr)
+        return 1
+    worker = make_worker(args.role, args.model, link, opts)
+    hello(worker, link, args.model, opts)
+    serve(worker, link)
+    link.endpoint.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.command == "worker":
+        return worker_main(args)
+    from reference.disagg.faults import parse_faults
+
+    try:
+        faults = parse_faults(args.inject)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if (args.prefill == 0) != (args.decode == 0) or args.prefill < 0 or args.decode < 0:
+        print("error: --prefill and --decode must both be 0 (colocated) or both >= 1", file=sys.stderr)
+        return 2
+    if not args.prompts.is_file():
+        print(f"error: no such prompts file: {args.prompts}", file=sys.stderr)
+        return 2
+    requests = read_prompts(args.prompts)
+    if args.prefill == 0:
+        results = run_colocated(args.model, requests)
+    else:
+        results = run_disaggregated(args, requests, faults)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in results))
+    tmp.replace(args.out)  # never a half-written output file
+    return 0 if all(r["error"] is None for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

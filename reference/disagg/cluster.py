@@ -1,0 +1,284 @@
+"""Clusters: a coordinator and its workers, in one process (queues) or as OS processes (sockets).
+
+    with ProcessCluster("smollm2", num_prefill=1, num_decode=1) as cluster:   # run_requests: batch.py
+        results = run_requests(cluster, [{"id": "a", "prompt_token_ids": [...], "max_tokens": 16}])
+
+Both kinds have ``coordinator``, ``pump()`` (one round of work), ``kill(node)`` and ``close()``. Worker
+processes are started with ``python -m reference.disagg worker ...``, get the shared secret in their
+environment (never on the command line), connect to 127.0.0.1, and exit when the link closes, so
+none outlives its coordinator. ``close()`` asks each to stop, then kills and reaps what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from reference.disagg import messages
+from reference.disagg.coordinator import Coordinator
+from reference.disagg.decode import DecodeWorker
+from reference.disagg.faults import FaultInjector
+from reference.disagg.frames import Kind
+from reference.disagg.messages import MessageError
+from reference.disagg.models import digest_of, load_model
+from reference.disagg.prefill import PrefillWorker
+from reference.disagg.routing import Worker
+from reference.disagg.transport import Link, SocketEndpoint, listen, pipe
+
+SECRET_ENV = "UNFIRE_DISAGG_SECRET"
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    num_blocks: int = 512
+    block_size: int = 16
+    wire: str = "fp32"
+    kv_dtype: str = "float32"  # the decode worker's cache
+    max_num_batched_tokens: int = 256
+    max_num_seqs: int = 32
+    # resend an unacknowledged MANIFEST / DONE every handshake_timeout s, give up after handshake_retries
+    # resends; a decode worker recomputes a stream that is silent for stream_timeout s. Generous, because a
+    # busy worker reads its frames only between steps (seconds on a loaded CPU); FAST_FAULTS is the
+    # short profile that tests and --inject use so that faults resolve quickly.
+    handshake_timeout: float = 1.0
+    handshake_retries: int = 8
+    stream_timeout: float = 60.0
+
+
+FAST_FAULTS = {"handshake_timeout": 0.5, "handshake_retries": 2, "stream_timeout": 3.0}
+
+
+def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions) -> PrefillWorker | DecodeWorker:
+    model, digest = load_model(model_spec), digest_of(model_spec)
+    common = {"model_digest": digest, "num_blocks": opts.num_blocks, "block_size": opts.block_size,
+              "max_num_batched_tokens": opts.max_num_batched_tokens, "max_num_seqs": opts.max_num_seqs}
+    if role == "prefill":
+        return PrefillWorker(model, link, wire=opts.wire, handshake_timeout=opts.handshake_timeout,
+                             retries=opts.handshake_retries, **common)
+    return DecodeWorker(model, link, kv_dtype=opts.kv_dtype, stream_timeout=opts.stream_timeout, **common)
+
+
+def hello(worker: PrefillWorker | DecodeWorker, link: Link, model_spec: str, opts: WorkerOptions) -> None:
+    c = worker.model.config
+    layout = {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+              "block_size": opts.block_size, "wire": opts.wire, "scale_rule": "pow2-per-block-head"
+              if opts.wire == "fp8" else "none"}
+    link.send(Kind.HELLO, 0, messages.dump(Kind.HELLO, {
+        "role": worker.role, "node": link.node, "model_digest": digest_of(model_spec), "layout": layout,
+        "num_blocks": opts.num_blocks, "pid": os.getpid(), "vocab_size": c.vocab_size,
+        "max_context": min(c.max_position, opts.num_blocks * opts.block_size), "eos_token_ids": list(c.eos_token_ids)}))
+
+
+def handle(worker: PrefillWorker | DecodeWorker, link: Link, data: bytes) -> bool:
+    """One arrived frame into the worker. False when it says to stop (SHUTDOWN, answered with BYE)."""
+    frame = link.accept(data)
+    if frame is None:
+        return True
+    if frame.kind is Kind.SHUTDOWN:
+        link.send(Kind.BYE, 0, messages.dump(Kind.BYE, worker.bye()))
+        return False
+    try:
+        worker.on_frame(frame)
+    except (MessageError, ValueError):  # a peer's bad payload: refuse it, count it, keep serving
+        link.count("frames_bad_payload")
+    return True
+
+
+def serve(worker: PrefillWorker | DecodeWorker, link: Link, heartbeat_s: float = 0.25) -> None:
+    """A worker process's loop: frames in, one step, a heartbeat now and then; ends when told or cut off."""
+    inbox, next_beat = link.endpoint.inbox, 0.0
+    while True:
+        try:
+            item = inbox.get(timeout=0 if worker.has_work() else 0.02)
+            while True:
+                _, data = item
+                if data is None or not handle(worker, link, data):
+                    return
+                item = inbox.get_nowait()
+        except queue.Empty:
+            pass
+        worker.tick()
+        if time.monotonic() >= next_beat:
+            worker.heartbeat()
+            next_beat = time.monotonic() + heartbeat_s
+
+
+class Cluster:
+    """What both kinds share: the coordinator, node ids, process faults."""
+
+    def __init__(self, model_spec: str, *, secret: bytes | None, opts: WorkerOptions, injector: FaultInjector | None,
+                 restart: bool, deadline: Callable[[int, int], float] | None) -> None:
+        self.model_spec, self.opts, self.restart = model_spec, opts, restart
+        self.secret = secret if secret is not None else secrets.token_bytes(32)
+        kwargs: dict[str, Any] = {"deadline": deadline} if deadline is not None else {}
+        self.coordinator = Coordinator(self.secret, injector=injector, **kwargs)
+        self.coordinator.on_worker_lost = self._lost
+        self._nodes = iter(range(1, 65536))
+        self.restarts = 0
+        self.byes: list[dict] = []
+
+    def _lost(self, w: Worker) -> None:
+        if self.restart and self.restarts < 8:
+            self.restarts += 1
+            self.spawn(w.role)
+
+    def spawn(self, role: str) -> int:
+        raise NotImplementedError
+
+    def kill(self, node: int) -> None:
+        raise NotImplementedError
+
+    def wait_ready(self, num_prefill: int, num_decode: int, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while len(self.coordinator.live("prefill")) < num_prefill or len(self.coordinator.live("decode")) < num_decode:
+            if time.monotonic() > end:
+                raise TimeoutError(f"workers did not say HELLO within {timeout} s")
+            self.pump()
+
+    def pump(self) -> None:
+        self.coordinator.poll(0.02)
+
+    def shutdown(self, wait: float = 5.0) -> list[dict]:
+        """Stop every worker; their BYEs (counters, free blocks) are kept in ``self.byes``."""
+        self.byes = self.coordinator.shutdown(wait, pump=self.pump)
+        return self.byes
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class InProcessCluster(Cluster):
+    """Everything in this thread: the coordinator and every worker take turns (deterministic)."""
+
+    def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
+                 opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None, restart: bool = True,
+                 deadline: Callable[[int, int], float] | None = None) -> None:
+        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline)
+        self.workers: dict[int, tuple[PrefillWorker | DecodeWorker, Link]] = {}
+        for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+            for _ in range(n):
+                self.spawn(role)
+        self.wait_ready(num_prefill, num_decode, 10.0)
+
+    def spawn(self, role: str) -> int:
+        node = next(self._nodes)
+        a, b = pipe(inbox_a=self.coordinator.inbox)
+        self.coordinator.attach(a)
+        link = Link(b, self.secret, node)
+        worker = make_worker(role, self.model_spec, link, self.opts)
+        self.workers[node] = (worker, link)
+        hello(worker, link, self.model_spec, self.opts)
+        return node
+
+    def kill(self, node: int) -> None:
+        worker, link = self.workers.pop(node)
+        link.endpoint.close()
+
+    def pump(self) -> None:
+        self.coordinator.poll(0)
+        for node, (worker, link) in list(self.workers.items()):
+            inbox = link.endpoint.inbox
+            while True:
+                try:
+                    _, data = inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if data is None or not handle(worker, link, data):
+                    self.workers.pop(node, None)
+                    break
+            if node in self.workers:
+                worker.tick()
+                worker.heartbeat()
+
+    def close(self) -> None:
+        self.shutdown(wait=1.0)
+        for node in list(self.workers):
+            self.kill(node)
+
+
+class ProcessCluster(Cluster):
+    """Workers as OS processes over TCP on 127.0.0.1; the coordinator runs in this process."""
+
+    def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
+                 opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None, restart: bool = True,
+                 deadline: Callable[[int, int], float] | None = None, ready_timeout: float = 120.0,
+                 log: str | None = None) -> None:
+        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline)
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
+        self.server = listen()
+        self.port = self.server.getsockname()[1]
+        self._closing = False
+        self._acceptor = threading.Thread(target=self._accept_loop, daemon=True)
+        self._acceptor.start()
+        try:
+            for role, n in (("prefill", num_prefill), ("decode", num_decode)):
+                for _ in range(n):
+                    self.spawn(role)
+            self.wait_ready(num_prefill, num_decode, ready_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _accept_loop(self) -> None:
+        while not self._closing:
+            try:
+                sock, _ = self.server.accept()
+            except OSError:
+                return
+            endpoint = SocketEndpoint(sock, self.coordinator.inbox, start=False)
+            self.coordinator.attach(endpoint)
+            endpoint.start()
+
+    def spawn(self, role: str) -> int:
+        node = next(self._nodes)
+        env = dict(os.environ, **{SECRET_ENV: self.secret.hex(), "OMP_NUM_THREADS": "1",
+                                  "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        o = self.opts
+        cmd = [sys.executable, "-m", "reference.disagg", "worker", "--role", role, "--node", str(node),
+               "--port", str(self.port), "--model", self.model_spec, "--kv-wire", o.wire,
+               "--options", ",".join(f"{k}={v}" for k, v in asdict(o).items() if k != "wire")]
+        self.procs[node] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
+                                            stderr=self.log)
+        return node
+
+    def kill(self, node: int) -> None:
+        proc = self.procs.get(node)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=10)
+
+    def close(self) -> None:
+        self._closing = True
+        try:
+            self.shutdown(wait=5.0)
+        finally:
+            self.server.close()  # a worker still starting up finds no one to connect to and exits
+            for link in list(self.coordinator.links.values()):
+                link.endpoint.close(flush_s=0.5)
+            for proc in self.procs.values():
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+            if self.log is not subprocess.DEVNULL:
+                self.log.close()
+
+    def leaked_processes(self) -> list[int]:
+        return [p.pid for p in self.procs.values() if p.poll() is None]

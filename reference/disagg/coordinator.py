@@ -1,0 +1,325 @@
+"""The coordinator: accepts requests, routes each to a prefill and a decode worker, relays the
+handoff between them, collects the tokens, and makes sure every accepted request ends exactly once.
+
+Topology: a star. Each worker has one link, to the coordinator; the frames of a handoff (MANIFEST,
+KV, DONE from the prefill worker; ACK, ABORT from the decode worker) are forwarded unchanged,
+tag and all, so the decode worker checks the prefill worker's signature itself. The fault injector,
+when there is one, sits on this forwarding path (``faults.py``).
+
+Routing (``routing.py``): prefill by prefix affinity, then fewest in-flight prefill tokens; decode by
+fewest in-flight decode tokens, then most free blocks.
+
+Faults and their outcomes (``PROTOCOL.md`` section 6): a prefill worker lost -> its decode workers
+are told to compute those prompts themselves; a decode worker lost -> its requests start again
+(new stream) on a live decode worker, up to ``max_attempts``, else they fail with an error; a
+request past its deadline -> aborted everywhere and answered with an error. A FINISH for an ended
+request or an old attempt is ignored (counted), so nothing is answered twice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from reference.disagg import messages
+from reference.disagg.frames import STREAM_KINDS, Frame, Kind
+from reference.disagg.routing import Worker, choose_decode, choose_prefill
+from reference.disagg.transport import Endpoint, Link, LinkClosed
+from reference.kv.prefix_hash import prefix_keys
+
+
+class CoordinatorError(ValueError):
+    """A request the coordinator refuses (the message says why); nothing was queued."""
+
+
+@dataclass
+class RequestState:
+    id: str
+    prompt: list[int]
+    max_tokens: int
+    arrival: float
+    deadline: float
+    stream: int = 0
+    prefill: int | None = None
+    decode: int | None = None
+    attempts: int = 0
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    token_cpu: list[float] = field(default_factory=list)  # the decode worker's CPU seconds at each token
+    result: dict | None = None  # {"id", "output_token_ids", "finish_reason", "error"} once ended
+    recomputed: bool = False
+    first_kv_seen: bool = False
+
+
+class Coordinator:
+    def __init__(self, secret: bytes, *, deadline: Callable[[int, int], float] = lambda p, o: 60.0 + 0.5 * o,
+                 max_attempts: int = 2, injector: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.secret = secret
+        self.vocab_size, self.eos, self.max_context = 0, (), 0  # the model's, from the workers' HELLO
+        self.deadline_for, self.max_attempts, self.injector, self.clock = deadline, max_attempts, injector, clock
+        self.inbox: queue.Queue = queue.Queue()
+        self.links: dict[Endpoint, Link] = {}
+        self.workers: dict[int, Worker] = {}
+        self.requests: dict[str, RequestState] = {}
+        self.by_stream: dict[int, RequestState] = {}
+        self.waiting: list[RequestState] = []  # accepted, not yet routed (no live worker)
+        self.counters: dict[str, int] = {}
+        self._streams = itertools.count(1)
+        self.on_worker_lost: Callable[[Worker], None] | None = None  # the cluster restarts it
+        self.shutting_down = False
+        self.on_stream_frame: Callable[[RequestState, Frame], None] | None = None  # fault hooks (kill, abort)
+
+    # -- workers --------------------------------------------------------------------------
+    def attach(self, endpoint: Endpoint) -> Link:
+        """A new worker link (its HELLO names it). Its frames arrive in ``self.inbox``."""
+        link = Link(endpoint, self.secret, node=0, counters=self.counters)
+        self.links[endpoint] = link
+        return link
+
+    def live(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.alive and w.role == role]
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
+        """Accept a request (greedy). Raises CoordinatorError, changing nothing, on bad input."""
+        if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
+            raise CoordinatorError("request id must be a non-empty string of at most 256 characters")
+        if not self.workers:
+            raise CoordinatorError("no worker has said HELLO yet: the model's vocabulary and context are unknown")
+        if request_id in self.requests:
+            raise CoordinatorError(f"request id {request_id!r} is already in use")
+        if not isinstance(prompt, list) or not prompt or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt):
+            raise CoordinatorError(f"prompt_token_ids must be a non-empty list of integers in [0, {self.vocab_size})")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise CoordinatorError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        if len(prompt) >= self.max_context:
+            raise CoordinatorError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_context}")
+        now = self.clock()
+        req = RequestState(request_id, prompt, max_tokens, now, now + self.deadline_for(len(prompt), max_tokens))
+        self.requests[request_id] = req
+        self._route(req)
+
+    def cancel(self, request_id: str, reason: str = "aborted by the client") -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.result is not None:
+            return False
+        self._abort_stream(req, "cancel", reason)
+        self._end(req, req.tokens, "abort", reason)
+        return True
+
+    def unfinished(self) -> int:
+        return sum(r.result is None for r in self.requests.values())
+
+    def _route(self, req: RequestState) -> None:
+        decoders = self.live("decode")
+        if not decoders:
+            if req not in self.waiting:
+                self.waiting.append(req)
+            return
+        d = choose_decode(decoders)
+        req.stream, req.attempts, req.decode = next(self._streams), req.attempts + 1, d.node
+        req.tokens, req.token_times, req.token_cpu = [], [], []
+        self.by_stream[req.stream] = req
+        d.inflight_tokens += len(req.prompt) + req.max_tokens
+        body = messages.dump(Kind.REQUEST, {"id": req.id, "prompt": req.prompt, "max_tokens": req.max_tokens,
+                                            "eos_token_ids": list(self.eos)})
+        if not self._send(d, Kind.REQUEST, req.stream, body):
+            return
+        prefillers = self.live("prefill")
+        if not prefillers:  # no prefill worker: the decode worker computes the prompt itself
+            req.prefill = None
+            self._send(d, Kind.ABORT, req.stream, messages.dump(Kind.ABORT, {
+                "reason": "no prefill worker alive", "action": "recompute"}))
+            return
+        p = choose_prefill(prefillers, prefix_keys(req.prompt, prefillers[0].block_size))
+        req.prefill = p.node
+        p.inflight_tokens += len(req.prompt)
+        self._send(p, Kind.REQUEST, req.stream, body)
+
+    def _end(self, req: RequestState, output: list[int], reason: str, error: str | None) -> None:
+        if req.result is not None:
+            self.counters["late_finish"] = self.counters.get("late_finish", 0) + 1
+            return
+        req.result = {"id": req.id, "output_token_ids": list(output), "finish_reason": reason, "error": error}
+        if req.prefill in self.workers:  # let the prefill worker close its side now (its ACK may have been lost)
+            self._send(self.workers[req.prefill], Kind.ABORT, req.stream, messages.dump(Kind.ABORT, {
+                "reason": "request ended", "action": "cancel"}))
+        self._release(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+
+    def _release(self, req: RequestState) -> None:
+        """Forget the current attempt's load on its workers."""
+        for node, tokens in ((req.prefill, len(req.prompt)), (req.decode, len(req.prompt) + req.max_tokens)):
+            w = self.workers.get(node) if node is not None else None
+            if w is not None:
+                w.inflight_tokens = max(0, w.inflight_tokens - tokens)
+        self.by_stream.pop(req.stream, None)
+
+    def _abort_stream(self, req: RequestState, action: str, reason: str) -> None:
+        body = messages.dump(Kind.ABORT, {"reason": reason, "action": action})
+        for node in (req.prefill, req.decode):
+            if node is not None and node in self.workers:
+                self._send(self.workers[node], Kind.ABORT, req.stream, body)
+
+    def _send(self, w: Worker, kind: Kind, stream: int, payload: bytes) -> bool:
+        if not w.alive:
+            return False
+        try:
+            w.link.send(kind, stream, payload)
+            return True
+        except LinkClosed:
+            self._lost(w)
+            return False
+
+    # -- the loop -------------------------------------------------------------------------
+    def poll(self, timeout: float = 0.05) -> None:
+        """Handle what arrived (waiting up to ``timeout`` for the first item), then timers."""
+        try:
+            item = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
+            while True:
+                self._handle(*item)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        now = self.clock()
+        if self.injector is not None:
+            self.injector.pump(now)
+        for req in list(self.requests.values()):
+            if req.result is None and now > req.deadline:
+                self.counters["deadline_exceeded"] = self.counters.get("deadline_exceeded", 0) + 1
+                self._abort_stream(req, "cancel", "deadline exceeded")
+                self._end(req, req.tokens, "error", f"deadline of {req.deadline - req.arrival:.1f} s exceeded")
+        for req in list(self.waiting):
+            if self.live("decode"):
+                self.waiting.remove(req)
+                self._route(req)
+
+    def _handle(self, endpoint: Endpoint, data: bytes | None) -> None:
+        link = self.links.get(endpoint)
+        if link is None:
+            return
+        if data is None:
+            w = link.peer
+            if isinstance(w, Worker):
+                self._lost(w)
+            return
+        frame = link.accept(data)
+        if frame is None:
+            return
+        if frame.kind is Kind.HELLO:
+            return self._hello(link, frame)
+        w = link.peer
+        if not isinstance(w, Worker) or frame.src != w.node:
+            self.counters["frames_from_unknown_node"] = self.counters.get("frames_from_unknown_node", 0) + 1
+            return
+        if frame.kind is Kind.HEARTBEAT:
+            body = messages.load(Kind.HEARTBEAT, frame.payload)
+            w.free_blocks = body["free_blocks"]
+        elif frame.kind is Kind.BYE:
+            w.bye = messages.load(Kind.BYE, frame.payload)
+        else:
+            self._stream_frame(w, frame)
+
+    def _hello(self, link: Link, frame: Frame) -> None:
+        body = messages.load(Kind.HELLO, frame.payload)
+        if body["node"] != frame.src or frame.src in self.workers:
+            self.counters["hello_refused"] = self.counters.get("hello_refused", 0) + 1
+            return
+        if self.workers and (body["vocab_size"], tuple(body["eos_token_ids"])) != (self.vocab_size, self.eos):
+            self.counters["hello_refused"] = self.counters.get("hello_refused", 0) + 1  # another model
+            return
+        self.vocab_size, self.eos = body["vocab_size"], tuple(body["eos_token_ids"])
+        self.max_context = min(body["max_context"], self.max_context or body["max_context"])
+        w = Worker(frame.src, body["role"], link, body["layout"]["block_size"], body["num_blocks"],
+                   free_blocks=body["num_blocks"])
+        link.peer = w
+        self.workers[w.node] = w
+
+    def _stream_frame(self, w: Worker, frame: Frame) -> None:
+        req = self.by_stream.get(frame.stream)
+        if req is None or req.result is not None:
+            self.counters["frames_for_old_streams"] = self.counters.get("frames_for_old_streams", 0) + 1
+            return
+        if w.role == "prefill" and frame.kind in (Kind.MANIFEST, Kind.KV, Kind.DONE, Kind.ABORT):
+            if frame.kind is Kind.KV and not req.first_kv_seen:
+                req.first_kv_seen = True
+            if frame.kind is Kind.DONE and req.prefill in self.workers:
+                p = self.workers[req.prefill]
+                p.inflight_tokens = max(0, p.inflight_tokens - len(req.prompt))
+            self._forward(req.decode, frame)
+        elif w.role == "decode" and frame.kind in (Kind.ACK, Kind.ABORT):
+            self._forward(req.prefill, frame)
+        elif w.role == "decode" and frame.kind is Kind.TOKEN:
+            body = messages.load(Kind.TOKEN, frame.payload)
+            if body["index"] == len(req.tokens):
+                req.tokens.append(body["token"])
+                req.token_times.append(self.clock())
+                req.token_cpu.append(body["cpu_us"] / 1e6)
+        elif w.role == "decode" and frame.kind is Kind.FINISH:
+            body = messages.load(Kind.FINISH, frame.payload)
+            req.recomputed = bool(body["recomputed"])
+            if body["finish_reason"] == "error":
+                self._abort_stream(req, "cancel", "decode worker failed the request")
+            self._end(req, body["output"], body["finish_reason"], body["error"])
+        if self.on_stream_frame is not None and req.result is None:
+            self.on_stream_frame(req, frame)
+
+    def _forward(self, node: int | None, frame: Frame) -> None:
+        w = self.workers.get(node) if node is not None else None
+        if w is None or not w.alive:
+            return
+        try:
+            if self.injector is not None and frame.kind in STREAM_KINDS:
+                self.injector.forward(w.link, frame, self.clock())
+            else:
+                w.link.forward(frame.raw)
+        except LinkClosed:
+            self._lost(w)
+
+    def _lost(self, w: Worker) -> None:
+        """A worker's link closed: it died or was killed. Its requests go on elsewhere (see module doc)."""
+        if not w.alive:
+            return
+        w.alive = False
+        w.link.endpoint.close()
+        if w.bye is not None:  # it said goodbye: a normal exit
+            return
+        self.counters[f"{w.role}_workers_lost"] = self.counters.get(f"{w.role}_workers_lost", 0) + 1
+        for req in list(self.by_stream.values()):
+            if req.result is not None:
+                continue
+            if w.role == "prefill" and req.prefill == w.node:
+                req.prefill = None
+                d = self.workers.get(req.decode) if req.decode is not None else None
+                if d is not None:
+                    self._send(d, Kind.ABORT, req.stream, messages.dump(Kind.ABORT, {
+                        "reason": "prefill worker lost", "action": "recompute"}))
+            elif w.role == "decode" and req.decode == w.node:
+                self._abort_stream(req, "cancel", "decode worker lost")
+                self._release(req)
+                if req.attempts < self.max_attempts:
+                    self.counters["requests_retried"] = self.counters.get("requests_retried", 0) + 1
+                    self._route(req)
+                else:
+                    self._end(req, req.tokens, "error", f"decode worker lost after {req.attempts} attempts")
+        if self.on_worker_lost is not None and not self.shutting_down:
+            self.on_worker_lost(w)
+
+    def shutdown(self, wait: float = 5.0, pump: Callable[[], None] | None = None) -> list[dict]:
+        """Ask every live worker to stop; returns their BYEs (final counters, free blocks) that came
+        within ``wait`` seconds. ``pump`` makes progress meanwhile (default: ``poll``)."""
+        self.shutting_down = True
+        asked = self.live("prefill") + self.live("decode")
+        for w in asked:
+            if w.bye is None:
+                self._send(w, Kind.SHUTDOWN, 0, messages.dump(Kind.SHUTDOWN, {}))
+        end = self.clock() + wait
+        while self.clock() < end and any(w.bye is None and w.alive for w in asked):
+            (pump or (lambda: self.poll(0.05)))()
+        return [w.bye for w in self.workers.values() if w.bye is not None]

@@ -1,0 +1,280 @@
+"""The decode worker: receives a prompt's KV into its own paged cache, then decodes in its batch.
+
+Per request (a *stream*), ``PROTOCOL.md`` section 5:
+  REQUEST (from the coordinator) -> state ``expected``: the worker knows the prompt, so whatever
+      goes wrong with the handoff it can still serve the request by computing the prompt itself;
+  MANIFEST -> every field checked (model digest, layout, prompt length, the prefix keys recomputed
+      here from the prompt); blocks allocated by this worker's block manager, reusing its own
+      cached prefix; ACK(cached_tokens) so the sender skips them -> ``receiving``;
+  KV frames -> each checked against the layout, written into this worker's blocks;
+  DONE -> if every layer of every position landed (and, with fp32 on the wire, the digest of the
+      whole prompt's KV here equals the sender's), the sequence joins the running batch with its
+      first token: ``Scheduler.add_running``. Otherwise it joins with what did land, and the
+      scheduler computes the rest here ("recompute locally"). Either way the output is the same.
+  ABORT(recompute) from the sender or the coordinator, or ``stream_timeout`` without a frame while
+  receiving: recompute locally. ABORT(cancel): drop the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from reference.disagg import messages
+from reference.disagg.frames import Frame, Kind
+from reference.disagg.transport import Link
+from reference.disagg.wire import KVLayout, WireError, decode_kv, kv_digest
+from reference.disagg.worker import WorkerBase
+from reference.kv.block_manager import BlockManager
+from reference.kv.prefix_hash import prefix_keys
+from reference.model.llama import LlamaModel
+from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError
+from reference.sched import Sequence as SchedSequence
+
+
+@dataclass
+class DecodeStream:
+    stream: int
+    request_id: str
+    seq: SchedSequence
+    state: str = "expected"  # -> "receiving" -> "running" -> removed
+    layout: KVLayout | None = None
+    covered: np.ndarray | None = None  # bool [layers, prompt_len]: which K/V have landed (or were cached)
+    cached: int = 0
+    last_activity: float = 0.0
+    recomputed: bool = False
+
+
+class DecodeWorker(WorkerBase):
+    role = "decode"
+
+    def __init__(self, model: LlamaModel, link: Link, *, model_digest: str, num_blocks: int = 512,
+                 block_size: int = 16, kv_dtype: str = "float32", wires: tuple[str, ...] = ("fp32", "bf16", "fp8"),
+                 max_num_batched_tokens: int = 256, max_num_seqs: int = 32, stream_timeout: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model, self.link, self.digest, self.clock = model, link, model_digest, clock
+        c = model.config
+        self.block_size, self.wires = block_size, wires
+        self.cache = model.new_cache(num_blocks, block_size, kv_dtype)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.max_model_len = min(c.max_position, num_blocks * block_size)
+        self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_batched_tokens, max_num_seqs,
+                                                                       self.max_model_len))
+        self.streams: dict[int, DecodeStream] = {}
+        self.stream_timeout = stream_timeout
+        self.counters = link.counters
+
+    # -- frames in ------------------------------------------------------------------------
+    def on_frame(self, frame: Frame) -> None:
+        if frame.kind is Kind.REQUEST:
+            return self._expect(frame)
+        st = self.streams.get(frame.stream)
+        if st is None:
+            self.link.count("frames_for_unknown_stream")
+            return
+        st.last_activity = self.clock()
+        if frame.kind is Kind.MANIFEST:
+            self._manifest(st, frame)
+        elif frame.kind is Kind.KV:
+            self._kv(st, frame)
+        elif frame.kind is Kind.DONE:
+            self._done(st, messages.load(Kind.DONE, frame.payload))
+        elif frame.kind is Kind.ABORT:
+            body = messages.load(Kind.ABORT, frame.payload)
+            if body["action"] == "cancel":
+                self._cancel(st)
+            elif st.state in ("expected", "receiving"):
+                self.link.count("handoffs_aborted")
+                self._admit(st, first_token=None)
+
+    def _expect(self, frame: Frame) -> None:
+        body = messages.load(Kind.REQUEST, frame.payload)
+        if frame.stream in self.streams:  # already known: a repeated REQUEST changes nothing
+            return
+        eos = body["eos_token_ids"]
+        try:
+            seq = SchedSequence(prompt_token_ids=body["prompt"], max_tokens=body["max_tokens"],
+                                eos_token_id=eos[0] if eos else None, stop_token_ids=tuple(eos[1:]))
+            if max(seq.prompt_token_ids) >= self.model.config.vocab_size or \
+                    seq.num_prompt_tokens >= self.max_model_len:
+                raise RequestError(f"prompt ids must be < {self.model.config.vocab_size} and the prompt shorter "
+                                   f"than {self.max_model_len} tokens")
+        except RequestError as e:
+            return self._finish_message(frame.stream, body["id"], [], "error", f"decode worker refused: {e}")
+        st = DecodeStream(frame.stream, body["id"], seq, last_activity=self.clock())
+        seq.request = st
+        self.streams[st.stream] = st
+
+    def _manifest(self, st: DecodeStream, frame: Frame) -> None:
+        if st.state == "receiving":  # a resent manifest: our ACK was lost
+            return self._ack(st, "manifest")
+        if st.state != "expected":
+            return self.link.count("manifests_late")
+        body = messages.load(Kind.MANIFEST, frame.payload)
+        problem = self._manifest_problem(st, body)
+        if problem is None and not self.block_manager.can_allocate(st.seq):
+            problem = "no free KV blocks on the decode worker"
+        if problem is not None:
+            self.link.count("manifests_refused")
+            self.link.send(Kind.ABORT, st.stream, messages.dump(Kind.ABORT, {"reason": problem, "action": "refused"}))
+            return self._admit(st, first_token=None)
+        lay = body["layout"]
+        st.layout = KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["block_size"], lay["wire"])
+        bm, seq = self.block_manager, st.seq
+        bm.allocate(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens
+        for src, dst in bm.may_append(seq, seq.num_prompt_tokens - seq.num_computed_tokens):
+            self.cache.copy_block(src, dst)  # a cached block that the received positions would write into
+        st.cached = seq.num_cached_tokens
+        st.covered = np.zeros((st.layout.num_layers, seq.num_prompt_tokens), dtype=bool)
+        st.covered[:, :st.cached] = True
+        st.state = "receiving"
+        self._ack(st, "manifest")
+
+    def _manifest_problem(self, st: DecodeStream, body: dict) -> str | None:
+        """Why this manifest cannot be accepted, or None. Checked before any memory is touched."""
+        c, lay = self.model.config, body["layout"]
+        if body["model_digest"] != self.digest:
+            return "model mismatch: the sender runs other weights or another config"
+        mine = {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
+                "block_size": self.block_size}
+        for name, value in mine.items():
+            if lay[name] != value:
+                return f"layout mismatch: {name} is {lay[name]} there, {value} here"
+        if lay["wire"] not in self.wires:
+            return f"wire dtype {lay['wire']!r} not accepted here (accepted: {', '.join(self.wires)})"
+        expected_rule = "pow2-per-block-head" if lay["wire"] == "fp8" else "none"
+        if lay["scale_rule"] != expected_rule:
+            return f"scale rule {lay['scale_rule']!r} does not go with wire dtype {lay['wire']!r}"
+        if body["id"] != st.request_id or body["prompt_len"] != st.seq.num_prompt_tokens:
+            return "manifest does not describe the request this stream carries (id or prompt length)"
+        keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.block_size)]
+        if body["prefix_keys"] != keys:
+            return "prefix-block keys disagree with the keys computed here from the prompt"
+        return None
+
+    def _kv(self, st: DecodeStream, frame: Frame) -> None:
+        if st.state != "receiving" or st.layout is None or st.covered is None:
+            return self.link.count("kv_frames_late")
+        try:
+            layer, start, k, v = decode_kv(st.layout, st.seq.num_prompt_tokens, frame.payload)
+        except WireError:
+            return self.link.count("kv_frames_refused")
+        if start < st.cached:  # those positions live in shared cached blocks: never written
+            return self.link.count("kv_frames_refused")
+        self.cache.write(layer, self.cache.slots(st.seq.block_table, start, len(k)), k, v)
+        st.covered[layer, start:start + len(k)] = True
+        self.link.count("kv_frames_received")
+        self.link.count("kv_bytes_received", len(frame.payload))
+
+    def _done(self, st: DecodeStream, body: dict) -> None:
+        self._ack(st, "done")
+        if st.state != "receiving" or st.layout is None:
+            return
+        first = body["first_token"]
+        if first >= self.model.config.vocab_size:
+            self.link.count("done_refused")
+            return self._admit(st, first_token=None)
+        if st.layout.wire == "fp32" and self._landed(st) == st.seq.num_prompt_tokens:
+            mine = kv_digest(self.cache, st.seq.block_table, st.seq.num_prompt_tokens)
+            if mine != body["kv_digest"]:
+                self.link.count("kv_digest_mismatch")
+                st.covered[:, st.cached:] = False  # trust only our own cached prefix
+            else:
+                self.link.count("kv_digest_match")
+        self._admit(st, first_token=first)
+
+    def _landed(self, st: DecodeStream) -> int:
+        """Length of the prefix whose K/V are here in every layer."""
+        if st.covered is None:
+            return 0
+        full = st.covered.all(axis=0)
+        return len(full) if full.all() else int(np.argmin(full))
+
+    def _admit(self, st: DecodeStream, first_token: int | None) -> None:
+        """Join the running batch with what landed; compute the rest here if anything is missing."""
+        seq, n = st.seq, st.seq.num_prompt_tokens
+        landed = self._landed(st)
+        if st.state == "expected":  # no blocks yet: an ordinary request, prefilled here
+            st.state, st.recomputed = "running", True
+            self.link.count("prefills_recomputed")
+            try:
+                return self.scheduler.add(seq, self.clock())
+            except (RequestError, SchedulerError) as e:
+                return self._end(st, "error", f"decode worker cannot serve the request: {e}")
+        st.state = "running"
+        if landed == n and first_token is not None:
+            seq.num_computed_tokens = n
+            self.block_manager.cache_full_blocks(seq)
+            seq.token_ids.append(first_token)
+            self._token(st, first_token)
+            if first_token == seq.eos_token_id or first_token in seq.stop_token_ids:
+                return self._end(st, "stop", None)
+            if seq.max_tokens == 1 or seq.num_tokens >= self.max_model_len:
+                return self._end(st, "length", None)
+            self.link.count("handoffs_complete")
+        else:
+            seq.num_computed_tokens = min(landed, n - 1)
+            st.recomputed = True
+            self.link.count("prefills_recomputed")
+        self.scheduler.add_running(seq, self.clock())
+
+    def _cancel(self, st: DecodeStream) -> None:
+        if self.scheduler.abort(st.seq.seq_id, self.clock()) is None and st.seq.block_table:
+            self.block_manager.free(st.seq)  # receiving: blocks held outside the scheduler
+        self.streams.pop(st.stream, None)
+        self.link.count("requests_cancelled")
+
+    # -- frames out -----------------------------------------------------------------------
+    def _ack(self, st: DecodeStream, of: str) -> None:
+        self.link.send(Kind.ACK, st.stream, messages.dump(Kind.ACK, {"of": of, "cached_tokens": st.cached}))
+
+    def _token(self, st: DecodeStream, token: int) -> None:
+        self.link.send(Kind.TOKEN, st.stream, messages.dump(Kind.TOKEN, {
+            "index": st.seq.num_output_tokens - 1, "token": token, "cpu_us": int(time.process_time() * 1e6)}))
+
+    def _end(self, st: DecodeStream, reason: str, error: str | None) -> None:
+        """The request is over here: free what it holds, tell the coordinator."""
+        if self.scheduler.abort(st.seq.seq_id, self.clock()) is None and st.seq.block_table:
+            self.block_manager.free(st.seq)
+        self._finish_message(st.stream, st.request_id, st.seq.output_token_ids, reason, error, st.recomputed)
+        self.streams.pop(st.stream, None)
+
+    def _finish_message(self, stream: int, request_id: str, output: list[int], reason: str, error: str | None,
+                        recomputed: bool = False) -> None:
+        self.link.send(Kind.FINISH, stream, messages.dump(Kind.FINISH, {
+            "id": request_id, "output": list(output), "finish_reason": reason, "error": error,
+            "recomputed": int(recomputed)}))
+
+    # -- the loop -------------------------------------------------------------------------
+    def tick(self) -> bool:
+        now = self.clock()
+        for st in list(self.streams.values()):
+            if st.state == "receiving" and now - st.last_activity > self.stream_timeout:
+                self.link.count("stream_timeouts")
+                self._admit(st, first_token=None)
+        return self.step()
+
+    def step(self) -> bool:
+        ran = self.run_step()
+        if ran is None:
+            return False
+        batch, logits = ran
+        tokens = [int(np.argmax(lg)) if e.needs_sample else None for e, lg in zip(batch.entries, logits, strict=True)]
+        self.scheduler.postprocess(batch, tokens, self.clock())
+        for e, token in zip(batch.entries, tokens, strict=True):
+            st: DecodeStream = e.seq.request
+            if token is None or st.stream not in self.streams:
+                continue
+            self._token(st, token)
+            if e.seq.is_finished:
+                self._finish_message(st.stream, st.request_id, e.seq.output_token_ids, e.seq.finish_reason,
+                                     None, st.recomputed)
+                del self.streams[st.stream]
+        return True
+
+    def inflight_tokens(self) -> int:
+        return sum(s.num_prompt_tokens + s.max_tokens for s in (*self.scheduler.waiting, *self.scheduler.running))

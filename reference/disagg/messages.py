@@ -1,0 +1,118 @@
+"""Payloads of the control frames: small JSON objects, each checked against a fixed schema.
+
+A peer's JSON is parsed with ``json.loads`` (no pickle, no object hooks) and then every field is
+checked: present, of the right type, in range, and no field that the schema does not name. What
+fails raises ``MessageError`` naming the frame kind and the field. The KV payload is binary
+(``wire.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from reference.disagg.frames import Kind
+
+MAX_TOKENS_IN_MESSAGE = 1 << 20
+U32 = (1 << 32) - 1
+
+
+class MessageError(ValueError):
+    """A control payload that does not follow its schema."""
+
+
+Check = Callable[[Any], bool]
+
+
+def integer(lo: int = 0, hi: int = U32) -> Check:
+    return lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+def text(max_len: int = 256) -> Check:
+    return lambda v: isinstance(v, str) and len(v) <= max_len
+
+
+def integers(lo: int = 0, hi: int = U32, max_len: int = MAX_TOKENS_IN_MESSAGE) -> Check:
+    one = integer(lo, hi)
+    return lambda v: isinstance(v, list) and len(v) <= max_len and all(one(x) for x in v)
+
+
+def hex_keys(nbytes: int = 16) -> Check:
+    def check(v: Any) -> bool:
+        return isinstance(v, list) and len(v) <= MAX_TOKENS_IN_MESSAGE and all(
+            isinstance(x, str) and len(x) == 2 * nbytes and all(c in "0123456789abcdef" for c in x) for x in v)
+    return check
+
+
+def one_of(*values: Any) -> Check:
+    return lambda v: isinstance(v, str) and v in values
+
+
+def optional(check: Check) -> Check:
+    return lambda v: v is None or check(v)
+
+
+def counters(v: Any) -> bool:
+    return isinstance(v, dict) and len(v) <= 64 and all(isinstance(k, str) and len(k) <= 64 and integer(0, 1 << 62)(x)
+                                                        for k, x in v.items())
+
+
+LAYOUT = {"num_layers": integer(1, 4096), "num_kv_heads": integer(1, 4096), "head_dim": integer(1, 65536),
+          "block_size": integer(1, 65536), "wire": one_of("fp32", "bf16", "fp8"),
+          "scale_rule": one_of("none", "pow2-per-block-head")}
+
+
+def layout_check(v: Any) -> bool:
+    return isinstance(v, dict) and set(v) == set(LAYOUT) and all(LAYOUT[k](v[k]) for k in LAYOUT)
+
+
+SCHEMAS: dict[Kind, dict[str, Check]] = {
+    Kind.HELLO: {"role": one_of("prefill", "decode"), "node": integer(1, 65535), "model_digest": text(64),
+                 "layout": layout_check, "num_blocks": integer(1, U32), "pid": integer(0, U32),
+                 "vocab_size": integer(1, U32), "max_context": integer(1, U32), "eos_token_ids": integers(max_len=64)},
+    Kind.REQUEST: {"id": text(), "prompt": integers(), "max_tokens": integer(1, U32),
+                   "eos_token_ids": integers(max_len=64)},
+    Kind.MANIFEST: {"id": text(), "prompt_len": integer(1, U32), "prefix_keys": hex_keys(),
+                    "model_digest": text(64), "layout": layout_check},
+    Kind.DONE: {"first_token": integer(), "kv_frames": integer(), "kv_digest": text(64)},
+    Kind.ABORT: {"reason": text(512), "action": one_of("cancel", "recompute", "refused")},
+    Kind.ACK: {"of": one_of("manifest", "done"), "cached_tokens": integer()},
+    Kind.HEARTBEAT: {"free_blocks": integer(), "inflight_tokens": integer()},
+    Kind.TOKEN: {"index": integer(), "token": integer(), "cpu_us": integer(0, 1 << 62)},
+    Kind.FINISH: {"id": text(), "output": integers(), "finish_reason": one_of("stop", "length", "abort", "error"),
+                  "error": optional(text(1024)), "recomputed": integer(0, 1)},
+    Kind.SHUTDOWN: {},
+    Kind.BYE: {"free_blocks": integer(), "total_blocks": integer(), "live_streams": integer(),
+               "live_sequences": integer(), "counters": counters},
+}
+
+
+def dump(kind: Kind, body: dict[str, Any]) -> bytes:
+    """The payload of a control frame (checked here too, so a bug never sends what a peer refuses)."""
+    check(kind, body)
+    return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+
+def load(kind: Kind, payload: bytes) -> dict[str, Any]:
+    """Parse and check a control payload of ``kind``."""
+    try:
+        body = json.loads(payload.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise MessageError(f"{kind.name} payload is not JSON: {e}") from None
+    check(kind, body)
+    return body
+
+
+def check(kind: Kind, body: Any) -> None:
+    schema = SCHEMAS.get(kind)
+    if schema is None:
+        raise MessageError(f"{kind.name} frames carry no JSON payload")
+    if not isinstance(body, dict):
+        raise MessageError(f"{kind.name} payload must be a JSON object")
+    extra, missing = set(body) - set(schema), set(schema) - set(body)
+    if extra or missing:
+        raise MessageError(f"{kind.name} payload: unexpected fields {sorted(extra)}, missing {sorted(missing)}")
+    for name, ok in schema.items():
+        if not ok(body[name]):
+            raise MessageError(f"{kind.name} payload: field {name!r} has a bad value {str(body[name])[:80]!r}")

@@ -1,0 +1,217 @@
+"""Transports: how whole frames move between two nodes. One small interface, several carriers.
+
+An ``Endpoint`` is one end of a two-way link. ``send(data)`` queues the bytes of one frame and
+returns at once (a sender thread, where there is one, does the writing, so a worker's next layer
+computes while the last one is on the wire). What arrives is put, frame by frame, into the
+endpoint's ``inbox`` (a ``queue.Queue``) as ``(endpoint, bytes)``; ``(endpoint, None)`` means the link
+closed (the peer died, hung up, or sent bytes that are not a frame). Several endpoints may share one
+inbox: a coordinator waits on one queue for all its workers.
+
+Carriers here: ``pipe()`` (in-process queues, for tests and teaching) and ``SocketEndpoint`` (TCP on
+127.0.0.1 by default; frames are length-prefixed by their own header). ``fast/disagg`` adds
+torch.distributed. ``Link`` puts the protocol on top: frame numbering, signing, checking.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from typing import Any
+
+from reference.disagg.frames import (
+    HEADER_SIZE,
+    Frame,
+    FrameError,
+    Kind,
+    ReplayGuard,
+    decode_frame,
+    encode_frame,
+    frame_size,
+)
+
+Inbox = queue.Queue  # of (Endpoint, bytes | None)
+
+
+class LinkClosed(ConnectionError):
+    """The peer is gone."""
+
+
+class Endpoint:
+    """Base: ``send``, ``close``, and an ``inbox`` that receives ``(self, bytes | None)``."""
+
+    def __init__(self, inbox: Inbox | None = None) -> None:
+        self.inbox: Inbox = inbox if inbox is not None else queue.Queue()
+        self.closed = False
+
+    def send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def close(self, flush_s: float = 2.0) -> None:
+        raise NotImplementedError
+
+
+class QueueEndpoint(Endpoint):
+    """In-process: ``send`` puts the bytes straight into the peer's inbox."""
+
+    peer: QueueEndpoint
+
+    def send(self, data: bytes) -> None:
+        if self.closed or self.peer.closed:
+            raise LinkClosed("in-process link is closed")
+        self.peer.inbox.put((self.peer, bytes(data)))
+
+    def close(self, flush_s: float = 0.0) -> None:
+        if not self.closed:
+            self.closed = True
+            self.inbox.put((self, None))
+            if not self.peer.closed:
+                self.peer.closed = True
+                self.peer.inbox.put((self.peer, None))
+
+
+def pipe(inbox_a: Inbox | None = None, inbox_b: Inbox | None = None) -> tuple[QueueEndpoint, QueueEndpoint]:
+    """Two connected in-process endpoints."""
+    a, b = QueueEndpoint(inbox_a), QueueEndpoint(inbox_b)
+    a.peer, b.peer = b, a
+    return a, b
+
+
+class SocketEndpoint(Endpoint):
+    """A TCP connection. A reader thread cuts the byte stream into frames by their headers (the
+    header is checked before its length is trusted); a writer thread sends queued frames in order."""
+
+    def __init__(self, sock: socket.socket, inbox: Inbox | None = None, start: bool = True) -> None:
+        super().__init__(inbox)
+        self.sock = sock
+        self.error: str | None = None
+        self._out: queue.Queue[bytes | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read_loop, daemon=True)
+        self._writer = threading.Thread(target=self._write_loop, daemon=True)
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Start the reader and writer threads (later than construction, once the owner can take frames)."""
+        self._reader.start()
+        self._writer.start()
+
+    def send(self, data: bytes) -> None:
+        if self.closed:
+            raise LinkClosed(f"socket link is closed ({self.error or 'closed here'})")
+        self._out.put(bytes(data))
+
+    def close(self, flush_s: float = 2.0) -> None:
+        """Close after the frames already queued are written (waiting at most ``flush_s``)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._out.put(None)
+        if self._writer.is_alive() and threading.current_thread() is not self._writer:
+            self._writer.join(timeout=flush_s)
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+    def _read_exact(self, n: int) -> bytes | None:
+        chunks, got = [], 0
+        while got < n:
+            chunk = self.sock.recv(min(n - got, 1 << 20))
+            if not chunk:
+                return None
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                header = self._read_exact(HEADER_SIZE)
+                if header is None:
+                    break
+                rest = self._read_exact(frame_size(header) - HEADER_SIZE)  # FrameError on a bad header
+                if rest is None:
+                    break
+                self.inbox.put((self, header + rest))
+        except FrameError as e:
+            self.error = f"peer sent bytes that are not a frame: {e}"
+        except OSError as e:
+            self.error = str(e)
+        self.closed = True
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self._out.put(None)
+        self.inbox.put((self, None))
+
+    def _write_loop(self) -> None:
+        while True:
+            data = self._out.get()
+            if data is None:
+                return
+            try:
+                self.sock.sendall(data)
+            except OSError as e:
+                self.error = str(e)
+                return
+
+
+def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening TCP socket (localhost by default; port 0: the OS picks one, see getsockname())."""
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((host, port))
+    server.listen(64)
+    return server
+
+
+def connect(port: int, host: str = "127.0.0.1", inbox: Inbox | None = None, timeout: float = 10.0) -> SocketEndpoint:
+    sock = socket.create_connection((host, port), timeout=timeout)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return SocketEndpoint(sock, inbox)
+
+
+class Link:
+    """The protocol over one endpoint: numbers and signs what it sends, checks what it receives.
+
+    Receiving: ``accept(data)`` returns the Frame, or None when it is refused (not a frame, wrong
+    secret, corrupt, or a duplicate/replay); refusals are counted in ``counters``, never raised.
+    """
+
+    def __init__(self, endpoint: Endpoint, secret: bytes, node: int, counters: dict[str, int] | None = None,
+                 guard: ReplayGuard | None = None) -> None:
+        self.endpoint, self.secret, self.node = endpoint, secret, node
+        self.counters = counters if counters is not None else {}
+        self.guard = guard if guard is not None else ReplayGuard()
+        self.next_seq = 0
+        self.peer: Any = None  # whatever the owner wants to remember about the other end
+
+    def send(self, kind: Kind, stream: int, payload: bytes) -> None:
+        data = encode_frame(kind=kind, src=self.node, stream=stream, seq=self.next_seq, payload=payload,
+                            secret=self.secret)
+        self.next_seq += 1
+        self.endpoint.send(data)
+        self.count("frames_sent")
+        self.count("bytes_sent", len(data))
+
+    def forward(self, raw: bytes) -> None:
+        """Send a frame received from a third node, unchanged (its own src, seq and tag)."""
+        self.endpoint.send(raw)
+
+    def accept(self, data: bytes) -> Frame | None:
+        try:
+            frame = decode_frame(data, self.secret)
+        except FrameError:
+            self.count("frames_refused")
+            return None
+        if not self.guard.accept(frame.src, frame.seq):
+            self.count("frames_duplicate")
+            return None
+        return frame
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n

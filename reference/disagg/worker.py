@@ -1,0 +1,52 @@
+"""What the prefill and the decode worker share: their load report and their goodbye."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from reference.disagg import messages
+from reference.disagg.frames import Kind
+from reference.model.llama import Chunk
+
+
+class WorkerBase:
+    """A worker has ``link``, ``scheduler``, ``block_manager``, ``streams`` and ``counters``."""
+
+    link: Any
+    model: Any
+    cache: Any
+    clock: Callable[[], float]
+    scheduler: Any
+    block_manager: Any
+    streams: dict
+    counters: dict[str, int]
+
+    def inflight_tokens(self) -> int:
+        raise NotImplementedError
+
+    def run_step(self, on_layer: Callable[[Any], Callable[[int], None]] | None = None) -> tuple[Any, list] | None:
+        """The engine loop's step up to the logits: schedule, copy-on-write copies, one forward pass.
+        ``on_layer(batch)`` gives the model's per-layer hook. Returns (batch, logits), or None if idle."""
+        batch = self.scheduler.schedule(self.clock())
+        if not batch.entries:
+            return None
+        for src, dst in batch.block_copies:
+            self.cache.copy_block(src, dst)
+        chunks = [Chunk(e.token_ids, e.start, e.block_table, wants_logits=e.needs_sample) for e in batch.entries]
+        hook = on_layer(batch) if on_layer is not None else None
+        return batch, self.model.forward(chunks, self.cache, on_layer=hook)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def heartbeat(self) -> None:
+        """Tell the coordinator this worker is alive, and how loaded (it routes by this)."""
+        self.link.send(Kind.HEARTBEAT, 0, messages.dump(Kind.HEARTBEAT, {
+            "free_blocks": self.block_manager.num_free_blocks, "inflight_tokens": self.inflight_tokens()}))
+
+    def bye(self) -> dict:
+        """The BYE body: final counters, and what is still held (all zero after a clean run)."""
+        live = len(self.scheduler.waiting) + len(self.scheduler.running)
+        return {"free_blocks": self.block_manager.num_free_blocks, "total_blocks": self.block_manager.num_blocks,
+                "live_streams": len(self.streams), "live_sequences": live, "counters": dict(self.counters)}

@@ -1,0 +1,145 @@
+"""The HTTP API: OpenAI-compatible completions and chat completions, models, health and metrics.
+
+``create_app(worker, ...)`` returns a Starlette app over an ``EngineWorker``. A handler checks the
+key (401), the body (400, naming the field), the prompt's length (400) and the number of requests in
+flight (503 with ``Retry-After``), then submits the request to the engine thread and answers with
+the whole completion or a stream of server-sent events. A client that goes away (mid-stream or while
+waiting for a whole completion) has its request aborted, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from reference.engine.params import SamplingParams
+from serve.answer import Answer, EventStream
+from serve.keys import Client, KeyTable
+from serve.metrics import ServerMetrics
+from serve.protocol import ApiError, Parsed, parse_chat, parse_completion
+from serve.worker import EngineWorker, Rejected, Submission
+
+ANONYMOUS = Client("default", "default")
+MAX_BODY_BYTES = 4 << 20  # a prompt this long would not fit any context we serve
+
+
+class ServeState:
+    """What the handlers share: the engine worker, the tokenizer, the keys and the metrics."""
+
+    def __init__(self, worker: EngineWorker, tokenizer: Any, model_name: str, keys: KeyTable | None,
+                 max_pending: int) -> None:
+        self.worker, self.tokenizer, self.model_name, self.keys = worker, tokenizer, model_name, keys
+        self.max_pending = max_pending
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+
+
+def create_app(worker: EngineWorker, tokenizer: Any, *, model_name: str, keys: KeyTable | None = None,
+               max_pending: int = 256) -> Starlette:
+    state = ServeState(worker, tokenizer, model_name, keys, max_pending)
+
+    async def models(request: Request) -> Response:
+        _client(state, request)
+        card = {"id": model_name, "object": "model", "created": state.created, "owned_by": "unfire",
+                "max_model_len": worker.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(request: Request) -> Response:
+        if not worker.alive:
+            return JSONResponse({"status": "error", "error": worker.error or "engine thread stopped"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(state.metrics.render(worker.stats), media_type="text/plain; version=0.0.4")
+
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await _generate(state, request, chat=True)
+
+    routes = [Route("/v1/models", models), Route("/health", health), Route("/metrics", metrics),
+              Route("/v1/completions", completions, methods=["POST"]),
+              Route("/v1/chat/completions", chat, methods=["POST"])]
+    app = Starlette(routes=routes, exception_handlers={ApiError: _error_response})
+    app.state.serve = state
+    return app
+
+
+async def _error_response(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return JSONResponse(exc.body(), exc.status, headers=exc.headers)
+
+
+def _client(state: ServeState, request: Request) -> Client:
+    if state.keys is None:
+        return ANONYMOUS
+    auth = request.headers.get("authorization", "")
+    scheme, _, key = auth.partition(" ")
+    client = state.keys.lookup(key.strip()) if scheme.lower() == "bearer" else None
+    if client is None:
+        raise ApiError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')", code="invalid_api_key")
+    return client
+
+
+async def _generate(state: ServeState, request: Request, chat: bool) -> Response:
+    client = _client(state, request)
+    raw = bytearray()
+    async for part in request.stream():  # read with a cap, whatever Content-Length claims
+        raw += part
+        if len(raw) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    parsed = (parse_chat if chat else parse_completion)(body, state.model_name)
+    ids = _prompt_ids(state, parsed)
+    limit = state.worker.max_model_len
+    if limit is not None and len(ids) >= limit:
+        raise ApiError(400, f"{parsed.prompt_field}: the prompt has {len(ids)} tokens, more than the context of "
+                       f"{limit} tokens allows (it must leave room for one generated token)",
+                       param=parsed.prompt_field, code="context_length_exceeded")
+    if state.metrics.in_flight >= state.max_pending:
+        state.metrics.count("overloaded")
+        raise ApiError(503, f"the server is at its limit of {state.max_pending} requests in flight; retry later",
+                       code="overloaded", headers={"Retry-After": "1"})
+    max_tokens = parsed.max_tokens if parsed.max_tokens is not None else max(1, (limit or 2**31) - len(ids))
+    params = SamplingParams(max_tokens=max_tokens, **parsed.params)
+    cache_salt = None if state.keys is None else client.tenant
+    state.metrics.in_flight += 1  # counted before the await, so concurrent requests see each other
+    try:
+        ticket = await state.worker.submit(Submission(ids, params, client.tenant, cache_salt))
+    except Rejected as e:
+        state.metrics.in_flight -= 1
+        state.metrics.count("rejected")
+        raise ApiError(e.failure.status, e.failure.message, headers={"Retry-After": "1"}
+                       if e.failure.status == 503 else None) from None
+    except BaseException:  # cancelled while waiting: the worker may still accept it; nobody will read it
+        state.metrics.in_flight -= 1
+        raise
+    answer = Answer(state, ticket, parsed, chat, len(ids))
+    if parsed.stream:
+        return EventStream(answer.events(), on_close=answer.settle, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await answer.whole(request)
+
+
+def _prompt_ids(state: ServeState, parsed: Parsed) -> list[int]:
+    if isinstance(parsed.prompt, list) and parsed.prompt and isinstance(parsed.prompt[0], dict):
+        try:
+            return state.tokenizer.encode_chat(parsed.prompt)
+        except ValueError as e:
+            raise ApiError(400, f"messages: {e}", param="messages") from None
+    if isinstance(parsed.prompt, str):
+        return state.tokenizer.encode(parsed.prompt)
+    vocab = state.tokenizer.vocab_size
+    if max(parsed.prompt) >= vocab or min(parsed.prompt) < 0:
+        raise ApiError(400, f"prompt: token ids must be in [0, {vocab})", param="prompt")
+    return list(parsed.prompt)

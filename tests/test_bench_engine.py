@@ -1,0 +1,64 @@
+"""The engine benchmark and the engine's GPU stage run end to end on a tiny random Llama (seconds)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from experiments import bench_engine, gpu_engine, report  # noqa: E402
+from experiments.engine_bench import Job  # noqa: E402
+
+
+def test_bench_engine_tiny_scores_every_system(tmp_path: Path) -> None:
+    out = tmp_path / "bench_engine.json"
+    result = bench_engine.main(["--tiny", "--threads", "1", "--out", str(out)])
+    stored = json.loads(out.read_text())
+    assert stored["figures"] == ["bench_engine.png"] and (tmp_path / "bench_engine.png").exists()
+    tok_s = stored["measured"]["useful_tok_s"]
+    assert set(tok_s) == {"fast_bf16", "fast_fp32", "transformers_bf16", "reference"}  # no llama_cpp here
+    assert all(v > 0 for v in tok_s.values())
+    assert set(stored["measured"]["transformers_by_batch"]) == {"8", "16", "32"}
+    assert stored["measured"]["fast_over_transformers"] == pytest.approx(
+        max(tok_s["fast_bf16"], tok_s["fast_fp32"]) / tok_s["transformers_bf16"], rel=0.01)
+    assert stored["verdict"] in ("goal met", "goal missed") and result["summary"].startswith("useful tok/s")
+    for system in tok_s:
+        assert stored["measured"]["ttft_ms"][system]["p50"] <= stored["measured"]["ttft_ms"][system]["p99"]
+    section = "\n".join(report.engine_bench_section(tmp_path))  # the paper's section, from the JSON alone
+    assert f"| fast_bf16 | {tok_s['fast_bf16']:.1f} |" in section and "bench_engine.png" in section
+
+
+def test_single_system_runs_merge_into_one_result(tmp_path: Path) -> None:
+    for system in ("fast_bf16", "reference"):
+        bench_engine.main(["--tiny", "--threads", "1", "--clock", "cpu", "--systems", system,
+                           "--out", str(tmp_path / f"{system}.json")])
+    merged = bench_engine.main(["--merge", str(tmp_path / "fast_bf16.json"), str(tmp_path / "reference.json"),
+                                "--out", str(tmp_path / "bench_engine.json")])
+    assert set(merged["measured"]["useful_tok_s"]) == {"fast_bf16", "reference"}
+    assert merged["verdict"] == "not compared" and merged["setup"]["clock"] == "cpu"
+    assert len(merged["setup"]["runs"]) == 2 and (tmp_path / "bench_engine.png").exists()
+
+
+def test_score_counts_useful_tokens_and_refuses_a_wrong_count() -> None:
+    jobs = [Job([1, 2], 2), Job([3], 1)]
+    s = bench_engine.score([[0.5, 1.0], [2.0]], jobs)
+    assert s["useful_tok_s"] == 1.5 and s["ttft_ms"]["p50"] == 1250 and s["itl_ms"]["p50"] == 500
+    with pytest.raises(RuntimeError, match="number of tokens"):
+        bench_engine.score([[0.5], [2.0]], jobs)
+
+
+def test_gpu_engine_tiny_splits_the_step(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_engine.json"
+    result = gpu_engine.main(["--tiny", "--json", str(out)])
+    assert set(result["rows"]) == {"bf16", "compressed"}
+    for rows in result["rows"].values():
+        assert set(rows) == {"1", "4"}
+        for r in rows.values():
+            parts = r["model_ms"] + r["schedule_ms"] + r["step_tensors_ms"] + r["bookkeeping_ms"]
+            assert parts == pytest.approx(r["step_ms"], rel=0.01, abs=0.01)
+            assert 0 < r["control_share"] < 1 and r["tok_s"] > 0
+    assert json.loads(out.read_text())["rows"] == result["rows"]

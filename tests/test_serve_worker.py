@@ -1,0 +1,106 @@
+"""The engine thread with a scripted engine: token delivery, aborts, an engine fault, drain on shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from reference.engine.params import EngineError, SamplingParams
+from reference.engine.request import RequestMetrics, RequestOutput, TokenEvent
+from serve.worker import EngineWorker, Failed, Finished, Rejected, Submission
+
+
+class ScriptedEngine:
+    """One token per request per step; ``fail_at``: the step number that raises."""
+
+    def __init__(self, fail_at: int | None = None) -> None:
+        self.live: dict[str, list[int]] = {}
+        self.max_tokens: dict[str, int] = {}
+        self.steps, self.fail_at, self.aborted = 0, fail_at, []
+
+    def add_request(self, ids, params, *, tenant, request_id, cache_salt):
+        if ids == [0]:
+            raise EngineError("token 0 is refused")
+        self.live[request_id], self.max_tokens[request_id] = [], params.max_tokens
+
+    def has_unfinished(self) -> bool:
+        return bool(self.live)
+
+    def step(self) -> list[TokenEvent]:
+        self.steps += 1
+        if self.steps == self.fail_at:
+            raise RuntimeError("device lost")
+        time.sleep(0.01)
+        events = []
+        for rid, out in list(self.live.items()):
+            out.append(len(out))
+            done = len(out) == self.max_tokens[rid]
+            events.append(TokenEvent(rid, out[-1], len(out) - 1, 0.0, done, "length" if done else None))
+            if done:
+                self.finished = self.live.pop(rid)
+        return events
+
+    def abort(self, rid: str) -> bool:
+        self.aborted.append(rid)
+        return self.live.pop(rid, None) is not None
+
+    def output(self, rid: str) -> RequestOutput:
+        return RequestOutput(rid, [1], list(self.finished), "", "length", "default", RequestMetrics(0.0), 0)
+
+
+async def collect(worker: EngineWorker, max_tokens: int) -> list:
+    ticket = await worker.submit(Submission([1, 2], SamplingParams(max_tokens=max_tokens)))
+    return [item async for item in ticket]
+
+
+def test_tokens_arrive_in_order_then_finished_and_refusals_are_400():
+    worker = EngineWorker(ScriptedEngine())
+    worker.start()
+    try:
+        items = asyncio.run(collect(worker, 3))
+        assert [i.token_id for i in items[:-1]] == [0, 1, 2] and isinstance(items[-1], Finished)
+        with pytest.raises(Rejected) as e:
+            asyncio.run(worker.submit(Submission([0], SamplingParams())))
+        assert e.value.failure.status == 400 and "token 0" in e.value.failure.message
+    finally:
+        worker.stop()
+    assert not worker._thread.is_alive()
+
+
+def test_an_engine_fault_fails_every_request_and_later_ones():
+    worker = EngineWorker(ScriptedEngine(fail_at=3))
+    worker.start()
+    try:
+        items = asyncio.run(collect(worker, 50))
+        assert isinstance(items[-1], Failed) and items[-1].status == 503 and "device lost" in items[-1].message
+        assert not worker.alive and "device lost" in worker.error
+        with pytest.raises(Rejected) as e:
+            asyncio.run(worker.submit(Submission([1], SamplingParams())))
+        assert e.value.failure.status == 503
+    finally:
+        worker.stop()
+
+
+def test_drain_aborts_what_outlives_the_grace_period():
+    engine = ScriptedEngine()
+    worker = EngineWorker(engine, idle_poll_s=0.01)
+    worker.start()
+
+    async def run() -> list:
+        ticket = await worker.submit(Submission([1], SamplingParams(max_tokens=10_000)))
+        worker.drain(0.2)
+        started = time.monotonic()
+        items = [item async for item in ticket]
+        assert time.monotonic() - started < 5
+        with pytest.raises(Rejected):  # no new work while draining
+            await worker.submit(Submission([1], SamplingParams()))
+        return items
+
+    try:
+        items = asyncio.run(run())
+        assert isinstance(items[-1], Failed) and "shutting down" in items[-1].message
+        assert 0 < len(items) - 1 < 10_000 and engine.aborted and not engine.live
+    finally:
+        worker.stop()
