@@ -78,6 +78,9 @@ def run(ctx: Context) -> Result:
         summary, verdict = "a layout met no SLO at the tried rates", "inconclusive"
         why = "No rate on the ladder met the SLO for one of the layouts; widen the ladder."
     return Result(
+        clock="simulated",
+        clock_detail=('cluster utilization in simulated seconds; the fidelity part compares with the real '
+                      'engine on the cpu-process clock'),
         measured=measured, summary=summary, verdict=verdict, why=why,
         setup={"weights": "none for part 1 (Llama-8B shape); SmolLM2-135M (NumPy engine, 1 BLAS thread) for fidelity",
                "workload": (f"ShareGPT lengths (prompts <= 2048, answers <= 512), Poisson, {duration:g} s per run, "

@@ -125,6 +125,7 @@ def run(ctx: Context) -> Result:
     half = abs(fp8["bytes_vs_bf16"] - 0.5) < 0.03
     verdict = "matches" if half and fp8["greedy_agreement_teacher_forced"] >= 0.9 else "partly matches"
     return Result(
+        clock="none",
         measured={"wires": table_rows, "prompt_tokens": prompt_tokens, "decode_steps_per_prompt": steps},
         summary=(f"fp8 {fp8['bytes_vs_bf16']:.2f}x bf16's bytes ({fp8['bytes_per_token']:.0f} B/token), greedy "
                  f"agreement {fp8['greedy_agreement_teacher_forced']:.1%}, logit rel. err "

@@ -64,6 +64,8 @@ def run(ctx: Context) -> Result:
     figure = plot(grid, edge_gpus, shares, ctx)
     capped = [g for g in grid if g["edge_share"] < g["simple_share"] - 0.05]
     return Result(
+        clock="simulated",
+        clock_detail='simulated seconds of the cluster simulator',
         measured={"grid": grid, "closest_to_60_percent": near},
         summary=(f"edge share {min(g['edge_share'] for g in grid):.0%}-{max(g['edge_share'] for g in grid):.0%} over "
                  f"{len(edge_gpus)} edge sizes x {len(shares)} mixes; ~60% ({near['edge_share']:.0%}) at "

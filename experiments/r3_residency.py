@@ -58,6 +58,8 @@ def run(ctx: Context) -> Result:
     enf, ign = cost["enforced"], cost["ignored"]
     pe, pi = enf["ttft_ms_served_both_ways"], ign["ttft_ms_served_both_ways"]
     return Result(
+        clock="simulated",
+        clock_detail='simulated seconds of the cluster simulator',
         measured={"scenarios": n, "requests": requests, "outcomes": outcomes, "retries_after_failures": retries,
                   "site_failures": failures, "violations": violations, "cost_of_residency": cost},
         summary=(f"{violations} violations in {requests:,} requests over {n:,} random scenarios with {failures:,} site "

@@ -86,6 +86,8 @@ def run(ctx: Context) -> Result:
                         f"{v['gpu_busy_share']:.0%}" for k, v in rows.items())
     verdict = "matches" if order_ok and all(in_range.values()) else ("partly matches" if order_ok else "differs")
     return Result(
+        clock="simulated",
+        clock_detail='simulated seconds of the cluster simulator',
         measured={"infrastructures": rows, "ttft_p50_in_article_range": in_range, "order_edge_lt_multi_lt_central":
                   order_ok, "rate_per_metro": rate},
         summary=summary, verdict=verdict,
