@@ -74,9 +74,8 @@ def run(ctx: Context) -> Result:
            + " Its cost grows with the number of sequences (Python work per sequence), see the figure.")
     figure = plot(rows, measured.get("gpu"), ctx)
     return Result(
-        clock="cpu-process",
-        clock_detail='CPU seconds of the engine thread (time.thread_time) on a shared 2-core machine',
-        measured=measured, summary=summary, verdict=verdict, why=why,
+        measured=measured, summary=summary, verdict=verdict, why=why, clock="cpu-process",
+        clock_detail=f"CPU seconds of the engine thread (time.thread_time), {threads} torch/BLAS thread",
         setup={"weights": "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized), bf16 fast engine (torch runner)",
                "workload": f"n requests with distinct random prompts arriving at once; after their prefill, "
                            f"{rows['16']['decode_steps']} decode steps of all n timed in CPU seconds of the engine "

@@ -111,10 +111,10 @@ def run(ctx: Context) -> Result:
     else:
         verdict = "differs"
     return Result(
-        clock="wall",
-        clock_detail=("ITL on the CPU seconds of the decode process, TTFT and itl_wall on the coordinator's "
-                      'wall clock, real processes on a shared 2-core machine; the H100 regime in simulated '
-                      'seconds'),
+        clock="cpu-process",
+        clock_detail=('CPU rows: ITL in CPU seconds of the decode process between tokens, TTFT and itl_wall in '
+                      'wall-clock seconds at the coordinator; H100/Llama-3.1-8B rows: simulated seconds from the step '
+                      'cost model'),
         measured={"cpu_processes": cpu, "cpu_worker_counters": handoffs, "h100_llama8b_sim": sim,
                   "h100_llama8b_sim_long_prompts": sim_long,
                   "p90_itl_cut_cpu": cpu_cut, "p90_itl_cut_sim": sim_cut, "p99_itl_cut_sim": p99_cut,

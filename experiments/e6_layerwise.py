@@ -106,8 +106,9 @@ def run(ctx: Context) -> Result:
                  for rows in measured[regime].values() for r in rows.values())
     return Result(
         clock="cpu-process",
-        clock_detail=('per-layer times are CPU seconds of this process (shared 2-core machine); the '
-                      'Llama-3.1-8B regime is simulated'),
+        clock_detail=('CPU rows: per-layer compute times from the on_layer hook in CPU seconds of this process, link '
+                      'times computed from frame sizes at the emulated bandwidth; H100 rows: simulated from FLOPs and '
+                      'the link model'),
         measured=measured,
         summary=(f"exposed transfer at 10 Gbit/s, layer-wise vs bulk: CPU/SmolLM2 fp32 "
                  f"{cpu10['layerwise_exposed_ms']:.2f} vs {cpu10['bulk_exposed_ms']:.2f} ms; H100/8B fp8 (sim) "

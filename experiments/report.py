@@ -176,7 +176,9 @@ def engine_bench_section(results_dir: Path) -> list[str]:
         lines.append(f"| {name} | {tok_s:.1f} | {ttft['p50']:.0f} / {ttft['p99']:.0f} | "
                      f"{itl['p50']:.0f} / {itl['p99']:.0f} |")
     machine = s.get("machine", {})
-    lines += ["", f"Measured on: weights {s.get('weights')}; workload {s.get('workload')}; {s.get('threads')} "
+    clock = "CPU time of each system's process" if s.get("clock") == "cpu" else "wall-clock time"
+    lines += ["", f"Times are {clock}. Measured on: weights {s.get('weights')}; workload {s.get('workload')}; "
+              f"{s.get('threads')} "
               f"threads on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores, load average "
               f"{s.get('load_average')}); commit {s.get('commit')}; {s.get('date')}. transformers by batch size: "
               f"{m.get('transformers_by_batch', {})} useful tok/s."]
