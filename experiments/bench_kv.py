@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
             print("bench_kv measures GPU kernels and needs CUDA; use --tiny for a CPU smoke test", file=sys.stderr)
             return 2
     sys.path.insert(0, str(RESULTS.parent.parent))
-    from experiments.setup_info import commit
+    from reference.provenance import commit
 
     res = bench(args.tiny, args.budget, args.context or (40 if args.tiny else 1024))
     res.update({"commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})

@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
     from experiments.engine_load import blocks_needed, decode_load
-    from experiments.setup_info import commit, machine
     from fast.engine import Engine, FastModel, TorchLlama
+    from reference.provenance import commit, machine
 
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_engine", description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true")
