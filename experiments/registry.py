@@ -35,7 +35,6 @@ CLOCKS = {
     "none": "no timing: counts, sizes and ratios of them only",
 }
 _TIMED_KEY = re.compile(r"(_ms|_s|seconds|_per_s|_mbps|_gbps)$")
-_MODULE_RE = re.compile(r"^[a-z]\d+_\w+$")  # u1_entropy, e10_cpu_load, ...
 
 
 @dataclass
@@ -132,17 +131,18 @@ class Experiment:
 
 
 def discover() -> dict[str, Experiment]:
-    """Every experiment module's EXPERIMENT, by claim id."""
-    import experiments
+    """Every claim module's EXPERIMENT, by claim id.
+
+    A claim module is any module of the package ``experiments/claims/`` (its place says what it is);
+    helpers the claim modules share live one level up, in ``experiments/``."""
+    from experiments import claims
 
     found: dict[str, Experiment] = {}
-    for mod in pkgutil.iter_modules(experiments.__path__):
-        if not _MODULE_RE.match(mod.name):
-            continue
-        module = importlib.import_module(f"experiments.{mod.name}")
+    for mod in pkgutil.iter_modules(claims.__path__):
+        module = importlib.import_module(f"experiments.claims.{mod.name}")
         exp = getattr(module, "EXPERIMENT", None)
         if not isinstance(exp, Experiment):
-            raise TypeError(f"experiments/{mod.name}.py must define EXPERIMENT = Experiment(...)")
+            raise TypeError(f"experiments/claims/{mod.name}.py must define EXPERIMENT = Experiment(...)")
         if exp.claim in found:
             raise ValueError(f"two experiments claim {exp.claim}: {mod.name} and another module")
         found[exp.claim] = exp

@@ -1,5 +1,9 @@
 """Every claim of paper/claims.md: its id, what it says, and the article's number.
 
+This package also holds one module per claim (``u1_entropy.py``, ``e9_fair_queuing.py``, ...), each
+defining ``EXPERIMENT``; the runner finds them by their place here. Helpers they share live one
+level up, in ``experiments/``.
+
 The reproduction table has one row per entry here, implemented or not. The article's numbers are
 quoted as text (they are the articles' words, not our measurements).
 """

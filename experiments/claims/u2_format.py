@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from experiments.claims.u1_entropy import to_bf16_bits
 from experiments.registry import Context, Experiment, Result
-from experiments.u1_entropy import to_bf16_bits
 from reference.bf16 import shannon_entropy
 from reference.codec import (
     CompressedTensor,

@@ -20,9 +20,9 @@ from typing import Any
 
 import numpy as np
 
+from experiments.claims.u1_entropy import to_bf16_bits
 from experiments.codec_peers import METHODS
 from experiments.registry import Context, Experiment, Result
-from experiments.u1_entropy import to_bf16_bits
 from reference.bf16 import field_stats
 from reference.codec import encode
 from reference.codec.container import MIN_ELEMENTS

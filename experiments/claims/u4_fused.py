@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from experiments.claims.u1_entropy import to_bf16_bits
 from experiments.registry import RESULTS_DIR, Context, Experiment, Result
-from experiments.u1_entropy import to_bf16_bits
 from reference.model.names import MLP_KINDS, tensor_kind
 from reference.model.weights import open_weights
 
