@@ -29,7 +29,7 @@ MODELS: dict[str, dict[str, Any]] = {
 ASSUMPTIONS = ("GPU peaks from datasheets (H100 989 TFLOP/s 3.35 TB/s 80 GB; A100 312, 2.0, 80; L4 121, 0.3, 24); "
                "a step reaches mfu 0.7 (L4 0.6) of peak FLOP/s and mbu 0.8 (L4 0.7) of bandwidth, plus 1 ms "
                "(L4 2 ms) overhead; Llama 1B/8B/70B shapes")
-SHARED_MACHINE = "simulated time; wall time measured on a shared 2-core machine (other developers' load)"
+SHARED_MACHINE = "simulated time; wall time measured on the machine in setup (its load average is recorded there)"
 
 
 def site(name: str, tier: str, jurisdiction: str, replicas: list[dict[str, Any]]) -> dict[str, Any]:

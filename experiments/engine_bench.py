@@ -48,8 +48,8 @@ class CpuClock:
 
 
 # how the engine experiments measure time (Result.clock_detail of every engine result)
-CLOCK = ("engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped) on a machine "
-         "shared with other developers' jobs; their load still slows the engine (caches, memory bandwidth), "
+CLOCK = ("engine time = CPU seconds of the engine process (1 BLAS thread; idle gaps skipped); other load on "
+         "the machine (its load average is in setup.machine) still slows the engine (caches, memory bandwidth), "
          "so absolute times vary between runs: the headline is a ratio measured within one run")
 
 

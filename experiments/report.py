@@ -144,7 +144,9 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             f"**Verdict:** {r.get('verdict', '')}. {r.get('why', '')}",
             "",
             f"Measured on: weights {s.get('weights', '-')}; workload {s.get('workload', '-')}; "
-            f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores); commit {s.get('commit', '?')}; "
+            f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores"
+            + (f", load average {m['load_average']} at the end, its own work included" if "load_average" in m else "")
+            + f"); commit {s.get('commit', '?')}; "
             f"{s.get('date', '?')}; {s.get('size', '?')} size.  ",
             f"**Clock:** {r['clock']}" + (f" ({r['clock_detail']})" if r.get("clock_detail") else "") + ".",
         ]
@@ -213,7 +215,9 @@ def _serve_section(results_dir: Path) -> list[str]:
                   f"(median over pairs): {pairs['engine_process_cpu_per_token_ratio']:.2f}; the load generator's "
                   f"own CPU: {pairs.get('client_cpu_per_token_ms', float('nan')):.1f} ms per output token."]
     lines += ["", f"Measured on: weights {s.get('weights', '-')}; {s.get('engine', '-')} engine; "
-              f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores); commit {s.get('commit', '?')}; "
+              f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores"
+            + (f", load average {m['load_average']} at the end, its own work included" if "load_average" in m else "")
+            + f"); commit {s.get('commit', '?')}; "
               f"{s.get('date', '?')}. {s.get('note', '')}"]
     return lines
 

@@ -56,6 +56,8 @@ def machine() -> dict[str, object]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
     }
+    if hasattr(os, "getloadavg"):  # 1-minute load average when this is called (the measurement's own work included)
+        info["load_average"] = round(os.getloadavg()[0], 2)
     for dist in ("numpy", "torch", "triton"):
         v = _version(dist)
         if v:

@@ -129,12 +129,13 @@ def run(ctx: Context) -> Result:
              "than the p99, and the cut grows with load and prompt length (the x8 rows). On the CPU a SmolLM2 "
              "decode step is memory-bound (~all weights read per step) and a 256-token prefill chunk costs ~10 "
              "of them, so colocated ITL spikes where a chunk lands; the decode-only worker also gathers a larger "
-             "batch per step, whose cost grows with it. The CPU runs shared 2 cores with other developers' jobs "
-             "(load average ~10-15): even CPU-time ITL moves between runs, so read them with the counters."),
+             "batch per step, whose cost grows with it. The worker processes share the CPU's cores with whatever else "
+             "runs (load average in setup.machine): even CPU-time ITL moves between runs, so read them with the "
+             "counters."),
         setup={"weights": "smollm2 (NumPy float32, 1 BLAS thread per process) for the CPU runs; Llama-3.1-8B "
                           "shapes for the simulation",
                "clock": "ITL: CPU seconds of the decode process between tokens; TTFT and itl_wall: wall clock at "
-                        "the coordinator; shared 2-core machine with other developers' load",
+                        "the coordinator",
                "workload": f"CPU: the first {n} ShareGPT prompts with >= {min_prompt} tokens, truncated to "
                            f"{max_prompt}, outputs = answer x {scale} capped at {max_output}, Poisson at {rates} "
                            f"req/s; sim: {n_sim} ShareGPT requests (prompts <= 8192, outputs <= 1024 tokens), "

@@ -119,7 +119,7 @@ def run(ctx: Context) -> Result:
              "keeps up with the compute; when it does not (1 Gbit/s), the link is the bottleneck either way and "
              "streaming only saves the overlap with the compute."),
         setup={"weights": "smollm2 (NumPy float32, 1 BLAS thread) measured; Llama-3.1-8B shapes simulated",
-               "clock": "per-layer times from the on_layer hook, CPU seconds of this process (shared 2-core machine)",
+               "clock": "per-layer times from the on_layer hook, CPU seconds of this process",
                "workload": f"first {n_prompts} ShareGPT first-turn prompts truncated to {max_prompt} tokens (CPU); "
                            f"prompts of {sim_lens} tokens (H100 sim)",
                "link": "emulated: one frame at a time at the stated bandwidth, no latency; real frame sizes",

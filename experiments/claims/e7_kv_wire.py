@@ -141,7 +141,7 @@ def run(ctx: Context) -> Result:
                "workload": f"first {n_prompts} ShareGPT first-turn prompts, truncated to {max_prompt} tokens; "
                            f"{steps} greedy decode steps each",
                "wire": "one frame per layer per prompt: 28-byte header + payload + 32-byte tag; block size 16",
-               "machine": "shared 2-core CPU (byte counts and errors do not depend on it)"},
+               "machine": "any CPU (byte counts and errors do not depend on it)"},
         article={"claim": "KV quantized to fp8 for the transfer: half the bytes"},
         figures=[figure],
     )
