@@ -50,14 +50,3 @@ def scenario(sites: list[dict], links: list[dict], traffic: list[dict], *, durat
 
 def link(a: str, b: str, rtt_ms: float, gbps: float = 100.0) -> dict[str, Any]:
     return {"a": a, "b": b, "rtt_ms": rtt_ms, "gbps": gbps}
-
-
-def save_figure(fig: Any, ctx: Any, name: str) -> str:
-    """Lay out, write ``results_dir/name`` and close a matplotlib figure; returns the name for the result."""
-    import matplotlib.pyplot as plt
-
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / name, dpi=110)
-    plt.close(fig)
-    return name

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import Context
+from experiments.registry import Context, save_figure
 
 
 def plot_ablation(ab: dict[str, Any], rans: dict[str, Any], ctx: Context) -> str:
@@ -24,11 +24,7 @@ def plot_ablation(ab: dict[str, Any], rans: dict[str, Any], ctx: Context) -> str
     _speed(axes[1, 2], rans)
     fig.suptitle(f"rANS mode ablation on {ab['label']} ({ab['weights'] / 1e6:.1f} M weights of compressed tensors; "
                  "every overhead counted)", fontsize=11)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "U3_ablation.png", dpi=100)
-    plt.close(fig)
-    return "U3_ablation.png"
+    return save_figure(fig, ctx, "U3_ablation.png", dpi=100)
 
 
 def _where_the_bits_go(ax: Any, ab: dict[str, Any]) -> None:

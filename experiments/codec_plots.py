@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import Context
+from experiments.registry import Context, save_figure
 
 METHOD_LABELS = {"bound": "entropy bound (8+H)/16", "unweight": "Unweight (ours)", "rans": "rANS mode (ours, new)",
                  "full_alphabet": "full-alphabet Huffman", "zipnn": "ZipNN", "zstd3": "zstd-3", "zstd19": "zstd-19"}
@@ -25,11 +25,7 @@ def plot(models: list[dict[str, Any]], mlp_check: list[dict[str, Any]], ctx: Con
     _sweep(axes[1, 0], models[0])
     _lengths(axes[1, 1], models[0])
     _speeds(axes[1, 2], models[0])
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "U3.png", dpi=100)
-    plt.close(fig)
-    return "U3.png"
+    return save_figure(fig, ctx, "U3.png", dpi=100)
 
 
 def _kinds(ax: Any, m: dict[str, Any]) -> None:

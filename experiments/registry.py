@@ -147,3 +147,14 @@ def discover() -> dict[str, Experiment]:
             raise ValueError(f"two experiments claim {exp.claim}: {mod.name} and another module")
         found[exp.claim] = exp
     return found
+
+
+def save_figure(fig: Any, ctx: Context, name: str, dpi: int = 110) -> str:
+    """Lay out, write ``ctx.results_dir/name`` and close a matplotlib figure; returns the name for the result."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    ctx.results_dir.mkdir(parents=True, exist_ok=True)
+    fig.savefig(ctx.results_dir / name, dpi=dpi)
+    plt.close(fig)
+    return name

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -62,3 +63,13 @@ def codec_params(draw: st.DrawFn) -> dict[str, int]:
 # any JSON-like value a corrupted header field might hold
 JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 2**33), st.text(max_size=3),
                  st.lists(st.integers(-2, 300), max_size=20), st.dictionaries(st.text(max_size=3), st.integers()))
+
+
+def tampered_header(header: dict, key: str, value: object) -> dict:
+    """A deep copy of a tensor header with one field set to ``value`` ("crc32.X" names the X entry of its CRCs)."""
+    header = copy.deepcopy(header)
+    if key.startswith("crc32."):
+        header["crc32"][key[6:]] = value
+    else:
+        header[key] = value
+    return header

@@ -23,7 +23,7 @@ from experiments.engine_bench import (
     spread,
     spread_text,
 )
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.engine import Engine
 
 POLICIES = {"continuous": "fcfs", "static": "static"}
@@ -134,11 +134,7 @@ def plot(runs: dict[str, dict[str, Any]], ctx: Context) -> str:
     axes[2].bar(names, [runs[n]["throughput_tok_s"] for n in names], color=["tab:blue", "tab:orange"])
     axes[2].set_ylabel("generated tokens / s")
     axes[2].set_title("throughput (SmolLM2, NumPy, 1 CPU thread)", fontsize=9)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "E1.png", dpi=110)
-    plt.close(fig)
-    return "E1.png"
+    return save_figure(fig, ctx, "E1.png")
 
 
 EXPERIMENT = Experiment(claim="E1", title="Continuous batching vs static batching", run=run, quick_minutes=1.5)

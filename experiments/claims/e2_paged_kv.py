@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.kv import BlockManager
 from reference.kv.contiguous import ContiguousAllocator
 from reference.sched import Scheduler, SchedulerConfig, Sequence
@@ -220,11 +220,7 @@ def plot(results: list[dict[str, Any]], ctx: Context) -> str:
         row[1].set_ylabel("running sequences")
         row[1].set_title("concurrency over time; legend: steps until the backlog is admitted", fontsize=9)
         row[1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "E2.png", dpi=110)
-    plt.close(fig)
-    return "E2.png"
+    return save_figure(fig, ctx, "E2.png")
 
 
 EXPERIMENT = Experiment(claim="E2", title="Paged KV cache vs contiguous per-sequence allocation",

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from experiments.engine_bench import CLOCK, CpuClock, one_blas_thread, run_jobs, sharegpt_jobs, smollm2
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.engine import Engine
 from reference.engine.cost import StepShape, intensity, step_bytes, step_flops
 from reference.model.config import LLAMA_3_1_8B, LlamaConfig
@@ -143,11 +143,7 @@ def plot(models: dict[str, LlamaConfig], steps: list, ridges: dict[str, float], 
         ax.set_ylabel("attainable TFLOP/s")
         ax.set_title(f"{name} shapes on our engine's real batches", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "E3.png", dpi=110)
-    plt.close(fig)
-    return "E3.png"
+    return save_figure(fig, ctx, "E3.png")
 
 
 EXPERIMENT = Experiment(claim="E3", title="Arithmetic intensity of prefill vs decode", run=run, quick_minutes=1.0)

@@ -23,7 +23,7 @@ import numpy as np
 
 from experiments.disagg_sim import Gpu, SimReq, colocated, disaggregated
 from experiments.engine_bench import pct, sharegpt_jobs, smollm2
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.disagg.batch import run_requests
 from reference.disagg.cluster import ProcessCluster, WorkerOptions
 from reference.model.config import LLAMA_3_1_8B
@@ -171,11 +171,7 @@ def plot(cpu: dict[str, Any], sim: dict[str, Any], sim_long: dict[str, Any], ctx
         ax.set_ylabel("inter-token latency (ms)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "E4.png", dpi=110)
-    plt.close(fig)
-    return "E4.png"
+    return save_figure(fig, ctx, "E4.png")
 
 
 EXPERIMENT = Experiment(claim="E4", title="Prefill/decode disaggregation", run=run, quick_minutes=2.5)

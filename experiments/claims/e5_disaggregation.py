@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, save_figure, scenario, site
+from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, scenario, site
 from experiments.cluster_fidelity import fidelity, table
 from experiments.engine_bench import CLOCK
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.cluster import scenario_from_dict, simulate
 from reference.cluster.lengths import sharegpt_lengths
 

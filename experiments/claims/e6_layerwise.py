@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from experiments.engine_bench import one_blas_thread, sharegpt_jobs, smollm2
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.disagg.frames import HEADER_SIZE, TAG_SIZE
 from reference.disagg.wire import KVLayout
 from reference.engine.cost import StepShape, step_flops
@@ -148,11 +148,7 @@ def plot(m: dict[str, Any], ctx: Context) -> str:
         ax.set_ylabel("exposed transfer (ms, mean)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "E6.png", dpi=110)
-    plt.close(fig)
-    return "E6.png"
+    return save_figure(fig, ctx, "E6.png")
 
 
 EXPERIMENT = Experiment(claim="E6", title="Layer-wise KV streaming vs bulk transfer", run=run, quick_minutes=0.5)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from experiments.engine_bench import one_blas_thread, sharegpt_jobs, smollm2
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.bf16 import float32_to_bf16
 from reference.codec import decode_many
 from reference.codec import encode as codec_encode
@@ -164,11 +164,7 @@ def plot(rows: dict[str, dict[str, Any]], ctx: Context) -> str:
     axes[1].set_ylim(0, 105)
     for i, n in enumerate(lossy):
         axes[1].text(i, 50, f"logit rel err\n{rows[n]['logit_rel_l2_err_mean']:.1e}", ha="center", fontsize=8)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "E7.png", dpi=110)
-    plt.close(fig)
-    return "E7.png"
+    return save_figure(fig, ctx, "E7.png")
 
 
 EXPERIMENT = Experiment(claim="E7", title="fp8 KV on the wire: bytes and quality", run=run, quick_minutes=1.0)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from experiments.engine_bench import CLOCK, CpuClock, Job, one_blas_thread, pct, run_jobs, smollm2, spread, spread_text
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.engine import Engine
 from reference.kv import prefix_keys
 from reference.workload import iter_sharegpt
@@ -157,11 +157,7 @@ def plot(runs: dict[str, dict[str, Any]], ctx: Context) -> str:
     axes[0].set_ylabel("TTFT (ms)")
     axes[0].legend(fontsize=8)
     axes[1].set_ylabel("prompt tokens computed (prefill)")
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "E8.png", dpi=110)
-    plt.close(fig)
-    return "E8.png"
+    return save_figure(fig, ctx, "E8.png")
 
 
 EXPERIMENT = Experiment(claim="E8", title="Prefix sharing of a common system prompt", run=run, quick_minutes=1.5)

@@ -31,7 +31,7 @@ from experiments.engine_bench import (
     spread,
     spread_text,
 )
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.engine import Engine
 from reference.engine.cost import StepTimeModel
 from reference.engine.simulate import SimRequest, service_share, simulate
@@ -222,11 +222,7 @@ def plot(sims: dict[str, dict[str, Any]], entitled: dict[str, float], ctx: Conte
     axes[1].set_xticks(x, POLICIES)
     axes[1].set_ylabel("share of computed tokens (backlogged window)")
     axes[1].legend(fontsize=8, title="dotted: weight share", title_fontsize=7)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "E9.png", dpi=110)
-    plt.close(fig)
-    return "E9.png"
+    return save_figure(fig, ctx, "E9.png")
 
 
 EXPERIMENT = Experiment(claim="E9", title="SJF + weighted fair queuing under overload", run=run, quick_minutes=2.0)

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import ASSUMPTIONS, GPUS, MODELS, SHARED_MACHINE, save_figure
-from experiments.registry import Context, Experiment, Result
+from experiments.cluster_common import ASSUMPTIONS, GPUS, MODELS, SHARED_MACHINE
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.cluster.pipeline import ChainGpu, chain_problem, tokens_per_s
 from reference.cluster.placement import best_split, brute_force_split, lp_upper_bound, uniform_split
 from reference.cluster.scenario import GpuType, ModelSpec

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import SHARED_MACHINE, save_figure
-from experiments.registry import Context, Experiment, Result
+from experiments.cluster_common import SHARED_MACHINE
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.cluster import simulate
 from reference.cluster.randomized import random_scenario
 from reference.cluster.report import percentiles

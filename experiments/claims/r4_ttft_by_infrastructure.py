@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, link, save_figure, scenario, site
-from experiments.registry import Context, Experiment, Result
+from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, link, scenario, site
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.cluster import scenario_from_dict, simulate
 from reference.cluster.lengths import sharegpt_lengths
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.bf16 import FieldStats, field_stats, float32_to_bf16
 from reference.model.names import MLP_KINDS, tensor_kind
 from reference.model.weights import WeightSource, open_weights
@@ -136,11 +136,7 @@ def plot(results: list[dict[str, Any]], ctx: Context) -> str:
         row[1].set_ylabel("Shannon entropy (bits)")
         row[1].set_title(f"{r['weights']}: entropy per tensor{flag}", fontsize=9)
         row[1].legend(fontsize=7, loc="center right")
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "U1.png", dpi=110)
-    plt.close(fig)
-    return "U1.png"
+    return save_figure(fig, ctx, "U1.png")
 
 
 EXPERIMENT = Experiment(claim="U1", title="Entropy of the bf16 sign, exponent and mantissa fields",

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from experiments.claims.u1_entropy import to_bf16_bits
-from experiments.registry import Context, Experiment, Result
+from experiments.registry import Context, Experiment, Result, save_figure
 from reference.bf16 import shannon_entropy
 from reference.codec import (
     CompressedTensor,
@@ -151,11 +151,7 @@ def plot(models: list[dict[str, Any]], ctx: Context) -> str:
         row[1].set_ylabel("mean Huffman code length (bits)")
         row[1].set_title(f"{m['weights']}: canonical Huffman (max 12 bits) vs entropy, per tensor", fontsize=9)
         row[1].legend(fontsize=7)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "U2.png", dpi=110)
-    plt.close(fig)
-    return "U2.png"
+    return save_figure(fig, ctx, "U2.png")
 
 
 EXPERIMENT = Experiment(claim="U2", title="The Unweight format, implemented and lossless on real weights",

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from experiments.claims.u1_entropy import to_bf16_bits
-from experiments.registry import RESULTS_DIR, Context, Experiment, Result
+from experiments.registry import RESULTS_DIR, Context, Experiment, Result, save_figure
 from reference.model.names import MLP_KINDS, tensor_kind
 from reference.model.weights import open_weights
 
@@ -133,11 +133,7 @@ def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, ctx: Context) -
         ax.set_ylabel("fused speed / cuBLAS speed")
         ax.set_title(f"{gpu['device']}", fontsize=9)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    ctx.results_dir.mkdir(parents=True, exist_ok=True)
-    fig.savefig(ctx.results_dir / "U4.png", dpi=110)
-    plt.close(fig)
-    return "U4.png"
+    return save_figure(fig, ctx, "U4.png")
 
 
 EXPERIMENT = Experiment(claim="U4", title="On-chip decode fused into the matmul: lossless, and its speed",
