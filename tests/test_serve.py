@@ -219,12 +219,14 @@ def _engine_idle_and_audited(served) -> None:
 def test_disconnect_mid_stream_frees_every_block(served):
     body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", served.url + "/v1/completions", json=body, headers=AUTH) as r:
-        got = []
-        for line in r.iter_lines():
+        # Read three events through one iterator that stays referenced: breaking out of a ``for`` over
+        # ``r.iter_lines()`` would drop the generator, and closing it closes httpx's connection, i.e. the
+        # client would already have left (the server then aborts the request, as it should).
+        lines, got = r.iter_lines(), []
+        while len(got) < 3:
+            line = next(lines)
             if line.startswith("data:"):
                 got.append(json.loads(line[5:]))
-            if len(got) == 3:
-                break
         # the request holds blocks while it streams (polled: under load a step may have preempted it, which
         # frees its blocks until it is scheduled again)
         deadline = time.monotonic() + 10
