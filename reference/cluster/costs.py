@@ -4,7 +4,7 @@ A replica of ``gpus`` GPUs (tensor parallel) runs a step in
 
     overhead + max(FLOPs / (gpus * peak * mfu), bytes / (gpus * bandwidth * mbu))
 
-where FLOPs and bytes are ``step_flops`` / ``step_bytes`` of the step's shape: a step is as slow as
+where FLOPs and bytes are those of the step's shape (``reference.engine.cost.StepCost``): a step is as slow as
 the more loaded of the compute units and the memory bus. ``mfu`` and ``mbu`` (the shares of peak a
 real kernel reaches) and the per-step overhead are assumptions stated in the scenario. On the CPU,
 ``StepTimeModel.fit`` on measured engine steps replaces this formula (calibration, item 3).
@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from reference.cluster.scenario import GpuType, ModelSpec
-from reference.engine.cost import StepShape, step_bytes, step_flops
+from reference.engine.cost import StepCost, StepShape
 from reference.model.config import LlamaConfig
 
 
@@ -49,13 +49,22 @@ class RooflineCost:
         self.bytes_per_s = gpus * gpu.bandwidth_tbps * 1e12 * gpu.mbu
         self.peak_flops_per_s = gpus * gpu.peak_tflops * 1e12
         self.overhead = gpu.step_overhead_ms / 1000
+        self.step = StepCost.of(self.config, model.bytes_per_param, model.kv_bytes)
 
     def flops(self, s: StepShape) -> float:
-        return step_flops(self.config, s)
+        return self.step.flops(s)
+
+    def flops_of(self, tokens: int, pairs: int, sampled: int) -> float:
+        return self.step.flops_of(tokens, pairs, sampled)
 
     def __call__(self, s: StepShape) -> float:
-        compute = step_flops(self.config, s) / self.flops_per_s
-        memory = step_bytes(self.config, s, self.model.bytes_per_param, self.model.kv_bytes) / self.bytes_per_s
+        return self.seconds_of(s.num_tokens, s.attention_pairs(), s.num_sampled, sum(s.context_lens) - s.num_tokens)
+
+    def seconds_of(self, tokens: int, pairs: int, sampled: int, cached: int) -> float:
+        """Seconds of a step from its shape's sums: new tokens, attention pairs, sampled sequences, cached
+        tokens attended to (what a macro step prices its steps by, without building each shape)."""
+        compute = self.step.flops_of(tokens, pairs, sampled) / self.flops_per_s
+        memory = self.step.bytes_of(tokens, sampled, cached) / self.bytes_per_s
         return self.overhead + max(compute, memory)
 
 

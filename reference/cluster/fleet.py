@@ -51,7 +51,8 @@ def build_replicas(s: Scenario, cost_override: Callable[[StepShape], float] | No
                 replicas.append(Replica(
                     index=len(replicas), site=site.name, jurisdiction=site.jurisdiction, tier=site.tier,
                     model=model.name, role=spec.role, cost=cost_override or roofline, flops=roofline.flops,
-                    peak_flops_per_s=roofline.peak_flops_per_s, num_blocks=num_blocks or min(blocks, cap),
+                    flops_of=roofline.flops_of, peak_flops_per_s=roofline.peak_flops_per_s,
+                    num_blocks=num_blocks or min(blocks, cap),
                     block_size=s.block_size, config=config, policy=make_policy(s.policy, tenants),
                     measure_until=s.duration_s))
     if not replicas:

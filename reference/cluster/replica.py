@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reference.cluster.costs import decode_step_s, per_token_prefill_s
+from reference.cluster.macro import MacroStep, plan_macro
 from reference.engine.cost import StepShape
 from reference.kv.block_manager import BlockManager
 from reference.sched import Batch, Scheduler, SchedulerConfig, Sequence
@@ -51,6 +52,7 @@ class Replica:
     role: str  # colocated | prefill | decode
     cost: Callable[[StepShape], float]
     flops: Callable[[StepShape], float]
+    flops_of: Callable[[int, int, int], float]  # the same from (new tokens, attention pairs, sampled sequences)
     peak_flops_per_s: float
     num_blocks: int
     block_size: int
@@ -67,6 +69,7 @@ class Replica:
     pending_prefill: int = 0
     pending_decode: int = 0
     kv_recomputed: int = 0
+    macro: MacroStep | None = None  # the macro step in flight, if any (``macro.py``)
     scheduler: Scheduler = field(init=False)
     _tok_s: float = field(init=False)
     _decode_s: float = field(init=False)
@@ -81,17 +84,21 @@ class Replica:
         self.scheduler = Scheduler(BlockManager(self.num_blocks, self.block_size), self.config, self.policy)
         self.pending_prefill = self.pending_decode = 0
         self.stepping = False
+        self.macro = None
 
     @property
     def num_live(self) -> int:
         return self.scheduler.num_unfinished
 
-    def est_wait_s(self) -> float:
-        """Estimated queueing before a new request's prefill starts, from the tokens in flight."""
+    def est_wait_s(self, now: float = 0.0) -> float:
+        """Estimated queueing before a new request's prefill starts, from the tokens in flight at ``now``."""
         n, cap = self.num_live, self.config.max_num_seqs
+        if self.macro is not None:
+            n = self.macro.live_at(now)
         wait = self.pending_prefill * self._tok_s
         if n + 1 > cap:
-            wait += (n + 1 - cap) / cap * (self.pending_decode / max(n, 1)) * self._decode_s
+            decode = self.pending_decode if self.macro is None else self.macro.pending_decode_at(now)
+            wait += (n + 1 - cap) / cap * (decode / max(n, 1)) * self._decode_s
         return wait
 
     def add(self, seq: Sequence, now: float) -> None:
@@ -113,10 +120,17 @@ class Replica:
         bm.free(carrier)
         return True
 
-    def start_step(self, now: float) -> tuple[Batch, float] | None:
-        """Plan the next step; returns (batch, end time), or None when there is nothing to run."""
+    def start_step(self, now: float, macro_cap: int = 0) -> tuple[Batch | MacroStep, float] | None:
+        """Plan the next step; returns (batch, end time), or None when there is nothing to run. With
+        ``macro_cap`` >= 2, up to that many plain decode steps may come back as one ``MacroStep`` instead."""
         if self.stepping or not self.alive or not self.scheduler.has_unfinished():
             return None
+        if macro_cap >= 2:
+            plan = plan_macro(self, now, macro_cap)
+            if plan is not None:
+                self.macro, self.stepping = plan, True
+                plan.advance(now)  # the first step starts now: its blocks, its busy time
+                return plan, plan.ends[plan.k - 1]
         batch = self.scheduler.schedule(now)
         if not batch.entries:
             return None
@@ -143,6 +157,11 @@ class Replica:
             if e.needs_sample:
                 self.pending_decode = max(0, self.pending_decode - 1)
         return batch.entries
+
+    def finish_macro(self, plan: MacroStep) -> None:
+        """The last step of a macro step ended: apply all of it (the caller hands out its tokens)."""
+        plan.finish()
+        self.macro, self.stepping = None, False
 
     def drop(self, decode_left: int) -> None:
         """A request left before finishing (aborted): forget its remaining decode tokens."""

@@ -34,7 +34,8 @@ class SimResult:
     retries: int = 0
     failures: int = 0
     requests: int = 0
-    events: int = 0
+    events: int = 0  # events logged (every step counts, also inside a macro step)
+    queue_events: int = 0  # events the simulator took from its queue (a macro step is one)
     end_time: float = 0.0
     event_hash: str = ""
     utilization: dict[str, Any] = field(default_factory=dict)
@@ -96,7 +97,8 @@ class SimResult:
             "tier_share": {t: round(n / max(done, 1), 4) for t, n in sorted(self.tier.items())},
             "ttft_ms": percentiles(self.ttft), "tpot_ms": percentiles(self.tpot), "e2e_ms": percentiles(self.e2e),
             **({"itl_ms": percentiles(self.gaps)} if self.gaps else {}),
-            "utilization": self.utilization, "events": self.events, "simulated_s": round(self.end_time, 3),
+            "utilization": self.utilization, "events": self.events,
+            "queue_events": self.queue_events, "simulated_s": round(self.end_time, 3),
             "event_log_hash": self.event_hash,
         }
 

@@ -74,7 +74,8 @@ class Router:
             self._candidates[key] = {t: [r for r in ok if r.tier == t][:self.nearest] for t in TIERS}
         return self._candidates[key]
 
-    def route(self, req: RouteRequest) -> Decision:
+    def route(self, req: RouteRequest, now: float = 0.0) -> Decision:
+        """Where ``req`` goes, with the replicas' load as it is at simulated time ``now``."""
         paths = self.network.paths_from(req.origin, req.allowed, also=req.origin)
         rank = {m: i for i, m in enumerate(req.models)}
         by_tier = self.candidates(req)
@@ -88,7 +89,7 @@ class Router:
             live = []
             for r in by_tier[tier]:
                 if r.alive:
-                    partner = (r, None) if r.role == "colocated" else self._decoder(r, req.allowed)
+                    partner = (r, None) if r.role == "colocated" else self._decoder(r, req.allowed, now)
                     if partner is not None:
                         live.append((r, *partner))
             if not live:
@@ -96,27 +97,27 @@ class Router:
                 continue
             live_all += live
             limit = self.scenario.spill_wait_ms.get(tier, math.inf) / 1000
-            choice = self._affine(live, req, limit)
+            choice = self._affine(live, req, limit, now)
             if choice is not None:
                 return self._decide(choice, paths, req, f"{tier}: prefix affinity", notes)
-            best = min(live, key=lambda c: (rank[c[0].model], 2 * paths[c[0].site].one_way_s + c[0].est_wait_s(),
+            best = min(live, key=lambda c: (rank[c[0].model], 2 * paths[c[0].site].one_way_s + c[0].est_wait_s(now),
                                             c[0].index))
-            wait = best[0].est_wait_s()
+            wait = best[0].est_wait_s(now)
             if wait <= limit:
                 return self._decide(best, paths, req, f"{tier}: least loaded (est wait {wait * 1000:.0f} ms)", notes)
             notes.append(f"{tier}: overloaded (est wait {wait * 1000:.0f} ms)")
         if not live_all:
             return Decision(None, None, None, None, wait=True,
                             reason=f"wait: no live replica (with a live decode partner) in {list(req.allowed)}")
-        best = min(live_all, key=lambda c: (2 * paths[c[0].site].one_way_s + c[0].est_wait_s(), c[0].index))
-        wait = best[0].est_wait_s()
+        best = min(live_all, key=lambda c: (2 * paths[c[0].site].one_way_s + c[0].est_wait_s(now), c[0].index))
+        wait = best[0].est_wait_s(now)
         if wait > self.scenario.max_wait_s:
             return Decision(None, None, None, None, refused=True,
                             reason=f"refused: overloaded; best estimated wait {wait:.1f} s > max_wait_s "
                                    f"{self.scenario.max_wait_s} s in {list(req.allowed)}")
         return self._decide(best, paths, req, "all tiers over threshold: least loaded overall", notes)
 
-    def _decoder(self, prefill: Replica, allowed: tuple[str, ...]) -> tuple[Replica, Path] | None:
+    def _decoder(self, prefill: Replica, allowed: tuple[str, ...], now: float) -> tuple[Replica, Path] | None:
         """The best live decode replica for ``prefill``'s model reachable inside ``allowed``."""
         key = (prefill.site, prefill.model, allowed)
         paths = self.network.paths_from(prefill.site, allowed)
@@ -128,18 +129,18 @@ class Router:
         best = None
         for d in self._decoders[key]:
             if d.alive:
-                rank = (paths[d.site].one_way_s + d.est_wait_s(), d.index)
+                rank = (paths[d.site].one_way_s + d.est_wait_s(now), d.index)
                 if best is None or rank < best[0]:
                     best = (rank, d, paths[d.site])
         return None if best is None else (best[1], best[2])
 
-    def _affine(self, cands: list[tuple], req: RouteRequest, limit: float) -> tuple | None:
+    def _affine(self, cands: list[tuple], req: RouteRequest, limit: float, now: float) -> tuple | None:
         if not self.scenario.prefix_affinity:
             return None
         by_index = {c[0].index: c for c in cands}
         for key in reversed(req.prefix_keys):
             index = self.affinity.get(key)
-            if index is not None and index in by_index and by_index[index][0].est_wait_s() <= limit:
+            if index is not None and index in by_index and by_index[index][0].est_wait_s(now) <= limit:
                 return by_index[index]
         return None
 

@@ -1,10 +1,18 @@
 """The discrete-event simulator: the real scheduler per replica, on a virtual clock.
 
-Events live in one heap ordered by (virtual time, sequence number), so equal times pop in the order
-they were pushed and a run is a pure function of (scenario, seed): the only randomness is one
-``numpy`` Generator, and nothing reads the wall clock (a test runs a whole simulation with
-``time.time``/``monotonic``/``perf_counter`` made to raise). Every processed event is folded into a
-BLAKE2b hash, the **event-log hash**: the same scenario and seed give the same hash.
+Events live in one heap ordered by virtual time; at equal times the end of a replica's step comes
+after every other event (so a request that reaches a replica exactly when a step ends joins the next
+step), steps ending together go in replica order, and other events in the order they were pushed. A
+run is a pure function of (scenario, seed): the only randomness is one ``numpy`` Generator, and
+nothing reads the wall clock (a test runs a whole simulation with ``time.time``/``monotonic``/
+``perf_counter`` made to raise). Every event (time, kind, subject) is hashed with BLAKE2b and the
+hashes are summed modulo 2**128: the **event-log hash**, a fingerprint of the whole log that the same
+scenario and seed reproduce.
+
+Macro steps (``macro.py``, on unless ``macro_steps=False``): when a replica's next steps are provably
+plain decode steps, one queued event stands for up to ``macro_cap`` of them. The run is the same
+either way: the same per-request times, the same event-log hash and event count (each planned step
+is logged as the step event it stands for); only the queue holds fewer events.
 
 A request's life: it arrives at its origin site; the router (``router.py``) picks a replica; after
 the network delay it joins that replica's scheduler; each step of that replica takes the time the
@@ -29,6 +37,7 @@ import numpy as np
 
 from reference.cluster.costs import kv_bytes_per_token
 from reference.cluster.fleet import Request, RequestSource, build_replicas
+from reference.cluster.macro import MacroStep
 from reference.cluster.network import Network, Path
 from reference.cluster.replica import Replica
 from reference.cluster.report import SimResult, trace_record
@@ -40,16 +49,19 @@ from reference.sched import Sequence as SchedSequence
 
 ARRIVE, REACH, STEP, KV, FAIL, RECOVER, RETRY, REPLAY = range(8)
 RETRY_AFTER_S = 0.5  # a request with no live replica allowed tries again this much later
+MACRO_CAP = 256  # most plain decode steps one macro step stands for
+HASH_MASK = (1 << 128) - 1
 
 
 class Simulator:
     def __init__(self, scenario: Scenario, seed: int = 0, *, lengths: np.ndarray | None = None,
                  cost_override: Callable[[StepShape], float] | None = None, num_blocks: int | None = None,
                  replay: list[tuple[float, list[int], int]] | None = None, trace: IO[str] | None = None,
-                 record_gaps: bool = False, record_ids: bool = False) -> None:
+                 record_gaps: bool = False, record_ids: bool = False, macro_steps: bool = True) -> None:
         """``replay``: instead of drawing arrivals, replay these (arrival time, prompt ids, output length)
         as traffic class 0 (to mirror a workload run on a real engine); see ``build_replicas`` for the
         overrides. ``record_gaps``/``record_ids``: keep every inter-token gap / each request's TTFT by id.
+        ``macro_steps=False``: one event per step (the same run, more slowly; see the module docstring).
         Requests are drawn from the RNG before any routing, so two runs of scenarios that differ only in
         routing rules see the same requests under the same ids."""
         if lengths is None and any(t.lengths == "sharegpt" for t in scenario.traffic):
@@ -64,16 +76,32 @@ class Simulator:
         self.router = Router(scenario, self.replicas, self.network)
         self.source = RequestSource(scenario, self.rng, lengths)
         self.trace, self.record_gaps = trace, record_gaps
-        self.heap: list[tuple[float, int, int, object, object]] = []
+        self.heap: list[tuple[float, int, int, int, int, object, object]] = []
         self.count = 0
         self.now = 0.0
-        self.hash = hashlib.blake2b(digest_size=16, person=b"unfire-cluster")
+        self.macro_steps = macro_steps
+        # each replica's next macro-step length: halved towards what a cut plan used, doubled after a whole
+        # plan ran (steps planned past a cut are wasted work; the run is the same whatever the length)
+        self.caps = [8] * len(self.replicas)
+        self.digest = 0  # the event-log hash: sum of the events' hashes modulo 2**128
+        self.events = 0  # events logged (a macro step counts as the steps it stands for)
+        self.queue_events = 0  # events taken from the queue
         self.result = SimResult(ttft_by_id={} if record_ids else None)
         self.kv_bytes = {m.name: kv_bytes_per_token(m) for m in scenario.models.values()}
 
     def push(self, t: float, kind: int, a: object = None, b: object = None) -> None:
-        heapq.heappush(self.heap, (t, self.count, kind, a, b))
+        """Queue an event; a step's end sorts after the other events at its time, then by replica."""
+        if kind == STEP:
+            heapq.heappush(self.heap, (t, 1, a.index, self.count, kind, a, b))
+        else:
+            heapq.heappush(self.heap, (t, 0, 0, self.count, kind, a, b))
         self.count += 1
+
+    def log(self, t: float, kind: int, ident: int) -> None:
+        """Fold one event into the event-log hash."""
+        h = hashlib.blake2b(struct.pack("<dBq", t, kind, ident), digest_size=16, person=b"unfire-cluster")
+        self.digest = (self.digest + int.from_bytes(h.digest(), "little")) & HASH_MASK
+        self.events += 1
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> SimResult:
         """Process every event; returns the metrics. ``on_progress(virtual time)`` every 10,000 events."""
@@ -89,16 +117,18 @@ class Simulator:
         handlers = {ARRIVE: self._arrive, REACH: self._reach, STEP: self._step, KV: self._kv,
                     FAIL: self._fail, RECOVER: self._recover, RETRY: lambda r, _: self._route(r),
                     REPLAY: lambda i, _: self._route(self.source.make_from(0, self.now, *self.replay[i][1:]))}
-        n = 0
         while self.heap:
-            t, _, kind, a, b = heapq.heappop(self.heap)
+            t, _, _, _, kind, a, b = heapq.heappop(self.heap)
+            if kind == STEP and len(b) == 3 and b[2] != b[0].version:
+                continue  # the end of a macro step that was cut short: a new end event replaced it
             self.now = t
-            self.hash.update(struct.pack("<dBq", t, kind, _event_id(a)))
+            self.log(t, kind, _event_id(a))
             handlers[kind](a, b)
-            n += 1
-            if on_progress is not None and n % 10_000 == 0:
+            self.queue_events += 1
+            if on_progress is not None and self.queue_events % 10_000 == 0:
                 on_progress(t)
-        self.result.finalize(self.replicas, self.now, n, self.hash.hexdigest(), self.s.duration_s)
+        self.result.finalize(self.replicas, self.now, self.events, f"{self.digest:032x}", self.s.duration_s)
+        self.result.queue_events = self.queue_events
         return self.result
 
     # ---- events --------------------------------------------------------------------------------
@@ -111,7 +141,7 @@ class Simulator:
         self._route(r)
 
     def _route(self, r: Request) -> None:
-        d: Decision = self.router.route(RouteRequest(r.origin, r.allowed, r.models, r.prefix_keys))
+        d: Decision = self.router.route(RouteRequest(r.origin, r.allowed, r.models, r.prefix_keys), self.now)
         r.decision, r.reason = d, d.reason
         if d.refused:
             self._done(r, "refused")
@@ -135,6 +165,7 @@ class Simulator:
         self._admit(r, rep, seq)
 
     def _admit(self, r: Request, rep: Replica, seq: SchedSequence) -> None:
+        self._sync(rep)
         try:
             rep.add(seq, self.now)
         except RequestError as e:
@@ -144,15 +175,63 @@ class Simulator:
         self._kick(rep)
 
     def _kick(self, rep: Replica) -> None:
-        planned = rep.start_step(self.now)
-        if planned is not None:
-            batch, end = planned
-            self.push(end, STEP, rep, (batch, rep.epoch))
+        planned = rep.start_step(self.now, self.caps[rep.index] if self.macro_steps else 0)
+        if planned is None:
+            return
+        work, end = planned
+        if isinstance(work, MacroStep):
+            self.push(end, STEP, rep, (work, rep.epoch, work.version))
+        else:
+            self.push(end, STEP, rep, (work, rep.epoch))
+
+    def _sync(self, rep: Replica) -> None:
+        """Something is about to change ``rep`` (a request joins, KV arrives, the site fails): bring a macro
+        step in flight up to now, and end it with the step in flight (the next one must see the change)."""
+        plan = rep.macro
+        if plan is None:
+            return
+        done = plan.completed
+        plan.advance(self.now)
+        self._macro_tokens(rep, plan, done, plan.completed)
+        if plan.cut():
+            self.caps[rep.index] = max(4, 2 * plan.k)
+            self.push(plan.ends[plan.k - 1], STEP, rep, (plan, rep.epoch, plan.version))
+
+    def _macro_tokens(self, rep: Replica, plan: MacroStep, done: int, upto: int) -> None:
+        """Steps done+1 .. upto of a macro step ended: log each as its step event, hand out its tokens, and
+        close the requests that finished in them."""
+        if upto <= done:
+            return
+        for i in range(done, upto - 1 if upto == plan.k else upto):
+            self.log(plan.ends[i], STEP, rep.index)  # the last step's event is the queued one, logged by run()
+        for seq, last in zip(plan.seqs, plan.finish_step, strict=True):
+            if last <= done:
+                continue  # finished in an earlier part of the plan
+            r: Request = seq.request
+            d: Decision = r.decision
+            back = d.path_in.one_way_s if rep is d.prefill else self._path(rep.site, r).one_way_s
+            stop = min(upto, last)
+            if self.record_gaps or r.first_token is None:
+                for i in range(done, stop):
+                    self._token(r, plan.ends[i] + back + r.access_s)
+            else:
+                r.last_token = plan.ends[stop - 1] + back + r.access_s
+            if last <= upto:
+                r.finish = r.last_token
+                self._done(r, "done")
 
     def _step(self, rep: Replica, payload: tuple) -> None:
-        batch, epoch = payload
-        if rep.epoch != epoch:
+        if rep.epoch != payload[1]:
             return  # the replica failed during this step
+        if len(payload) == 3:
+            plan: MacroStep = payload[0]
+            done = plan.completed
+            if plan.version == 0:
+                self.caps[rep.index] = min(MACRO_CAP, 2 * self.caps[rep.index])
+            rep.finish_macro(plan)
+            self._macro_tokens(rep, plan, done, plan.k)
+            return self._kick(rep)
+        batch = payload[0]
         for e in rep.finish_step(batch, self.now):
             if not e.needs_sample:
                 continue
@@ -177,6 +256,7 @@ class Simulator:
         if src.epoch != src_epoch or dec.epoch != dec_epoch or not dec.alive:
             return self._reroute(r)  # the transfer was lost with a failed site
         tokens = [*r.prompt, 0]
+        self._sync(dec)
         dec.import_kv(tokens)
         seq = SchedSequence(prompt_token_ids=tokens, max_tokens=r.output_len - 1, tenant=r.plan,
                             arrival_time=self.now, request=r)
@@ -188,6 +268,7 @@ class Simulator:
         lost = []
         for rep in self.replicas:
             if rep.site == site:
+                self._sync(rep)  # tokens of the steps that ended before the failure reached their clients
                 lost += [seq.request for seq in (*rep.scheduler.running, *rep.scheduler.waiting)]
                 rep.alive = False
                 rep.epoch += 1

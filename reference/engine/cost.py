@@ -46,24 +46,59 @@ def layer_weight_params(c: LlamaConfig) -> int:
     return c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
 
 
+@dataclass(frozen=True)
+class StepCost:
+    """FLOPs and bytes of a step of one model, as linear functions of the shape's four sums.
+
+    FLOPs = per token (every layer's projections and MLP) + per attention pair (QK^T and PV in every
+    layer) + per sampled sequence (the output head). Bytes = every weight once + per token (its
+    embedding row and the K/V it writes) + the output head if anything samples + per cached token
+    attended to (its K/V read in every layer). Build it once per model (``of``) and call it per step.
+    """
+
+    flops_per_token: int
+    flops_per_pair: int
+    flops_per_sample: int
+    bytes_fixed: float
+    bytes_per_token: float
+    bytes_if_sampled: float
+    bytes_per_cached_token: float
+
+    @classmethod
+    def of(cls, c: LlamaConfig, weight_bytes: float = 2, kv_bytes: float = 2) -> StepCost:
+        """Weights and K/V stored at ``weight_bytes`` / ``kv_bytes`` per element."""
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        per_token = 2 * c.hidden_size * (2 * q + 2 * kv) + 2 * 3 * c.hidden_size * c.intermediate_size
+        kv_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * kv_bytes  # K and V, all layers
+        return cls(flops_per_token=c.num_layers * per_token, flops_per_pair=c.num_layers * 4 * q,
+                   flops_per_sample=2 * c.hidden_size * c.vocab_size,
+                   bytes_fixed=c.num_layers * layer_weight_params(c) * weight_bytes,
+                   bytes_per_token=c.hidden_size * weight_bytes + kv_per_token,
+                   bytes_if_sampled=c.vocab_size * c.hidden_size * weight_bytes, bytes_per_cached_token=kv_per_token)
+
+    def flops(self, s: StepShape) -> float:
+        return self.flops_of(s.num_tokens, s.attention_pairs(), s.num_sampled)
+
+    def bytes(self, s: StepShape) -> float:
+        return self.bytes_of(s.num_tokens, s.num_sampled, sum(s.context_lens) - s.num_tokens)
+
+    def flops_of(self, tokens: int, pairs: int, sampled: int) -> float:
+        """FLOPs from the sums: new tokens, attention pairs, sampled sequences."""
+        return float(self.flops_per_token * tokens + self.flops_per_pair * pairs + self.flops_per_sample * sampled)
+
+    def bytes_of(self, tokens: int, sampled: int, cached: int) -> float:
+        """Bytes from the sums: new tokens, sampled sequences, cached tokens attended to (context - new)."""
+        return float(self.bytes_fixed + self.bytes_per_token * tokens + (self.bytes_if_sampled if sampled else 0)
+                     + self.bytes_per_cached_token * cached)
+
+
 def step_flops(c: LlamaConfig, s: StepShape) -> float:
-    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_token = 2 * c.hidden_size * (2 * q + 2 * kv) + 2 * 3 * c.hidden_size * c.intermediate_size
-    attention = 4 * c.num_heads * c.head_dim * s.attention_pairs()  # QK^T and PV
-    head = 2 * s.num_sampled * c.hidden_size * c.vocab_size
-    return float(c.num_layers * (s.num_tokens * per_token + attention) + head)
+    return StepCost.of(c).flops(s)
 
 
 def step_bytes(c: LlamaConfig, s: StepShape, weight_bytes: float = 2, kv_bytes: float = 2) -> float:
     """Bytes moved, with weights and K/V stored at ``weight_bytes`` / ``kv_bytes`` per element."""
-    kv_per_token_layer = 2 * c.num_kv_heads * c.head_dim * kv_bytes
-    weights = c.num_layers * layer_weight_params(c) * weight_bytes
-    embed = s.num_tokens * c.hidden_size * weight_bytes
-    head = c.vocab_size * c.hidden_size * weight_bytes if s.num_sampled else 0
-    kv_read = c.num_layers * kv_per_token_layer * sum(ctx - n for n, ctx in zip(s.new_tokens, s.context_lens,
-                                                                                strict=True))
-    kv_write = c.num_layers * kv_per_token_layer * s.num_tokens
-    return float(weights + embed + head + kv_read + kv_write)
+    return StepCost.of(c, weight_bytes, kv_bytes).bytes(s)
 
 
 def intensity(c: LlamaConfig, s: StepShape, weight_bytes: float = 2, kv_bytes: float = 2) -> float:
@@ -80,8 +115,11 @@ class StepTimeModel:
     per_sample: float
 
     def __call__(self, s: StepShape) -> float:
-        return self.base + self.per_token * s.num_tokens + self.per_pair * s.attention_pairs() + \
-            self.per_sample * s.num_sampled
+        return self.seconds_of(s.num_tokens, s.attention_pairs(), s.num_sampled, sum(s.context_lens) - s.num_tokens)
+
+    def seconds_of(self, tokens: int, pairs: int, sampled: int, cached: int = 0) -> float:
+        """Seconds from the shape's sums (``cached`` is not in this model; taken for the common signature)."""
+        return self.base + self.per_token * tokens + self.per_pair * pairs + self.per_sample * sampled
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepTimeModel:

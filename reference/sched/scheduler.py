@@ -191,6 +191,14 @@ class Scheduler:
                 return seq
         return None
 
+    def finish_running(self, seq: Sequence, reason: str, now: float) -> None:
+        """Retire a running sequence that its last sampled token ended (``reason``: "length" or "stop"), as
+        ``postprocess`` does: for a driver that replays plain decode steps without scheduling each one
+        (the cluster simulator's macro steps)."""
+        if seq.status is not SequenceStatus.RUNNING or seq not in self.running:
+            raise SchedulerError(f"sequence {seq.seq_id} is not running here")
+        self._finish(seq, SequenceStatus.FINISHED, reason, now)
+
     # ---- internals --------------------------------------------------------------------------------
 
     def _schedule_one(self, seq: Sequence, n: int, is_prefill: bool, batch: Batch) -> int:

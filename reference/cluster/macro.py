@@ -1,0 +1,249 @@
+"""Macro steps: a replica advances k plain decode steps in one event, exactly as k single steps would.
+
+Most steps of a busy replica are plain decode steps: every running sequence gains one token and
+nothing else happens. When the next k steps provably are all like that, the simulator plans them at
+once (a *macro step*) and puts one event in its queue, at the end of the k-th step, instead of k.
+It is exact, not an approximation. ``plan_macro`` accepts k steps only when
+
+* nothing waits for admission and every running sequence is decoding (one uncomputed token), its
+  first token sampled, and the next block it writes private (no copy on write);
+* the policy orders sequences by a key that does not change while they decode (FCFS), so each of
+  the k steps schedules the same sequences in the same order;
+* the placeholder token the simulator samples is no stop token, so a sequence finishes exactly when
+  it reaches max_tokens or the context length: the plan knows in which step, and retires it there
+  (its blocks freed, its request done) as ``Scheduler.postprocess`` would;
+* the KV blocks the k steps add fit in the blocks free now, so no step can preempt;
+* every step takes a positive time.
+
+Each of the k steps is priced by the cost model on its own shape (the sequences still running, every
+context one token longer than the step before). Block boundaries are kept exactly: in the step where a
+sequence needs a new block, the block manager's ``may_append`` is called for it at that step's start,
+in the scheduler's order; in the step where a block fills, ``cache_full_blocks`` registers it in the prefix cache at
+that step's end. Busy time and FLOPs are counted at each step's start, as ``Replica.start_step`` does.
+
+What a plan cannot know is the future: a request that joins the replica, a KV import or a failure at
+time t in the middle of it. The simulator then calls ``advance(t)``, which applies every step that
+ended before t and the start of the step in flight at t (events at the same time as a step's end
+come before it), and ``cut``, which ends the plan with that step; from there the real scheduler
+takes over, exactly where single steps would have admitted the newcomer. The simulator's switch
+``macro_steps=False`` turns all of this off (tests compare both).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import TYPE_CHECKING
+
+from reference.engine.cost import StepShape
+from reference.sched.policy import FCFS, Policy
+
+if TYPE_CHECKING:
+    from reference.cluster.replica import Replica
+    from reference.sched import Sequence
+
+PLACEHOLDER_TOKEN = 0  # what the simulator "samples" (Replica.finish_step hands the scheduler the same)
+NEVER = 1 << 62  # the finish step of a sequence that outlives the plan
+
+
+@dataclass(frozen=True)
+class DecodeShape(StepShape):
+    """A plain decode step's shape with its attention pairs counted once: a sequence of context c that
+    computes its last token attends to c keys, so the pairs are the sum of the contexts (the same
+    integer ``StepShape.attention_pairs`` adds up one sequence at a time)."""
+
+    pairs: int = 0
+
+    def attention_pairs(self) -> int:
+        return self.pairs
+
+
+class MacroStep:
+    """k planned decode steps of one replica (see the module docstring); steps are numbered from 1."""
+
+    def __init__(self, rep: Replica, seqs: list[Sequence], finish: list[int], start: float) -> None:
+        self.rep, self.seqs, self.finish_step, self.start = rep, seqs, finish, start
+        self.computed0 = [s.num_computed_tokens for s in seqs]  # before step 1
+        self.length0 = [len(s.token_ids) for s in seqs]
+        self.k = 0
+        self.sizes: list[int] = []  # sizes[i - 1]: sequences in step i
+        self.context_sums: list[int] = []  # context_sums[i - 1]: their contexts after step i, summed
+        self.shapes: list[DecodeShape | None] = []  # step i's shape, where the cost model needs it (else None)
+        self.seconds: list[float] = []
+        self.ends: list[float] = []  # ends[i - 1]: end time of step i
+        self.allocs: dict[int, list[int]] = {}  # step -> positions in seqs that take a new block at its start
+        self.retire: dict[int, list[tuple[int, bool, bool]]] = {}  # step -> (position, block full, finished)
+        self.sampled: list[int] = [0]  # sampled[i]: tokens sampled by steps 1..i
+        self.finished: list[int] = [0]  # finished[i]: sequences finished by steps 1..i
+        self.scheduled = 0  # steps whose start (blocks, busy time) is applied
+        self.completed = 0  # steps whose end (tokens, prefix cache, finishes, load counters) is applied
+        self.version = 0  # bumped by ``cut``: the queued end event of an older version is void
+
+    def _ended(self, now: float) -> int:
+        return bisect.bisect_left(self.ends, now, hi=self.k)  # steps that ended before now
+
+    def pending_decode_at(self, now: float) -> int:
+        """The replica's decode tokens still to generate, as single steps would show them at ``now``."""
+        return max(0, self.rep.pending_decode - (self.sampled[self._ended(now)] - self.sampled[self.completed]))
+
+    def live_at(self, now: float) -> int:
+        """The replica's live requests, as single steps would show them at ``now``."""
+        return self.rep.scheduler.num_unfinished - (self.finished[self._ended(now)] - self.finished[self.completed])
+
+    def advance(self, t: float) -> None:
+        """Apply every step that ended before ``t``, and the start of the one in flight at ``t``."""
+        before = self.completed
+        while True:
+            if self.scheduled == self.completed < self.k and (self.scheduled == 0 or self.ends[self.scheduled - 1] < t):
+                self._start(self.scheduled + 1)
+            elif self.completed < self.scheduled and self.ends[self.completed] < t:
+                self._end(self.completed + 1)
+            else:
+                break
+        if self.completed != before:
+            for j, seq in enumerate(self.seqs):
+                self._set(j, seq, self.completed)
+
+    def finish(self) -> None:
+        """Apply all k steps (at the end event of the last one)."""
+        self.advance(float("inf"))
+
+    def cut(self) -> bool:
+        """End the plan with the step in flight (call after ``advance``); True if that shortened it."""
+        if self.scheduled >= self.k:
+            return False
+        self.k = max(self.scheduled, 1)
+        self.version += 1
+        return True
+
+    # ---- one step ---------------------------------------------------------------------------------
+
+    def _start(self, i: int) -> None:
+        rep, seconds = self.rep, self.seconds[i - 1]
+        began = self.ends[i - 2] if i > 1 else self.start
+        counted = max(0.0, min(seconds, rep.measure_until - began))
+        rep.busy_s += counted
+        if counted > 0:
+            shape, n = self.shapes[i - 1], self.sizes[i - 1]
+            flops = rep.flops(shape) if shape is not None else rep.flops_of(n, self.context_sums[i - 1], n)
+            rep.flops_done += flops * (counted / seconds)
+        else:
+            rep.flops_done += 0.0
+        bm = rep.scheduler.block_manager
+        for j in self.allocs.get(i, ()):
+            seq = self.seqs[j]
+            self._set(j, seq, i - 1)
+            copies = bm.may_append(seq, 1)
+            assert not copies, "a planned decode step never copies on write"
+        self.scheduled = i
+
+    def _end(self, i: int) -> None:
+        sched = self.rep.scheduler
+        for j, full, finished in self.retire.get(i, ()):
+            seq = self.seqs[j]
+            self._set(j, seq, i)
+            if full:
+                sched.block_manager.cache_full_blocks(seq)
+            if finished:
+                sched.finish_running(seq, "length", self.ends[i - 1])
+        self.rep.pending_decode = max(0, self.rep.pending_decode - (self.sampled[i] - self.sampled[i - 1]))
+        self.completed = i
+
+    def _set(self, j: int, seq: Sequence, steps: int) -> None:
+        """Put sequence ``j`` in its state after ``steps`` of the planned steps (it takes part until it finishes)."""
+        steps = min(steps, self.finish_step[j])
+        seq.num_computed_tokens = self.computed0[j] + steps
+        missing = self.length0[j] + steps - len(seq.token_ids)
+        if missing > 0:
+            seq.token_ids.extend([PLACEHOLDER_TOKEN] * missing)
+
+
+def static_order(policy: Policy) -> bool:
+    """Whether the policy's order of running sequences cannot change while they decode (FCFS keys)."""
+    return type(policy) in (FCFS, Policy)
+
+
+def plan_macro(rep: Replica, now: float, cap: int) -> MacroStep | None:
+    """Up to ``cap`` decode steps of ``rep`` from ``now`` as one macro step, or None if fewer than 2 qualify."""
+    sched = rep.scheduler
+    if cap < 2 or rep.role == "prefill" or sched.waiting or not sched.running or not static_order(sched.policy):
+        return None
+    bm, limit, key = sched.block_manager, sched.config.max_model_len, sched.policy.key
+    bs = bm.block_size
+    seqs = sorted(sched.running, key=lambda s: key(s, now))
+    finish = []
+    for s in seqs:
+        computed = s.num_computed_tokens
+        if len(s.token_ids) - computed != 1 or s.first_token_time is None or s.eos_token_id == PLACEHOLDER_TOKEN \
+                or PLACEHOLDER_TOKEN in s.stop_token_ids:
+            return None
+        if bm.enable_prefix_cache and len(s.block_keys) != computed // bs:
+            return None
+        index = computed // bs
+        if index < len(s.block_table):
+            block = s.block_table[index]
+            if bm.ref_count[block] > 1 or bm.block_key[block] is not None:
+                return None
+        left = s.max_tokens - s.num_output_tokens  # the step that samples this many more tokens finishes it
+        if limit is not None:
+            left = min(left, limit - len(s.token_ids))
+        finish.append(left)
+    k = min(cap, max(finish))
+    # new blocks: sequence j writes position computed + i - 1 in step i; it takes a block when that is past its table
+    allocs = []
+    for j, s in enumerate(seqs):
+        first = len(s.block_table) * bs - s.num_computed_tokens + 1
+        allocs += [(i, j) for i in range(first, min(k, finish[j]) + 1, bs)]
+    allocs.sort()
+    if len(allocs) > bm.num_free_blocks:
+        k = min(k, allocs[bm.num_free_blocks][0] - 1)  # the step that would run out of blocks (and preempt)
+    if k < 2:
+        return None
+    p = MacroStep(rep, seqs, [f if f <= k else NEVER for f in finish], now)
+    # price each step: by the shape's sums where the cost model can (the same number, without the shape)
+    seconds_of = getattr(rep.cost, "seconds_of", None)
+    t, running, finish_steps = now, p.computed0, set(finish)
+    n, base = len(running), sum(running)
+    for i in range(1, k + 1):
+        if i - 1 in finish_steps:  # someone finished in the step before: the batch shrinks
+            running = [c for c, f in zip(p.computed0, finish, strict=True) if f >= i]
+            n, base = len(running), sum(running)
+        if not n:
+            break
+        context_sum = base + i * n  # a sequence that had c tokens computed attends to c + i keys in step i
+        if seconds_of is not None:
+            shape = None
+            seconds = seconds_of(n, context_sum, n, context_sum - n)
+        else:
+            context = tuple(c + i for c in running)
+            shape = DecodeShape(new_tokens=(1,) * n, context_lens=context, num_sampled=n, pairs=context_sum)
+            seconds = rep.cost(shape)
+        if not seconds > 0:
+            break
+        t += seconds
+        p.sizes.append(n)
+        p.context_sums.append(context_sum)
+        p.shapes.append(shape)
+        p.seconds.append(seconds)
+        p.ends.append(t)
+    p.k = len(p.ends)
+    if p.k < 2:
+        return None
+    p.finish_step = [f if f <= p.k else NEVER for f in finish]
+    for i, j in allocs:
+        if i <= p.k:
+            p.allocs.setdefault(i, []).append(j)
+    for j, c in enumerate(p.computed0):  # j ascending: each step's list is in the scheduler's order
+        last = min(p.k, p.finish_step[j])
+        for i in range(bs - c % bs, last + 1, bs):
+            p.retire.setdefault(i, []).append((j, True, i == last == p.finish_step[j]))
+        if last == p.finish_step[j] and (c + last) % bs:
+            p.retire.setdefault(last, []).append((j, False, True))
+    p.sampled = [0, *accumulate(p.sizes)]
+    done = [0] * (p.k + 1)
+    for f in p.finish_step:
+        if f <= p.k:
+            done[f] += 1
+    p.finished = list(accumulate(done))
+    return p
