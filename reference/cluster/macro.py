@@ -101,7 +101,8 @@ class MacroStep:
                 self._end(self.completed + 1)
             else:
                 break
-        if self.completed != before:
+        # in between, a sequence is brought up to date when a block event touches it; all at the end
+        if self.completed == self.k and self.completed != before:
             for j, seq in enumerate(self.seqs):
                 self._set(j, seq, self.completed)
 
