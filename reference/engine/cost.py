@@ -107,31 +107,43 @@ def intensity(c: LlamaConfig, s: StepShape, weight_bytes: float = 2, kv_bytes: f
 
 @dataclass(frozen=True)
 class StepTimeModel:
-    """seconds = base + per_token * tokens + per_pair * attention pairs + per_sample * sampled sequences."""
+    """seconds = base + per_token * tokens + per_pair * attention pairs + per_sample * sampled sequences
+    + multi_token if the step computes more than one token.
+
+    ``multi_token`` is what the NumPy engine shows on a CPU: a step of one token multiplies vectors by
+    the weight matrices (BLAS matrix-vector kernels), a step of two or more multiplies matrices, whose
+    kernels pay a fixed extra cost at these small sizes (measured: one decode ~45 ms, two ~100 ms for
+    SmolLM2 on one core). On a GPU it fits to about 0.
+    """
 
     base: float
     per_token: float
     per_pair: float
     per_sample: float
+    multi_token: float = 0.0
 
     def __call__(self, s: StepShape) -> float:
         return self.seconds_of(s.num_tokens, s.attention_pairs(), s.num_sampled, sum(s.context_lens) - s.num_tokens)
 
     def seconds_of(self, tokens: int, pairs: int, sampled: int, cached: int = 0) -> float:
         """Seconds from the shape's sums (``cached`` is not in this model; taken for the common signature)."""
-        return self.base + self.per_token * tokens + self.per_pair * pairs + self.per_sample * sampled
+        seconds = self.base + self.per_token * tokens + self.per_pair * pairs + self.per_sample * sampled
+        return seconds + self.multi_token if tokens > 1 else seconds
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepTimeModel:
-        """Least squares on measured steps; a coefficient that comes out negative is dropped (set 0)."""
-        features = np.array([[1.0, s.num_tokens, s.attention_pairs(), s.num_sampled] for s in shapes])
+        """Least squares on measured steps; a coefficient that comes out negative is dropped (set 0).
+        ``multi_token`` is fitted only when the steps include both one-token and larger steps (otherwise it
+        cannot be told apart from ``base``)."""
+        features = np.array([[1.0, s.num_tokens, s.attention_pairs(), s.num_sampled, float(s.num_tokens > 1)]
+                             for s in shapes])
         y = np.asarray(seconds, dtype=np.float64)
-        keep = [0, 1, 2, 3]
+        keep = [0, 1, 2, 3, 4] if 0 < features[:, 4].sum() < len(features) else [0, 1, 2, 3]
         while True:
             coef, *_ = np.linalg.lstsq(features[:, keep], y, rcond=None)
             if (coef >= 0).all() or len(keep) == 1:
                 break
             keep.pop(int(np.argmin(coef)))
-        full = np.zeros(4)
+        full = np.zeros(5)
         full[keep] = np.maximum(coef, 0)
-        return cls(*full)
+        return cls(*(float(x) for x in full))
