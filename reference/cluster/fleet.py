@@ -74,6 +74,7 @@ class Request:
     prompt: list[int]
     output_len: int
     access_s: float  # one-way last-mile delay
+    back_s: float = 0.0  # one-way delay from the replica now computing it back to its origin site
     prefix_keys: tuple[bytes, ...] = ()
     first_token: float | None = None  # client-side times
     last_token: float | None = None

@@ -123,7 +123,8 @@ class MacroStep:
     def _start(self, i: int) -> None:
         rep, seconds = self.rep, self.seconds[i - 1]
         began = self.ends[i - 2] if i > 1 else self.start
-        counted = max(0.0, min(seconds, rep.measure_until - began))
+        room = rep.measure_until - began  # busy time counts only inside the measured window
+        counted = seconds if room >= seconds else room if room > 0 else 0.0
         rep.busy_s += counted
         if counted > 0:
             shape, n = self.shapes[i - 1], self.sizes[i - 1]
@@ -153,7 +154,8 @@ class MacroStep:
 
     def _set(self, j: int, seq: Sequence, steps: int) -> None:
         """Put sequence ``j`` in its state after ``steps`` of the planned steps (it takes part until it finishes)."""
-        steps = min(steps, self.finish_step[j])
+        if steps > self.finish_step[j]:
+            steps = self.finish_step[j]
         seq.num_computed_tokens = self.computed0[j] + steps
         missing = self.length0[j] + steps - len(seq.token_ids)
         if missing > 0:

@@ -172,6 +172,7 @@ class Simulator:
             r.reason = f"refused by {rep.site}: {e}"
             return self._done(r, "refused")
         r.visited.append(rep.site)
+        r.back_s = r.decision.path_in.one_way_s if rep is r.decision.prefill else self._path(rep.site, r).one_way_s
         self._kick(rep)
 
     def _kick(self, rep: Replica) -> None:
@@ -208,14 +209,12 @@ class Simulator:
             if last <= done:
                 continue  # finished in an earlier part of the plan
             r: Request = seq.request
-            d: Decision = r.decision
-            back = d.path_in.one_way_s if rep is d.prefill else self._path(rep.site, r).one_way_s
-            stop = min(upto, last)
+            stop = upto if upto < last else last
             if self.record_gaps or r.first_token is None:
                 for i in range(done, stop):
-                    self._token(r, plan.ends[i] + back + r.access_s)
+                    self._token(r, plan.ends[i] + r.back_s + r.access_s)
             else:
-                r.last_token = plan.ends[stop - 1] + back + r.access_s
+                r.last_token = plan.ends[stop - 1] + r.back_s + r.access_s
             if last <= upto:
                 r.finish = r.last_token
                 self._done(r, "done")
@@ -237,8 +236,7 @@ class Simulator:
                 continue
             r: Request = e.seq.request
             d: Decision = r.decision
-            back = d.path_in.one_way_s if rep is d.prefill else self._path(rep.site, r).one_way_s
-            self._token(r, self.now + back + r.access_s)
+            self._token(r, self.now + r.back_s + r.access_s)
             if not e.seq.is_finished:
                 continue
             if rep.role == "prefill" and r.output_len > 1:
