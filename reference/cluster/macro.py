@@ -76,6 +76,8 @@ class MacroStep:
         self.retire: dict[int, list[tuple[int, bool, bool]]] = {}  # step -> (position, block full, finished)
         self.sampled: list[int] = [0]  # sampled[i]: tokens sampled by steps 1..i
         self.finished: list[int] = [0]  # finished[i]: sequences finished by steps 1..i
+        self.event_steps: list[int] = []  # steps with an entry in allocs or retire, in order
+        self.next_event = 0  # event_steps[:next_event] are fully applied
         self.scheduled = 0  # steps whose start (blocks, busy time) is applied
         self.completed = 0  # steps whose end (tokens, prefix cache, finishes, load counters) is applied
         self.version = 0  # bumped by ``cut``: the queued end event of an older version is void
@@ -93,18 +95,35 @@ class MacroStep:
 
     def advance(self, t: float) -> None:
         """Apply every step that ended before ``t``, and the start of the one in flight at ``t``."""
-        before = self.completed
-        while True:
-            if self.scheduled == self.completed < self.k and (self.scheduled == 0 or self.ends[self.scheduled - 1] < t):
-                self._start(self.scheduled + 1)
-            elif self.completed < self.scheduled and self.ends[self.completed] < t:
-                self._end(self.completed + 1)
-            else:
-                break
-        # in between, a sequence is brought up to date when a block event touches it; all at the end
-        if self.completed == self.k and self.completed != before:
+        ended = self._ended(t)
+        started = min(self.k, ended + 1)
+        if started <= self.scheduled and ended <= self.completed:
+            return
+        self._count_busy(self.scheduled, started)
+        bm, sched = self.rep.scheduler.block_manager, self.rep.scheduler
+        steps = self.event_steps
+        while self.next_event < len(steps) and steps[self.next_event] <= started:
+            i = steps[self.next_event]
+            if i > self.scheduled:  # its start: the blocks it adds, in the scheduler's order
+                for j in self.allocs.get(i, ()):
+                    self._set(j, self.seqs[j], i - 1)
+                    copies = bm.may_append(self.seqs[j], 1)
+                    assert not copies, "a planned decode step never copies on write"
+            if i > ended:
+                break  # in flight at t: its end comes later
+            for j, full, finished in self.retire.get(i, ()):  # its end: full blocks cached, sequences done
+                seq = self.seqs[j]
+                self._set(j, seq, i)
+                if full:
+                    bm.cache_full_blocks(seq)
+                if finished:
+                    sched.finish_running(seq, "length", self.ends[i - 1])
+            self.next_event += 1
+        self.rep.pending_decode = max(0, self.rep.pending_decode - (self.sampled[ended] - self.sampled[self.completed]))
+        self.scheduled, self.completed = started, ended
+        if ended == self.k:  # in between, a sequence is brought up to date when an event touches it
             for j, seq in enumerate(self.seqs):
-                self._set(j, seq, self.completed)
+                self._set(j, seq, ended)
 
     def finish(self) -> None:
         """Apply all k steps (at the end event of the last one)."""
@@ -118,39 +137,20 @@ class MacroStep:
         self.version += 1
         return True
 
-    # ---- one step ---------------------------------------------------------------------------------
-
-    def _start(self, i: int) -> None:
-        rep, seconds = self.rep, self.seconds[i - 1]
-        began = self.ends[i - 2] if i > 1 else self.start
-        room = rep.measure_until - began  # busy time counts only inside the measured window
-        counted = seconds if room >= seconds else room if room > 0 else 0.0
-        rep.busy_s += counted
-        if counted > 0:
-            shape, n = self.shapes[i - 1], self.sizes[i - 1]
-            flops = rep.flops(shape) if shape is not None else rep.flops_of(n, self.context_sums[i - 1], n)
-            rep.flops_done += flops * (counted / seconds)
-        else:
-            rep.flops_done += 0.0
-        bm = rep.scheduler.block_manager
-        for j in self.allocs.get(i, ()):
-            seq = self.seqs[j]
-            self._set(j, seq, i - 1)
-            copies = bm.may_append(seq, 1)
-            assert not copies, "a planned decode step never copies on write"
-        self.scheduled = i
-
-    def _end(self, i: int) -> None:
-        sched = self.rep.scheduler
-        for j, full, finished in self.retire.get(i, ()):
-            seq = self.seqs[j]
-            self._set(j, seq, i)
-            if full:
-                sched.block_manager.cache_full_blocks(seq)
-            if finished:
-                sched.finish_running(seq, "length", self.ends[i - 1])
-        self.rep.pending_decode = max(0, self.rep.pending_decode - (self.sampled[i] - self.sampled[i - 1]))
-        self.completed = i
+    def _count_busy(self, first: int, last: int) -> None:
+        """Busy time and FLOPs of steps first+1 .. last, counted at each step's start (as ``start_step`` does)."""
+        rep = self.rep
+        for i in range(first, last):  # 0-based: step i + 1
+            seconds = self.seconds[i]
+            room = rep.measure_until - (self.ends[i - 1] if i else self.start)  # only inside the measured window
+            counted = seconds if room >= seconds else room if room > 0 else 0.0
+            rep.busy_s += counted
+            if counted > 0:
+                shape, n = self.shapes[i], self.sizes[i]
+                flops = rep.flops(shape) if shape is not None else rep.flops_of(n, self.context_sums[i], n)
+                rep.flops_done += flops * (counted / seconds)
+            else:
+                rep.flops_done += 0.0
 
     def _set(self, j: int, seq: Sequence, steps: int) -> None:
         """Put sequence ``j`` in its state after ``steps`` of the planned steps (it takes part until it finishes)."""
@@ -243,6 +243,7 @@ def plan_macro(rep: Replica, now: float, cap: int) -> MacroStep | None:
             p.retire.setdefault(i, []).append((j, True, i == last == p.finish_step[j]))
         if last == p.finish_step[j] and (c + last) % bs:
             p.retire.setdefault(last, []).append((j, False, True))
+    p.event_steps = sorted(p.allocs.keys() | p.retire.keys())
     p.sampled = [0, *accumulate(p.sizes)]
     done = [0] * (p.k + 1)
     for f in p.finish_step:
