@@ -158,6 +158,7 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             lines += ["", f"![{c.id}](../experiments/results/{fig})"]
     lines += engine_bench_section(results_dir)
     lines += _serve_section(results_dir)
+    lines += _cluster_scale_section(results_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(lines) + "\n")
     return out
@@ -219,6 +220,31 @@ def _serve_section(results_dir: Path) -> list[str]:
             + (f", load average {m['load_average']} at the end, its own work included" if "load_average" in m else "")
             + f"); commit {s.get('commit', '?')}; "
               f"{s.get('date', '?')}. {s.get('note', '')}"]
+    return lines
+
+
+def _cluster_scale_section(results_dir: Path) -> list[str]:
+    """The cluster simulator at fleet scale (``python -m experiments.bench_cluster``), when it was measured."""
+    path = results_dir / "bench_cluster.json"
+    try:
+        r = json.loads(path.read_text())
+        m = r["machine"]
+        how = "measured" if r.get("measured_not_projected") else "projected linearly from this run"
+        lines = ["", "## Scale: the cluster simulator", "",
+                 f"{r['requests']:,} requests over {r['gpus']:,} simulated GPUs ({r['replicas']} replicas, each the "
+                 f"real scheduler and block manager), {r['simulated_s']} simulated seconds: {r['events']:,} events "
+                 f"({r.get('queue_events', r['events']):,} taken from the queue, macro steps "
+                 f"{'on' if r.get('macro_steps', False) else 'off'}) in {r['run_s']} s wall, {r['cpu_s']} s CPU: "
+                 f"{r['events_per_s']:,} events/s of wall time, {r['events_per_cpu_s']:,} per CPU second. "
+                 f"Time for 1,000,000 requests ({how}): {r['projected_s_for_1M_requests']} s wall, "
+                 f"{r['projected_cpu_s_for_1M_requests']} s CPU; goal {r['goal_s']} s: "
+                 f"{'met' if r['goal_met'] else 'not met'}.", "",
+                 f"Measured on: {m.get('cpu', '?')} ({m.get('cores', '?')} cores, load average "
+                 f"{r.get('load_average_before', '?')} before and {r.get('load_average_after', '?')} after the run, "
+                 f"its own work included); peak memory {r.get('peak_rss_mb', '?')} MB; commit {r.get('commit', '?')}; "
+                 f"{r.get('date', '?')}. {r.get('note', '')}."]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return []
     return lines
 
 

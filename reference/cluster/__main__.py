@@ -1,13 +1,15 @@
 """Commands of the cluster layer.
 
-    python -m reference.cluster simulate SCENARIO [--seed N] [--json OUT] [--trace T.jsonl]
+    python -m reference.cluster simulate SCENARIO [--seed N] [--json OUT] [--trace T.jsonl] [--single-steps]
     python -m reference.cluster place SCENARIO --model NAME --chain H100,A100,L4 [--chain ...]
                                       [--nodes 0,0,1] [--batch 64 --context 1024 | --prefill 2048]
                                       [--kv-tokens 65536] [--brute-force] [--json OUT]
 
 ``simulate`` runs a scenario file (format: reference/cluster/README.md) and prints its summary;
-``--trace`` writes the decision trace, one JSON line per request. ``place`` splits a model's layers
-over each chain of GPUs (exact DP), next to the uniform split and the LP upper bound of the pool.
+``--trace`` writes the decision trace, one JSON line per request; ``--single-steps`` queues one
+event per engine step instead of macro steps (the same run, slower: a check of the simulator).
+``place`` splits a model's layers over each chain of GPUs (exact DP), next to the uniform split and
+the LP upper bound of the pool.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", type=Path, help="write the summary here")
     sim.add_argument("--trace", type=Path, help="write the decision trace (JSON lines) here")
+    sim.add_argument("--single-steps", action="store_true", help="one event per engine step (no macro steps)")
     place = sub.add_parser("place", help="split a model's layers over chains of unlike GPUs")
     place.add_argument("scenario", type=Path, help="a scenario file (for its gpu_types and models)")
     place.add_argument("--model", required=True)
@@ -64,7 +67,7 @@ def simulate_command(args: argparse.Namespace) -> dict:
     scenario = load_scenario(args.scenario)
     trace = open(args.trace, "w") if args.trace else None  # noqa: SIM115 (closed below)
     try:
-        sim = Simulator(scenario, args.seed, trace=trace)
+        sim = Simulator(scenario, args.seed, trace=trace, macro_steps=not args.single_steps)
         with tqdm(total=round(scenario.duration_s, 3), unit="sim s", file=sys.stderr) as bar:
             def progress(t: float) -> None:
                 bar.n = round(min(t, scenario.duration_s), 3)
