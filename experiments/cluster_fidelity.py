@@ -1,7 +1,7 @@
 """Calibration and fidelity of the cluster simulator against the real reference engine (SmolLM2, CPU).
 
-Two small ShareGPT workloads run on the real NumPy engine, twice each (the second run gives the
-engine's own run-to-run spread). A ``StepTimeModel`` is fitted to the measured steps of both runs of
+Two small ShareGPT workloads run on the real NumPy engine, twice each, interleaved (the second run
+gives the engine's own run-to-run spread). A ``StepTimeModel`` is fitted to the measured steps of both runs of
 one workload; the other (held out) is replayed through the cluster simulator, one replica with the
 engine's exact scheduler settings and KV size, stepping by the fitted model; and the other way
 round. Reported: TTFT, inter-token latency (ITL) and end-to-end latency at p50/p90/p99, simulated
@@ -75,7 +75,8 @@ def fidelity(track: Any) -> dict[str, Any]:
     jobs = workloads(tok)
     runs: dict[str, list[tuple[dict[str, list[float]], list[Any]]]] = {"A": [], "B": []}
     with one_blas_thread():
-        for name, _ in track([(n, r) for n in ("A", "B") for r in range(2)], "E5 real engine runs (SmolLM2)"):
+        # interleaved (A, B, A, B): a change in the shared machine's load then hits both workloads alike
+        for name, _ in track([(n, r) for r in range(2) for n in ("A", "B")], "E5 real engine runs (SmolLM2)"):
             runs[name].append(measure(jobs[name]))
     out: dict[str, Any] = {"workloads": {n: {"requests": len(j), "prompt_tokens": [len(x.prompt) for x in j],
                                              "output_tokens": [x.output_len for x in j]} for n, j in jobs.items()}}
