@@ -64,6 +64,7 @@ def run(requests: int, macro_steps: bool = True) -> dict[str, Any]:
     from reference.cluster.lengths import sharegpt_lengths
 
     load_before = round(os.getloadavg()[0], 2)
+    commit = setup_info.commit()  # the code that runs, read before the run (commits made meanwhile do not count)
     lengths = sharegpt_lengths()
     s = scenario_from_dict(fleet(requests / RATE))
     t0 = time.perf_counter()
@@ -82,7 +83,7 @@ def run(requests: int, macro_steps: bool = True) -> dict[str, Any]:
     measured_all = result.requests >= GOAL_REQUESTS
     projected = run_s / max(result.requests, 1) * GOAL_REQUESTS + build_s
     projected_cpu = cpu_s / max(result.requests, 1) * GOAL_REQUESTS + build_s  # as on an otherwise idle core
-    return {"machine": setup_info.machine(), "commit": setup_info.commit(), "date": setup_info.now(),
+    return {"machine": setup_info.machine(), "commit": commit, "date": setup_info.now(),
             "load_average_before": load_before, "load_average_after": round(os.getloadavg()[0], 2),
             "note": ("wall time on a 2-core machine shared with other jobs (load averages recorded); CPU time "
                      "is this process's own"),

@@ -79,7 +79,8 @@ class MacroStep:
         self.event_steps: list[int] = []  # steps with an entry in allocs or retire, in order
         self.next_event = 0  # event_steps[:next_event] are fully applied
         self.scheduled = 0  # steps whose start (blocks, busy time) is applied
-        self.completed = 0  # steps whose end (tokens, prefix cache, finishes, load counters) is applied
+        self.completed = 0  # steps whose end (prefix cache, finishes, load counters) is applied
+        self.emitted = 0  # steps whose tokens the simulator has handed out (it may lag ``completed``)
         self.version = 0  # bumped by ``cut``: the queued end event of an older version is void
 
     def _ended(self, now: float) -> int:

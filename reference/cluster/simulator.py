@@ -185,24 +185,28 @@ class Simulator:
         else:
             self.push(end, STEP, rep, (work, rep.epoch))
 
-    def _sync(self, rep: Replica) -> None:
+    def _sync(self, rep: Replica, tokens: bool = False) -> None:
         """Something is about to change ``rep`` (a request joins, KV arrives, the site fails): bring a macro
-        step in flight up to now, and end it with the step in flight (the next one must see the change)."""
+        step in flight up to now, and end it with the step in flight (the next one must see the change).
+        ``tokens``: also hand out the tokens of the steps that ended (else they go at the plan's end)."""
         plan = rep.macro
         if plan is None:
             return
-        done = plan.completed
         plan.advance(self.now)
-        self._macro_tokens(rep, plan, done, plan.completed)
+        if tokens:
+            self._macro_tokens(rep, plan, plan.completed)
         if plan.cut():
             self.caps[rep.index] = max(4, 2 * plan.k)
             self.push(plan.ends[plan.k - 1], STEP, rep, (plan, rep.epoch, plan.version))
 
-    def _macro_tokens(self, rep: Replica, plan: MacroStep, done: int, upto: int) -> None:
-        """Steps done+1 .. upto of a macro step ended: log each as its step event, hand out its tokens, and
-        close the requests that finished in them."""
+    def _macro_tokens(self, rep: Replica, plan: MacroStep, upto: int) -> None:
+        """Steps plan.emitted+1 .. upto of a macro step ended: log each as its step event, hand out its
+        tokens, and close the requests that finished in them. Nothing reads a running request's token
+        times or a finished request's record before the plan ends or its site fails, so this waits."""
+        done = plan.emitted
         if upto <= done:
             return
+        plan.emitted = upto
         for i in range(done, upto - 1 if upto == plan.k else upto):
             self.log(plan.ends[i], STEP, rep.index)  # the last step's event is the queued one, logged by run()
         for seq, last in zip(plan.seqs, plan.finish_step, strict=True):
@@ -224,11 +228,10 @@ class Simulator:
             return  # the replica failed during this step
         if len(payload) == 3:
             plan: MacroStep = payload[0]
-            done = plan.completed
             if plan.version == 0:
                 self.caps[rep.index] = min(MACRO_CAP, 2 * self.caps[rep.index])
             rep.finish_macro(plan)
-            self._macro_tokens(rep, plan, done, plan.k)
+            self._macro_tokens(rep, plan, plan.k)
             return self._kick(rep)
         batch = payload[0]
         for e in rep.finish_step(batch, self.now):
@@ -266,7 +269,7 @@ class Simulator:
         lost = []
         for rep in self.replicas:
             if rep.site == site:
-                self._sync(rep)  # tokens of the steps that ended before the failure reached their clients
+                self._sync(rep, tokens=True)  # tokens of the steps that ended before the failure reached clients
                 lost += [seq.request for seq in (*rep.scheduler.running, *rep.scheduler.waiting)]
                 rep.alive = False
                 rep.epoch += 1
