@@ -129,3 +129,26 @@ def test_plan_refuses_what_it_cannot_prove() -> None:
     rep.add(Sequence([4, 5], max_tokens=5), 0.01)
     assert plan_macro(rep, 0.01, 64) is None  # a request waits: the next step admits it
     assert plan_macro(rep, 0.01, 1) is None  # fewer than 2 steps: not worth a plan
+
+
+@given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 4000)), min_size=1, max_size=40), st.integers(0, 1))
+def test_costs_from_sums_equal_costs_from_shapes(chunks: list[tuple[int, int]], sample_last: int) -> None:
+    """A macro step prices its steps from the shape's sums: the same float as from the whole shape."""
+    from reference.cluster.costs import RooflineCost
+    from reference.cluster.macro import DecodeShape
+    from reference.engine.cost import StepShape, StepTimeModel
+
+    d, _ = longer(0)
+    s = scenario_from_dict(d)
+    roofline = RooflineCost(next(iter(s.models.values())), next(iter(s.gpu_types.values())), 2)
+    fitted = StepTimeModel(0.04, 0.0025, 2e-6, 0.004, 0.05)
+    new = tuple(n for n, _ in chunks)
+    shape = StepShape(new, tuple(n + c for n, c in chunks), sum(1 for _ in chunks) - 1 + sample_last)
+    sums = (shape.num_tokens, shape.attention_pairs(), shape.num_sampled, sum(shape.context_lens) - shape.num_tokens)
+    for model in (roofline, fitted):
+        assert model.seconds_of(*sums) == model(shape)
+    assert roofline.flops_of(*sums[:3]) == roofline.flops(shape)
+    decode = StepShape((1,) * len(chunks), tuple(c + 1 for _, c in chunks), len(chunks))
+    fast = DecodeShape(new_tokens=decode.new_tokens, context_lens=decode.context_lens, num_sampled=len(chunks),
+                       pairs=sum(decode.context_lens))
+    assert fast.attention_pairs() == decode.attention_pairs() and roofline(fast) == roofline(decode)

@@ -53,3 +53,17 @@ def test_simulation_finishes_everything_and_shares_follow_weights():
     simulate(fcfs, FCFS(), StepTimeModel(0.01, 0.001, 0, 0), num_blocks=64, block_size=8,
              max_num_batched_tokens=64, max_num_seqs=4)
     assert all(r.finish is not None for r in fcfs)
+
+
+def test_step_time_model_fits_the_extra_cost_of_multi_token_steps():
+    """One-token steps run matrix-vector kernels, larger ones matrix-matrix: a fixed extra the fit finds."""
+    rng = np.random.default_rng(1)
+    truth = StepTimeModel(0.04, 0.0025, 2e-6, 0.004, multi_token=0.05)
+    shapes = [StepShape((1,), (int(c),), 1) for c in rng.integers(10, 100, size=20)]
+    shapes += [StepShape(tuple(rng.integers(1, 40, size=k)), tuple(rng.integers(50, 200, size=k)), int(k))
+               for k in rng.integers(2, 6, size=40)]
+    fitted = StepTimeModel.fit(shapes, [truth(s) for s in shapes])
+    assert np.isclose(fitted.multi_token, 0.05, rtol=1e-6) and np.isclose(fitted.base, 0.04, rtol=1e-6)
+    assert truth(StepShape((1,), (10,), 1)) + 0.05 < truth(StepShape((1, 1), (10, 10), 2))
+    only_large = [s for s in shapes if s.num_tokens > 1]  # base and the extra cannot be told apart: not fitted
+    assert StepTimeModel.fit(only_large, [truth(s) for s in only_large]).multi_token == 0.0
