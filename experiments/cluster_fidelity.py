@@ -1,7 +1,8 @@
 """Calibration and fidelity of the cluster simulator against the real reference engine (SmolLM2, CPU).
 
-Two small ShareGPT workloads run on the real NumPy engine, twice each, interleaved (the second run
-gives the engine's own run-to-run spread). A ``StepTimeModel`` is fitted to the measured steps of both runs of
+Two small ShareGPT workloads run on the real NumPy engine, three times each, interleaved; the real
+percentiles are the median over the runs, and the largest difference of one run from it is the
+engine's own run-to-run spread. A ``StepTimeModel`` is fitted to the measured steps of all runs of
 one workload; the other (held out) is replayed through the cluster simulator, one replica with the
 engine's exact scheduler settings and KV size, stepping by the fitted model; and the other way
 round. Reported: TTFT, inter-token latency (ITL) and end-to-end latency at p50/p90/p99, simulated
@@ -21,6 +22,8 @@ from reference.engine.cost import StepTimeModel
 
 ENGINE = {"num_blocks": 128, "block_size": 16, "max_num_batched_tokens": 64, "max_num_seqs": 4}
 PS = (50, 90, 99)
+METRICS = ("ttft", "itl", "e2e")
+RUNS = 3  # real-engine runs of each workload
 
 
 def workloads(tok: Any) -> dict[str, list[Job]]:
@@ -60,43 +63,52 @@ def simulated(jobs: list[Job], cost: StepTimeModel) -> dict[str, list[float]]:
     return {"ttft": result.ttft, "e2e": result.e2e, "itl": result.gaps}
 
 
-def compare(a: dict[str, list[float]], b: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+def percentile_ms(lat: dict[str, list[float]]) -> dict[str, np.ndarray]:
+    """Each metric's p50/p90/p99, in milliseconds."""
+    return {m: np.percentile(lat[m], PS) * 1000 for m in METRICS}
+
+
+def compare(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
     """Relative error |a - b| / b of each metric's percentiles."""
-    out = {}
-    for metric in ("ttft", "itl", "e2e"):
-        pa, pb = np.percentile(a[metric], PS), np.percentile(b[metric], PS)
-        out[metric] = {f"p{p}": round(float(abs(x - y) / y), 4) for p, x, y in zip(PS, pa, pb, strict=True)}
-    return out
+    return {m: {f"p{p}": round(float(abs(x - y) / y), 4) for p, x, y in zip(PS, a[m], b[m], strict=True)}
+            for m in METRICS}
 
 
-def fidelity(track: Any) -> dict[str, Any]:
-    """Measure, fit, replay both ways; returns errors, spreads and the fitted models."""
+def fidelity(track: Any, repeats: int = RUNS) -> dict[str, Any]:
+    """Measure, fit, replay both ways; returns errors, spreads and the fitted models.
+
+    Each workload runs ``repeats`` times, interleaved (A, B, A, B, ...): a change in the shared machine's
+    load then hits both alike. The real engine's percentiles are the median over its runs; its run-to-run
+    spread is the largest difference of one run from that median."""
     _, tok = smollm2()
     jobs = workloads(tok)
     runs: dict[str, list[tuple[dict[str, list[float]], list[Any]]]] = {"A": [], "B": []}
     with one_blas_thread():
-        # interleaved (A, B, A, B): a change in the shared machine's load then hits both workloads alike
-        for name, _ in track([(n, r) for r in range(2) for n in ("A", "B")], "E5 real engine runs (SmolLM2)"):
+        for name, _ in track([(n, r) for r in range(repeats) for n in ("A", "B")], "E5 real engine runs (SmolLM2)"):
             runs[name].append(measure(jobs[name]))
     out: dict[str, Any] = {"workloads": {n: {"requests": len(j), "prompt_tokens": [len(x.prompt) for x in j],
-                                             "output_tokens": [x.output_len for x in j]} for n, j in jobs.items()}}
+                                             "output_tokens": [x.output_len for x in j]} for n, j in jobs.items()},
+                           "real_runs_per_workload": repeats}
     for fit_on, test_on in (("A", "B"), ("B", "A")):
-        steps = [r for _, log in runs[fit_on] for r in log]  # both runs of the fitting workload
+        steps = [r for _, log in runs[fit_on] for r in log]  # every run of the fitting workload
         cost = StepTimeModel.fit([r.shape() for r in steps], [r.duration for r in steps])
-        sim = simulated(jobs[test_on], cost)
+        sim = percentile_ms(simulated(jobs[test_on], cost))
+        each = [percentile_ms(lat) for lat, _ in runs[test_on]]
+        real = {m: np.median([e[m] for e in each], axis=0) for m in METRICS}
+        spread = {m: {f"p{p}": max(v[f"p{p}"] for v in (compare(e, real)[m] for e in each)) for p in PS}
+                  for m in METRICS}
         out[f"fit {fit_on} -> test {test_on}"] = {
-            "model": cost.__dict__, "sim_vs_real": compare(sim, runs[test_on][0][0]),
-            "real_run_to_run": compare(runs[test_on][1][0], runs[test_on][0][0]),
-            "real_ms": {m: [round(float(v) * 1000, 2) for v in np.percentile(runs[test_on][0][0][m], PS)]
-                        for m in ("ttft", "itl", "e2e")},
-            "sim_ms": {m: [round(float(v) * 1000, 2) for v in np.percentile(sim[m], PS)]
-                       for m in ("ttft", "itl", "e2e")}}
+            "model": cost.__dict__, "sim_vs_real": compare(sim, real), "real_run_to_run": spread,
+            "real_ms": {m: [round(float(v), 2) for v in real[m]] for m in METRICS},
+            "sim_ms": {m: [round(float(v), 2) for v in sim[m]] for m in METRICS}}
     return out
 
 
 def table(f: dict[str, Any]) -> str:
-    lines = ["| fit -> held-out | metric | real p50/p90/p99 (ms) | simulated p50/p90/p99 (ms) | sim error p50/p90/p99 "
-             "| real run-to-run p50/p90/p99 |", "|---|---|---|---|---|---|"]
+    runs = f.get("real_runs_per_workload", 2)
+    lines = [f"| fit -> held-out | metric | real p50/p90/p99 (ms, median of {runs} runs) | simulated p50/p90/p99 (ms) "
+             "| sim error p50/p90/p99 | real run-to-run p50/p90/p99 (largest of one run) |",
+             "|---|---|---|---|---|---|"]
     for key, v in f.items():
         if not key.startswith("fit"):
             continue

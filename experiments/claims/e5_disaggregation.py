@@ -81,7 +81,8 @@ def run(ctx: Context) -> Result:
         measured=measured, summary=summary, verdict=verdict, why=why,
         setup={"weights": "none for part 1 (Llama-8B shape); SmolLM2-135M (NumPy engine, 1 BLAS thread) for fidelity",
                "workload": (f"ShareGPT lengths (prompts <= 2048, answers <= 512), Poisson, {duration:g} s per run, "
-                            f"rates {rates} req/s; fidelity: two 8-request ShareGPT workloads"),
+                            f"rates {rates} req/s; fidelity: two 8-request ShareGPT workloads, each run 3 times "
+                            "on the real engine"),
                "fleet": f"{GPUS} H100, layouts {list(layouts)}", "assumptions": ASSUMPTIONS,
                "clock": CLOCK + " (fidelity part)", "time": SHARED_MACHINE},
         article={"claim": "~40% higher cluster GPU utilization than colocated; prefill GPUs >= 85% compute (H100)"},
