@@ -293,8 +293,8 @@ def _register_all() -> None:
                      + (", up to 4096 positions, 32 heads on 8 kv heads" if long else ""))
             make = _attention_inputs(dtype, small, large, bf16_query)  # shared by both backends (cached)
             for backend in ("torch", "triton"):
-                # the torch decode path multiplies bf16 queries in bf16 (scores and weights rounded)
-                products = bf16_query and kind == "decode" and backend == "torch"
+                # the torch path multiplies one-token chunks' bf16 queries in bf16 (scores, weights rounded)
+                products = bf16_query and backend == "torch"
                 register(Case(f"kv.{kind}_attention.{label}{dtype}.{backend}", Level.BOUNDED, make,
                               _attention_reference, _attention_fast(kind, backend),
                               bound=bf16_bound if products else bound, large_only=long,
