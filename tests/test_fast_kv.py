@@ -216,3 +216,20 @@ def test_decode_in_many_length_groups_matches_reference(monkeypatch: pytest.Monk
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
         batches = step.memo["decode"] if step.is_decode else step.memo["prefill"][0]
         assert len(batches) > 1
+
+
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_bf16_store_rounding_equals_the_reference_on_every_bit_class(with_nan: bool) -> None:
+    """Both branches of ``to_store`` (torch's cast when there is no NaN, integer rounding otherwise)
+    give ``reference.bf16.float32_to_bf16``'s bits: ties, subnormals, infinities, NaN payloads."""
+    from fast.kv.cache import to_store
+    from reference.bf16 import float32_to_bf16
+
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    bits[:1000] = (bits[:1000] & 0xFFFF0000) | 0x8000  # exact ties
+    x = bits.view(np.float32)
+    x = x if with_nan else x[~np.isnan(x)]
+    assert np.isnan(x).any() == with_nan
+    got = to_store(torch.from_numpy(x.copy()), torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(got, np.asarray(float32_to_bf16(x)).view(np.uint16))

@@ -111,22 +111,25 @@ def _chunk_batch(step: KVStep, i: int, device: torch.device) -> _Batch:
 
 def _gather_rows(cache: PagedKVCache, layer: int, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a batch as [n, L, kv_heads * D] in the cache's dtype (fp8: float32): the blocks as
-    stored, one copy into scratch buffers, unused slots zeroed (they may hold NaN, and 0 * NaN = NaN)."""
+    stored, one copy into scratch buffers. Unused slots of V are zeroed: they may hold NaN, and a zero
+    weight times NaN is NaN. (K's need not be: their scores are replaced by -inf, NaN or not.)"""
     n, length = batch.valid.shape
-    out = []
-    for which in ("k", "v"):
-        x = _gather_blocks(cache, layer, batch.blocks, which).view(n, length, cache.num_kv_heads * cache.head_dim)
-        x.view(n * length, -1).index_fill_(0, batch.bad, 0.0)
-        out.append(x)
-    return out[0], out[1]
+    shape = (n, length, cache.num_kv_heads * cache.head_dim)
+    k = _gather_blocks(cache, layer, batch.blocks, "k").view(shape)
+    v = _gather_blocks(cache, layer, batch.blocks, "v").view(shape)
+    v.view(n * length, -1).index_fill_(0, batch.bad, 0.0)
+    return k, v
 
 
 def _gather_heads(cache: PagedKVCache, layer: int, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of a batch as float32 [n, kv_heads, L, D], contiguous (scratch buffers of the cache)."""
+    """K and V of a batch as float32 [n, kv_heads, L, D], contiguous (scratch buffers of the cache),
+    unused slots of both zeroed (SDPA adds its mask to the scores, and NaN - inf is NaN)."""
     n, length = batch.valid.shape
     kv, d, bs = cache.num_kv_heads, cache.head_dim, cache.block_size
+    k, v = _gather_rows(cache, layer, batch)
+    k.view(n * length, -1).index_fill_(0, batch.bad, 0.0)
     out = []
-    for which, x in zip("kv", _gather_rows(cache, layer, batch), strict=True):
+    for which, x in (("k", k), ("v", v)):
         heads = _scratch(cache, which + ".heads", (n, kv, length, d), torch.float32)
         heads.view(n, kv, batch.width, bs, d).copy_(x.view(n, batch.width, bs, kv, d).permute(0, 3, 1, 2, 4))
         out.append(heads)
