@@ -41,10 +41,27 @@ def result_json(measured: dict[str, Any], setup: dict[str, Any]) -> dict[str, An
                       f"{setup.get('load_average')}): the ratios, measured in one run, are the result")
         short = "" if ratio >= 2 else f", {2 - ratio:.2f}x short of the goal"
         out["why"] = (f"the fast engine made {ratio:.2f}x the useful tokens/s of transformers bf16 at its best "
-                      f"batch size (goal 2x{short}); {timing}")
+                      f"batch size (goal 2x{short}); {timing}. Where the time went: {where_time_went(systems)}")
     else:
         out["verdict"], out["why"] = "not compared", "run fast and transformers_bf16 together to compare them"
     return out
+
+
+def where_time_went(systems: dict[str, Any]) -> str:
+    """Per engine, seconds in steps with prefill vs pure decode steps; transformers' TTFT and ITL."""
+    parts = []
+    for name, v in systems.items():
+        ph = v.get("phases")
+        if ph:
+            parts.append(f"{name} {ph['prefill_s']:.1f} s in {ph['prefill_steps']} steps with prefill + "
+                         f"{ph['decode_s']:.1f} s in {ph['decode_steps']} decode steps (ITL p50 "
+                         f"{v['itl_ms']['p50']:.0f} ms)")
+        elif name == "transformers_bf16":
+            parts.append(f"transformers_bf16 (static batches of {v.get('batch_size')}) {v['seconds']:.1f} s: each "
+                         "batch prefills its prompts left-padded to the longest, then takes one decode step per "
+                         f"token of its longest output (ITL p50 {v['itl_ms']['p50']:.0f} ms); a batch also waits "
+                         f"for the one before it (TTFT p50 {v['ttft_ms']['p50'] / 1000:.1f} s)")
+    return "; ".join(parts)
 
 
 def figure(result: dict[str, Any], path: Path) -> Path:
