@@ -76,6 +76,10 @@ def figure(result: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     axes[0].bar(names, [m["useful_tok_s"][n] for n in names], color="tab:blue")
     axes[0].set_title("useful output tokens/s (higher is better)")
+    if "transformers_bf16" in m["useful_tok_s"]:
+        axes[0].axhline(2 * m["useful_tok_s"]["transformers_bf16"], color="gray", ls="--",
+                        label="goal: 2x transformers")
+        axes[0].legend()
     for ax, key, title in ((axes[1], "ttft_ms", "TTFT (ms)"), (axes[2], "itl_ms", "inter-token latency (ms)")):
         x = range(len(names))
         ax.bar([i - 0.2 for i in x], [m[key][n]["p50"] for n in names], width=0.4, label="p50")
