@@ -119,10 +119,17 @@ def test_errors_name_the_problem() -> None:
 
 
 @needs_c
-@given(st.integers(0, 5000), st.integers(1, 9), st.integers(0, 2**32 - 1))
-def test_crc32_equals_zlib(n: int, threads: int, seed: int) -> None:
-    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-    assert decode_native.crc32(data, threads) == zlib.crc32(data.tobytes())
+@given(st.integers(0, 5000), st.integers(0, 15), st.integers(1, 9), st.integers(0, 2**32 - 1),
+       st.sampled_from([0, 1, 2]))
+def test_crc32_equals_zlib(n: int, skip: int, threads: int, seed: int, path: int) -> None:
+    """Every CRC path the CPU has (0 tables, 1 PCLMULQDQ, 2 VPCLMULQDQ), any length and alignment."""
+    data = np.random.default_rng(seed).integers(0, 256, n + skip, dtype=np.uint8)[skip:]
+    lib = decode_native.library()
+    try:
+        lib.unw_crc_use(path)
+        assert decode_native.crc32(data, threads) == zlib.crc32(data.tobytes())
+    finally:
+        lib.unw_crc_use(-1)
 
 
 def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,8 @@
  * fast/codec/decode_native.py builds this file with the system C compiler on first use (as the
  * encoder, native/encode.c), loads it with ctypes and calls:
  *
- *   unw_crc32          CRC-32 (IEEE, the value zlib.crc32 gives) of a buffer, in threads
+ *   unw_crc32          CRC-32 (IEEE, the value zlib.crc32 gives) of a buffer, in threads (crc32.h)
+ *   unw_crc_use        which CRC-32 path to use at most (for the tests)
  *   unw_multi_table    the multi-symbol decoding table, from the one-symbol table (FORMAT.md 3.3)
  *   unw_decode         every check of FORMAT.md 3.6 that reads array contents, and the decode
  *
@@ -36,149 +37,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "crc32.h"
 #include "threads.h"
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define HAVE_CLMUL_CODE 1
-#endif
 
 #define INVALID 0x80    /* multi_meta flag: the window starts with no valid code */
 #define CRC_BATCH 8192  /* weights of output between two CRC updates (stays in cache) */
-
-/* ---- CRC-32 ---- */
-
-static uint32_t crc_table[8][256];
-static int have_clmul;
-static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
-
-static void crc_init(void) {
-    for (uint32_t n = 0; n < 256; n++) {
-        uint32_t c = n;
-        for (int k = 0; k < 8; k++)
-            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[0][n] = c;
-    }
-    for (int t = 1; t < 8; t++) /* table t: byte n followed by t zero bytes */
-        for (uint32_t n = 0; n < 256; n++)
-            crc_table[t][n] = crc_table[0][crc_table[t - 1][n] & 0xFF] ^ (crc_table[t - 1][n] >> 8);
-#ifdef HAVE_CLMUL_CODE
-    __builtin_cpu_init();
-    have_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
-#endif
-}
-
-/* Slicing by 8 (little-endian loads). c is the running state (the inverted CRC). */
-static uint32_t crc_soft(uint32_t c, const uint8_t *p, size_t n) {
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        uint32_t lo = (uint32_t)w ^ c, hi = (uint32_t)(w >> 32);
-        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^ crc_table[5][(lo >> 16) & 0xFF] ^
-            crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
-            crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
-        p += 8;
-        n -= 8;
-    }
-    while (n--)
-        c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
-    return c;
-}
-
-#ifdef HAVE_CLMUL_CODE
-/* Carry-less multiplication folding (Gopal et al., "Fast CRC computation for generic polynomials
- * using PCLMULQDQ", Intel 2009; the bit-reflected constants of its appendix, as in zlib-ng and
- * Chromium's zlib). n >= 64 and a multiple of 16; c is the running state. */
-__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_clmul(uint32_t c, const uint8_t *p, size_t n) {
-    const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596, 0x0154442bd4);
-    const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009e, 0x01751997d0);
-    const __m128i k5k0 = _mm_set_epi64x(0, 0x0163cd6124);
-    const __m128i poly = _mm_set_epi64x(0x01f7011641, 0x01db710641);
-    const __m128i mask32 = _mm_setr_epi32(~0, 0, ~0, 0);
-    __m128i x1 = _mm_loadu_si128((const __m128i *)(p + 0x00)), x2 = _mm_loadu_si128((const __m128i *)(p + 0x10));
-    __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 0x20)), x4 = _mm_loadu_si128((const __m128i *)(p + 0x30));
-    __m128i x5, x6, x7, x8;
-    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)c));
-    p += 64;
-    n -= 64;
-    while (n >= 64) { /* fold four 128-bit lanes forward by 512 bits */
-        x5 = _mm_clmulepi64_si128(x1, k1k2, 0x00);
-        x6 = _mm_clmulepi64_si128(x2, k1k2, 0x00);
-        x7 = _mm_clmulepi64_si128(x3, k1k2, 0x00);
-        x8 = _mm_clmulepi64_si128(x4, k1k2, 0x00);
-        x1 = _mm_clmulepi64_si128(x1, k1k2, 0x11);
-        x2 = _mm_clmulepi64_si128(x2, k1k2, 0x11);
-        x3 = _mm_clmulepi64_si128(x3, k1k2, 0x11);
-        x4 = _mm_clmulepi64_si128(x4, k1k2, 0x11);
-        x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), _mm_loadu_si128((const __m128i *)(p + 0x00)));
-        x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), _mm_loadu_si128((const __m128i *)(p + 0x10)));
-        x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), _mm_loadu_si128((const __m128i *)(p + 0x20)));
-        x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), _mm_loadu_si128((const __m128i *)(p + 0x30)));
-        p += 64;
-        n -= 64;
-    }
-    /* fold the four lanes into one */
-    x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x2), x5);
-    x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x3), x5);
-    x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x4), x5);
-    while (n >= 16) {
-        x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-        x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), _mm_loadu_si128((const __m128i *)p)), x5);
-        p += 16;
-        n -= 16;
-    }
-    /* 128 -> 64 bits, then Barrett reduction to 32 */
-    x2 = _mm_clmulepi64_si128(x1, k3k4, 0x10);
-    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2);
-    x2 = _mm_srli_si128(x1, 4);
-    x1 = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x1, mask32), k5k0, 0x00), x2);
-    x2 = _mm_clmulepi64_si128(_mm_and_si128(x1, mask32), poly, 0x10);
-    x2 = _mm_clmulepi64_si128(_mm_and_si128(x2, mask32), poly, 0x00);
-    x1 = _mm_xor_si128(x1, x2);
-    return (uint32_t)_mm_extract_epi32(x1, 1);
-}
-#endif
-
-/* Continue the running state c over n bytes. */
-static uint32_t crc_update(uint32_t c, const uint8_t *p, size_t n) {
-#ifdef HAVE_CLMUL_CODE
-    if (have_clmul && n >= 64) {
-        size_t m = n & ~(size_t)15;
-        c = crc_clmul(c, p, m);
-        p += m;
-        n -= m;
-    }
-#endif
-    return crc_soft(c, p, n);
-}
-
-/* CRC-32 algebra modulo the polynomial, as zlib's crc32_combine: a * b, and x^(8 * n). */
-static uint32_t mult_mod_p(uint32_t a, uint32_t b) {
-    uint32_t m = 1u << 31, p = 0;
-    for (; m; m >>= 1) {
-        if (a & m)
-            p ^= b;
-        b = b & 1 ? (b >> 1) ^ 0xEDB88320u : b >> 1;
-    }
-    return p;
-}
-
-static uint32_t x8n_mod_p(int64_t n) {
-    uint32_t p = 1u << 31, x2k = 1u << 23; /* x^0 and x^8 (one byte), bit-reflected: x^k is bit 31 - k */
-    for (; n; n >>= 1) {
-        if (n & 1)
-            p = mult_mod_p(x2k, p);
-        x2k = mult_mod_p(x2k, x2k);
-    }
-    return p;
-}
-
-/* The CRC of A then B, from crc(A), crc(B) and B's length in bytes. */
-static uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, int64_t len_b) {
-    return mult_mod_p(x8n_mod_p(len_b), crc_a) ^ crc_b;
-}
 
 typedef struct {
     const uint8_t *p;
@@ -192,10 +55,13 @@ static void *crc_piece(void *arg) {
     return NULL;
 }
 
+/* Use at most CRC path `level` (0 tables, 1 PCLMULQDQ, 2 VPCLMULQDQ; -1 the CPU's best); the one in use. */
+int unw_crc_use(int level) { return crc_use(level); }
+
 /* zlib.crc32(p[0:n]), computed in `threads` pieces and joined. */
 uint32_t unw_crc32(const uint8_t *p, int64_t n, int threads) {
     CrcJob jobs[MAX_THREADS];
-    pthread_once(&crc_once, crc_init);
+    crc_setup();
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     for (int t = 0; t < threads; t++) {
         int64_t a = n * t / threads, b = n * (t + 1) / threads;
@@ -495,7 +361,7 @@ int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const
                uint32_t *crc_io, uint16_t *out) {
     Tensor x;
     Job jobs[MAX_THREADS];
-    pthread_once(&crc_once, crc_init);
+    crc_setup();
     memset(&x, 0, sizeof x);
     x.stream = stream, x.offsets = offsets, x.vchunks = vchunks, x.words = words, x.stream_bits = stream_bits;
     x.n_verbatim = n_verbatim, x.vexp = vexp, x.sm = sm, x.single = single, x.multi_meta = multi_meta;
