@@ -44,11 +44,17 @@ def many_threads() -> Iterator[None]:
 
 @needs_c
 @settings(max_examples=150, deadline=None)
-@given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([1, 2, 3, 7]))
-def test_c_decoder_equals_plain_reference_decoder(bits: np.ndarray, params: dict, threads: int) -> None:
+@given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([1, 2, 3, 7]), wide=st.booleans())
+def test_c_decoder_equals_plain_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
+    """Both builds of the decoding loop (portable, and AVX2 + BMI2 where the CPU has it)."""
     ct = encode(bits, **params)
-    with many_threads():
-        got = decode_cpu(ct, threads=threads, native=True)
+    lib = decode_native.library()
+    try:
+        lib.unw_decode_use(int(wide))
+        with many_threads():
+            got = decode_cpu(ct, threads=threads, native=True)
+    finally:
+        lib.unw_decode_use(1)
     assert got.dtype == np.uint16 and got.shape == bits.shape
     assert np.array_equal(got, decode(ct)) and np.array_equal(got, bits)
 

@@ -42,6 +42,7 @@ _P, _I64, _INT, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_u
 _SIGNATURES = {  # name: (return type, argument types), as in native/decode.c
     "unw_crc32": (_U32, [_P, _I64, _INT]),
     "unw_crc_use": (_INT, [_INT]),
+    "unw_decode_use": (_INT, [_INT]),
     "unw_multi_table": (None, [_P, _INT, _P, _P]),
     "unw_decode": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _INT, _P, _P, _P, _INT,
                           _I64, _I64, _I64, _I64, _INT, _P, _P]),

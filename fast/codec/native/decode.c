@@ -5,6 +5,7 @@
  *
  *   unw_crc32          CRC-32 (IEEE, the value zlib.crc32 gives) of a buffer, in threads (crc32.h)
  *   unw_crc_use        which CRC-32 path to use at most (for the tests)
+ *   unw_decode_use     whether to use the AVX2 + BMI2 build of the decoding loop (for the tests)
  *   unw_multi_table    the multi-symbol decoding table, from the one-symbol table (FORMAT.md 3.3)
  *   unw_decode         every check of FORMAT.md 3.6 that reads array contents, and the decode
  *
@@ -127,10 +128,10 @@ typedef struct {
     int64_t where, detail;
 } Job;
 
-static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* The 64 bits of the stream from bit pos (words read MSB first; past the end reads zeros). */
-static inline uint64_t window64(const uint32_t *s, int64_t words, uint64_t pos) {
+static inline __attribute__((always_inline)) uint64_t window64(const uint32_t *s, int64_t words, uint64_t pos) {
     uint64_t i = pos >> 5, sh = pos & 31;
     if (i > (uint64_t)words - 2) /* a corrupt group ran past the end: read the last words (caught later) */
         i = (uint64_t)words - 2;
@@ -169,8 +170,11 @@ static inline __attribute__((always_inline)) unsigned decode_group(const Tensor 
 }
 
 /* Four groups at once (their chains of lookups are independent, so the CPU overlaps them), as far as
- * all four have R * 4 codes left; each then finishes alone. bad[q]: the INVALID flag of group q (or,
- * from the part decoded together, of any of the four: the error then names the first). */
+ * all four have R * 4 codes left; each then finishes alone in decode_group. Each group's state is its
+ * window, bit position and output pointer (few enough to stay in registers). The lookups here are not
+ * checked one by one (that flag cost ~8%): an invalid window consumes no bits, so the group stays stuck
+ * there; decode_group, which checks every hit, then meets it again, or the group ends before its next
+ * offset (BAD_GROUP_END); in the last case left (stuck exactly at that offset), the data's CRC-32 differs. */
 static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *x, const uint32_t *s, int64_t words,
                                                                   uint64_t *pos, const int64_t *count,
                                                                   uint8_t *const *dst, unsigned *bad, const int L,
@@ -178,21 +182,19 @@ static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *
     const uint16_t *meta = x->multi_meta;
     const uint32_t *mexp = x->multi_exp;
     uint64_t p0 = pos[0], p1 = pos[1], p2 = pos[2], p3 = pos[3];
-    int64_t i0 = 0, i1 = 0, i2 = 0, i3 = 0;
-    const int64_t c0 = count[0] - 4 * R, c1 = count[1] - 4 * R, c2 = count[2] - 4 * R, c3 = count[3] - 4 * R;
-    uint8_t *d0 = dst[0], *d1 = dst[1], *d2 = dst[2], *d3 = dst[3];
-    unsigned b = 0; /* one flag for the four: fewer registers in the loop */
+    uint8_t *o0 = dst[0], *o1 = dst[1], *o2 = dst[2], *o3 = dst[3];
+    uint8_t *const e0 = dst[0] + count[0] - 4 * R, *const e1 = dst[1] + count[1] - 4 * R;
+    uint8_t *const e2 = dst[2] + count[2] - 4 * R, *const e3 = dst[3] + count[3] - 4 * R;
 #define STEP(q)                                   \
     {                                             \
         uint64_t w = win##q >> (64 - L);          \
-        unsigned m = meta[w];                     \
+        uint32_t m = meta[w];                     \
         uint32_t e = mexp[w];                     \
-        memcpy(d##q + i##q, &e, 4);               \
-        i##q += m >> 8;                           \
+        memcpy(o##q, &e, 4);                      \
+        o##q += m >> 8;                           \
         win##q <<= m & 63;                        \
-        b |= m;                                   \
     }
-    while (i0 <= c0 && i1 <= c1 && i2 <= c2 && i3 <= c3) {
+    while (o0 <= e0 && o1 <= e1 && o2 <= e2 && o3 <= e3) {
         /* bit 0 of each window, never read (R * L < 64), is a mark: it moves up by the bits used */
         uint64_t win0 = window64(s, words, p0) | 1, win1 = window64(s, words, p1) | 1;
         uint64_t win2 = window64(s, words, p2) | 1, win3 = window64(s, words, p3) | 1;
@@ -204,10 +206,10 @@ static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *
         p2 += (uint64_t)__builtin_ctzll(win2), p3 += (uint64_t)__builtin_ctzll(win3);
     }
 #undef STEP
-    bad[0] = (b & INVALID) | decode_group(x, s, words, &p0, i0, count[0], d0, L, R);
-    bad[1] = (b & INVALID) | decode_group(x, s, words, &p1, i1, count[1], d1, L, R);
-    bad[2] = (b & INVALID) | decode_group(x, s, words, &p2, i2, count[2], d2, L, R);
-    bad[3] = (b & INVALID) | decode_group(x, s, words, &p3, i3, count[3], d3, L, R);
+    bad[0] = decode_group(x, s, words, &p0, o0 - dst[0], count[0], dst[0], L, R);
+    bad[1] = decode_group(x, s, words, &p1, o1 - dst[1], count[1], dst[1], L, R);
+    bad[2] = decode_group(x, s, words, &p2, o2 - dst[2], count[2], dst[2], L, R);
+    bad[3] = decode_group(x, s, words, &p3, o3 - dst[3], count[3], dst[3], L, R);
     pos[0] = p0, pos[1] = p1, pos[2] = p2, pos[3] = p3;
 }
 
@@ -247,7 +249,7 @@ static void check_verbatim(const Tensor *x, Job *job, int64_t v, int64_t n) {
         fail(job, BAD_VERBATIM_RULE, v, 0);
 }
 
-static void *decode_range(void *arg) {
+static inline __attribute__((always_inline)) void *decode_range_body(void *arg) {
     Job *job = arg;
     const Tensor *x = job->x;
     int64_t g0 = x->n_groups * job->t / x->threads, g1 = x->n_groups * (job->t + 1) / x->threads;
@@ -349,6 +351,39 @@ static void *decode_range(void *arg) {
     return NULL;
 }
 
+/* decode_range compiled twice: for any x86-64 (or other) CPU, and with AVX2 + BMI2 (shifts by a register
+ * without the cl register, 256-bit assembly), chosen at run time. */
+static int wide_cpu, use_wide;
+static pthread_once_t wide_once = PTHREAD_ONCE_INIT;
+
+static void wide_init(void) {
+#ifdef HAVE_CLMUL_CODE
+    __builtin_cpu_init();
+    wide_cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
+#endif
+    use_wide = wide_cpu;
+}
+
+static void *decode_range_plain(void *arg) { return decode_range_body(arg); }
+#ifdef HAVE_CLMUL_CODE
+__attribute__((target("avx2,bmi,bmi2"))) static void *decode_range_wide(void *arg) { return decode_range_body(arg); }
+#endif
+
+static void *decode_range(void *arg) {
+#ifdef HAVE_CLMUL_CODE
+    if (use_wide)
+        return decode_range_wide(arg);
+#endif
+    return decode_range_plain(arg);
+}
+
+/* Use the AVX2 + BMI2 decoder if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
+int unw_decode_use(int wide) {
+    pthread_once(&wide_once, wide_init);
+    use_wide = wide && wide_cpu;
+    return use_wide;
+}
+
 /* Check and decode a Huffman-form tensor into out (uint16 [rows * cols]). The header was checked by
  * the caller (array lengths as FORMAT.md 3.2 implies, code lengths valid, single = the decoding
  * table of exponents, multi_* from unw_multi_table). crc_io[0..5]: the expected CRC-32 of sm, stream,
@@ -362,6 +397,7 @@ int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const
     Tensor x;
     Job jobs[MAX_THREADS];
     crc_setup();
+    pthread_once(&wide_once, wide_init);
     memset(&x, 0, sizeof x);
     x.stream = stream, x.offsets = offsets, x.vchunks = vchunks, x.words = words, x.stream_bits = stream_bits;
     x.n_verbatim = n_verbatim, x.vexp = vexp, x.sm = sm, x.single = single, x.multi_meta = multi_meta;
