@@ -130,12 +130,11 @@ typedef struct {
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* The 64 bits of the stream from bit pos (words read MSB first; past the end reads zeros). */
+/* The 64 bits of the stream from bit pos (words read MSB first; no branch: past the end reads the last words). */
 static inline __attribute__((always_inline)) uint64_t window64(const uint32_t *s, int64_t words, uint64_t pos) {
-    uint64_t i = pos >> 5, sh = pos & 31;
-    if (i > (uint64_t)words - 2) /* a corrupt group ran past the end: read the last words (caught later) */
-        i = (uint64_t)words - 2;
-    uint64_t third = i + 2 < (uint64_t)words ? s[i + 2] : 0;
+    uint64_t last = (uint64_t)words - 1, i = pos >> 5, sh = pos & 31;
+    i = i < last ? i : last - 1;                 /* a corrupt group ran past the end: read the last words */
+    uint64_t third = s[i + 2 < last ? i + 2 : last]; /* the last word is 0 (else BAD_TAIL is raised) */
     return ((((uint64_t)s[i] << 32) | s[i + 1]) << sh) | ((third >> 1) >> (31 - sh));
 }
 
@@ -213,6 +212,13 @@ static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *
     pos[0] = p0, pos[1] = p1, pos[2] = p2, pos[3] = p3;
 }
 
+/* bf16 = sign | exponent << 7 | mantissa, for n weights (vectorised by the compiler). */
+static inline __attribute__((always_inline)) void assemble(uint16_t *restrict o, const uint8_t *restrict q,
+                                                           const uint8_t *restrict e, int64_t n) {
+    for (int64_t t = 0; t < n; t++)
+        o[t] = (uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F));
+}
+
 static void fail(Job *job, int error, int64_t where, int64_t detail) {
     if (!job->error) {
         job->error = error;
@@ -271,7 +277,7 @@ static inline __attribute__((always_inline)) void *decode_range_body(void *arg) 
     job->last = k1 < x->n_chunks ? (k1 / x->cpr) * x->cols + (k1 % x->cpr) * x->cs : x->rows * x->cols;
     uint32_t crc_out = ~0u, crc_sm = ~0u;
     int64_t crc_done = job->first;
-    uint8_t *scratch = malloc((size_t)(4 * (x->cpg * x->cs + 64)));
+    uint8_t *scratch = malloc((size_t)(4 * x->cpg * x->cs + 64));
     if (!scratch) {
         fail(job, NO_MEMORY, 0, 0);
         return NULL;
@@ -290,7 +296,7 @@ static inline __attribute__((always_inline)) void *decode_range_body(void *arg) 
         uint64_t pos[4] = {0, 0, 0, 0};
         unsigned bad[4] = {0, 0, 0, 0};
         uint8_t *dst[4];
-        for (int q = 0; q < ng; q++) { /* each group's coded weights */
+        for (int q = 0; q < ng; q++) { /* each group's coded weights; their exponents go one after another */
             int64_t gk0 = (g + q) * x->cpg, gk1 = min64(gk0 + x->cpg, x->n_chunks), j = gk0 % x->cpr;
             for (int64_t k = gk0; k < gk1; k++) {
                 if (vv < x->n_verbatim && x->vchunks[vv] == (uint64_t)k)
@@ -301,7 +307,7 @@ static inline __attribute__((always_inline)) void *decode_range_body(void *arg) 
                     j = 0;
             }
             pos[q] = x->offsets[g + q];
-            dst[q] = scratch + q * (x->cpg * x->cs + 64);
+            dst[q] = q ? dst[q - 1] + count[q - 1] : scratch;
         }
         if (ng == 4 && x->L == 12)
             decode_4_groups(x, s, words, pos, count, dst, bad, 12, 5);
@@ -316,29 +322,26 @@ static inline __attribute__((always_inline)) void *decode_range_body(void *arg) 
             else if (pos[q] != x->offsets[g + q + 1])
                 fail(job, BAD_GROUP_END, g + q, (int64_t)pos[q]);
         }
+        /* Assemble. The groups' chunks tile [start, ...) of the flat output in order, so every run of
+         * coded chunks between two verbatim ones is one stretch of output, sm and exponents. */
         int64_t gk0 = g * x->cpg, gk1 = min64((g + ng) * x->cpg, x->n_chunks), j = gk0 % x->cpr;
-        int64_t start = (gk0 / x->cpr) * x->cols + j * x->cs, coded_q = 0;
-        const uint8_t *coded = dst[0];
-        for (int64_t k = gk0; k < gk1; k++) { /* assemble: sign | exponent << 7 | mantissa */
-            if (k - gk0 == (coded_q + 1) * x->cpg) /* the next group's exponents */
-                coded = dst[++coded_q];
+        int64_t start = (gk0 / x->cpr) * x->cols + j * x->cs, run = start;
+        const uint8_t *coded = scratch;
+        for (int64_t k = gk0; k < gk1; k++) {
             int64_t n = min64(x->cs, x->cols - j * x->cs);
-            const uint8_t *restrict e, *restrict q = x->sm + start;
             if (v < x->n_verbatim && x->vchunks[v] == (uint64_t)k) {
+                assemble(x->out + run, x->sm + run, coded, start - run);
+                coded += start - run;
                 check_verbatim(x, job, v, n);
-                e = x->vexp + v * x->cs;
+                assemble(x->out + start, x->sm + start, x->vexp + v * x->cs, n);
                 v++;
-            } else {
-                e = coded;
-                coded += n;
+                run = start + n;
             }
-            uint16_t *restrict o = x->out + start;
-            for (int64_t t = 0; t < n; t++)
-                o[t] = (uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F));
             start += n;
             if (++j == x->cpr)
                 j = 0;
         }
+        assemble(x->out + run, x->sm + run, coded, start - run);
         if (start - crc_done >= CRC_BATCH || g + ng >= g1) { /* CRC what was just written, while it is in cache */
             crc_out = crc_update(crc_out, (const uint8_t *)(x->out + crc_done), (size_t)(2 * (start - crc_done)));
             crc_sm = crc_update(crc_sm, x->sm + crc_done, (size_t)(start - crc_done));
