@@ -33,13 +33,14 @@ BASE = encode(TRAINED, chunks_per_group=4)
 
 @contextlib.contextmanager
 def many_threads() -> Iterator[None]:
-    """Let even tiny tensors be split into ranges of groups (the threaded join is what is tested)."""
-    saved = decode_native.MIN_WEIGHTS_PER_THREAD
-    decode_native.MIN_WEIGHTS_PER_THREAD = 1
+    """Let even tiny tensors be split into blocks of one or a few groups, more blocks than threads (the
+    threads' taking of blocks and the CRC join are what is tested)."""
+    saved = decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS
+    decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = 1, 300
     try:
         yield
     finally:
-        decode_native.MIN_WEIGHTS_PER_THREAD = saved
+        decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = saved
 
 
 @needs_c

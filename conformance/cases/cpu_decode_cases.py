@@ -58,12 +58,13 @@ def _both(decoded: Any) -> dict[str, Any]:
 def _fast_c(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec import decode_native  # looked up at call time: tests swap in a broken build
 
-    saved = decode_native.MIN_WEIGHTS_PER_THREAD
-    decode_native.MIN_WEIGHTS_PER_THREAD = 1  # even small tensors are split into two ranges of groups
+    saved = decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS
+    # even small tensors are cut into many blocks of groups, which the two threads take in turn
+    decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = 1, 4096
     try:
         return _both(decode_native.decode_cpu(inputs["enc"].ct, threads=2, native=True))
     finally:
-        decode_native.MIN_WEIGHTS_PER_THREAD = saved
+        decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = saved
 
 
 def _fast_numpy(inputs: dict[str, Any]) -> dict[str, Any]:

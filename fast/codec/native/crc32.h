@@ -4,6 +4,7 @@
  *   crc_update(c, p, n)    continue the running state c (the inverted CRC: ~0 at the start) over n bytes
  *   crc_use(level)         use at most that path (below); returns the one in use
  *   crc_combine(a, b, n)   the CRC of A then B from crc(A), crc(B) and B's length n (as zlib's crc32_combine)
+ *   crc_join(a, b, n, s)   the same, keeping x^(8n) in s for the next piece of the same length
  *
  * Three ways to the same value, the fastest the CPU has (checked at run time, so one build runs anywhere):
  *   - 512-bit carry-less multiplication (VPCLMULQDQ + AVX-512): four 64-byte lanes folded 256 bytes at a
@@ -184,5 +185,19 @@ static uint32_t x8n_mod_p(int64_t n) {
 
 static uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, int64_t len_b) {
     return mult_mod_p(x8n_mod_p(len_b), crc_a) ^ crc_b;
+}
+
+/* crc_combine for many pieces of mostly equal length: x^(8 * len) is kept for the last length seen. */
+typedef struct {
+    int64_t len;
+    uint32_t shift;
+} CrcShift;
+
+static uint32_t crc_join(uint32_t crc_a, uint32_t crc_b, int64_t len_b, CrcShift *last) {
+    if (last->len != len_b) {
+        last->len = len_b;
+        last->shift = x8n_mod_p(len_b);
+    }
+    return mult_mod_p(last->shift, crc_a) ^ crc_b;
 }
 #endif

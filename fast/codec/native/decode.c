@@ -16,11 +16,13 @@
  * is used as an address before it is clamped or checked, so damaged input cannot read out of bounds
  * and every loop is bounded by the tensor's geometry.
  *
- * How it decodes. Threads take ranges of whole groups (flat weights [start, end) of the tensor, in
- * order). Per group: count its coded weights (its chunks less the verbatim ones), decode that many
- * exponents into a scratch buffer, then assemble bf16 = sign | exponent << 7 | mantissa chunk by
- * chunk (verbatim chunks from vexp). Decoding a group is a chain: each code's length says where the
- * next starts. To keep that chain short:
+ * How it decodes. The groups are cut into blocks (one block with one thread; blocks of ~64K weights with
+ * more, so that a thread slowed by other work on the machine takes fewer of them), and each thread
+ * takes the next block until none is left. Per four groups: count their coded weights (their chunks
+ * less the verbatim ones), decode that many exponents into a scratch buffer, one group after the
+ * other, then assemble bf16 = sign | exponent << 7 | mantissa run by run (a run: the coded chunks
+ * between two verbatim ones, one stretch of the flat output). Decoding a group is a chain: each
+ * code's length says where the next starts. To keep that chain short:
  *   - the 64-bit window is built once per refill from three stream words (MSB first within each
  *     32-bit word, so the words are swapped as they are read) and serves 64 / L table lookups;
  *   - the multi-symbol table, indexed by the next L bits as the one-symbol table of FORMAT.md 3.3
@@ -29,9 +31,11 @@
  *     weights per lookup. The last few weights of a group go one code at a time, so a group never
  *     reads a code past its own count;
  *   - an invalid window is an entry of 1 symbol and 0 bits with a flag: the loop always advances
- *     and the flag is checked once per group.
- * The CRCs of the output and of sm are computed per thread while the data is in cache, and joined
- * (crc32_combine, as zlib does) in thread order.
+ *     and stays stuck at that window (see decode_4_groups for how it is caught);
+ *   - four groups are decoded at once (independent chains the CPU overlaps), in AVX2 + BMI2 code
+ *     where the CPU has it (chosen at run time).
+ * The CRCs of the output and of sm are computed per block while the data is in cache, and joined
+ * (crc32_combine, as zlib does) in block order.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -112,18 +116,18 @@ typedef struct {
     const uint16_t *single, *multi_meta;
     const uint32_t *multi_exp;
     uint8_t in_palette[256];
-    int L, threads;
+    int L;
     int64_t rows, cols, cs, cpg, cpr, n_chunks, n_groups;
     uint16_t *out;
+    int64_t n_blocks, next_block; /* the work: blocks of groups, taken in order by whichever thread is free */
+    struct Job *blocks;
 } Tensor;
 
-typedef struct {
-    const Tensor *x;
-    int t;
-    uint32_t crc_out, crc_sm;  /* of this range's flat weights */
-    uint32_t crc_stream;       /* of this thread's share of the stream's bytes */
+typedef struct Job { /* one block's results */
+    uint32_t crc_out, crc_sm;  /* of the block's flat weights */
+    uint32_t crc_stream;       /* of the block's share of the stream's bytes */
     int64_t stream_bytes;
-    int64_t first, last;       /* the range's flat weights [first, last) */
+    int64_t first, last;       /* the block's flat weights [first, last) */
     int error;
     int64_t where, detail;
 } Job;
@@ -255,10 +259,10 @@ static void check_verbatim(const Tensor *x, Job *job, int64_t v, int64_t n) {
         fail(job, BAD_VERBATIM_RULE, v, 0);
 }
 
-static inline __attribute__((always_inline)) void *decode_range_body(void *arg) {
-    Job *job = arg;
-    const Tensor *x = job->x;
-    int64_t g0 = x->n_groups * job->t / x->threads, g1 = x->n_groups * (job->t + 1) / x->threads;
+/* Decode block b: groups [g0, g1) of an even split of the tensor's groups into n_blocks. */
+static inline __attribute__((always_inline)) void decode_block(const Tensor *x, int64_t b, uint8_t *scratch) {
+    Job *job = &x->blocks[b];
+    int64_t g0 = x->n_groups * b / x->n_blocks, g1 = x->n_groups * (b + 1) / x->n_blocks;
     uint32_t pad[2] = {0, 0};
     const uint32_t *s = x->stream;
     int64_t words = x->words;
@@ -267,9 +271,9 @@ static inline __attribute__((always_inline)) void *decode_range_body(void *arg) 
         s = pad;
         words = 2;
     }
-    if (job->t == 0)
+    if (b == 0)
         check_index(x, job);
-    int64_t w0 = x->words * job->t / x->threads, w1 = x->words * (job->t + 1) / x->threads;
+    int64_t w0 = x->words * b / x->n_blocks, w1 = x->words * (b + 1) / x->n_blocks;
     job->stream_bytes = 4 * (w1 - w0);
     job->crc_stream = ~crc_update(~0u, (const uint8_t *)(x->stream + w0), (size_t)job->stream_bytes);
     int64_t k0 = min64(g0 * x->cpg, x->n_chunks), k1 = min64(g1 * x->cpg, x->n_chunks);
@@ -277,11 +281,6 @@ static inline __attribute__((always_inline)) void *decode_range_body(void *arg) 
     job->last = k1 < x->n_chunks ? (k1 / x->cpr) * x->cols + (k1 % x->cpr) * x->cs : x->rows * x->cols;
     uint32_t crc_out = ~0u, crc_sm = ~0u;
     int64_t crc_done = job->first;
-    uint8_t *scratch = malloc((size_t)(4 * x->cpg * x->cs + 64));
-    if (!scratch) {
-        fail(job, NO_MEMORY, 0, 0);
-        return NULL;
-    }
     int64_t lo = 0, hi = x->n_verbatim; /* v = the first verbatim chunk >= k0 (a binary search) */
     while (lo < hi) {
         int64_t mid = (lo + hi) / 2;
@@ -348,13 +347,25 @@ static inline __attribute__((always_inline)) void *decode_range_body(void *arg) 
             crc_done = start;
         }
     }
-    free(scratch);
     job->crc_out = ~crc_out;
     job->crc_sm = ~crc_sm;
+}
+
+/* A thread: take the next block until none is left. */
+static inline __attribute__((always_inline)) void *work_body(void *arg) {
+    Tensor *x = arg;
+    uint8_t *scratch = malloc((size_t)(4 * x->cpg * x->cs + 64));
+    for (int64_t b; (b = __atomic_fetch_add(&x->next_block, 1, __ATOMIC_RELAXED)) < x->n_blocks;) {
+        if (scratch)
+            decode_block(x, b, scratch);
+        else
+            fail(&x->blocks[b], NO_MEMORY, 0, 0);
+    }
+    free(scratch);
     return NULL;
 }
 
-/* decode_range compiled twice: for any x86-64 (or other) CPU, and with AVX2 + BMI2 (shifts by a register
+/* work (and so decode_block) compiled twice: for any x86-64 (or other) CPU, and with AVX2 + BMI2 (shifts by a register
  * without the cl register, 256-bit assembly), chosen at run time. */
 static int wide_cpu, use_wide;
 static pthread_once_t wide_once = PTHREAD_ONCE_INIT;
@@ -367,17 +378,17 @@ static void wide_init(void) {
     use_wide = wide_cpu;
 }
 
-static void *decode_range_plain(void *arg) { return decode_range_body(arg); }
+static void *work_plain(void *arg) { return work_body(arg); }
 #ifdef HAVE_CLMUL_CODE
-__attribute__((target("avx2,bmi,bmi2"))) static void *decode_range_wide(void *arg) { return decode_range_body(arg); }
+__attribute__((target("avx2,bmi,bmi2"))) static void *work_wide(void *arg) { return work_body(arg); }
 #endif
 
-static void *decode_range(void *arg) {
+static void *work(void *arg) {
 #ifdef HAVE_CLMUL_CODE
     if (use_wide)
-        return decode_range_wide(arg);
+        return work_wide(arg);
 #endif
-    return decode_range_plain(arg);
+    return work_plain(arg);
 }
 
 /* Use the AVX2 + BMI2 decoder if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
@@ -389,16 +400,16 @@ int unw_decode_use(int wide) {
 
 /* Check and decode a Huffman-form tensor into out (uint16 [rows * cols]). The header was checked by
  * the caller (array lengths as FORMAT.md 3.2 implies, code lengths valid, single = the decoding
- * table of exponents, multi_* from unw_multi_table). crc_io[0..5]: the expected CRC-32 of sm, stream,
+ * table of exponents, multi_* from unw_multi_table). With threads > 1 the work is cut into blocks of
+ * about block_weights weights (whole groups), which the threads take in turn. crc_io[0..5]: the expected CRC-32 of sm, stream,
  * offsets, vchunks, vexp and the data. Returns OK or an error code, with crc_io[6], crc_io[7] saying
  * where (a group and a bit position, a verbatim entry, which array). */
 int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const uint32_t *offsets,
                const uint32_t *vchunks, int64_t n_verbatim, const uint8_t *vexp, const uint8_t *sm,
                const uint8_t *palette, int p, const uint16_t *single, const uint32_t *multi_exp,
                const uint16_t *multi_meta, int L, int64_t rows, int64_t cols, int64_t cs, int64_t cpg, int threads,
-               uint32_t *crc_io, uint16_t *out) {
+               int64_t block_weights, uint32_t *crc_io, uint16_t *out) {
     Tensor x;
-    Job jobs[MAX_THREADS];
     crc_setup();
     pthread_once(&wide_once, wide_init);
     memset(&x, 0, sizeof x);
@@ -409,25 +420,36 @@ int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const
     for (int i = 0; i < p; i++)
         x.in_palette[palette[i]] = 1;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    x.threads = (int)min64(threads, x.n_groups > 0 ? x.n_groups : 1);
-    for (int t = 0; t < x.threads; t++) {
-        memset(&jobs[t], 0, sizeof(Job));
-        jobs[t].x = &x;
-        jobs[t].t = t;
+    x.n_blocks = 1; /* one thread: one block; more: blocks of ~block_weights, so a slowed thread takes fewer */
+    if (threads > 1) {
+        int64_t per_block = block_weights / (cpg * cs) > 1 ? block_weights / (cpg * cs) : 1;
+        x.n_blocks = (x.n_groups + per_block - 1) / per_block;
+        x.n_blocks = x.n_blocks < threads ? min64(threads, x.n_groups) : x.n_blocks;
+        x.n_blocks = x.n_blocks < 1 ? 1 : x.n_blocks;
     }
-    run_threads(decode_range, jobs, sizeof(Job), x.threads);
-    for (int t = 0; t < x.threads; t++)
-        if (jobs[t].error) {
-            crc_io[6] = (uint32_t)jobs[t].where;
-            crc_io[7] = (uint32_t)jobs[t].detail;
-            return jobs[t].error;
+    Job one, *blocks = x.n_blocks == 1 ? &one : calloc((size_t)x.n_blocks, sizeof(Job));
+    if (!blocks)
+        return NO_MEMORY;
+    memset(&one, 0, sizeof one);
+    x.blocks = blocks;
+    run_threads(work, &x, 0, (int)min64(threads, x.n_blocks));
+    int error = OK;
+    for (int64_t b = 0; b < x.n_blocks && !error; b++)
+        if ((error = blocks[b].error)) {
+            crc_io[6] = (uint32_t)blocks[b].where;
+            crc_io[7] = (uint32_t)blocks[b].detail;
         }
-    uint32_t crc_out = jobs[0].crc_out, crc_sm = jobs[0].crc_sm, crc_stream = jobs[0].crc_stream;
-    for (int t = 1; t < x.threads; t++) {
-        crc_out = crc_combine(crc_out, jobs[t].crc_out, 2 * (jobs[t].last - jobs[t].first));
-        crc_sm = crc_combine(crc_sm, jobs[t].crc_sm, jobs[t].last - jobs[t].first);
-        crc_stream = crc_combine(crc_stream, jobs[t].crc_stream, jobs[t].stream_bytes);
+    uint32_t crc_out = blocks[0].crc_out, crc_sm = blocks[0].crc_sm, crc_stream = blocks[0].crc_stream;
+    CrcShift out_shift = {-1, 0}, sm_shift = {-1, 0}, stream_shift = {-1, 0};
+    for (int64_t b = 1; b < x.n_blocks && !error; b++) {
+        crc_out = crc_join(crc_out, blocks[b].crc_out, 2 * (blocks[b].last - blocks[b].first), &out_shift);
+        crc_sm = crc_join(crc_sm, blocks[b].crc_sm, blocks[b].last - blocks[b].first, &sm_shift);
+        crc_stream = crc_join(crc_stream, blocks[b].crc_stream, blocks[b].stream_bytes, &stream_shift);
     }
+    if (blocks != &one)
+        free(blocks);
+    if (error)
+        return error;
     uint32_t got[6] = {crc_sm, crc_stream,
                        unw_crc32((const uint8_t *)offsets, 4 * (x.n_groups + 1), 1),
                        unw_crc32((const uint8_t *)vchunks, 4 * n_verbatim, 1), unw_crc32(vexp, n_verbatim * cs, 1),
