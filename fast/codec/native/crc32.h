@@ -56,7 +56,7 @@ static void crc_init(void) {
 static void crc_setup(void) { pthread_once(&crc_once, crc_init); }
 
 /* Use at most this level (for the tests: every path must give zlib's value); returns the level in use. */
-static int crc_use(int level) {
+static inline int crc_use(int level) {
     crc_setup();
     crc_level = level < 0 || level > crc_level_cpu ? crc_level_cpu : level;
     return crc_level;
@@ -183,7 +183,7 @@ static uint32_t x8n_mod_p(int64_t n) {
     return p;
 }
 
-static uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, int64_t len_b) {
+static inline uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, int64_t len_b) {
     return mult_mod_p(x8n_mod_p(len_b), crc_a) ^ crc_b;
 }
 

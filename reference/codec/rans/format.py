@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,6 +133,14 @@ class RansTensor:
 
     def check(self) -> None:
         """Validate parameters, array dtypes and shapes, CRCs, tables, block index and states."""
+        self.check_header()
+        self.check_crcs(ARRAY_DTYPES)
+        self.check_index()
+
+    def check_header(self) -> None:
+        """The checks that read no array's contents: parameters, array dtypes and shapes. A decoder that
+        does the rest itself (the C one: CRCs of the big arrays) runs this, ``check_index`` and
+        ``check_crcs`` of the small arrays."""
         where = f"tensor {self.name!r}: " if self.name else ""
         if not (1 <= self.block_size <= MAX_BLOCK_SIZE and 1 <= self.lanes <= MAX_LANES
                 and MIN_PROB_BITS <= self.prob_bits <= MAX_PROB_BITS and 0 <= self.mantissa_bits <= 7
@@ -155,9 +163,17 @@ class RansTensor:
             if array.dtype.newbyteorder("=") != np.dtype(dtype) or array.shape != expected[key]:
                 raise CodecError(f"{where}array {key} is {array.dtype}{list(array.shape)}, expected "
                                  f"{np.dtype(dtype)}{list(expected[key])} (truncated or corrupt)")
-        for key, array in self.arrays().items():
-            if crc32(array) != self.crc[key]:
+
+    def check_crcs(self, keys: Iterable[str]) -> None:
+        """The CRC-32 of each named array (after ``check_header``)."""
+        where = f"tensor {self.name!r}: " if self.name else ""
+        for key in keys:
+            if crc32(getattr(self, key)) != self.crc[key]:
                 raise CodecError(f"{where}array {key} fails its CRC-32 check: the data is corrupt")
+
+    def check_index(self) -> None:
+        """The alphabet, tables, block index and states (after ``check_header``; the CRCs are separate)."""
+        where = f"tensor {self.name!r}: " if self.name else ""
         if np.any(self.alphabet >> self.escape_bits) or np.any(np.diff(np.sort(self.alphabet)) == 0):
             raise CodecError(f"{where}the alphabet must hold distinct values < 2^(8 + mantissa_bits)")
         if self.n_blocks and not self.n_tables:

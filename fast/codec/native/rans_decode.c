@@ -1,0 +1,232 @@
+/* The rANS-mode decoder for the CPU, in C (FORMAT.md section 9): rANS form -> bf16.
+ *
+ * fast/codec/rans_native.py builds this file with the system C compiler on first use (as decode.c),
+ * loads it with ctypes and calls unw_rans_decode. Python checks first what is cheap and small
+ * (RansTensor.check_header: parameters, every array's dtype and length; check_index: alphabet, tables
+ * summing to M, block_table < K, block_words and block_escapes rising from 0 to W and E, escapes per
+ * block, states >= 2^16; the CRC-32 of those small arrays; the padding of the last packed group).
+ * This file does the rest of FORMAT.md 9.6: the CRC-32 of raw, stream and escapes (computed by the
+ * threads, a piece per block) and of the decoded data (per block, while it is in cache), and per
+ * block that it reads exactly its own words and escapes and that every lane ends in state 2^16.
+ * Every read is bounded by the array's real length whatever the index arrays say (a stream index is
+ * clamped, an escape past the end reads 0): damaged input gives an error, never a wild read.
+ *
+ * How it decodes. Blocks are independent; threads take the next block until none is left. A block:
+ *   1. the lanes, step by step and in lane order (the order that fixes which lane takes which word,
+ *      9.4): slot = x mod M, one lookup gives f, slot - c and the value (a 64-bit entry of a table
+ *      of M entries per frequency table), x = f * (x >> p) + slot - c, and a refill without a branch
+ *      (the word is read anyway from a clamped index; whether it is used is a select). The 32 lanes'
+ *      chains are independent, so the CPU overlaps them;
+ *   2. the escapes, in weight order: each escape symbol's value is the next escape field;
+ *   3. bf16 = sign | value << (7 - m) | low mantissa bits, the raw field read with one 64-bit load.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "crc32.h"
+#include "threads.h"
+
+#define ESCAPE 0xFFFFu /* the value an escape symbol's entry holds (alphabet values are < 2^15) */
+#define STATE_LOW 65536u
+
+enum { OK, BAD_WORDS, BAD_ESCAPES, BAD_CRC, NO_MEMORY };
+
+typedef struct {
+    const uint8_t *raw, *escapes, *block_table;
+    const uint16_t *stream;
+    const uint32_t *block_words, *block_escapes, *states;
+    const uint64_t *dec; /* K tables of M entries: f << 32 | (slot - c) << 16 | value */
+    int64_t raw_len, esc_len, words, n_escapes, n, block_size, n_blocks, next_block;
+    int lanes, p, m, n_tables;
+    uint16_t *out;
+    struct Block *blocks;
+} Rans;
+
+typedef struct Block { /* one block's results */
+    uint32_t crc_out, crc_raw, crc_stream, crc_esc; /* of the block's output, and its piece of each array */
+    int64_t raw_bytes, stream_bytes, esc_bytes;
+    int error;
+    int64_t detail;
+} Block;
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* Field i (width w <= 16 bits) of a packed array of len bytes (FORMAT.md 9.1); bytes past the end read 0. */
+static inline uint32_t field(const uint8_t *a, int64_t len, int64_t i, int w) {
+    int64_t off = i * w, byte = off >> 3;
+    uint64_t v = 0;
+    if (byte + 8 <= len)
+        memcpy(&v, a + byte, 8);
+    else
+        for (int64_t k = byte; k < len && k < byte + 8; k++)
+            v |= (uint64_t)a[k] << (8 * (k - byte));
+    return (uint32_t)(v >> (off & 7)) & ((1u << w) - 1);
+}
+
+/* The CRC of piece b of n_blocks even pieces of an array of len bytes; its length in *bytes. */
+static uint32_t crc_piece(const uint8_t *a, int64_t len, int64_t b, int64_t n_blocks, int64_t *bytes) {
+    int64_t lo = len * b / n_blocks, hi = len * (b + 1) / n_blocks;
+    *bytes = hi - lo;
+    return ~crc_update(~0u, a + lo, (size_t)(hi - lo));
+}
+
+static inline __attribute__((always_inline)) void decode_block(const Rans *r, int64_t b, uint16_t *vals,
+                                                               uint32_t *x) {
+    Block *job = &r->blocks[b];
+    const int lanes = r->lanes, p = r->p, low = 7 - r->m, w_raw = 8 - r->m, w_esc = 8 + r->m;
+    const uint32_t mask = (1u << p) - 1;
+    int64_t start = b * r->block_size, len = min64(r->block_size, r->n - start);
+    job->crc_raw = crc_piece(r->raw, r->raw_len, b, r->n_blocks, &job->raw_bytes);
+    job->crc_stream = crc_piece((const uint8_t *)r->stream, 2 * r->words, b, r->n_blocks, &job->stream_bytes);
+    job->crc_esc = crc_piece(r->escapes, r->esc_len, b, r->n_blocks, &job->esc_bytes);
+    const uint64_t *tab = r->dec + ((int64_t)min64(r->block_table[b], r->n_tables - 1) << p);
+    static const uint16_t no_word = 0;
+    const uint16_t *stream = r->words ? r->stream : &no_word;
+    const uint64_t last_word = r->words ? (uint64_t)r->words - 1 : 0;
+    uint64_t pos = r->block_words[b];
+    memcpy(x, r->states + b * lanes, sizeof(uint32_t) * (size_t)lanes);
+    for (int64_t base = 0; base < len; base += lanes) { /* step t = base / lanes */
+        int nl = (int)min64(lanes, len - base);
+        for (int l = 0; l < nl; l++) {
+            uint32_t xl = x[l];
+            uint64_t e = tab[xl & mask];
+            xl = (uint32_t)(e >> 32) * (xl >> p) + (uint32_t)((e >> 16) & 0xFFFF);
+            uint32_t word = stream[pos < last_word ? pos : last_word], need = xl < STATE_LOW;
+            xl = need ? xl << 16 | word : xl;
+            pos += need;
+            x[l] = xl;
+            vals[base + l] = (uint16_t)e;
+        }
+    }
+    int lanes_home = 1;
+    for (int l = 0; l < lanes; l++)
+        lanes_home &= x[l] == STATE_LOW;
+    if (pos != r->block_words[b + 1] || !lanes_home) {
+        job->error = BAD_WORDS;
+        return;
+    }
+    uint64_t esc = r->block_escapes[b], esc_end = r->block_escapes[b + 1];
+    for (int64_t j = 0; j < len; j++)
+        if (vals[j] == ESCAPE) {
+            vals[j] = esc < esc_end && esc < (uint64_t)r->n_escapes ? (uint16_t)field(r->escapes, r->esc_len,
+                                                                                       (int64_t)esc, w_esc) : 0;
+            esc++;
+        }
+    if (esc != esc_end) {
+        job->error = BAD_ESCAPES;
+        return;
+    }
+    uint16_t *restrict o = r->out + start;
+    for (int64_t j = 0; j < len; j++) {
+        uint32_t raw = field(r->raw, r->raw_len, start + j, w_raw);
+        o[j] = (uint16_t)((raw >> low) << 15 | (uint32_t)vals[j] << low | (raw & ((1u << low) - 1)));
+    }
+    job->crc_out = ~crc_update(~0u, (const uint8_t *)o, (size_t)(2 * len));
+}
+
+/* A thread: take the next block until none is left. */
+static void *work(void *arg) {
+    Rans *r = arg;
+    uint16_t *vals = malloc(sizeof(uint16_t) * (size_t)min64(r->block_size, r->n > 0 ? r->n : 1));
+    uint32_t *x = malloc(sizeof(uint32_t) * (size_t)r->lanes);
+    for (int64_t b; (b = __atomic_fetch_add(&r->next_block, 1, __ATOMIC_RELAXED)) < r->n_blocks;) {
+        if (vals && x)
+            decode_block(r, b, vals, x);
+        else
+            r->blocks[b].error = NO_MEMORY;
+    }
+    free(vals);
+    free(x);
+    return NULL;
+}
+
+/* The decoding table of each frequency table: entry k * M + slot = f[s] << 32 | (slot - c[s]) << 16 | value
+ * of the symbol s owning the slot (ESCAPE for s == A). Rows summing to more than M are cut at M; slots of
+ * rows summing to less stay 0 (Python has refused both already). */
+static void build_tables(uint64_t *dec, const uint16_t *tables, const uint16_t *alphabet, int a, int k, int p) {
+    int64_t m = (int64_t)1 << p;
+    for (int t = 0; t < k; t++) {
+        int64_t slot = 0;
+        for (int s = 0; s <= a && slot < m; s++) {
+            uint64_t f = tables[(int64_t)t * (a + 1) + s], value = s < a ? alphabet[s] : ESCAPE;
+            for (uint64_t i = 0; i < f && slot < m; i++, slot++)
+                dec[t * m + slot] = f << 32 | i << 16 | value;
+        }
+    }
+}
+
+/* Decode a checked rANS-form tensor (see the top of this file) into out (uint16 [n]). crc_io[0..3]: the
+ * expected CRC-32 of raw, stream, escapes and the data. Returns OK or an error code, with crc_io[4] the
+ * block (or, for BAD_CRC, which of the four) and crc_io[5] a detail. */
+int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabet, int alphabet_size,
+                    const uint16_t *tables, int n_tables, const uint16_t *stream, int64_t words,
+                    const uint32_t *block_words, const uint32_t *states, const uint8_t *block_table,
+                    const uint8_t *escapes, int64_t esc_len, const uint32_t *block_escapes, int64_t n_escapes,
+                    int64_t n, int64_t block_size, int lanes, int prob_bits, int mantissa_bits, int threads,
+                    uint32_t *crc_io, uint16_t *out) {
+    Rans r;
+    crc_setup();
+    memset(&r, 0, sizeof r);
+    r.raw = raw, r.raw_len = raw_len, r.stream = stream, r.words = words, r.block_words = block_words;
+    r.states = states, r.block_table = block_table, r.escapes = escapes, r.esc_len = esc_len;
+    r.block_escapes = block_escapes, r.n_escapes = n_escapes, r.n = n, r.block_size = block_size;
+    r.lanes = lanes, r.p = prob_bits, r.m = mantissa_bits, r.n_tables = n_tables, r.out = out;
+    r.n_blocks = n > 0 ? (n + block_size - 1) / block_size : 0;
+    if (r.n_blocks == 0) { /* nothing coded: only the CRCs of the (empty) arrays and data are left */
+        uint32_t got[4] = {~crc_update(~0u, raw, (size_t)raw_len), ~crc_update(~0u, (const uint8_t *)stream,
+                           (size_t)(2 * words)), ~crc_update(~0u, escapes, (size_t)esc_len), 0};
+        for (int a = 0; a < 4; a++)
+            if (got[a] != crc_io[a]) {
+                crc_io[4] = (uint32_t)a;
+                return BAD_CRC;
+            }
+        return OK;
+    }
+    uint64_t *dec = calloc((size_t)(n_tables > 0 ? n_tables : 1) << prob_bits, sizeof(uint64_t));
+    Block *blocks = calloc((size_t)r.n_blocks, sizeof(Block));
+    if (!dec || !blocks) {
+        free(dec);
+        free(blocks);
+        return NO_MEMORY;
+    }
+    build_tables(dec, tables, alphabet, alphabet_size, n_tables, prob_bits);
+    r.dec = dec, r.blocks = blocks, r.n_tables = n_tables > 0 ? n_tables : 1;
+    threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
+    run_threads(work, &r, 0, (int)min64(threads, r.n_blocks));
+    int error = OK;
+    for (int64_t b = 0; b < r.n_blocks && !error; b++)
+        if ((error = blocks[b].error)) {
+            crc_io[4] = (uint32_t)b;
+            crc_io[5] = (uint32_t)blocks[b].detail;
+        }
+    /* The arrays' CRCs first (a damaged array is named even when it also broke the decoding), then
+     * the block's error, then the data's CRC. */
+    uint32_t got[4] = {blocks[0].crc_raw, blocks[0].crc_stream, blocks[0].crc_esc, blocks[0].crc_out};
+    CrcShift shift[4] = {{-1, 0}, {-1, 0}, {-1, 0}, {-1, 0}};
+    for (int64_t b = 1; b < r.n_blocks; b++) {
+        got[0] = crc_join(got[0], blocks[b].crc_raw, blocks[b].raw_bytes, &shift[0]);
+        got[1] = crc_join(got[1], blocks[b].crc_stream, blocks[b].stream_bytes, &shift[1]);
+        got[2] = crc_join(got[2], blocks[b].crc_esc, blocks[b].esc_bytes, &shift[2]);
+        if (!error)
+            got[3] = crc_join(got[3], blocks[b].crc_out, 2 * min64(block_size, n - b * block_size), &shift[3]);
+    }
+    free(dec);
+    free(blocks);
+    if (error == NO_MEMORY)
+        return error;
+    for (int a = 0; a < 3; a++)
+        if (got[a] != crc_io[a]) {
+            crc_io[4] = (uint32_t)a;
+            return BAD_CRC;
+        }
+    if (error)
+        return error;
+    for (int a = 3; a < 4; a++)
+        if (got[a] != crc_io[a]) {
+            crc_io[4] = (uint32_t)a;
+            return BAD_CRC;
+        }
+    return OK;
+}
