@@ -13,8 +13,10 @@ back to back (which goes first alternates), so both meet the same background loa
 thread count: the median and [min - max] over runs of the speed ratio in wall time and in process CPU
 time (all threads; on a machine shared with other jobs the steadier of the two), each side's MB/s
 (the checkpoint's bf16 bytes over a run's time), and the ratio of the sums of each tensor's best time.
-The NumPy lockstep decoder is timed once for scale, and every decoder's output is compared with the
-original bits. ``--weights smollm2`` runs SmolLM2 (its weights are dequantized 4-bit: flagged, not
+The rANS form's C decoder (fast/codec/native/rans_decode.c, every check of FORMAT.md 9.6) runs in the
+same paired runs (``rans_*`` keys), on the same tensors encoded with ``encode_rans``. The NumPy
+lockstep decoder is timed once for scale, and every decoder's output is compared with the original bits.
+``--weights smollm2`` runs SmolLM2 (its weights are dequantized 4-bit: flagged, not
 representative of trained bf16 statistics).
 
 The acceptance target for the NumPy reference is >= 100 MB/s of bf16 output when decoding. Cases:
@@ -122,13 +124,16 @@ def cpu_vs_zipnn(weights: str, threads: list[int], repeat: int, limit: int | Non
     import zipnn
 
     from experiments.bench_encode import load_tensors
+    from fast.codec import rans_native
     from fast.codec.decode_native import decode_cpu, library
 
     tensors = [bits for _, bits in load_tensors(weights, MIN_ELEMENTS, limit)]
     total = sum(t.nbytes for t in tensors)
     cts = [encode(t) for t in tensors]
+    rts = encode_rans_many(tensors)
     out: dict = {"weights": weights, "tensors": len(tensors), "bf16_bytes": total, "repeat": repeat,
-                 "c_decoder": library() is not None, "ratio_ours": total / sum(c.nbytes for c in cts),
+                 "c_decoder": library() is not None, "c_rans_decoder": rans_native.library() is not None,
+                 "ratio_ours": total / sum(c.nbytes for c in cts), "ratio_rans": total / sum(t.nbytes for t in rts),
                  "flag": "SmolLM2's weights are dequantized 4-bit: not representative" if "smol" in weights else "",
                  "verification": "ours: CRC-32 of every array and of the decoded tensor, every FORMAT.md 3.6 check; "
                                  "ZipNN: none (its format has no checksum)",
@@ -138,10 +143,11 @@ def cpu_vs_zipnn(weights: str, threads: list[int], repeat: int, limit: int | Non
     for th in threads:
         z = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=th)
         packed = [z.compress(t.tobytes()) for t in tensors]
-        calls = [{"ours": lambda ct=ct, th=th: decode_cpu(ct, threads=th), "zipnn": lambda zp=zp, z=z: z.decompress(zp)}
-                 for ct, zp in zip(cts, packed, strict=True)]
+        calls = [{"ours": lambda ct=ct, th=th: decode_cpu(ct, threads=th), "zipnn": lambda zp=zp, z=z: z.decompress(zp),
+                  "rans": lambda rt=rt, th=th: rans_native.decode_rans_cpu(rt, threads=th)}
+                 for ct, zp, rt in zip(cts, packed, rts, strict=True)]
         for t, c in zip(tensors, calls, strict=True):  # warm-up, and every output checked
-            if not np.array_equal(c["ours"](), t) or c["zipnn"]() != t.tobytes():
+            if not np.array_equal(c["ours"](), t) or c["zipnn"]() != t.tobytes() or not np.array_equal(c["rans"](), t):
                 raise AssertionError("a decoder did not give back the original tensor")
         if numpy_s is None:
             numpy_s = sum(best_time(lambda ct=ct: decode_many([ct]), 1) for ct in cts)
@@ -151,35 +157,42 @@ def cpu_vs_zipnn(weights: str, threads: list[int], repeat: int, limit: int | Non
 
 
 def paired_runs(calls: list[dict[str, Callable[[], object]]], total: int, repeat: int) -> dict:
-    """``repeat`` runs over every tensor; in each, per tensor, ours and ZipNN back to back (which goes first
-    alternates), so both meet the same background load. Per run: wall and process CPU time (all threads)
-    of each side, and their ratio. Reported: the median and the range of the runs' ratios and speeds, and
-    the speeds from each tensor's best time (the least disturbed)."""
-    keys = ("ours", "zipnn")
+    """``repeat`` runs over every tensor; in each, per tensor, the decoders back to back (the order rotates),
+    so all meet the same background load. Per run: wall and process CPU time (all threads) of each, and
+    each one's ratio to ZipNN (``ours``: the Huffman-form C decoder; ``rans``: the rANS-form C decoder).
+    Reported: the median and the range over runs of the ratios and speeds, and the speeds from each
+    tensor's best time (the least disturbed)."""
+    keys = list(calls[0])
     best = {k: [float("inf")] * len(calls) for k in keys}
     runs = []
     for r in range(repeat):
         wall, cpu = dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0)
         for i, c in enumerate(calls):
-            for k in keys if (r + i) % 2 == 0 else keys[::-1]:
+            shift = (r + i) % len(keys)
+            for k in keys[shift:] + keys[:shift]:
                 w0, c0 = time.perf_counter(), time.process_time()
                 c[k]()
                 w, cp = time.perf_counter() - w0, time.process_time() - c0
                 wall[k] += w
                 cpu[k] += cp
                 best[k][i] = min(best[k][i], w)
-        runs.append({"ours_MBps": total / wall["ours"] / 1e6, "zipnn_MBps": total / wall["zipnn"] / 1e6,
-                     "ratio_wall": wall["zipnn"] / wall["ours"], "ratio_cpu": cpu["zipnn"] / cpu["ours"],
-                     "ours_cpu_s": cpu["ours"], "zipnn_cpu_s": cpu["zipnn"]})
+        run = {f"{k}_MBps": total / wall[k] / 1e6 for k in keys} | {f"{k}_cpu_s": cpu[k] for k in keys}
+        for k in keys:
+            if k != "zipnn":
+                run[f"{k}_ratio_wall"], run[f"{k}_ratio_cpu"] = wall["zipnn"] / wall[k], cpu["zipnn"] / cpu[k]
+        runs.append(run)
 
     def spread(key: str) -> dict:
         values = [run[key] for run in runs]
         return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
 
-    return {"ours_over_zipnn": spread("ratio_wall"), "ours_over_zipnn_cpu_time": spread("ratio_cpu"),
-            "ours_MBps": spread("ours_MBps"), "zipnn_MBps": spread("zipnn_MBps"),
-            "best_ours_MBps": total / sum(best["ours"]) / 1e6, "best_zipnn_MBps": total / sum(best["zipnn"]) / 1e6,
-            "best_ours_over_zipnn": sum(best["zipnn"]) / sum(best["ours"]), "runs": runs}
+    out = {f"{k}_MBps": spread(f"{k}_MBps") for k in keys} | {f"best_{k}_MBps": total / sum(best[k]) / 1e6
+                                                               for k in keys}
+    for k in keys:
+        if k != "zipnn":
+            out |= {f"{k}_over_zipnn": spread(f"{k}_ratio_wall"), f"{k}_over_zipnn_cpu_time": spread(f"{k}_ratio_cpu"),
+                    f"best_{k}_over_zipnn": sum(best["zipnn"]) / sum(best[k])}
+    return out | {"runs": runs}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,12 +215,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{z['ratio_ours']:.4f}x {z['flag']}")
         print(f"  {z['repeat']} paired runs; median [min - max] over runs")
         for th, r in z["by_threads"].items():
-            w, c = r["ours_over_zipnn"], r["ours_over_zipnn_cpu_time"]
-            print(f"  {th} thread(s): C decoder {r['ours_MBps']['median']:.0f} MB/s, "
-                  f"ZipNN {r['zipnn_MBps']['median']:.0f} MB/s: {w['median']:.2f}x [{w['min']:.2f} - {w['max']:.2f}] "
-                  f"wall, {c['median']:.2f}x [{c['min']:.2f} - {c['max']:.2f}] CPU time; "
-                  f"best times {r['best_ours_over_zipnn']:.2f}x; "
-                  f"NumPy lockstep {r['numpy_lockstep_MBps']:.0f} MB/s")
+            print(f"  {th} thread(s): ZipNN {r['zipnn_MBps']['median']:.0f} MB/s; NumPy lockstep "
+                  f"{r['numpy_lockstep_MBps']:.0f} MB/s")
+            for k, label in (("ours", "C decoder, Huffman form"), ("rans", "C decoder, rANS form")):
+                w, c = r[f"{k}_over_zipnn"], r[f"{k}_over_zipnn_cpu_time"]
+                print(f"    {label}: {r[f'{k}_MBps']['median']:.0f} MB/s = {w['median']:.2f}x ZipNN "
+                      f"[{w['min']:.2f} - {w['max']:.2f}] wall, {c['median']:.2f}x [{c['min']:.2f} - {c['max']:.2f}] "
+                      f"CPU time; best times {r[f'best_{k}_over_zipnn']:.2f}x")
     if not args.zipnn_only:
         result |= run(args.repeat)
         print_reference(result, args.repeat)

@@ -51,10 +51,10 @@ typedef struct Block { /* one block's results */
     int64_t detail;
 } Block;
 
-static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline __attribute__((always_inline)) int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* Field i (width w <= 16 bits) of a packed array of len bytes (FORMAT.md 9.1); bytes past the end read 0. */
-static inline uint32_t field(const uint8_t *a, int64_t len, int64_t i, int w) {
+static inline __attribute__((always_inline)) uint32_t field(const uint8_t *a, int64_t len, int64_t i, int w) {
     int64_t off = i * w, byte = off >> 3;
     uint64_t v = 0;
     if (byte + 8 <= len)
@@ -72,34 +72,51 @@ static uint32_t crc_piece(const uint8_t *a, int64_t len, int64_t b, int64_t n_bl
     return ~crc_update(~0u, a + lo, (size_t)(hi - lo));
 }
 
-static inline __attribute__((always_inline)) void decode_block(const Rans *r, int64_t b, uint16_t *vals,
-                                                               uint32_t *x) {
-    Block *job = &r->blocks[b];
-    const int lanes = r->lanes, p = r->p, low = 7 - r->m, w_raw = 8 - r->m, w_esc = 8 + r->m;
-    const uint32_t mask = (1u << p) - 1;
-    int64_t start = b * r->block_size, len = min64(r->block_size, r->n - start);
-    job->crc_raw = crc_piece(r->raw, r->raw_len, b, r->n_blocks, &job->raw_bytes);
-    job->crc_stream = crc_piece((const uint8_t *)r->stream, 2 * r->words, b, r->n_blocks, &job->stream_bytes);
-    job->crc_esc = crc_piece(r->escapes, r->esc_len, b, r->n_blocks, &job->esc_bytes);
-    const uint64_t *tab = r->dec + ((int64_t)min64(r->block_table[b], r->n_tables - 1) << p);
-    static const uint16_t no_word = 0;
-    const uint16_t *stream = r->words ? r->stream : &no_word;
-    const uint64_t last_word = r->words ? (uint64_t)r->words - 1 : 0;
-    uint64_t pos = r->block_words[b];
-    memcpy(x, r->states + b * lanes, sizeof(uint32_t) * (size_t)lanes);
+/* The lanes of one block, step by step (FORMAT.md 9.4): values into vals, states in x; returns the word
+ * position after the block. P: prob_bits (a constant in the common case, so shifts are immediates).
+ * CLAMP: whether a read may pass the stream's end (else the caller has made sure it cannot). */
+static inline __attribute__((always_inline)) uint64_t decode_lanes(const uint64_t *tab, const uint16_t *stream,
+                                                                   uint64_t pos, uint64_t last_word, uint32_t *x,
+                                                                   uint16_t *vals, int64_t len, int lanes,
+                                                                   const int P, const int CLAMP) {
+    const uint32_t mask = (1u << P) - 1;
     for (int64_t base = 0; base < len; base += lanes) { /* step t = base / lanes */
         int nl = (int)min64(lanes, len - base);
         for (int l = 0; l < nl; l++) {
             uint32_t xl = x[l];
             uint64_t e = tab[xl & mask];
-            xl = (uint32_t)(e >> 32) * (xl >> p) + (uint32_t)((e >> 16) & 0xFFFF);
-            uint32_t word = stream[pos < last_word ? pos : last_word], need = xl < STATE_LOW;
-            xl = need ? xl << 16 | word : xl;
+            xl = (uint32_t)(e >> 32) * (xl >> P) + ((uint32_t)e >> 16);
+            uint32_t need = xl < STATE_LOW, word = stream[CLAMP && pos > last_word ? last_word : pos];
+            xl = xl << (need << 4) | (word & (0u - need)); /* arithmetic, not a select: compilers branch on it */
             pos += need;
             x[l] = xl;
             vals[base + l] = (uint16_t)e;
         }
     }
+    return pos;
+}
+
+static inline __attribute__((always_inline)) void decode_block(const Rans *r, int64_t b, uint16_t *vals,
+                                                               uint32_t *x) {
+    Block *job = &r->blocks[b];
+    const int lanes = r->lanes, low = 7 - r->m, w_raw = 8 - r->m, w_esc = 8 + r->m;
+    int64_t start = b * r->block_size, len = min64(r->block_size, r->n - start);
+    job->crc_raw = crc_piece(r->raw, r->raw_len, b, r->n_blocks, &job->raw_bytes);
+    job->crc_stream = crc_piece((const uint8_t *)r->stream, 2 * r->words, b, r->n_blocks, &job->stream_bytes);
+    job->crc_esc = crc_piece(r->escapes, r->esc_len, b, r->n_blocks, &job->esc_bytes);
+    const uint64_t *tab = r->dec + ((int64_t)min64(r->block_table[b], r->n_tables - 1) << r->p);
+    static const uint16_t no_word = 0;
+    const uint16_t *stream = r->words ? r->stream : &no_word;
+    const uint64_t last_word = r->words ? (uint64_t)r->words - 1 : 0, pos0 = r->block_words[b];
+    memcpy(x, r->states + b * lanes, sizeof(uint32_t) * (size_t)lanes);
+    int safe = pos0 + (uint64_t)len <= (uint64_t)r->words; /* at most one word per weight: no read past the end */
+    uint64_t pos;
+    if (r->p == 12 && safe)
+        pos = decode_lanes(tab, stream, pos0, last_word, x, vals, len, lanes, 12, 0);
+    else if (r->p == 12)
+        pos = decode_lanes(tab, stream, pos0, last_word, x, vals, len, lanes, 12, 1);
+    else
+        pos = decode_lanes(tab, stream, pos0, last_word, x, vals, len, lanes, r->p, 1);
     int lanes_home = 1;
     for (int l = 0; l < lanes; l++)
         lanes_home &= x[l] == STATE_LOW;
@@ -107,27 +124,26 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
         job->error = BAD_WORDS;
         return;
     }
+    /* escapes (in weight order: each escape symbol takes the next escape field) and bf16, in one pass */
     uint64_t esc = r->block_escapes[b], esc_end = r->block_escapes[b + 1];
-    for (int64_t j = 0; j < len; j++)
-        if (vals[j] == ESCAPE) {
-            vals[j] = esc < esc_end && esc < (uint64_t)r->n_escapes ? (uint16_t)field(r->escapes, r->esc_len,
-                                                                                       (int64_t)esc, w_esc) : 0;
+    uint16_t *restrict o = r->out + start;
+    for (int64_t j = 0; j < len; j++) {
+        uint32_t v = vals[j], raw = field(r->raw, r->raw_len, start + j, w_raw);
+        if (v == ESCAPE) {
+            v = esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc) : 0;
             esc++;
         }
+        o[j] = (uint16_t)((raw >> low) << 15 | v << low | (raw & ((1u << low) - 1)));
+    }
     if (esc != esc_end) {
         job->error = BAD_ESCAPES;
         return;
-    }
-    uint16_t *restrict o = r->out + start;
-    for (int64_t j = 0; j < len; j++) {
-        uint32_t raw = field(r->raw, r->raw_len, start + j, w_raw);
-        o[j] = (uint16_t)((raw >> low) << 15 | (uint32_t)vals[j] << low | (raw & ((1u << low) - 1)));
     }
     job->crc_out = ~crc_update(~0u, (const uint8_t *)o, (size_t)(2 * len));
 }
 
 /* A thread: take the next block until none is left. */
-static void *work(void *arg) {
+static inline __attribute__((always_inline)) void *work_body(void *arg) {
     Rans *r = arg;
     uint16_t *vals = malloc(sizeof(uint16_t) * (size_t)min64(r->block_size, r->n > 0 ? r->n : 1));
     uint32_t *x = malloc(sizeof(uint32_t) * (size_t)r->lanes);
@@ -140,6 +156,31 @@ static void *work(void *arg) {
     free(vals);
     free(x);
     return NULL;
+}
+
+/* work (and so decode_block) compiled twice: for any CPU, and with AVX2 + BMI2 (shifts by a register
+ * without the cl register), chosen at run time. */
+static int wide_cpu;
+static pthread_once_t wide_once = PTHREAD_ONCE_INIT;
+
+static void wide_init(void) {
+#ifdef HAVE_CLMUL_CODE
+    __builtin_cpu_init();
+    wide_cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
+#endif
+}
+
+static void *work_plain(void *arg) { return work_body(arg); }
+#ifdef HAVE_CLMUL_CODE
+__attribute__((target("avx2,bmi,bmi2"))) static void *work_wide(void *arg) { return work_body(arg); }
+#endif
+
+static void *work(void *arg) {
+#ifdef HAVE_CLMUL_CODE
+    if (wide_cpu)
+        return work_wide(arg);
+#endif
+    return work_plain(arg);
 }
 
 /* The decoding table of each frequency table: entry k * M + slot = f[s] << 32 | (slot - c[s]) << 16 | value
@@ -168,6 +209,7 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
                     uint32_t *crc_io, uint16_t *out) {
     Rans r;
     crc_setup();
+    pthread_once(&wide_once, wide_init);
     memset(&r, 0, sizeof r);
     r.raw = raw, r.raw_len = raw_len, r.stream = stream, r.words = words, r.block_words = block_words;
     r.states = states, r.block_table = block_table, r.escapes = escapes, r.esc_len = esc_len;
