@@ -62,11 +62,17 @@ def flipped(t: RansTensor, key: str, where: int, bit: int) -> dict[str, np.ndarr
 
 
 @needs_c
-@given(bits=bf16_tensors(), params=rans_params(), threads=st.sampled_from([1, 2, 3]))
-def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict, threads: int) -> None:
+@given(bits=bf16_tensors(), params=rans_params(), threads=st.sampled_from([1, 2, 3]), wide=st.booleans())
+def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
+    """Both builds (portable, and AVX2 + BMI2 where the CPU has it), any shape and parameters."""
     t = encode_rans(bits, **params)
-    with many_threads():
-        got = decode_rans_cpu(t, threads=threads, native=True)
+    lib = rans_native.library()
+    try:
+        lib.unw_rans_use(int(wide))
+        with many_threads():
+            got = decode_rans_cpu(t, threads=threads, native=True)
+    finally:
+        lib.unw_rans_use(1)
     assert got.dtype == np.uint16 and got.shape == bits.shape
     assert np.array_equal(got, decode_rans(t)) and np.array_equal(got, bits)
 

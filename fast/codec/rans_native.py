@@ -36,6 +36,7 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {  # name: (return type, argument types), as in native/rans_decode.c
     "unw_rans_decode": (_INT, [_P, _I64, _P, _INT, _P, _INT, _P, _I64, _P, _P, _P, _P, _I64, _P, _I64,
                                _I64, _I64, _INT, _INT, _INT, _INT, _P, _P]),
+    "unw_rans_use": (_INT, [_INT]),
 }
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
 SMALL_ARRAYS = ("alphabet", "tables", "block_words", "states", "block_table", "block_escapes")  # CRC'd in Python

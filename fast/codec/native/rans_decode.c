@@ -1,7 +1,7 @@
 /* The rANS-mode decoder for the CPU, in C (FORMAT.md section 9): rANS form -> bf16.
  *
  * fast/codec/rans_native.py builds this file with the system C compiler on first use (as decode.c),
- * loads it with ctypes and calls unw_rans_decode. Python checks first what is cheap and small
+ * loads it with ctypes and calls unw_rans_decode (and, in the tests, unw_rans_use). Python checks first what is cheap and small
  * (RansTensor.check_header: parameters, every array's dtype and length; check_index: alphabet, tables
  * summing to M, block_table < K, block_words and block_escapes rising from 0 to W and E, escapes per
  * block, states >= 2^16; the CRC-32 of those small arrays; the padding of the last packed group).
@@ -160,7 +160,7 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
 
 /* work (and so decode_block) compiled twice: for any CPU, and with AVX2 + BMI2 (shifts by a register
  * without the cl register), chosen at run time. */
-static int wide_cpu;
+static int wide_cpu, use_wide;
 static pthread_once_t wide_once = PTHREAD_ONCE_INIT;
 
 static void wide_init(void) {
@@ -168,6 +168,14 @@ static void wide_init(void) {
     __builtin_cpu_init();
     wide_cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
 #endif
+    use_wide = wide_cpu;
+}
+
+/* Use the AVX2 + BMI2 build if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
+int unw_rans_use(int wide) {
+    pthread_once(&wide_once, wide_init);
+    use_wide = wide && wide_cpu;
+    return use_wide;
 }
 
 static void *work_plain(void *arg) { return work_body(arg); }
@@ -177,7 +185,7 @@ __attribute__((target("avx2,bmi,bmi2"))) static void *work_wide(void *arg) { ret
 
 static void *work(void *arg) {
 #ifdef HAVE_CLMUL_CODE
-    if (wide_cpu)
+    if (use_wide)
         return work_wide(arg);
 #endif
     return work_plain(arg);
