@@ -4,7 +4,8 @@ The same command, arguments and files as ``python -m reference.codec`` (byte for
 compares them), with the C encoder and decoder of ``fast/codec/native/`` doing the Huffman-form
 work: ``fast.codec.encode.encode`` to compress, ``decode_native.decode_cpu`` (every check of
 FORMAT.md 3.6 kept) to decompress and inspect, in ``torch.get_num_threads()`` threads. The rANS mode
-has no fast path yet: it runs the reference coder. The argument parsing, the safe writes (atomic
+runs the reference coder here: its C decoder (``fast.codec.decode_rans_cpu``) is not wired into the
+container yet. The argument parsing, the safe writes (atomic
 output, refusing an output that is an input) and the signal handling are the reference CLI's own:
 ``reference.codec.__main__.main`` is called with these two functions.
 
