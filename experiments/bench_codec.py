@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -162,10 +163,12 @@ def paired_runs(calls: list[dict[str, Callable[[], object]]], total: int, repeat
     each one's ratio to ZipNN (``ours``: the Huffman-form C decoder; ``rans``: the rANS-form C decoder).
     Reported: the median and the range over runs of the ratios and speeds, and the speeds from each
     tensor's best time (the least disturbed)."""
+    from tqdm import tqdm
+
     keys = list(calls[0])
     best = {k: [float("inf")] * len(calls) for k in keys}
     runs = []
-    for r in range(repeat):
+    for r in tqdm(range(repeat), desc="paired runs", leave=False):
         wall, cpu = dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0)
         for i, c in enumerate(calls):
             shift = (r + i) % len(keys)
@@ -207,8 +210,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from experiments.setup_info import commit, machine
 
-    result: dict = {"machine": machine(), "commit": commit(), "note": "2-core machine shared with other jobs",
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result: dict = {"machine": machine(), "commit": commit(),
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "note": "load_average: the machine's 1-minute load before and after (other jobs' work included)"}
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if not args.reference_only:
         z = result["cpu_vs_zipnn"] = cpu_vs_zipnn(args.weights, args.threads, args.repeat, args.limit)
         print(f"{z['weights']}: {z['tensors']} tensors, {z['bf16_bytes'] / 1e6:.1f} MB of bf16, ratio "
@@ -225,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.zipnn_only:
         result |= run(args.repeat)
         print_reference(result, args.repeat)
+    if load_before is not None:
+        result["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 
