@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -43,19 +43,24 @@ def many_threads() -> Iterator[None]:
         decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = saved
 
 
+@contextlib.contextmanager
+def build(use: Callable[[int], int], wide: bool) -> Iterator[None]:
+    """Run a C decoder's portable build (wide=False) or its AVX2 + BMI2 one (where the CPU has it)."""
+    use(int(wide))
+    try:
+        yield
+    finally:
+        use(1)
+
+
 @needs_c
 @settings(max_examples=150, deadline=None)
 @given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([1, 2, 3, 7]), wide=st.booleans())
 def test_c_decoder_equals_plain_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
     """Both builds of the decoding loop (portable, and AVX2 + BMI2 where the CPU has it)."""
     ct = encode(bits, **params)
-    lib = decode_native.library()
-    try:
-        lib.unw_decode_use(int(wide))
-        with many_threads():
-            got = decode_cpu(ct, threads=threads, native=True)
-    finally:
-        lib.unw_decode_use(1)
+    with build(decode_native.library().unw_decode_use, wide), many_threads():
+        got = decode_cpu(ct, threads=threads, native=True)
     assert got.dtype == np.uint16 and got.shape == bits.shape
     assert np.array_equal(got, decode(ct)) and np.array_equal(got, bits)
 

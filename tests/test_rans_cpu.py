@@ -23,6 +23,7 @@ from reference.codec.format import crc32
 from tests.codec_strategies import bf16_tensors
 from tests.test_codec_rans import rans_params
 from tests.test_codec_rans_corruption import BASE, TRAINED
+from tests.test_decode_cpu import build
 
 HAS_C = rans_native.library() is not None
 needs_c = pytest.mark.skipif(not HAS_C, reason="no C compiler: the C rANS decoder is not built")
@@ -66,13 +67,8 @@ def flipped(t: RansTensor, key: str, where: int, bit: int) -> dict[str, np.ndarr
 def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
     """Both builds (portable, and AVX2 + BMI2 where the CPU has it), any shape and parameters."""
     t = encode_rans(bits, **params)
-    lib = rans_native.library()
-    try:
-        lib.unw_rans_use(int(wide))
-        with many_threads():
-            got = decode_rans_cpu(t, threads=threads, native=True)
-    finally:
-        lib.unw_rans_use(1)
+    with build(rans_native.library().unw_rans_use, wide), many_threads():
+        got = decode_rans_cpu(t, threads=threads, native=True)
     assert got.dtype == np.uint16 and got.shape == bits.shape
     assert np.array_equal(got, decode_rans(t)) and np.array_equal(got, bits)
 

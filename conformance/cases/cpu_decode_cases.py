@@ -41,12 +41,14 @@ def _plain_decode(key: tuple[Family, bool, int]) -> Any:
     return rc.decode(encoded(*key).ct)
 
 
-def _requires_c(family: Family):
-    def requires() -> str | None:
-        from fast.codec import decode_native
+def _requires_c(family: Family, module: str = "decode_native"):
+    """The case needs the C decoder of fast.codec.<module> built (and MiniLM, for MiniLM families)."""
 
-        if decode_native.library() is None:
-            return "no C compiler: the C decoder is not built"
+    def requires() -> str | None:
+        import importlib
+
+        if importlib.import_module(f"fast.codec.{module}").library() is None:
+            return f"no C compiler: the C decoder of fast.codec.{module} is not built"
         return minilm_missing() if family.needs_minilm else None
 
     return requires
@@ -114,17 +116,6 @@ def _rans_fast_c(inputs: dict[str, Any]) -> dict[str, Any]:
     return {"vs reference rANS decoder": decoded, "vs original": decoded}
 
 
-def _requires_rans_c(family: Family):
-    def requires() -> str | None:
-        from fast.codec import rans_native
-
-        if rans_native.library() is None:
-            return "no C compiler: the C rANS decoder is not built"
-        return minilm_missing() if family.needs_minilm else None
-
-    return requires
-
-
 def register_family(family: Family, large_only: bool = False) -> None:
     register(Case(f"codec.cpu_decode_c.{family.name}", Level.BIT_EXACT, _inputs(family), _reference, _fast_c,
                   about=f"C decoder (fast/codec/native/decode.c), 2 threads, vs the plain decoder; {family.about}",
@@ -134,7 +125,8 @@ def register_family(family: Family, large_only: bool = False) -> None:
                   requires=minilm_missing if family.needs_minilm else None, large_only=large_only))
     register(Case(f"codec.cpu_decode_rans_c.{family.name}", Level.BIT_EXACT, _rans_inputs(family), _rans_reference,
                   _rans_fast_c, about=f"C rANS decoder (fast/codec/native/rans_decode.c), 2 threads, vs the "
-                  f"reference rANS decoder; {family.about}", requires=_requires_rans_c(family), large_only=large_only))
+                  f"reference rANS decoder; {family.about}", requires=_requires_c(family, "rans_native"),
+                  large_only=large_only))
 
 
 for _family in FAMILIES:

@@ -42,6 +42,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "builds.h"
 #include "crc32.h"
 #include "threads.h"
 
@@ -365,38 +366,10 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
     return NULL;
 }
 
-/* work (and so decode_block) compiled twice: for any x86-64 (or other) CPU, and with AVX2 + BMI2 (shifts by a register
- * without the cl register, 256-bit assembly), chosen at run time. */
-static int wide_cpu, use_wide;
-static pthread_once_t wide_once = PTHREAD_ONCE_INIT;
+TWO_BUILDS(work, work_body) /* builds.h: any CPU, or AVX2 + BMI2 */
 
-static void wide_init(void) {
-#ifdef HAVE_CLMUL_CODE
-    __builtin_cpu_init();
-    wide_cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
-#endif
-    use_wide = wide_cpu;
-}
-
-static void *work_plain(void *arg) { return work_body(arg); }
-#ifdef HAVE_CLMUL_CODE
-__attribute__((target("avx2,bmi,bmi2"))) static void *work_wide(void *arg) { return work_body(arg); }
-#endif
-
-static void *work(void *arg) {
-#ifdef HAVE_CLMUL_CODE
-    if (use_wide)
-        return work_wide(arg);
-#endif
-    return work_plain(arg);
-}
-
-/* Use the AVX2 + BMI2 decoder if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
-int unw_decode_use(int wide) {
-    pthread_once(&wide_once, wide_init);
-    use_wide = wide && wide_cpu;
-    return use_wide;
-}
+/* Use the AVX2 + BMI2 build if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
+int unw_decode_use(int wide) { return builds_use(wide); }
 
 /* Check and decode a Huffman-form tensor into out (uint16 [rows * cols]). The header was checked by
  * the caller (array lengths as FORMAT.md 3.2 implies, code lengths valid, single = the decoding
@@ -411,7 +384,7 @@ int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const
                int64_t block_weights, uint32_t *crc_io, uint16_t *out) {
     Tensor x;
     crc_setup();
-    pthread_once(&wide_once, wide_init);
+    builds_setup();
     memset(&x, 0, sizeof x);
     x.stream = stream, x.offsets = offsets, x.vchunks = vchunks, x.words = words, x.stream_bits = stream_bits;
     x.n_verbatim = n_verbatim, x.vexp = vexp, x.sm = sm, x.single = single, x.multi_meta = multi_meta;

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "builds.h"
 #include "crc32.h"
 #include "threads.h"
 
@@ -158,38 +159,10 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
     return NULL;
 }
 
-/* work (and so decode_block) compiled twice: for any CPU, and with AVX2 + BMI2 (shifts by a register
- * without the cl register), chosen at run time. */
-static int wide_cpu, use_wide;
-static pthread_once_t wide_once = PTHREAD_ONCE_INIT;
-
-static void wide_init(void) {
-#ifdef HAVE_CLMUL_CODE
-    __builtin_cpu_init();
-    wide_cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
-#endif
-    use_wide = wide_cpu;
-}
+TWO_BUILDS(work, work_body) /* builds.h: any CPU, or AVX2 + BMI2 */
 
 /* Use the AVX2 + BMI2 build if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
-int unw_rans_use(int wide) {
-    pthread_once(&wide_once, wide_init);
-    use_wide = wide && wide_cpu;
-    return use_wide;
-}
-
-static void *work_plain(void *arg) { return work_body(arg); }
-#ifdef HAVE_CLMUL_CODE
-__attribute__((target("avx2,bmi,bmi2"))) static void *work_wide(void *arg) { return work_body(arg); }
-#endif
-
-static void *work(void *arg) {
-#ifdef HAVE_CLMUL_CODE
-    if (use_wide)
-        return work_wide(arg);
-#endif
-    return work_plain(arg);
-}
+int unw_rans_use(int wide) { return builds_use(wide); }
 
 /* The decoding table of each frequency table: entry k * M + slot = f[s] << 32 | (slot - c[s]) << 16 | value
  * of the symbol s owning the slot (ESCAPE for s == A). Rows summing to more than M are cut at M; slots of
@@ -217,7 +190,7 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
                     uint32_t *crc_io, uint16_t *out) {
     Rans r;
     crc_setup();
-    pthread_once(&wide_once, wide_init);
+    builds_setup();
     memset(&r, 0, sizeof r);
     r.raw = raw, r.raw_len = raw_len, r.stream = stream, r.words = words, r.block_words = block_words;
     r.states = states, r.block_table = block_table, r.escapes = escapes, r.esc_len = esc_len;
