@@ -114,21 +114,21 @@ static void word_of_lane_init(void) {
             word_of_lane[m][l] = __builtin_popcount((unsigned)m & ((1u << l) - 1));
 }
 
-/* decode_lanes for 32 lanes and p = 12 where no read can pass the stream's end, eight lanes at a time
- * in AVX2: the 8 table entries by two gathers, the 8 refills by one 16-byte load of the next 8 words
- * spread over the lanes that need one (in lane order, word_of_lane). Whole steps only; returns how many
- * weights it decoded (the caller does the rest). */
+/* decode_lanes for 32 lanes and p = 12, eight lanes at a time in AVX2: the 8 table entries by two
+ * gathers, the 8 refills by one 16-byte load of the next 8 words spread over the lanes that need one
+ * (in lane order, word_of_lane). Whole steps only, and only while a step cannot read past the stream's
+ * end (words); returns how many weights it decoded (the caller does the rest). */
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) static int64_t lanes32_avx2(const uint64_t *tab, const uint16_t *stream,
-                                                                         uint64_t *pos_io, uint32_t *x,
-                                                                         uint16_t *vals, int64_t len) {
+                                                                         uint64_t words, uint64_t *pos_io,
+                                                                         uint32_t *x, uint16_t *vals, int64_t len) {
     pthread_once(&word_of_lane_once, word_of_lane_init);
     const __m256i slot_mask = _mm256_set1_epi32(4095), zero = _mm256_setzero_si256();
     __m256i xs[4];
     for (int g = 0; g < 4; g++)
         xs[g] = _mm256_loadu_si256((const __m256i *)(x + 8 * g));
     uint64_t pos = *pos_io;
-    int64_t steps = len / 32;
-    for (int64_t t = 0; t < steps; t++)
+    int64_t t = 0;
+    for (; t < len / 32 && pos + 32 <= words; t++) /* a step reads at most 32 words */
         for (int g = 0; g < 4; g++) {
             __m256i slot = _mm256_and_si256(xs[g], slot_mask);
             __m256 a = _mm256_castsi256_ps(
@@ -152,7 +152,7 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) static int64_t lanes32_avx2(cons
     for (int g = 0; g < 4; g++)
         _mm256_storeu_si256((__m256i *)(x + 8 * g), xs[g]);
     *pos_io = pos;
-    return steps * 32;
+    return t * 32;
 }
 
 /* The escapes of a block in weight order (FORMAT.md 9.4): each escape symbol's value becomes the next
@@ -215,13 +215,13 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     const uint16_t *stream = r->words ? r->stream : &no_word;
     const uint64_t last_word = r->words ? (uint64_t)r->words - 1 : 0, pos0 = r->block_words[b];
     memcpy(x, r->states + b * lanes, sizeof(uint32_t) * (size_t)lanes);
-    int safe = pos0 + (uint64_t)len <= (uint64_t)r->words; /* at most one word per weight: no read past the end */
     uint64_t pos = pos0;
     int64_t done = 0;
 #ifdef HAVE_LANES_AVX2
-    if (use_wide && lanes == 32 && r->p == 12 && safe)
-        done = lanes32_avx2(tab, stream, &pos, x, vals, len);
+    if (use_wide && lanes == 32 && r->p == 12)
+        done = lanes32_avx2(tab, stream, (uint64_t)r->words, &pos, x, vals, len);
 #endif
+    int safe = pos + (uint64_t)(len - done) <= (uint64_t)r->words; /* a word per weight at most: no read past the end */
     if (r->p == 12 && safe)
         pos = decode_lanes(tab, stream, pos, last_word, x, vals + done, len - done, lanes, 12, 0);
     else if (r->p == 12)
