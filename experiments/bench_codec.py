@@ -11,7 +11,8 @@ everything else FORMAT.md 3.6 lists; ZipNN's format has no checksum, so it check
 comparison is, if anything, unfair to us. ``--repeat`` paired runs: in each, per tensor, both decode
 back to back (which goes first alternates), so both meet the same background load. Reported per
 thread count: the median and [min - max] over runs of the speed ratio in wall time and in process CPU
-time (all threads; on a machine shared with other jobs the steadier of the two), each side's MB/s
+time (all threads; on a machine shared with other jobs the fair one: ZipNN 0.5 starts a thread per
+call even at ``threads=1``, which waits for a core when other jobs hold them), each side's MB/s
 (the checkpoint's bf16 bytes over a run's time), and the ratio of the sums of each tensor's best time.
 The rANS form's C decoder (fast/codec/native/rans_decode.c, every check of FORMAT.md 9.6) runs in the
 same paired runs (``rans_*`` keys), on the same tensors encoded with ``encode_rans``. The NumPy
