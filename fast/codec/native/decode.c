@@ -12,12 +12,14 @@
  * Python checks the header (ranges, array dtypes and lengths) first; unw_decode checks the rest:
  * the CRC-32 of every array and of the decoded data, offsets (0 ... B, non-decreasing), verbatim
  * ids (increasing, in range), vexp padding, the verbatim rule, the stream's tail bits, every table
- * hit, and that every group ends exactly at the next group's offset. No value read from the arrays
- * is used as an address before it is clamped or checked, so damaged input cannot read out of bounds
- * and every loop is bounded by the tensor's geometry.
+ * hit, and that every group ends exactly at the next group's offset. (An invalid hit stalls its
+ * group; the group's last codes, checked one by one, or its end, or the data's CRC then fail: see
+ * decode_4_groups.) No value read from the arrays is used as an address before it is clamped or
+ * checked, so damaged input cannot read out of bounds and every loop is bounded by the tensor's
+ * geometry.
  *
- * How it decodes. The groups are cut into blocks (one block with one thread; blocks of ~64K weights with
- * more, so that a thread slowed by other work on the machine takes fewer of them), and each thread
+ * How it decodes. The groups are cut into blocks (one block with one thread; blocks of ~64K weights
+ * with more, so that a thread slowed by other work on the machine takes fewer of them), and each thread
  * takes the next block until none is left. Per four groups: count their coded weights (their chunks
  * less the verbatim ones), decode that many exponents into a scratch buffer, one group after the
  * other, then assemble bf16 = sign | exponent << 7 | mantissa run by run (a run: the coded chunks
