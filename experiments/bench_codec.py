@@ -5,14 +5,20 @@
 
 **Fast CPU decoder vs ZipNN** (issue 14's goal: >= 1.0x): for every floating-point tensor of the
 checkpoint with at least 4096 weights (cast to bf16 with round-to-nearest-even), ``decode_cpu`` (the C
-decoder of fast/codec/native/decode.c, every check of FORMAT.md 3.6 included) and ZipNN's
-``decompress`` run alternately, ``--repeat`` times each, at the same thread count; each keeps its best
-time per tensor (the machine may be shared: the least disturbed run). Throughput = the checkpoint's
-bf16 bytes over the sum of those minima. The process CPU time of each call is kept the same way
-(``ours_over_zipnn_cpu_time``): on a machine shared with other jobs it is the steadier comparison.
-The NumPy lockstep decoder is timed beside them for scale,
-and every decoder's output is compared with the original bits. ``--weights smollm2`` runs SmolLM2
-(its weights are dequantized 4-bit: flagged, not representative of trained bf16 statistics).
+decoder of fast/codec/native/decode.c) and ZipNN's ``decompress`` at the same thread count, each
+returning a new buffer per tensor. Ours checks every CRC-32 (each array and the decoded tensor) and
+everything else FORMAT.md 3.6 lists; ZipNN's format has no checksum, so it checks nothing: the
+comparison is, if anything, unfair to us. ``--repeat`` paired runs: in each, per tensor, both decode
+back to back (which goes first alternates), so both meet the same background load. Reported per
+thread count: the median and [min - max] over runs of the speed ratio in wall time and in process CPU
+time (all threads; on a machine shared with other jobs the fair one: ZipNN 0.5 starts a thread per
+call even at ``threads=1``, which waits for a core when other jobs hold them), each side's MB/s
+(the checkpoint's bf16 bytes over a run's time), and the ratio of the sums of each tensor's best time.
+The rANS form's C decoder (fast/codec/native/rans_decode.c, every check of FORMAT.md 9.6) runs in the
+same paired runs (``rans_*`` keys), on the same tensors encoded with ``encode_rans``. The NumPy
+lockstep decoder is timed once for scale, and every decoder's output is compared with the original bits.
+``--weights smollm2`` runs SmolLM2 (its weights are dequantized 4-bit: flagged, not
+representative of trained bf16 statistics).
 
 The acceptance target for the NumPy reference is >= 100 MB/s of bf16 output when decoding. Cases:
 all compressible MiniLM tensors decoded together (as the container does), one 4096 x 4096
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -115,56 +122,81 @@ def rans_row(tensors: list[np.ndarray], nbytes: int, unweight_decode_s: float, r
 
 
 def cpu_vs_zipnn(weights: str, threads: list[int], repeat: int, limit: int | None = None) -> dict:
-    """Fast CPU decoder (C) vs ZipNN decompression: same tensors, same threads, alternating (NumPy for scale)."""
+    """Fast CPU decoder (C) vs ZipNN decompression: same tensors, same threads, paired runs (NumPy for scale)."""
     import zipnn
 
     from experiments.bench_encode import load_tensors
+    from fast.codec import rans_native
     from fast.codec.decode_native import decode_cpu, library
 
     tensors = [bits for _, bits in load_tensors(weights, MIN_ELEMENTS, limit)]
     total = sum(t.nbytes for t in tensors)
     cts = [encode(t) for t in tensors]
+    rts = encode_rans_many(tensors)
     out: dict = {"weights": weights, "tensors": len(tensors), "bf16_bytes": total, "repeat": repeat,
-                 "c_decoder": library() is not None, "ratio_ours": total / sum(c.nbytes for c in cts),
+                 "c_decoder": library() is not None, "c_rans_decoder": rans_native.library() is not None,
+                 "ratio_ours": total / sum(c.nbytes for c in cts), "ratio_rans": total / sum(t.nbytes for t in rts),
                  "flag": "SmolLM2's weights are dequantized 4-bit: not representative" if "smol" in weights else "",
+                 "verification": "ours: CRC-32 of every array and of the decoded tensor, every FORMAT.md 3.6 check; "
+                                 "ZipNN: none (its format has no checksum)",
+                 "output": "both: a new buffer per tensor (ours a uint16 ndarray, ZipNN bytes)",
                  "by_threads": {}}
+    numpy_s = None  # the NumPy lockstep decoder is single-threaded: timed once, for scale
     for th in threads:
         z = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=th)
         packed = [z.compress(t.tobytes()) for t in tensors]
-        seconds = {"ours": 0.0, "zipnn": 0.0, "numpy_lockstep": 0.0}
-        cpu_seconds = dict.fromkeys(seconds, 0.0)  # process CPU time: what a shared machine cannot disturb
-        for t, ct, zp in zip(tensors, cts, packed, strict=True):
-            calls = {"ours": lambda ct=ct, th=th: decode_cpu(ct, threads=th),
-                     "zipnn": lambda zp=zp, z=z: z.decompress(zp),
-                     "numpy_lockstep": lambda ct=ct: decode_many([ct])[0]}
-            for key, fn in calls.items():  # warm-up, and every output checked
-                got = fn()
-                same = got == t.tobytes() if key == "zipnn" else np.array_equal(got, t)
-                if not same:
-                    raise AssertionError(f"{key} did not give back the original tensor")
-            best = dict.fromkeys(calls, float("inf"))
-            best_cpu = dict.fromkeys(calls, float("inf"))
-            for _ in range(repeat):  # alternate, so all see the same background load
-                for key, fn in calls.items():
-                    if key == "numpy_lockstep" and _ > 0:
-                        continue  # for scale only: one run
-                    wall, cpu = time.perf_counter(), time.process_time()
-                    fn()
-                    best[key] = min(best[key], time.perf_counter() - wall)
-                    best_cpu[key] = min(best_cpu[key], time.process_time() - cpu)
-            for key in seconds:
-                seconds[key] += best[key]
-                cpu_seconds[key] += best_cpu[key]
-        out["by_threads"][str(th)] = {
-            "ours_MBps": total / seconds["ours"] / 1e6, "zipnn_MBps": total / seconds["zipnn"] / 1e6,
-            "numpy_lockstep_MBps": total / seconds["numpy_lockstep"] / 1e6,
-            "ours_over_zipnn": seconds["zipnn"] / seconds["ours"],
-            "numpy_lockstep_over_zipnn": seconds["zipnn"] / seconds["numpy_lockstep"],
-            "zipnn_ratio": total / sum(len(p) for p in packed),
-            "ours_over_zipnn_cpu_time": cpu_seconds["zipnn"] / cpu_seconds["ours"],
-            "seconds": seconds, "cpu_seconds": cpu_seconds,
-        }
+        calls = [{"ours": lambda ct=ct, th=th: decode_cpu(ct, threads=th), "zipnn": lambda zp=zp, z=z: z.decompress(zp),
+                  "rans": lambda rt=rt, th=th: rans_native.decode_rans_cpu(rt, threads=th)}
+                 for ct, zp, rt in zip(cts, packed, rts, strict=True)]
+        for t, c in zip(tensors, calls, strict=True):  # warm-up, and every output checked
+            if not np.array_equal(c["ours"](), t) or c["zipnn"]() != t.tobytes() or not np.array_equal(c["rans"](), t):
+                raise AssertionError("a decoder did not give back the original tensor")
+        if numpy_s is None:
+            numpy_s = sum(best_time(lambda ct=ct: decode_many([ct]), 1) for ct in cts)
+        out["by_threads"][str(th)] = paired_runs(calls, total, repeat) | {
+            "numpy_lockstep_MBps": total / numpy_s / 1e6, "zipnn_ratio": total / sum(len(p) for p in packed)}
     return out
+
+
+def paired_runs(calls: list[dict[str, Callable[[], object]]], total: int, repeat: int) -> dict:
+    """``repeat`` runs over every tensor; in each, per tensor, the decoders back to back (the order rotates),
+    so all meet the same background load. Per run: wall and process CPU time (all threads) of each, and
+    each one's ratio to ZipNN (``ours``: the Huffman-form C decoder; ``rans``: the rANS-form C decoder).
+    Reported: the median and the range over runs of the ratios and speeds, and the speeds from each
+    tensor's best time (the least disturbed)."""
+    from tqdm import tqdm
+
+    keys = list(calls[0])
+    best = {k: [float("inf")] * len(calls) for k in keys}
+    runs = []
+    for r in tqdm(range(repeat), desc="paired runs", leave=False):
+        wall, cpu = dict.fromkeys(keys, 0.0), dict.fromkeys(keys, 0.0)
+        for i, c in enumerate(calls):
+            shift = (r + i) % len(keys)
+            for k in keys[shift:] + keys[:shift]:
+                w0, c0 = time.perf_counter(), time.process_time()
+                c[k]()
+                w, cp = time.perf_counter() - w0, time.process_time() - c0
+                wall[k] += w
+                cpu[k] += cp
+                best[k][i] = min(best[k][i], w)
+        run = {f"{k}_MBps": total / wall[k] / 1e6 for k in keys} | {f"{k}_cpu_s": cpu[k] for k in keys}
+        for k in keys:
+            if k != "zipnn":
+                run[f"{k}_ratio_wall"], run[f"{k}_ratio_cpu"] = wall["zipnn"] / wall[k], cpu["zipnn"] / cpu[k]
+        runs.append(run)
+
+    def spread(key: str) -> dict:
+        values = [run[key] for run in runs]
+        return {"median": float(np.median(values)), "min": min(values), "max": max(values)}
+
+    out = {f"{k}_MBps": spread(f"{k}_MBps") for k in keys} | {f"best_{k}_MBps": total / sum(best[k]) / 1e6
+                                                               for k in keys}
+    for k in keys:
+        if k != "zipnn":
+            out |= {f"{k}_over_zipnn": spread(f"{k}_ratio_wall"), f"{k}_over_zipnn_cpu_time": spread(f"{k}_ratio_cpu"),
+                    f"best_{k}_over_zipnn": sum(best["zipnn"]) / sum(best[k])}
+    return out | {"runs": runs}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -179,19 +211,28 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from experiments.setup_info import commit, machine
 
-    result: dict = {"machine": machine(), "commit": commit(), "note": "2-core machine shared with other jobs",
-                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    result: dict = {"machine": machine(), "commit": commit(),
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    "note": "load_average: the machine's 1-minute load before and after (other jobs' work included)"}
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     if not args.reference_only:
         z = result["cpu_vs_zipnn"] = cpu_vs_zipnn(args.weights, args.threads, args.repeat, args.limit)
         print(f"{z['weights']}: {z['tensors']} tensors, {z['bf16_bytes'] / 1e6:.1f} MB of bf16, ratio "
               f"{z['ratio_ours']:.4f}x {z['flag']}")
+        print(f"  {z['repeat']} paired runs; median [min - max] over runs")
         for th, r in z["by_threads"].items():
-            print(f"  {th} thread(s): C decoder {r['ours_MBps']:.0f} MB/s = {r['ours_over_zipnn']:.2f}x ZipNN "
-                  f"({r['zipnn_MBps']:.0f} MB/s); NumPy lockstep {r['numpy_lockstep_MBps']:.0f} MB/s = "
-                  f"{r['numpy_lockstep_over_zipnn']:.2f}x; in CPU time {r['ours_over_zipnn_cpu_time']:.2f}x ZipNN")
+            print(f"  {th} thread(s): ZipNN {r['zipnn_MBps']['median']:.0f} MB/s; NumPy lockstep "
+                  f"{r['numpy_lockstep_MBps']:.0f} MB/s")
+            for k, label in (("ours", "C decoder, Huffman form"), ("rans", "C decoder, rANS form")):
+                w, c = r[f"{k}_over_zipnn"], r[f"{k}_over_zipnn_cpu_time"]
+                print(f"    {label}: {r[f'{k}_MBps']['median']:.0f} MB/s = {w['median']:.2f}x ZipNN "
+                      f"[{w['min']:.2f} - {w['max']:.2f}] wall, {c['median']:.2f}x [{c['min']:.2f} - {c['max']:.2f}] "
+                      f"CPU time; best times {r[f'best_{k}_over_zipnn']:.2f}x")
     if not args.zipnn_only:
         result |= run(args.repeat)
         print_reference(result, args.repeat)
+    if load_before is not None:
+        result["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -62,13 +62,30 @@ def run_engine(engine: Any, jobs: Sequence[Job], advance: Callable[[int], None])
     return [[t - t0 for t in engine.requests[i].metrics.token_times] for i in ids]
 
 
+def phases(engine: Any) -> dict[str, float]:
+    """Where an engine's time went: steps that ran some prefill vs pure decode steps (count, seconds)."""
+    prefill = [r for r in engine.step_log if any(r.is_prefill)]
+    decode = [r for r in engine.step_log if not any(r.is_prefill)]
+    return {"prefill_steps": len(prefill), "prefill_s": round(sum(r.duration for r in prefill), 2),
+            "decode_steps": len(decode), "decode_s": round(sum(r.duration for r in decode), 2),
+            "preempted": sum(r.num_preempted for r in engine.step_log)}
+
+
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def engine_options(jobs: Sequence[Job], clock: Callable[[], float], block_size: int = 16) -> dict[str, Any]:
+    """The engine settings both engines run with (``ENGINE_SETTINGS`` says them in words)."""
     blocks = sum(-(-(len(j.prompt) + j.output_len) // block_size) for j in jobs) + 8
     return dict(num_blocks=blocks, block_size=block_size, max_num_seqs=min(64, len(jobs)),
                 max_num_batched_tokens=512, clock=clock)
+
+
+ENGINE_SETTINGS = ("continuous batching, max_num_seqs = min(64, requests) (every request runs at once), "
+                   "max_num_batched_tokens = 512 per step (chunked prefill, decodes first), block_size 16, "
+                   "num_blocks = what the whole workload needs + 8 (no preemption), prefix cache on, "
+                   "KV cache in the model's dtype, greedy; the fast engine's CPU attention is torch "
+                   "(fast/kv/attention_torch.py)")
 
 
 def tiny_checkpoint() -> tuple[Any, Any, list[Job]]:
@@ -114,10 +131,12 @@ def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, 
                 engine = Engine(FastModel(TorchLlama(config, weights, dtype=dtype)), **engine_options(jobs, clock))
                 task = progress.add_task(system, total=total)
                 out[system] = score(run_engine(engine, jobs, lambda n, t=task: progress.advance(t, n)), jobs)
+                out[system]["phases"] = phases(engine)
             elif system == "reference":
                 engine = ReferenceEngine(LlamaModel(config, weights), **engine_options(jobs, clock))
                 task = progress.add_task(system, total=total)
                 out[system] = score(run_engine(engine, jobs, lambda n, t=task: progress.advance(t, n)), jobs)
+                out[system]["phases"] = phases(engine)
             elif system == "transformers_bf16":
                 model = hf_llama(config, weights, torch.bfloat16)
                 by_batch = {}
@@ -179,6 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         setup = {"weights": "random 2-layer Llama" if args.tiny else "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
                  "workload": workload, "threads": args.threads, "machine": setup_info.machine(),
                  "commit": setup_info.commit(), "date": setup_info.now(), "clock": args.clock,
+                 "engine_settings": ENGINE_SETTINGS,
                  "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
         result = result_json(measured, setup)
         args.out.write_text(json.dumps(result, indent=1))
@@ -211,6 +231,8 @@ def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
                 continue
             measured[system] = {"useful_tok_s": tok_s, "ttft_ms": m["ttft_ms"][system], "itl_ms": m["itl_ms"][system],
                                 "seconds": m["seconds"][system]}
+            if system in m.get("phases", {}):
+                measured[system]["phases"] = m["phases"][system]
             if system == "transformers_bf16":
                 measured[system]["batch_size"] = m["transformers_best_batch"]
         by_batch |= m.get("transformers_by_batch", {})

@@ -17,7 +17,8 @@ def result_json(measured: dict[str, Any], setup: dict[str, Any]) -> dict[str, An
         "measured": {"useful_tok_s": tok_s,
                      "ttft_ms": {k: v["ttft_ms"] for k, v in systems.items()},
                      "itl_ms": {k: v["itl_ms"] for k, v in systems.items()},
-                     "seconds": {k: v["seconds"] for k, v in systems.items()}},
+                     "seconds": {k: v["seconds"] for k, v in systems.items()},
+                     "phases": {k: v["phases"] for k, v in systems.items() if "phases" in v}},
         "setup": setup, "goal": GOAL, "llama_cpp_reference_point": LLAMA_CPP_EARLIER,
     }
     if "transformers_by_batch" in measured:
@@ -38,11 +39,29 @@ def result_json(measured: dict[str, Any], setup: dict[str, Any]) -> dict[str, An
         else:
             timing = (f"{setup.get('threads')} threads, wall clock; the machine may have been shared (load average "
                       f"{setup.get('load_average')}): the ratios, measured in one run, are the result")
+        short = "" if ratio >= 2 else f", {2 - ratio:.2f}x short of the goal"
         out["why"] = (f"the fast engine made {ratio:.2f}x the useful tokens/s of transformers bf16 at its best "
-                      f"batch size (goal 2x); {timing}")
+                      f"batch size (goal 2x{short}); {timing}. Where the time went: {where_time_went(systems)}")
     else:
         out["verdict"], out["why"] = "not compared", "run fast and transformers_bf16 together to compare them"
     return out
+
+
+def where_time_went(systems: dict[str, Any]) -> str:
+    """Per engine, seconds in steps with prefill vs pure decode steps; transformers' TTFT and ITL."""
+    parts = []
+    for name, v in systems.items():
+        ph = v.get("phases")
+        if ph:
+            parts.append(f"{name} {ph['prefill_s']:.1f} s in {ph['prefill_steps']} steps with prefill + "
+                         f"{ph['decode_s']:.1f} s in {ph['decode_steps']} decode steps (ITL p50 "
+                         f"{v['itl_ms']['p50']:.0f} ms)")
+        elif name == "transformers_bf16":
+            parts.append(f"transformers_bf16 (static batches of {v.get('batch_size')}) {v['seconds']:.1f} s: each "
+                         "batch prefills its prompts left-padded to the longest, then takes one decode step per "
+                         f"token of its longest output (ITL p50 {v['itl_ms']['p50']:.0f} ms); a batch also waits "
+                         f"for the one before it (TTFT p50 {v['ttft_ms']['p50'] / 1000:.1f} s)")
+    return "; ".join(parts)
 
 
 def figure(result: dict[str, Any], path: Path) -> Path:
@@ -57,6 +76,10 @@ def figure(result: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     axes[0].bar(names, [m["useful_tok_s"][n] for n in names], color="tab:blue")
     axes[0].set_title("useful output tokens/s (higher is better)")
+    if "transformers_bf16" in m["useful_tok_s"]:
+        axes[0].axhline(2 * m["useful_tok_s"]["transformers_bf16"], color="gray", ls="--",
+                        label="goal: 2x transformers")
+        axes[0].legend()
     for ax, key, title in ((axes[1], "ttft_ms", "TTFT (ms)"), (axes[2], "itl_ms", "inter-token latency (ms)")):
         x = range(len(names))
         ax.bar([i - 0.2 for i in x], [m[key][n]["p50"] for n in names], width=0.4, label="p50")

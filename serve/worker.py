@@ -88,9 +88,10 @@ class Stats:
 class EngineWorker:
     """Owns an engine on a thread of its own. Start with ``start()``; stop with ``stop()``."""
 
-    def __init__(self, engine: Any, *, idle_poll_s: float = 0.05) -> None:
+    def __init__(self, engine: Any, *, idle_poll_s: float = 0.05, keep_steps: int = 4096) -> None:
         self.engine = engine
         self.idle_poll_s = idle_poll_s
+        self.keep_steps = keep_steps  # the engine's step log is trimmed to its latest records (a server runs for days)
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
         self.stats = Stats()
         self.error: str | None = None  # set when the engine failed; /health then answers 503
@@ -162,6 +163,9 @@ class EngineWorker:
                 return
             for event in events:
                 self._deliver_token(event)
+            log = getattr(engine, "step_log", None)
+            if isinstance(log, list) and len(log) > 2 * self.keep_steps:
+                del log[:-self.keep_steps]
             self._snapshot()
         self._fail_all(503, "the server is shutting down; the request was aborted")
 

@@ -30,6 +30,10 @@ def test_bench_engine_tiny_scores_every_system(tmp_path: Path) -> None:
         assert stored["measured"]["ttft_ms"][system]["p50"] <= stored["measured"]["ttft_ms"][system]["p99"]
     section = "\n".join(report.engine_bench_section(tmp_path))  # the paper's section, from the JSON alone
     assert f"| fast_bf16 | {tok_s['fast_bf16']:.1f} |" in section and "bench_engine.png" in section
+    assert "**Rerun**" not in section and "Where the time went: fast_bf16" in stored["why"]
+    (tmp_path / "bench_engine_rerun.json").write_text(out.read_text())  # a second run is quoted next to the first
+    section = "\n".join(report.engine_bench_section(tmp_path))
+    assert "**Rerun** (`bench_engine_rerun.json`" in section and f"fast_bf16 {tok_s['fast_bf16']:.1f}" in section
 
 
 def test_single_system_runs_merge_into_one_result(tmp_path: Path) -> None:

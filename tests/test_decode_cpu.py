@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -33,21 +33,33 @@ BASE = encode(TRAINED, chunks_per_group=4)
 
 @contextlib.contextmanager
 def many_threads() -> Iterator[None]:
-    """Let even tiny tensors be split into ranges of groups (the threaded join is what is tested)."""
-    saved = decode_native.MIN_WEIGHTS_PER_THREAD
-    decode_native.MIN_WEIGHTS_PER_THREAD = 1
+    """Let even tiny tensors be split into blocks of one or a few groups, more blocks than threads (the
+    threads' taking of blocks and the CRC join are what is tested)."""
+    saved = decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS
+    decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = 1, 300
     try:
         yield
     finally:
-        decode_native.MIN_WEIGHTS_PER_THREAD = saved
+        decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = saved
+
+
+@contextlib.contextmanager
+def build(use: Callable[[int], int], wide: bool) -> Iterator[None]:
+    """Run a C decoder's portable build (wide=False) or its AVX2 + BMI2 one (where the CPU has it)."""
+    use(int(wide))
+    try:
+        yield
+    finally:
+        use(1)
 
 
 @needs_c
 @settings(max_examples=150, deadline=None)
-@given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([1, 2, 3, 7]))
-def test_c_decoder_equals_plain_reference_decoder(bits: np.ndarray, params: dict, threads: int) -> None:
+@given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([1, 2, 3, 7]), wide=st.booleans())
+def test_c_decoder_equals_plain_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
+    """Both builds of the decoding loop (portable, and AVX2 + BMI2 where the CPU has it)."""
     ct = encode(bits, **params)
-    with many_threads():
+    with build(decode_native.library().unw_decode_use, wide), many_threads():
         got = decode_cpu(ct, threads=threads, native=True)
     assert got.dtype == np.uint16 and got.shape == bits.shape
     assert np.array_equal(got, decode(ct)) and np.array_equal(got, bits)
@@ -119,10 +131,17 @@ def test_errors_name_the_problem() -> None:
 
 
 @needs_c
-@given(st.integers(0, 5000), st.integers(1, 9), st.integers(0, 2**32 - 1))
-def test_crc32_equals_zlib(n: int, threads: int, seed: int) -> None:
-    data = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-    assert decode_native.crc32(data, threads) == zlib.crc32(data.tobytes())
+@given(st.integers(0, 5000), st.integers(0, 15), st.integers(1, 9), st.integers(0, 2**32 - 1),
+       st.sampled_from([0, 1, 2]))
+def test_crc32_equals_zlib(n: int, skip: int, threads: int, seed: int, path: int) -> None:
+    """Every CRC path the CPU has (0 tables, 1 PCLMULQDQ, 2 VPCLMULQDQ), any length and alignment."""
+    data = np.random.default_rng(seed).integers(0, 256, n + skip, dtype=np.uint8)[skip:]
+    lib = decode_native.library()
+    try:
+        lib.unw_crc_use(path)
+        assert decode_native.crc32(data, threads) == zlib.crc32(data.tobytes())
+    finally:
+        lib.unw_crc_use(-1)
 
 
 def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -178,3 +178,19 @@ def test_output_of_an_unknown_request() -> None:
         with pytest.raises(EngineError, match="no request has the id") as e:
             eng.output(rid)
         assert isinstance(e.value, KeyError)  # code that caught the KeyError still does
+
+
+def test_release_forgets_only_finished_requests() -> None:
+    """A long-running server releases each request once answered, so the engine does not grow forever."""
+    eng = engine()
+    done = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))[0]
+    running = eng.add_request([4, 5], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    with pytest.raises(EngineError, match="has not finished"):
+        eng.release(running)
+    assert eng.release(done.request_id).output_token_ids == done.output_token_ids
+    assert done.request_id not in eng.requests
+    with pytest.raises(EngineError, match="no request has the id"):
+        eng.release(done.request_id)
+    assert eng.abort(running) and eng.release(running).finish_reason == "abort"
+    assert eng.requests == {} and not eng.has_unfinished()

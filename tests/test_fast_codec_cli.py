@@ -37,11 +37,13 @@ def test_fast_cli_writes_the_reference_cli_files_byte_for_byte(checkpoint: Path,
     assert outputs["fast"][2] == outputs["reference"][2], "inspect tables differ"
 
 
-def test_fast_cli_refuses_what_the_reference_cli_refuses(checkpoint: Path, tmp_path: Path,
+@pytest.mark.parametrize("flags", [[], ["--mode", "rans"]])
+def test_fast_cli_refuses_what_the_reference_cli_refuses(checkpoint: Path, tmp_path: Path, flags: list[str],
                                                          capsys: pytest.CaptureFixture) -> None:
-    """The shared safe-write path: output = input, a directory as output, a damaged container."""
+    """The shared safe-write path: output = input, a directory as output, a damaged container (both
+    forms: the C decoders check the arrays themselves)."""
     packed = tmp_path / "c.safetensors"
-    assert fast_main(["compress", str(checkpoint), str(packed)]) == 0
+    assert fast_main(["compress", str(checkpoint), str(packed), *flags]) == 0
     data = bytearray(packed.read_bytes())
     data[-100] ^= 0xFF  # inside the last tensor's arrays
     damaged = tmp_path / "damaged.safetensors"

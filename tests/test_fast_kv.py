@@ -170,3 +170,66 @@ def test_copy_block_and_read_match_the_reference() -> None:
         np.testing.assert_array_equal(got.numpy(), want)
     with pytest.raises(KVCacheError, match="needs 2 blocks"):
         fast.read(0, [2], 6)
+
+
+def _padded_cost(lengths: list[int], groups: list[list[int]], cost: int) -> int:
+    return sum(len(g) * -(-max(lengths[i] for i in g) // BS) * BS + cost for g in groups)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 60), min_size=1, max_size=7), cost=st.sampled_from([0, 5, 30, 1000]))
+def test_length_groups_partition_optimally(lengths: list[int], cost: int) -> None:
+    """Groups partition the indices, shortest first, and no split into contiguous runs of the sorted
+    lengths pads fewer positions (brute force over every cut set)."""
+    from itertools import combinations
+
+    from fast.kv.attention_torch import length_groups
+
+    groups = length_groups(lengths, BS, cost)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    flat = [lengths[i] for g in groups for i in g]
+    assert flat == sorted(flat)
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    best = min(_padded_cost(lengths, [order[a:b] for a, b in zip((0, *cuts), (*cuts, len(order)), strict=True)],
+                            cost)
+               for r in range(len(order)) for cuts in combinations(range(1, len(order)), r))
+    assert _padded_cost(lengths, groups, cost) == best
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("bf16_query", [False, True])
+def test_decode_in_many_length_groups_matches_reference(monkeypatch: pytest.MonkeyPatch, dtype: str,
+                                                        bf16_query: bool) -> None:
+    """With no cost per batch every distinct length is its own batch: rows land where they belong,
+    and a mixed step's one-token chunks (batched) sit next to its prefill chunks."""
+    from fast.kv import attention_torch
+
+    monkeypatch.setattr(attention_torch, "BATCH_COST_POSITIONS", 0)
+    for query_lens, starts in (([1] * 6, [30, 0, 17, 3, 30, 9]), ([1, 4, 1, 1, 3], [22, 0, 2, 13, 5])):
+        ref, fast, step, tables, rng = _step_and_fill(dtype, query_lens, starts, seed=len(query_lens))
+        q = torch.from_numpy(rng.standard_normal((step.num_tokens, 2 * KV, D)).astype(np.float32))
+        if bf16_query:
+            q = q.bfloat16()
+        got = paged_attention(q, fast, 0, step, backend="torch").float().numpy()
+        want = _expected(ref, q.float().numpy(), step, tables)
+        tol = 3e-2 if bf16_query else 2e-5  # bf16 products and output (conformance bounds them exactly)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+        batches = step.memo["decode"] if step.is_decode else step.memo["prefill"][0]
+        assert len(batches) > 1
+
+
+@pytest.mark.parametrize("with_nan", [False, True])
+def test_bf16_store_rounding_equals_the_reference_on_every_bit_class(with_nan: bool) -> None:
+    """Both branches of ``to_store`` (torch's cast when there is no NaN, integer rounding otherwise)
+    give ``reference.bf16.float32_to_bf16``'s bits: ties, subnormals, infinities, NaN payloads."""
+    from fast.kv.cache import to_store
+    from reference.bf16 import float32_to_bf16
+
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32)
+    bits[:1000] = (bits[:1000] & 0xFFFF0000) | 0x8000  # exact ties
+    x = bits.view(np.float32)
+    x = x if with_nan else x[~np.isnan(x)]
+    assert np.isnan(x).any() == with_nan
+    got = to_store(torch.from_numpy(x.copy()), torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(got, np.asarray(float32_to_bf16(x)).view(np.uint16))

@@ -104,3 +104,28 @@ def test_drain_aborts_what_outlives_the_grace_period():
         assert 0 < len(items) - 1 < 10_000 and engine.aborted and not engine.live
     finally:
         worker.stop()
+
+
+def test_a_real_engine_forgets_answered_requests_and_trims_its_step_log():
+    """A server runs for days: answered (or aborted) requests are released, the step log stays bounded."""
+    from reference.engine import Engine
+    from tests.test_engine_intake import tiny_model
+
+    engine = Engine(tiny_model(), num_blocks=16, block_size=4)
+    worker = EngineWorker(engine, keep_steps=3)
+    worker.start()
+
+    async def run() -> None:
+        await asyncio.gather(*(collect(worker, 12) for _ in range(3)))
+        ticket = await worker.submit(Submission([1, 2], SamplingParams(max_tokens=10_000, ignore_eos=True)))
+        worker.abort(ticket.request_id)
+
+    try:
+        asyncio.run(run())
+        deadline = time.monotonic() + 10
+        while worker.call(lambda e: bool(e.requests) or e.has_unfinished()).result(timeout=10):
+            assert time.monotonic() < deadline, "the aborted request was never released"
+            time.sleep(0.01)
+        assert len(engine.step_log) <= 6
+    finally:
+        worker.stop()

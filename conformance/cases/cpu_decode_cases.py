@@ -8,8 +8,13 @@ For each family of conformance/inputs.py (random, adversarial, real MiniLM), the
 * ``codec.cpu_decode_numpy.F``: ``reference.codec.decode_many`` (the lockstep NumPy decoder, the
   fallback when there is no C compiler).
 
+* ``codec.cpu_decode_rans_c.F``: ``fast.codec.rans_native.decode_rans_cpu`` (the C decoder of the
+  rANS mode, fast/codec/native/rans_decode.c) in two threads, on the family's tensor encoded with
+  ``encode_rans`` (blocks of 4096 weights, so that even small tensors have several), against the
+  reference rANS decoder (``reference.codec.decode_rans``, FORMAT.md 9.4) and the original tensor.
+
 Both modes of the format's Huffman form (palettes of 16 and the full 256-entry alphabet) are among
-the families; the rANS form has no fast decoder yet. Without a C compiler the C case is skipped.
+the families, and the rANS form is the other mode. Without a C compiler the C cases are skipped.
 """
 
 from __future__ import annotations
@@ -36,12 +41,14 @@ def _plain_decode(key: tuple[Family, bool, int]) -> Any:
     return rc.decode(encoded(*key).ct)
 
 
-def _requires_c(family: Family):
-    def requires() -> str | None:
-        from fast.codec import decode_native
+def _requires_c(family: Family, module: str = "decode_native"):
+    """The case needs the C decoder of fast.codec.<module> built (and MiniLM, for MiniLM families)."""
 
-        if decode_native.library() is None:
-            return "no C compiler: the C decoder is not built"
+    def requires() -> str | None:
+        import importlib
+
+        if importlib.import_module(f"fast.codec.{module}").library() is None:
+            return f"no C compiler: the C decoder of fast.codec.{module} is not built"
         return minilm_missing() if family.needs_minilm else None
 
     return requires
@@ -58,18 +65,55 @@ def _both(decoded: Any) -> dict[str, Any]:
 def _fast_c(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec import decode_native  # looked up at call time: tests swap in a broken build
 
-    saved = decode_native.MIN_WEIGHTS_PER_THREAD
-    decode_native.MIN_WEIGHTS_PER_THREAD = 1  # even small tensors are split into two ranges of groups
+    saved = decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS
+    # even small tensors are cut into many blocks of groups, which the two threads take in turn
+    decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = 1, 4096
     try:
         return _both(decode_native.decode_cpu(inputs["enc"].ct, threads=2, native=True))
     finally:
-        decode_native.MIN_WEIGHTS_PER_THREAD = saved
+        decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = saved
 
 
 def _fast_numpy(inputs: dict[str, Any]) -> dict[str, Any]:
     import reference.codec as rc
 
     return _both(rc.decode_many([inputs["enc"].ct])[0])
+
+
+RANS_BLOCK = 4096  # weights per rANS block in these cases: several blocks, so both threads have work
+
+
+@functools.lru_cache(maxsize=2)
+def _rans_encoded(key: tuple[Family, bool, int]) -> Any:
+    import reference.codec as rc
+
+    return rc.encode_rans(encoded(*key).bits, block_size=RANS_BLOCK)
+
+
+def _rans_inputs(family: Family):
+    def make(gen: Gen) -> dict[str, Any]:
+        key = (family, gen.large, gen.seed)
+        return {"rans": _rans_encoded(key), "bits": encoded(*key).bits}
+
+    return make
+
+
+def _rans_reference(inputs: dict[str, Any]) -> dict[str, Any]:
+    import reference.codec as rc
+
+    return {"vs reference rANS decoder": rc.decode_rans(inputs["rans"]), "vs original": inputs["bits"]}
+
+
+def _rans_fast_c(inputs: dict[str, Any]) -> dict[str, Any]:
+    from fast.codec import rans_native  # looked up at call time, as for the Huffman decoder
+
+    saved = rans_native.MIN_WEIGHTS_PER_THREAD
+    rans_native.MIN_WEIGHTS_PER_THREAD = 1  # even small tensors go to two threads
+    try:
+        decoded = rans_native.decode_rans_cpu(inputs["rans"], threads=2, native=True)
+    finally:
+        rans_native.MIN_WEIGHTS_PER_THREAD = saved
+    return {"vs reference rANS decoder": decoded, "vs original": decoded}
 
 
 def register_family(family: Family, large_only: bool = False) -> None:
@@ -79,6 +123,10 @@ def register_family(family: Family, large_only: bool = False) -> None:
     register(Case(f"codec.cpu_decode_numpy.{family.name}", Level.BIT_EXACT, _inputs(family), _reference, _fast_numpy,
                   about=f"lockstep NumPy decoder vs the plain decoder; {family.about}",
                   requires=minilm_missing if family.needs_minilm else None, large_only=large_only))
+    register(Case(f"codec.cpu_decode_rans_c.{family.name}", Level.BIT_EXACT, _rans_inputs(family), _rans_reference,
+                  _rans_fast_c, about=f"C rANS decoder (fast/codec/native/rans_decode.c), 2 threads, vs the "
+                  f"reference rANS decoder; {family.about}", requires=_requires_c(family, "rans_native"),
+                  large_only=large_only))
 
 
 for _family in FAMILIES:

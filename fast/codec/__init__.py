@@ -10,6 +10,9 @@ Public API (bf16 tensors are torch.bfloat16; forms are ``fast.codec.forms.Huffma
     decode_cpu(ct, threads=1) -> bits        the CPU decoder (fast.codec.decode_native; C, native/decode.c):
                                              reference CompressedTensor -> uint16 bits, every FORMAT.md 3.6
                                              check kept; NumPy lockstep fallback without a C compiler
+    decode_rans_cpu(t, threads=1) -> bits    the same for the rANS form (fast.codec.rans_native; C,
+                                             native/rans_decode.c): RansTensor -> uint16 bits, every
+                                             FORMAT.md 9.6 check kept; NumPy fallback without a compiler
     decode_huffman(hform) -> bf16            Triton: Huffman form -> bf16, one lane per group
     transcode(hform) -> PaletteForm          Triton: Huffman form -> palette form (done once at load)
     decode_palette(pform) -> bf16            Triton: palette form -> bf16, tiles with verbatim patching
@@ -25,9 +28,9 @@ Command line: ``python -m fast.codec compress|decompress|inspect``, the argument
 ``python -m reference.codec`` with the C encoder and decoder.
 
 Conformance levels (``python -m conformance``): encode, decode_cpu (C and NumPy lockstep, against the
-plain reference decoder), decode_huffman, transcode, decode_palette and the torch versions are
-bit-exact against the reference and the original tensor; fused_matmul is
-same-kernel exact against ``matmul`` on the decoded weights (same config), and bounded against a
+plain reference decoder), decode_rans_cpu (against the reference rANS decoder), decode_huffman,
+transcode, decode_palette and the torch versions are bit-exact against the reference and the original
+tensor; fused_matmul is same-kernel exact against ``matmul`` on the decoded weights (same config), and bounded against a
 float64 product: |y - y64| <= 2^-8 |y64| + (K + 1) 2^-23 (|x| @ |W|^T + |b|).
 
 What the format costs a kernel (notes for whoever changes FORMAT.md):
@@ -52,10 +55,11 @@ from fast.codec.huffman_decode import decode_huffman, transcode
 from fast.codec.linear import UnweightLinear
 from fast.codec.matmul import MatmulConfig, fused_matmul
 from fast.codec.palette_decode import decode_palette
+from fast.codec.rans_native import decode_rans_cpu
 from fast.codec.torch_ops import decode_palette_torch, transcode_torch
 
 __all__ = [
     "HuffmanForm", "MatmulConfig", "PaletteForm", "UnweightLinear", "decode_cpu", "decode_huffman", "decode_palette",
-    "decode_palette_torch", "fused_matmul", "huffman_from_reference", "huffman_to_reference",
+    "decode_palette_torch", "decode_rans_cpu", "fused_matmul", "huffman_from_reference", "huffman_to_reference",
     "palette_from_reference", "transcode", "transcode_torch",
 ]

@@ -3,8 +3,9 @@
 The same command, arguments and files as ``python -m reference.codec`` (byte for byte: a test
 compares them), with the C encoder and decoder of ``fast/codec/native/`` doing the Huffman-form
 work: ``fast.codec.encode.encode`` to compress, ``decode_native.decode_cpu`` (every check of
-FORMAT.md 3.6 kept) to decompress and inspect, in ``torch.get_num_threads()`` threads. The rANS mode
-has no fast path yet: it runs the reference coder. The argument parsing, the safe writes (atomic
+FORMAT.md 3.6 kept) to decompress and inspect, in ``torch.get_num_threads()`` threads; the rANS mode
+is encoded by the reference coder and decoded by ``rans_native.decode_rans_cpu`` (C, every check of
+FORMAT.md 9.6 kept). The argument parsing, the safe writes (atomic
 output, refusing an output that is an input) and the signal handling are the reference CLI's own:
 ``reference.codec.__main__.main`` is called with these two functions.
 
@@ -22,6 +23,7 @@ from reference.codec.__main__ import main as reference_main
 from reference.codec.codec import CHUNK_SIZE, CHUNKS_PER_GROUP, MAX_CODE_LENGTH, PALETTE_SIZE, as_bf16, check_parameters
 from reference.codec.format import CompressedTensor, crc32
 from reference.codec.layout import Layout
+from reference.codec.rans import RansTensor
 
 
 def encode_to_reference(bits: np.ndarray, *, name: str = "", palette_size: int = PALETTE_SIZE,
@@ -48,9 +50,18 @@ def decode_batch(tensors: list[CompressedTensor]) -> list[np.ndarray]:
     return [decode_cpu(ct, threads=torch.get_num_threads()) for ct in tensors]
 
 
+def decode_rans_batch(tensors: list[RansTensor]) -> list[np.ndarray]:
+    """Decode rANS-form tensors (headers checked, arrays not: the C decoder checks them)."""
+    import torch
+
+    from fast.codec.rans_native import decode_rans_cpu
+
+    return [decode_rans_cpu(t, threads=torch.get_num_threads()) for t in tensors]
+
+
 def main(argv: list[str] | None = None, **kwargs: Any) -> int:
     return reference_main(argv, prog="python -m fast.codec", encoder=encode_to_reference, decoder=decode_batch,
-                          description=__doc__, **kwargs)
+                          rans_decoder=decode_rans_batch, description=__doc__, **kwargs)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,26 @@
-"""Paged attention in plain torch (gather + ``scaled_dot_product_attention``): the CPU path.
+"""Paged attention in plain torch: the CPU path.
 
-Keys and values are gathered through the block tables into padded per-chunk tensors (a copy, as
-advanced indexing makes), dequantized to float32 (fp8 codes times their block's power-of-two scale:
-exact), and positions past each chunk's length are zeroed, so unused cache slots (which may
-hold anything, NaN included) never reach a result. Attention runs in float32 whatever the query
-dtype; the output has q's dtype. Grouped-query attention folds each kv head's query heads into
-rows of that head, so K/V are never repeated per query head.
-Decode chunks (one token) are batched into one call; longer chunks run one call each, with the
-mask ``key position <= query position`` (causal within the chunk, everything of the prefix).
+Keys and values are gathered through the block tables into padded tensors (one copy into scratch
+buffers kept on the cache, which saves allocating and page-faulting megabytes per layer), fp8
+codes dequantized (times their block's power-of-two scale: exact), and positions past each
+chunk's length are zeroed, so unused cache slots (which may hold anything, NaN included) never
+reach a result.
+
+* Chunks of one token (a decode step, and the decoding sequences of a mixed step) run in batches:
+  sequences of similar length together (``length_groups``), so little is padded. With bf16
+  queries a batch is two batched bf16 matrix products straight over the gathered blocks (see
+  ``_decode_bf16``); with float32 queries, float32 SDPA. Decode is memory-bound: what matters is
+  reading K/V few times.
+* Longer chunks (prefill) run one float32 SDPA call each, with the mask ``key position <= query
+  position`` (causal within the chunk, everything of the prefix).
+Grouped-query attention folds each kv head's query heads into rows of that head, so K/V are never
+repeated per query head. The output has q's dtype. What is derived from the step alone (batches,
+masks) is computed once per step and kept in ``step.memo`` for every layer.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -19,63 +29,143 @@ from fast.kv import fp8_torch as fp8
 from fast.kv.cache import PagedKVCache
 from fast.kv.step import KVStep
 
+# A batch's fixed cost per layer (about a dozen small torch calls), in padded key positions' worth of
+# work. Estimated from a profile on this project's 2-core EPYC (bf16, 60 sequences): ~0.1 ms of fixed
+# calls per batch and layer against ~0.2 us per padded position.
+BATCH_COST_POSITIONS = 512
 
-def _gather(cache: PagedKVCache, layer: int, tables: torch.Tensor, lens: torch.Tensor,
-            max_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(K, V as float32 [B, kv_heads, L, D], valid [B, L]) for L = max_len rounded up to whole blocks."""
-    width = -(-max_len // cache.block_size)
-    tables = tables[:, :width]
-    b = tables.shape[0]
-    length = width * cache.block_size
-    valid = torch.arange(length, device=tables.device)[None, :] < lens[:, None].to(torch.int64)
-    bad = torch.nonzero(~valid.reshape(-1)).reshape(-1)  # few: the tails of last blocks, padded entries
+
+@dataclass(frozen=True)
+class _Batch:
+    """Sequences of ``width`` blocks at most whose attention runs together (padded to ``width``)."""
+
+    rows: torch.Tensor  # int64 [n]: their rows in the step's queries
+    blocks: torch.Tensor  # int64 [n * width]: each one's first ``width`` block ids (padding past its table)
+    bad: torch.Tensor  # int64: flat positions in [0, n * width * block_size) past each one's length
+    valid: torch.Tensor  # bool [n, width * block_size]
+    width: int
+
+
+def length_groups(lengths: list[int], block_size: int, cost: int | None = None) -> list[list[int]]:
+    """Indices of ``lengths`` in groups (shortest first) minimising the padded positions (each member
+    padded to its group's longest, in whole blocks) plus ``cost`` per group (default
+    ``BATCH_COST_POSITIONS``): exact dynamic programming over the distinct widths in blocks (with
+    more than 64 widths, only 64 evenly spaced ones are candidate cuts)."""
+    if not lengths:
+        return []
+    cost = BATCH_COST_POSITIONS if cost is None else cost
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    blocks = [-(-lengths[i] // block_size) for i in order]
+    widths = sorted(set(blocks))
+    if len(widths) > 64:
+        widths = sorted({widths[round(j * (len(widths) - 1) / 63)] for j in range(64)})
+    counts = [0] * len(widths)  # counts[j]: sequences padded to widths[j] if a group ends there
+    j = 0
+    for w in blocks:
+        while w > widths[j]:
+            j += 1
+        counts[j] += 1
+    best = [0.0] + [float("inf")] * len(widths)  # best[e]: cheapest split of the first e widths' sequences
+    cut = [0] * (len(widths) + 1)
+    for end in range(1, len(widths) + 1):
+        n = 0
+        for start in range(end, 0, -1):
+            n += counts[start - 1]
+            c = best[start - 1] + n * widths[end - 1] * block_size + cost
+            if c < best[end]:
+                best[end], cut[end] = c, start - 1
+    groups, end, stop = [], len(widths), len(order)
+    while end > 0:
+        size = sum(counts[cut[end]:end])
+        groups.append(order[stop - size:stop])
+        stop, end = stop - size, cut[end]
+    return groups[::-1]
+
+
+def _batches(step: KVStep, chunks: list[int], rows: list[int], device: torch.device) -> list[_Batch]:
+    """One-token ``chunks`` of ``step`` (query rows ``rows``) as length-grouped batches. The host
+    lengths (``starts``) size and group them; the device ``seq_lens`` say which positions are read
+    (a CUDA-graph step's host lengths are only an upper bound)."""
+    bs = step.block_size
+    lengths = [step.starts[c] + 1 for c in chunks]
     out = []
-    for which in ("k", "v"):
-        x = _gather_blocks(cache, layer, tables.reshape(-1), which)  # a fresh copy, [B * W, bs, kv, D]
-        x = x.reshape(b * length, cache.num_kv_heads, cache.head_dim)
-        x.index_fill_(0, bad, 0.0)  # unused slots may hold NaN: 0 * NaN would poison the weighted sum
-        out.append(x.reshape(b, length, cache.num_kv_heads, cache.head_dim).transpose(1, 2))
-    return out[0], out[1], valid
+    for group in length_groups(lengths, bs):
+        width = -(-max(lengths[i] for i in group) // bs)
+        members = torch.tensor([chunks[i] for i in group], dtype=torch.int64, device=device)
+        lens = step.seq_lens.index_select(0, members).to(torch.int64)
+        valid = torch.arange(width * bs, device=device)[None, :] < lens[:, None]
+        out.append(_Batch(rows=torch.tensor([rows[i] for i in group], dtype=torch.int64, device=device),
+                          blocks=step.block_tables[members, :width].reshape(-1).to(torch.int64),
+                          bad=torch.nonzero(~valid.reshape(-1)).reshape(-1), valid=valid, width=width))
+    return out
+
+
+def _chunk_batch(step: KVStep, i: int, device: torch.device) -> _Batch:
+    """Chunk ``i`` alone (a prefill chunk): its blocks up to its last new token."""
+    length = step.starts[i] + step.query_lens[i]
+    width = -(-length // step.block_size)
+    valid = torch.arange(width * step.block_size, device=device)[None, :] < length
+    return _Batch(rows=torch.zeros(0, dtype=torch.int64, device=device),
+                  blocks=step.block_tables[i, :width].to(torch.int64),
+                  bad=torch.nonzero(~valid.reshape(-1)).reshape(-1), valid=valid, width=width)
+
+
+def _gather_rows(cache: PagedKVCache, layer: int, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a batch as [n, L, kv_heads * D] in the cache's dtype (fp8: float32): the blocks as
+    stored, one copy into scratch buffers. Unused slots of V are zeroed: they may hold NaN, and a zero
+    weight times NaN is NaN. (K's need not be: their scores are replaced by -inf, NaN or not.)"""
+    n, length = batch.valid.shape
+    shape = (n, length, cache.num_kv_heads * cache.head_dim)
+    k = _gather_blocks(cache, layer, batch.blocks, "k").view(shape)
+    v = _gather_blocks(cache, layer, batch.blocks, "v").view(shape)
+    v.view(n * length, -1).index_fill_(0, batch.bad, 0.0)
+    return k, v
+
+
+def _gather_heads(cache: PagedKVCache, layer: int, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of a batch as float32 [n, kv_heads, L, D], contiguous (scratch buffers of the cache),
+    unused slots of both zeroed (SDPA adds its mask to the scores, and NaN - inf is NaN)."""
+    n, length = batch.valid.shape
+    kv, d, bs = cache.num_kv_heads, cache.head_dim, cache.block_size
+    k, v = _gather_rows(cache, layer, batch)
+    k.view(n * length, -1).index_fill_(0, batch.bad, 0.0)
+    out = []
+    for which, x in (("k", k), ("v", v)):
+        heads = _scratch(cache, which + ".heads", (n, kv, length, d), torch.float32)
+        heads.view(n, kv, batch.width, bs, d).copy_(x.view(n, batch.width, bs, kv, d).permute(0, 3, 1, 2, 4))
+        out.append(heads)
+    return out[0], out[1]
 
 
 def _gather_blocks(cache: PagedKVCache, layer: int, blocks: torch.Tensor, which: str) -> torch.Tensor:
-    """float32 copies of ``blocks`` (1-D ids) of layer's K or V: [len(blocks), block_size, kv, D].
-
-    The result lives in a scratch buffer kept on the cache (valid until the next gather of the same
-    tensor), which saves allocating, and page-faulting in, megabytes per layer.
-    """
+    """Copies of ``blocks`` (1-D int64 ids) of layer's K or V: [len(blocks), block_size, kv, D], in the
+    cache's dtype (fp8: dequantized to float32), in a scratch buffer kept on the cache."""
     store = (cache.k if which == "k" else cache.v)[layer]
-    ids = blocks.to(torch.int64)
-    shape = (len(ids), cache.block_size, cache.num_kv_heads, cache.head_dim)
-    out = _scratch(cache, which + "32", shape, torch.float32)
+    shape = (len(blocks), cache.block_size, cache.num_kv_heads, cache.head_dim)
     if cache.is_fp8:  # a 256-entry table lookup, then the power-of-two scales (exact)
-        codes = _scratch(cache, "codes", shape, torch.int32).copy_(store.index_select(0, ids))
+        out = _scratch(cache, which + ".fp8", shape, torch.float32)
+        codes = _scratch(cache, "codes", shape, torch.int32).copy_(store.index_select(0, blocks))
         torch.index_select(fp8.decode_table_on(cache.device), 0, codes.view(-1), out=out.view(-1))
-        exps = (cache.k_exp if which == "k" else cache.v_exp)[layer].index_select(0, ids)
+        exps = (cache.k_exp if which == "k" else cache.v_exp)[layer].index_select(0, blocks)
         return out.mul_(fp8.exp2_int(exps)[:, None, :, None])
-    if store.dtype == torch.float32:
-        return torch.index_select(store, 0, ids, out=out)
-    return out.copy_(torch.index_select(store, 0, ids, out=_scratch(cache, which + "16", shape, store.dtype)))
+    return torch.index_select(store, 0, blocks, out=_scratch(cache, which, shape, store.dtype))
 
 
 def _scratch(cache: PagedKVCache, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A contiguous tensor of ``shape`` carved from a buffer on the cache that only ever grows."""
-    buffers = cache.scratch
     n = 1
     for size in shape:
         n *= size
-    buf = buffers.get(name)
-    if buf is None or buf.numel() < n:
-        buf = buffers[name] = torch.empty(n, dtype=dtype, device=cache.device)
+    buf = cache.scratch.get(name)
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = cache.scratch[name] = torch.empty(n, dtype=dtype, device=cache.device)
     return buf[:n].view(shape)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention without repeating K/V: q [B, H, n, D], k/v [B, kv, L, D], mask [B, n, L].
-
-    The GROUP query heads sharing a kv head become GROUP * n query rows of that kv head, so SDPA
-    runs as plain multi-head attention over kv heads. Returns float32 [B, H, n, D].
-    """
+    """Float32 SDPA with grouped-query attention, K/V not repeated: q [B, H, n, D], k/v [B, kv, L, D],
+    mask [B, n, L]. The GROUP query heads sharing a kv head become GROUP * n query rows of that kv
+    head, so SDPA runs as plain multi-head attention over kv heads. Returns float32 [B, H, n, D]."""
     b, heads, n, d = q.shape
     kv = k.shape[1]
     group = heads // kv
@@ -85,38 +175,79 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
         bias = bias[:, None]
     else:
         bias = bias[:, None, None].expand(b, 1, group, n, mask.shape[-1]).reshape(b, 1, group * n, mask.shape[-1])
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale)
-    return out.reshape(b, heads, n, d)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale).reshape(b, heads, n, d)
+
+
+def _decode_bf16(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: _Batch, scale: float) -> torch.Tensor:
+    """One batch of one-token chunks with bf16 queries: q [n, H, D] -> [n, H, D] bf16.
+
+    Each sequence's K and V are read straight from the gathered blocks ([n, L, kv_heads * D], no
+    per-head transpose). The queries become a block-diagonal matrix [n, H, kv_heads * D] (query head h
+    of kv head j holds q in columns j*D .. j*D+D-1, zeros elsewhere), so one batched product gives
+    every head's scores; the product with V gives, per head, its own kv head's block (the diagonal)
+    and discarded cross terms. The extra products by zero are exact and cheap next to reading K/V
+    (exact for finite keys: an inf or NaN stored in a used slot of one kv head would also spoil the other
+    heads' scores at that position; unused slots are masked whatever they hold).
+    The products take bf16 inputs, accumulate in float32 and round their result to bf16 (as
+    transformers' bf16 attention does); the softmax is float32.
+    """
+    n, heads, d = q.shape
+    kv = cache.num_kv_heads
+    group = heads // kv
+    k, v = (x.to(torch.bfloat16) for x in _gather_rows(cache, layer, batch))  # no copy unless fp8
+    q_diag = torch.zeros((n, kv, group, kv, d), dtype=q.dtype, device=q.device)
+    q_diag.diagonal(dim1=1, dim2=3).copy_(q.reshape(n, kv, group, d).permute(0, 2, 3, 1))
+    scores = torch.bmm(q_diag.view(n, heads, kv * d), k.transpose(1, 2)).float()  # [n, H, L]
+    scores.mul_(scale).masked_fill_(~batch.valid[:, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.bmm(weights, v).view(n, kv, group, kv, d).diagonal(dim1=1, dim2=3)  # [n, group, D, kv]
+    return out.permute(0, 3, 1, 2).reshape(n, heads, d)
+
+
+def _one_token_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, batches: list[_Batch], scale: float,
+                    out: torch.Tensor) -> None:
+    """Attention of one-token chunks, batch by batch, into their rows of ``out`` ([T, H, D])."""
+    for batch in batches:
+        rows = q.index_select(0, batch.rows)
+        if q.dtype == torch.bfloat16:
+            result = _decode_bf16(rows, cache, layer, batch, scale)
+        else:  # float32 batched products are slow on this CPU (MKL): SDPA, and no products by zero
+            k, v = _gather_heads(cache, layer, batch)
+            result = _attend(rows[:, :, None, :], k, v, batch.valid[:, None, :], scale)[:, :, 0, :]
+        out.index_copy_(0, batch.rows, result.to(out.dtype))
 
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, scale: float) -> torch.Tensor:
     """q [B, H, D] (one token per chunk) -> [B, H, D] in q's dtype."""
-    k, v, valid = _gather(cache, layer, step.block_tables, step.seq_lens, step.max_seq_len)
-    out = _attend(q[:, :, None, :], k, v, valid[:, None, :], scale)
-    return out[:, :, 0, :].to(q.dtype)
+    if "decode" not in step.memo:
+        every = list(range(step.num_chunks))
+        step.memo["decode"] = _batches(step, every, every, q.device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _one_token_rows(q, cache, layer, step.memo["decode"], scale, out)
+    return out
 
 
 def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, scale: float) -> torch.Tensor:
     """q [T, H, D] for the step's chunks concatenated -> [T, H, D] in q's dtype."""
+    if "prefill" not in step.memo:
+        offsets = [0]
+        for n in step.query_lens:
+            offsets.append(offsets[-1] + n)
+        single = [i for i, n in enumerate(step.query_lens) if n == 1]
+        longer = []
+        for i, n in enumerate(step.query_lens):
+            if n > 1:
+                batch = _chunk_batch(step, i, q.device)
+                key_pos = torch.arange(batch.width * step.block_size, device=q.device)
+                query_pos = step.starts[i] + torch.arange(n, device=q.device)
+                mask = key_pos[None, :] <= query_pos[:, None]  # also excludes every position past the chunk
+                longer.append((offsets[i], n, batch, mask[None]))
+        step.memo["prefill"] = (_batches(step, single, [offsets[i] for i in single], q.device), longer)
+    singles, longer = step.memo["prefill"]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    offsets = [0]
-    for n in step.query_lens:
-        offsets.append(offsets[-1] + n)
-    single = [i for i, n in enumerate(step.query_lens) if n == 1]
-    if single:
-        idx = torch.tensor(single, device=q.device)
-        rows = torch.tensor([offsets[i] for i in single], device=q.device)
-        k, v, valid = _gather(cache, layer, step.block_tables[idx], step.seq_lens[idx],
-                              max(step.starts[i] + 1 for i in single))
-        out[rows] = _attend(q[rows][:, :, None, :], k, v, valid[:, None, :], scale)[:, :, 0, :].to(q.dtype)
-    for i, n in enumerate(step.query_lens):
-        if n == 1:
-            continue
-        start = step.starts[i]
-        k, v, _ = _gather(cache, layer, step.block_tables[i:i + 1], step.seq_lens[i:i + 1], start + n)
-        key_pos = torch.arange(k.shape[2], device=q.device)
-        query_pos = start + torch.arange(n, device=q.device)
-        mask = key_pos[None, :] <= query_pos[:, None]  # also excludes every position past the chunk
-        qi = q[offsets[i]:offsets[i] + n].transpose(0, 1)[None]  # [1, H, n, D]
-        out[offsets[i]:offsets[i] + n] = _attend(qi, k, v, mask[None], scale)[0].transpose(0, 1).to(q.dtype)
+    _one_token_rows(q, cache, layer, singles, scale, out)
+    for row, n, batch, mask in longer:
+        k, v = _gather_heads(cache, layer, batch)
+        qi = q[row:row + n].transpose(0, 1)[None]  # [1, H, n, D]
+        out[row:row + n] = _attend(qi, k, v, mask, scale)[0].transpose(0, 1).to(q.dtype)
     return out

@@ -128,8 +128,8 @@ def to_store(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     That is ``reference.bf16.float32_to_bf16``'s rule, NaN included (torch's own cast turns every
     NaN into 0xFFFF on the CPU), so a bf16 cache holds the same bits on every path.
     """
-    if dtype != torch.bfloat16 or x.dtype != torch.float32:
-        return x.to(dtype)
+    if dtype != torch.bfloat16 or x.dtype != torch.float32 or not bool(torch.isnan(x).any()):
+        return x.to(dtype)  # torch's cast rounds every non-NaN value to nearest even as well
     bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
     quiet_nan = (bits >> 16) | 0x40

@@ -12,7 +12,7 @@ device tensors feed the kernels.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ class KVStep:
     context_lens: torch.Tensor
     query_starts: torch.Tensor
     slots: torch.Tensor
+    memo: dict = field(default_factory=dict, compare=False, repr=False)  # layouts derived once per step and
+    # reused by every layer (the torch attention path's batches)
 
     @property
     def num_chunks(self) -> int:

@@ -27,6 +27,7 @@ from reference.codec.container import (
     Container,
     Encoder,
     HuffmanDecoder,
+    RansDecoder,
     compress_checkpoint,
     decompress_checkpoint,
     weight_count,
@@ -45,9 +46,11 @@ MODE_PARAMS = {
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m reference.codec", encoder: Encoder = encode,
-         decoder: HuffmanDecoder | None = None, description: str | None = None) -> int:
-    """The command line. ``python -m fast.codec`` is this function with the C encoder and decoder
-    (``encoder``, ``decoder``: see ``compress_checkpoint`` and ``Container``): same arguments, same files."""
+         decoder: HuffmanDecoder | None = None, rans_decoder: RansDecoder | None = None,
+         description: str | None = None) -> int:
+    """The command line. ``python -m fast.codec`` is this function with the C encoder and decoders
+    (``encoder``, ``decoder``, ``rans_decoder``: see ``compress_checkpoint`` and ``Container``): same
+    arguments, same files."""
     parser = argparse.ArgumentParser(prog=prog, description=description or __doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,7 +73,7 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m reference.code
     args = parser.parse_args(argv)
     try:
         with signals_raise():
-            run(args, encoder, decoder)
+            run(args, encoder, decoder, rans_decoder)
     except CodecError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -85,7 +88,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m reference.code
     return 0
 
 
-def run(args: argparse.Namespace, encoder: Encoder = encode, decoder: HuffmanDecoder | None = None) -> None:
+def run(args: argparse.Namespace, encoder: Encoder = encode, decoder: HuffmanDecoder | None = None,
+        rans_decoder: RansDecoder | None = None) -> None:
     """Carry out one parsed command."""
     if args.command == "compress":
         params = {}
@@ -103,16 +107,16 @@ def run(args: argparse.Namespace, encoder: Encoder = encode, decoder: HuffmanDec
             print(f"note: {counts['castable_passed']} float32/float16 tensors were passed through unchanged; "
                   "add --to-bf16 to cast them to bf16 and compress them", file=sys.stderr)
     elif args.command == "decompress":
-        n = decompress_checkpoint(args.container, args.out, progress=True, decoder=decoder)
+        n = decompress_checkpoint(args.container, args.out, progress=True, decoder=decoder, rans_decoder=rans_decoder)
         print(f"wrote {args.out}: {n} tensors")
     else:
-        inspect(args.container, decoder)
+        inspect(args.container, decoder, rans_decoder)
 
 
-def inspect(path: str, decoder: HuffmanDecoder | None = None) -> None:
+def inspect(path: str, decoder: HuffmanDecoder | None = None, rans_decoder: RansDecoder | None = None) -> None:
     """Print one row per tensor; decodes (and so verifies) every tensor to measure its entropy."""
     total_in = total_out = 0
-    with Container(path, decoder=decoder) as c:
+    with Container(path, decoder=decoder, rans_decoder=rans_decoder) as c:
         print(f"{'tensor':52s} {'kind':9s} {'form':>7s} {'shape':>14s} {'dtype':>9s} {'ratio':>7s} {'bound':>7s} "
               f"{'rare':>8s}")
         for name, array, dtype in c.items(progress=True):

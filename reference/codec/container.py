@@ -49,6 +49,7 @@ CONTAINER_VERSION = 2  # version 2 added each tensor's header_crc32 (FORMAT.md s
 HEADER_CRC = "header_crc32"
 Encoder = Callable[..., CompressedTensor]  # encode(bits, name=..., **params): the Huffman form
 HuffmanDecoder = Callable[[list[CompressedTensor]], list[np.ndarray]]  # Huffman-form tensors -> their bits
+RansDecoder = Callable[[list[rans.RansTensor]], list[np.ndarray]]  # rANS-form tensors -> their bits
 Compressed = CompressedTensor | rans.RansTensor
 
 
@@ -141,13 +142,13 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
 
 
 def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool = False,
-                          decoder: HuffmanDecoder | None = None) -> int:
+                          decoder: HuffmanDecoder | None = None, rans_decoder: RansDecoder | None = None) -> int:
     """Write every tensor of a container back as a plain safetensors file (compressed ones as BF16).
 
-    ``decoder`` decodes the Huffman-form tensors (see ``Container``)."""
+    ``decoder`` and ``rans_decoder`` decode the Huffman-form and rANS-form tensors (see ``Container``)."""
     out = Path(out)
     check_output(out, [Path(path)])
-    with Container(path, decoder=decoder) as c, _Scratch(out) as scratch:
+    with Container(path, decoder=decoder, rans_decoder=rans_decoder) as c, _Scratch(out) as scratch:
         for name, array, dtype in c.items(progress=progress):
             scratch.put(name, array, dtype)
         scratch.write(out, c.user_metadata)
@@ -157,12 +158,17 @@ def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool =
 class Container:
     """A container file, opened and checked. ``get(name)`` decodes and verifies one tensor."""
 
-    def __init__(self, path: str | Path, *, decoder: HuffmanDecoder | None = None):
+    def __init__(self, path: str | Path, *, decoder: HuffmanDecoder | None = None,
+                 rans_decoder: RansDecoder | None = None):
         """``decoder``: decodes a list of Huffman-form tensors whose headers are checked but whose arrays
         are not (it checks them itself, as the C decoder does); None: the arrays are checked here and
-        the lockstep NumPy decoder runs."""
-        self.forms = FORMS if decoder is None else FORMS | {"huffman": huffman_form(decoder=decoder)}
-        self._decoder = decoder
+        the lockstep NumPy decoder runs. ``rans_decoder``: the same for the rANS form."""
+        self.forms = dict(FORMS)
+        if decoder is not None:
+            self.forms["huffman"] = huffman_form(decoder=decoder)
+        if rans_decoder is not None:
+            self.forms[rans.FORM] = RANS_FORM._replace(decode_many=rans_decoder)
+        self._checks_itself = {"huffman": decoder is not None, rans.FORM: rans_decoder is not None}
         self.path = Path(path)
         try:
             self._file = SafetensorsFile(self.path)
@@ -221,16 +227,14 @@ class Container:
 
     def compressed(self, name: str, *, check_arrays: bool = True) -> Compressed:
         """A compressed tensor in its stored form (Huffman or rANS), every field checked (with
-        ``check_arrays=False``, a Huffman-form tensor's array contents are left to its decoder)."""
+        ``check_arrays=False``, the array contents are left to its decoder)."""
         header = dict(self.headers[name])
         source_dtype = header.pop("source_dtype", None)
         if source_dtype not in ("BF16", *CASTABLE):
             raise CodecError(f"{self.path}: tensor {name!r}: bad source_dtype {source_dtype!r}")
         arrays = {k: self._file[f"{name}{SEP}{k}"] for k in self._arrays_of(name)}
         tensor = self._form_of(name).tensor
-        if tensor is CompressedTensor:
-            return CompressedTensor.from_parts(header, arrays, name=name, check_arrays=check_arrays)
-        return tensor.from_parts(header, arrays, name=name)
+        return tensor.from_parts(header, arrays, name=name, check_arrays=check_arrays)
 
     def get(self, name: str) -> np.ndarray:
         return next(a for _, a, _ in self.items([name]))
@@ -245,7 +249,8 @@ class Container:
         for i, name in enumerate(tqdm(names, desc=f"decompress {self.path.name}", disable=not progress, unit="tensor")):
             pending.append(name)
             if self.is_compressed(name):
-                batch.append(self.compressed(name, check_arrays=self._decoder is None))
+                checks_itself = self._checks_itself.get(self.headers[name].get("form"), False)
+                batch.append(self.compressed(name, check_arrays=not checks_itself))
             if i + 1 == len(names) or sum(weight_count(ct) for ct in batch) >= DECODE_BATCH:
                 decoded = self._decode(batch)
                 for n in pending:

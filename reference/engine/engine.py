@@ -174,6 +174,18 @@ class Engine:
         req.finish_reason, req.metrics.finish_time = "abort", now
         return True
 
+    def release(self, request_id: str) -> RequestOutput:
+        """Return a finished (or aborted) request's output and forget the request.
+
+        The engine keeps every request it was given so that ``output`` can be asked later; a server that
+        runs for days calls this once it has sent the answer. An unfinished request is refused: abort it first.
+        """
+        out = self.output(request_id)
+        if not self.requests[request_id].finished:
+            raise EngineError(f"request {request_id!r} has not finished; abort it before releasing it")
+        del self.requests[request_id]
+        return out
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

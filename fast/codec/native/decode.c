@@ -3,22 +3,28 @@
  * fast/codec/decode_native.py builds this file with the system C compiler on first use (as the
  * encoder, native/encode.c), loads it with ctypes and calls:
  *
- *   unw_crc32          CRC-32 (IEEE, the value zlib.crc32 gives) of a buffer, in threads
+ *   unw_crc32          CRC-32 (IEEE, the value zlib.crc32 gives) of a buffer, in threads (crc32.h)
+ *   unw_crc_use        which CRC-32 path to use at most (for the tests)
+ *   unw_decode_use     whether to use the AVX2 + BMI2 build of the decoding loop (for the tests)
  *   unw_multi_table    the multi-symbol decoding table, from the one-symbol table (FORMAT.md 3.3)
  *   unw_decode         every check of FORMAT.md 3.6 that reads array contents, and the decode
  *
  * Python checks the header (ranges, array dtypes and lengths) first; unw_decode checks the rest:
  * the CRC-32 of every array and of the decoded data, offsets (0 ... B, non-decreasing), verbatim
  * ids (increasing, in range), vexp padding, the verbatim rule, the stream's tail bits, every table
- * hit, and that every group ends exactly at the next group's offset. No value read from the arrays
- * is used as an address before it is clamped or checked, so damaged input cannot read out of bounds
- * and every loop is bounded by the tensor's geometry.
+ * hit, and that every group ends exactly at the next group's offset. (An invalid hit stalls its
+ * group; the group's last codes, checked one by one, or its end, or the data's CRC then fail: see
+ * decode_4_groups.) No value read from the arrays is used as an address before it is clamped or
+ * checked, so damaged input cannot read out of bounds and every loop is bounded by the tensor's
+ * geometry.
  *
- * How it decodes. Threads take ranges of whole groups (flat weights [start, end) of the tensor, in
- * order). Per group: count its coded weights (its chunks less the verbatim ones), decode that many
- * exponents into a scratch buffer, then assemble bf16 = sign | exponent << 7 | mantissa chunk by
- * chunk (verbatim chunks from vexp). Decoding a group is a chain: each code's length says where the
- * next starts. To keep that chain short:
+ * How it decodes. The groups are cut into blocks (one block with one thread; blocks of ~64K weights
+ * with more, so that a thread slowed by other work on the machine takes fewer of them), and each thread
+ * takes the next block until none is left. Per four groups: count their coded weights (their chunks
+ * less the verbatim ones), decode that many exponents into a scratch buffer, one group after the
+ * other, then assemble bf16 = sign | exponent << 7 | mantissa run by run (a run: the coded chunks
+ * between two verbatim ones, one stretch of the flat output). Decoding a group is a chain: each
+ * code's length says where the next starts. To keep that chain short:
  *   - the 64-bit window is built once per refill from three stream words (MSB first within each
  *     32-bit word, so the words are swapped as they are read) and serves 64 / L table lookups;
  *   - the multi-symbol table, indexed by the next L bits as the one-symbol table of FORMAT.md 3.3
@@ -27,158 +33,23 @@
  *     weights per lookup. The last few weights of a group go one code at a time, so a group never
  *     reads a code past its own count;
  *   - an invalid window is an entry of 1 symbol and 0 bits with a flag: the loop always advances
- *     and the flag is checked once per group.
- * The CRCs of the output and of sm are computed per thread while the data is in cache, and joined
- * (crc32_combine, as zlib does) in thread order.
+ *     and stays stuck at that window (see decode_4_groups for how it is caught);
+ *   - four groups are decoded at once (independent chains the CPU overlaps), in AVX2 + BMI2 code
+ *     where the CPU has it (chosen at run time).
+ * The CRCs of the output and of sm are computed per block while the data is in cache, and joined
+ * (crc32_combine, as zlib does) in block order.
  */
 #include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "builds.h"
+#include "crc32.h"
 #include "threads.h"
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define HAVE_CLMUL_CODE 1
-#endif
 
 #define INVALID 0x80    /* multi_meta flag: the window starts with no valid code */
 #define CRC_BATCH 8192  /* weights of output between two CRC updates (stays in cache) */
-
-/* ---- CRC-32 ---- */
-
-static uint32_t crc_table[8][256];
-static int have_clmul;
-static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
-
-static void crc_init(void) {
-    for (uint32_t n = 0; n < 256; n++) {
-        uint32_t c = n;
-        for (int k = 0; k < 8; k++)
-            c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
-        crc_table[0][n] = c;
-    }
-    for (int t = 1; t < 8; t++) /* table t: byte n followed by t zero bytes */
-        for (uint32_t n = 0; n < 256; n++)
-            crc_table[t][n] = crc_table[0][crc_table[t - 1][n] & 0xFF] ^ (crc_table[t - 1][n] >> 8);
-#ifdef HAVE_CLMUL_CODE
-    __builtin_cpu_init();
-    have_clmul = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.1");
-#endif
-}
-
-/* Slicing by 8 (little-endian loads). c is the running state (the inverted CRC). */
-static uint32_t crc_soft(uint32_t c, const uint8_t *p, size_t n) {
-    while (n >= 8) {
-        uint64_t w;
-        memcpy(&w, p, 8);
-        uint32_t lo = (uint32_t)w ^ c, hi = (uint32_t)(w >> 32);
-        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^ crc_table[5][(lo >> 16) & 0xFF] ^
-            crc_table[4][lo >> 24] ^ crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
-            crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
-        p += 8;
-        n -= 8;
-    }
-    while (n--)
-        c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
-    return c;
-}
-
-#ifdef HAVE_CLMUL_CODE
-/* Carry-less multiplication folding (Gopal et al., "Fast CRC computation for generic polynomials
- * using PCLMULQDQ", Intel 2009; the bit-reflected constants of its appendix, as in zlib-ng and
- * Chromium's zlib). n >= 64 and a multiple of 16; c is the running state. */
-__attribute__((target("pclmul,sse4.1"))) static uint32_t crc_clmul(uint32_t c, const uint8_t *p, size_t n) {
-    const __m128i k1k2 = _mm_set_epi64x(0x01c6e41596, 0x0154442bd4);
-    const __m128i k3k4 = _mm_set_epi64x(0x00ccaa009e, 0x01751997d0);
-    const __m128i k5k0 = _mm_set_epi64x(0, 0x0163cd6124);
-    const __m128i poly = _mm_set_epi64x(0x01f7011641, 0x01db710641);
-    const __m128i mask32 = _mm_setr_epi32(~0, 0, ~0, 0);
-    __m128i x1 = _mm_loadu_si128((const __m128i *)(p + 0x00)), x2 = _mm_loadu_si128((const __m128i *)(p + 0x10));
-    __m128i x3 = _mm_loadu_si128((const __m128i *)(p + 0x20)), x4 = _mm_loadu_si128((const __m128i *)(p + 0x30));
-    __m128i x5, x6, x7, x8;
-    x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128((int)c));
-    p += 64;
-    n -= 64;
-    while (n >= 64) { /* fold four 128-bit lanes forward by 512 bits */
-        x5 = _mm_clmulepi64_si128(x1, k1k2, 0x00);
-        x6 = _mm_clmulepi64_si128(x2, k1k2, 0x00);
-        x7 = _mm_clmulepi64_si128(x3, k1k2, 0x00);
-        x8 = _mm_clmulepi64_si128(x4, k1k2, 0x00);
-        x1 = _mm_clmulepi64_si128(x1, k1k2, 0x11);
-        x2 = _mm_clmulepi64_si128(x2, k1k2, 0x11);
-        x3 = _mm_clmulepi64_si128(x3, k1k2, 0x11);
-        x4 = _mm_clmulepi64_si128(x4, k1k2, 0x11);
-        x1 = _mm_xor_si128(_mm_xor_si128(x1, x5), _mm_loadu_si128((const __m128i *)(p + 0x00)));
-        x2 = _mm_xor_si128(_mm_xor_si128(x2, x6), _mm_loadu_si128((const __m128i *)(p + 0x10)));
-        x3 = _mm_xor_si128(_mm_xor_si128(x3, x7), _mm_loadu_si128((const __m128i *)(p + 0x20)));
-        x4 = _mm_xor_si128(_mm_xor_si128(x4, x8), _mm_loadu_si128((const __m128i *)(p + 0x30)));
-        p += 64;
-        n -= 64;
-    }
-    /* fold the four lanes into one */
-    x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x2), x5);
-    x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x3), x5);
-    x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), x4), x5);
-    while (n >= 16) {
-        x5 = _mm_clmulepi64_si128(x1, k3k4, 0x00);
-        x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k3k4, 0x11), _mm_loadu_si128((const __m128i *)p)), x5);
-        p += 16;
-        n -= 16;
-    }
-    /* 128 -> 64 bits, then Barrett reduction to 32 */
-    x2 = _mm_clmulepi64_si128(x1, k3k4, 0x10);
-    x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2);
-    x2 = _mm_srli_si128(x1, 4);
-    x1 = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x1, mask32), k5k0, 0x00), x2);
-    x2 = _mm_clmulepi64_si128(_mm_and_si128(x1, mask32), poly, 0x10);
-    x2 = _mm_clmulepi64_si128(_mm_and_si128(x2, mask32), poly, 0x00);
-    x1 = _mm_xor_si128(x1, x2);
-    return (uint32_t)_mm_extract_epi32(x1, 1);
-}
-#endif
-
-/* Continue the running state c over n bytes. */
-static uint32_t crc_update(uint32_t c, const uint8_t *p, size_t n) {
-#ifdef HAVE_CLMUL_CODE
-    if (have_clmul && n >= 64) {
-        size_t m = n & ~(size_t)15;
-        c = crc_clmul(c, p, m);
-        p += m;
-        n -= m;
-    }
-#endif
-    return crc_soft(c, p, n);
-}
-
-/* CRC-32 algebra modulo the polynomial, as zlib's crc32_combine: a * b, and x^(8 * n). */
-static uint32_t mult_mod_p(uint32_t a, uint32_t b) {
-    uint32_t m = 1u << 31, p = 0;
-    for (; m; m >>= 1) {
-        if (a & m)
-            p ^= b;
-        b = b & 1 ? (b >> 1) ^ 0xEDB88320u : b >> 1;
-    }
-    return p;
-}
-
-static uint32_t x8n_mod_p(int64_t n) {
-    uint32_t p = 1u << 31, x2k = 1u << 23; /* x^0 and x^8 (one byte), bit-reflected: x^k is bit 31 - k */
-    for (; n; n >>= 1) {
-        if (n & 1)
-            p = mult_mod_p(x2k, p);
-        x2k = mult_mod_p(x2k, x2k);
-    }
-    return p;
-}
-
-/* The CRC of A then B, from crc(A), crc(B) and B's length in bytes. */
-static uint32_t crc_combine(uint32_t crc_a, uint32_t crc_b, int64_t len_b) {
-    return mult_mod_p(x8n_mod_p(len_b), crc_a) ^ crc_b;
-}
 
 typedef struct {
     const uint8_t *p;
@@ -192,10 +63,13 @@ static void *crc_piece(void *arg) {
     return NULL;
 }
 
+/* Use at most CRC path `level` (0 tables, 1 PCLMULQDQ, 2 VPCLMULQDQ; -1 the CPU's best); the one in use. */
+int unw_crc_use(int level) { return crc_use(level); }
+
 /* zlib.crc32(p[0:n]), computed in `threads` pieces and joined. */
 uint32_t unw_crc32(const uint8_t *p, int64_t n, int threads) {
     CrcJob jobs[MAX_THREADS];
-    pthread_once(&crc_once, crc_init);
+    crc_setup();
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     for (int t = 0; t < threads; t++) {
         int64_t a = n * t / threads, b = n * (t + 1) / threads;
@@ -245,30 +119,29 @@ typedef struct {
     const uint16_t *single, *multi_meta;
     const uint32_t *multi_exp;
     uint8_t in_palette[256];
-    int L, threads;
+    int L;
     int64_t rows, cols, cs, cpg, cpr, n_chunks, n_groups;
     uint16_t *out;
+    int64_t n_blocks, next_block; /* the work: blocks of groups, taken in order by whichever thread is free */
+    struct Job *blocks;
 } Tensor;
 
-typedef struct {
-    const Tensor *x;
-    int t;
-    uint32_t crc_out, crc_sm;  /* of this range's flat weights */
-    uint32_t crc_stream;       /* of this thread's share of the stream's bytes */
+typedef struct Job { /* one block's results */
+    uint32_t crc_out, crc_sm;  /* of the block's flat weights */
+    uint32_t crc_stream;       /* of the block's share of the stream's bytes */
     int64_t stream_bytes;
-    int64_t first, last;       /* the range's flat weights [first, last) */
+    int64_t first, last;       /* the block's flat weights [first, last) */
     int error;
     int64_t where, detail;
 } Job;
 
-static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* The 64 bits of the stream from bit pos (words read MSB first; past the end reads zeros). */
-static inline uint64_t window64(const uint32_t *s, int64_t words, uint64_t pos) {
-    uint64_t i = pos >> 5, sh = pos & 31;
-    if (i > (uint64_t)words - 2) /* a corrupt group ran past the end: read the last words (caught later) */
-        i = (uint64_t)words - 2;
-    uint64_t third = i + 2 < (uint64_t)words ? s[i + 2] : 0;
+/* The 64 bits of the stream from bit pos (words read MSB first; no branch: past the end reads the last words). */
+static inline __attribute__((always_inline)) uint64_t window64(const uint32_t *s, int64_t words, uint64_t pos) {
+    uint64_t last = (uint64_t)words - 1, i = pos >> 5, sh = pos & 31;
+    i = i < last ? i : last - 1;                 /* a corrupt group ran past the end: read the last words */
+    uint64_t third = s[i + 2 < last ? i + 2 : last]; /* the last word is 0 (else BAD_TAIL is raised) */
     return ((((uint64_t)s[i] << 32) | s[i + 1]) << sh) | ((third >> 1) >> (31 - sh));
 }
 
@@ -303,8 +176,11 @@ static inline __attribute__((always_inline)) unsigned decode_group(const Tensor 
 }
 
 /* Four groups at once (their chains of lookups are independent, so the CPU overlaps them), as far as
- * all four have R * 4 codes left; each then finishes alone. bad[q]: the INVALID flag of group q (or,
- * from the part decoded together, of any of the four: the error then names the first). */
+ * all four have R * 4 codes left; each then finishes alone in decode_group. Each group's state is its
+ * window, bit position and output pointer (few enough to stay in registers). The lookups here are not
+ * checked one by one (that flag cost ~8%): an invalid window consumes no bits, so the group stays stuck
+ * there; decode_group, which checks every hit, then meets it again, or the group ends before its next
+ * offset (BAD_GROUP_END); in the last case left (stuck exactly at that offset), the data's CRC-32 differs. */
 static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *x, const uint32_t *s, int64_t words,
                                                                   uint64_t *pos, const int64_t *count,
                                                                   uint8_t *const *dst, unsigned *bad, const int L,
@@ -312,21 +188,19 @@ static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *
     const uint16_t *meta = x->multi_meta;
     const uint32_t *mexp = x->multi_exp;
     uint64_t p0 = pos[0], p1 = pos[1], p2 = pos[2], p3 = pos[3];
-    int64_t i0 = 0, i1 = 0, i2 = 0, i3 = 0;
-    const int64_t c0 = count[0] - 4 * R, c1 = count[1] - 4 * R, c2 = count[2] - 4 * R, c3 = count[3] - 4 * R;
-    uint8_t *d0 = dst[0], *d1 = dst[1], *d2 = dst[2], *d3 = dst[3];
-    unsigned b = 0; /* one flag for the four: fewer registers in the loop */
+    uint8_t *o0 = dst[0], *o1 = dst[1], *o2 = dst[2], *o3 = dst[3];
+    uint8_t *const e0 = dst[0] + count[0] - 4 * R, *const e1 = dst[1] + count[1] - 4 * R;
+    uint8_t *const e2 = dst[2] + count[2] - 4 * R, *const e3 = dst[3] + count[3] - 4 * R;
 #define STEP(q)                                   \
     {                                             \
         uint64_t w = win##q >> (64 - L);          \
-        unsigned m = meta[w];                     \
+        uint32_t m = meta[w];                     \
         uint32_t e = mexp[w];                     \
-        memcpy(d##q + i##q, &e, 4);               \
-        i##q += m >> 8;                           \
+        memcpy(o##q, &e, 4);                      \
+        o##q += m >> 8;                           \
         win##q <<= m & 63;                        \
-        b |= m;                                   \
     }
-    while (i0 <= c0 && i1 <= c1 && i2 <= c2 && i3 <= c3) {
+    while (o0 <= e0 && o1 <= e1 && o2 <= e2 && o3 <= e3) {
         /* bit 0 of each window, never read (R * L < 64), is a mark: it moves up by the bits used */
         uint64_t win0 = window64(s, words, p0) | 1, win1 = window64(s, words, p1) | 1;
         uint64_t win2 = window64(s, words, p2) | 1, win3 = window64(s, words, p3) | 1;
@@ -338,11 +212,18 @@ static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *
         p2 += (uint64_t)__builtin_ctzll(win2), p3 += (uint64_t)__builtin_ctzll(win3);
     }
 #undef STEP
-    bad[0] = (b & INVALID) | decode_group(x, s, words, &p0, i0, count[0], d0, L, R);
-    bad[1] = (b & INVALID) | decode_group(x, s, words, &p1, i1, count[1], d1, L, R);
-    bad[2] = (b & INVALID) | decode_group(x, s, words, &p2, i2, count[2], d2, L, R);
-    bad[3] = (b & INVALID) | decode_group(x, s, words, &p3, i3, count[3], d3, L, R);
+    bad[0] = decode_group(x, s, words, &p0, o0 - dst[0], count[0], dst[0], L, R);
+    bad[1] = decode_group(x, s, words, &p1, o1 - dst[1], count[1], dst[1], L, R);
+    bad[2] = decode_group(x, s, words, &p2, o2 - dst[2], count[2], dst[2], L, R);
+    bad[3] = decode_group(x, s, words, &p3, o3 - dst[3], count[3], dst[3], L, R);
     pos[0] = p0, pos[1] = p1, pos[2] = p2, pos[3] = p3;
+}
+
+/* bf16 = sign | exponent << 7 | mantissa, for n weights (vectorised by the compiler). */
+static inline __attribute__((always_inline)) void assemble(uint16_t *restrict o, const uint8_t *restrict q,
+                                                           const uint8_t *restrict e, int64_t n) {
+    for (int64_t t = 0; t < n; t++)
+        o[t] = (uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F));
 }
 
 static void fail(Job *job, int error, int64_t where, int64_t detail) {
@@ -381,10 +262,10 @@ static void check_verbatim(const Tensor *x, Job *job, int64_t v, int64_t n) {
         fail(job, BAD_VERBATIM_RULE, v, 0);
 }
 
-static void *decode_range(void *arg) {
-    Job *job = arg;
-    const Tensor *x = job->x;
-    int64_t g0 = x->n_groups * job->t / x->threads, g1 = x->n_groups * (job->t + 1) / x->threads;
+/* Decode block b: groups [g0, g1) of an even split of the tensor's groups into n_blocks. */
+static inline __attribute__((always_inline)) void decode_block(const Tensor *x, int64_t b, uint8_t *scratch) {
+    Job *job = &x->blocks[b];
+    int64_t g0 = x->n_groups * b / x->n_blocks, g1 = x->n_groups * (b + 1) / x->n_blocks;
     uint32_t pad[2] = {0, 0};
     const uint32_t *s = x->stream;
     int64_t words = x->words;
@@ -393,9 +274,9 @@ static void *decode_range(void *arg) {
         s = pad;
         words = 2;
     }
-    if (job->t == 0)
+    if (b == 0)
         check_index(x, job);
-    int64_t w0 = x->words * job->t / x->threads, w1 = x->words * (job->t + 1) / x->threads;
+    int64_t w0 = x->words * b / x->n_blocks, w1 = x->words * (b + 1) / x->n_blocks;
     job->stream_bytes = 4 * (w1 - w0);
     job->crc_stream = ~crc_update(~0u, (const uint8_t *)(x->stream + w0), (size_t)job->stream_bytes);
     int64_t k0 = min64(g0 * x->cpg, x->n_chunks), k1 = min64(g1 * x->cpg, x->n_chunks);
@@ -403,11 +284,6 @@ static void *decode_range(void *arg) {
     job->last = k1 < x->n_chunks ? (k1 / x->cpr) * x->cols + (k1 % x->cpr) * x->cs : x->rows * x->cols;
     uint32_t crc_out = ~0u, crc_sm = ~0u;
     int64_t crc_done = job->first;
-    uint8_t *scratch = malloc((size_t)(4 * (x->cpg * x->cs + 64)));
-    if (!scratch) {
-        fail(job, NO_MEMORY, 0, 0);
-        return NULL;
-    }
     int64_t lo = 0, hi = x->n_verbatim; /* v = the first verbatim chunk >= k0 (a binary search) */
     while (lo < hi) {
         int64_t mid = (lo + hi) / 2;
@@ -422,7 +298,7 @@ static void *decode_range(void *arg) {
         uint64_t pos[4] = {0, 0, 0, 0};
         unsigned bad[4] = {0, 0, 0, 0};
         uint8_t *dst[4];
-        for (int q = 0; q < ng; q++) { /* each group's coded weights */
+        for (int q = 0; q < ng; q++) { /* each group's coded weights; their exponents go one after another */
             int64_t gk0 = (g + q) * x->cpg, gk1 = min64(gk0 + x->cpg, x->n_chunks), j = gk0 % x->cpr;
             for (int64_t k = gk0; k < gk1; k++) {
                 if (vv < x->n_verbatim && x->vchunks[vv] == (uint64_t)k)
@@ -433,7 +309,7 @@ static void *decode_range(void *arg) {
                     j = 0;
             }
             pos[q] = x->offsets[g + q];
-            dst[q] = scratch + q * (x->cpg * x->cs + 64);
+            dst[q] = q ? dst[q - 1] + count[q - 1] : scratch;
         }
         if (ng == 4 && x->L == 12)
             decode_4_groups(x, s, words, pos, count, dst, bad, 12, 5);
@@ -448,54 +324,69 @@ static void *decode_range(void *arg) {
             else if (pos[q] != x->offsets[g + q + 1])
                 fail(job, BAD_GROUP_END, g + q, (int64_t)pos[q]);
         }
+        /* Assemble. The groups' chunks tile [start, ...) of the flat output in order, so every run of
+         * coded chunks between two verbatim ones is one stretch of output, sm and exponents. */
         int64_t gk0 = g * x->cpg, gk1 = min64((g + ng) * x->cpg, x->n_chunks), j = gk0 % x->cpr;
-        int64_t start = (gk0 / x->cpr) * x->cols + j * x->cs, coded_q = 0;
-        const uint8_t *coded = dst[0];
-        for (int64_t k = gk0; k < gk1; k++) { /* assemble: sign | exponent << 7 | mantissa */
-            if (k - gk0 == (coded_q + 1) * x->cpg) /* the next group's exponents */
-                coded = dst[++coded_q];
+        int64_t start = (gk0 / x->cpr) * x->cols + j * x->cs, run = start;
+        const uint8_t *coded = scratch;
+        for (int64_t k = gk0; k < gk1; k++) {
             int64_t n = min64(x->cs, x->cols - j * x->cs);
-            const uint8_t *restrict e, *restrict q = x->sm + start;
             if (v < x->n_verbatim && x->vchunks[v] == (uint64_t)k) {
+                assemble(x->out + run, x->sm + run, coded, start - run);
+                coded += start - run;
                 check_verbatim(x, job, v, n);
-                e = x->vexp + v * x->cs;
+                assemble(x->out + start, x->sm + start, x->vexp + v * x->cs, n);
                 v++;
-            } else {
-                e = coded;
-                coded += n;
+                run = start + n;
             }
-            uint16_t *restrict o = x->out + start;
-            for (int64_t t = 0; t < n; t++)
-                o[t] = (uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F));
             start += n;
             if (++j == x->cpr)
                 j = 0;
         }
+        assemble(x->out + run, x->sm + run, coded, start - run);
         if (start - crc_done >= CRC_BATCH || g + ng >= g1) { /* CRC what was just written, while it is in cache */
             crc_out = crc_update(crc_out, (const uint8_t *)(x->out + crc_done), (size_t)(2 * (start - crc_done)));
             crc_sm = crc_update(crc_sm, x->sm + crc_done, (size_t)(start - crc_done));
             crc_done = start;
         }
     }
-    free(scratch);
     job->crc_out = ~crc_out;
     job->crc_sm = ~crc_sm;
+}
+
+/* A thread: take the next block until none is left. */
+static inline __attribute__((always_inline)) void *work_body(void *arg) {
+    Tensor *x = arg;
+    uint8_t *scratch = malloc((size_t)(4 * x->cpg * x->cs + 64));
+    for (int64_t b; (b = __atomic_fetch_add(&x->next_block, 1, __ATOMIC_RELAXED)) < x->n_blocks;) {
+        if (scratch)
+            decode_block(x, b, scratch);
+        else
+            fail(&x->blocks[b], NO_MEMORY, 0, 0);
+    }
+    free(scratch);
     return NULL;
 }
 
+TWO_BUILDS(work, work_body) /* builds.h: any CPU, or AVX2 + BMI2 */
+
+/* Use the AVX2 + BMI2 build if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
+int unw_decode_use(int wide) { return builds_use(wide); }
+
 /* Check and decode a Huffman-form tensor into out (uint16 [rows * cols]). The header was checked by
  * the caller (array lengths as FORMAT.md 3.2 implies, code lengths valid, single = the decoding
- * table of exponents, multi_* from unw_multi_table). crc_io[0..5]: the expected CRC-32 of sm, stream,
+ * table of exponents, multi_* from unw_multi_table). With threads > 1 the work is cut into blocks of
+ * about block_weights weights (whole groups), which the threads take in turn. crc_io[0..5]: the expected CRC-32 of sm, stream,
  * offsets, vchunks, vexp and the data. Returns OK or an error code, with crc_io[6], crc_io[7] saying
  * where (a group and a bit position, a verbatim entry, which array). */
 int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const uint32_t *offsets,
                const uint32_t *vchunks, int64_t n_verbatim, const uint8_t *vexp, const uint8_t *sm,
                const uint8_t *palette, int p, const uint16_t *single, const uint32_t *multi_exp,
                const uint16_t *multi_meta, int L, int64_t rows, int64_t cols, int64_t cs, int64_t cpg, int threads,
-               uint32_t *crc_io, uint16_t *out) {
+               int64_t block_weights, uint32_t *crc_io, uint16_t *out) {
     Tensor x;
-    Job jobs[MAX_THREADS];
-    pthread_once(&crc_once, crc_init);
+    crc_setup();
+    builds_setup();
     memset(&x, 0, sizeof x);
     x.stream = stream, x.offsets = offsets, x.vchunks = vchunks, x.words = words, x.stream_bits = stream_bits;
     x.n_verbatim = n_verbatim, x.vexp = vexp, x.sm = sm, x.single = single, x.multi_meta = multi_meta;
@@ -504,25 +395,36 @@ int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const
     for (int i = 0; i < p; i++)
         x.in_palette[palette[i]] = 1;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
-    x.threads = (int)min64(threads, x.n_groups > 0 ? x.n_groups : 1);
-    for (int t = 0; t < x.threads; t++) {
-        memset(&jobs[t], 0, sizeof(Job));
-        jobs[t].x = &x;
-        jobs[t].t = t;
+    x.n_blocks = 1; /* one thread: one block; more: blocks of ~block_weights, so a slowed thread takes fewer */
+    if (threads > 1) {
+        int64_t per_block = block_weights / (cpg * cs) > 1 ? block_weights / (cpg * cs) : 1;
+        x.n_blocks = (x.n_groups + per_block - 1) / per_block;
+        x.n_blocks = x.n_blocks < threads ? min64(threads, x.n_groups) : x.n_blocks;
+        x.n_blocks = x.n_blocks < 1 ? 1 : x.n_blocks;
     }
-    run_threads(decode_range, jobs, sizeof(Job), x.threads);
-    for (int t = 0; t < x.threads; t++)
-        if (jobs[t].error) {
-            crc_io[6] = (uint32_t)jobs[t].where;
-            crc_io[7] = (uint32_t)jobs[t].detail;
-            return jobs[t].error;
+    Job one, *blocks = x.n_blocks == 1 ? &one : calloc((size_t)x.n_blocks, sizeof(Job));
+    if (!blocks)
+        return NO_MEMORY;
+    memset(&one, 0, sizeof one);
+    x.blocks = blocks;
+    run_threads(work, &x, 0, (int)min64(threads, x.n_blocks));
+    int error = OK;
+    for (int64_t b = 0; b < x.n_blocks && !error; b++)
+        if ((error = blocks[b].error)) {
+            crc_io[6] = (uint32_t)blocks[b].where;
+            crc_io[7] = (uint32_t)blocks[b].detail;
         }
-    uint32_t crc_out = jobs[0].crc_out, crc_sm = jobs[0].crc_sm, crc_stream = jobs[0].crc_stream;
-    for (int t = 1; t < x.threads; t++) {
-        crc_out = crc_combine(crc_out, jobs[t].crc_out, 2 * (jobs[t].last - jobs[t].first));
-        crc_sm = crc_combine(crc_sm, jobs[t].crc_sm, jobs[t].last - jobs[t].first);
-        crc_stream = crc_combine(crc_stream, jobs[t].crc_stream, jobs[t].stream_bytes);
+    uint32_t crc_out = blocks[0].crc_out, crc_sm = blocks[0].crc_sm, crc_stream = blocks[0].crc_stream;
+    CrcShift out_shift = {-1, 0}, sm_shift = {-1, 0}, stream_shift = {-1, 0};
+    for (int64_t b = 1; b < x.n_blocks && !error; b++) {
+        crc_out = crc_join(crc_out, blocks[b].crc_out, 2 * (blocks[b].last - blocks[b].first), &out_shift);
+        crc_sm = crc_join(crc_sm, blocks[b].crc_sm, blocks[b].last - blocks[b].first, &sm_shift);
+        crc_stream = crc_join(crc_stream, blocks[b].crc_stream, blocks[b].stream_bytes, &stream_shift);
     }
+    if (blocks != &one)
+        free(blocks);
+    if (error)
+        return error;
     uint32_t got[6] = {crc_sm, crc_stream,
                        unw_crc32((const uint8_t *)offsets, 4 * (x.n_groups + 1), 1),
                        unw_crc32((const uint8_t *)vchunks, 4 * n_verbatim, 1), unw_crc32(vexp, n_verbatim * cs, 1),

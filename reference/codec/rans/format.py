@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,8 +96,11 @@ class RansTensor:
         return sum(a.nbytes for a in self.arrays().values()) + len(self.header_json().encode())
 
     @classmethod
-    def from_parts(cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "") -> RansTensor:
-        """Build from a parsed header and the nine arrays, checking every field (raises CodecError)."""
+    def from_parts(cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "", *,
+                   check_arrays: bool = True) -> RansTensor:
+        """Build from a parsed header and the nine arrays, checking every field (raises CodecError).
+        ``check_arrays=False`` checks only the header and the arrays' dtypes and shapes: for a decoder
+        that checks the contents itself (the C one)."""
         where = f"tensor {name!r}: " if name else ""
         if not isinstance(header, Mapping):
             raise CodecError(f"{where}header must be a JSON object")
@@ -128,11 +131,19 @@ class RansTensor:
             name=name,
             **{k: np.asarray(arrays[k]) for k in ARRAY_DTYPES},
         )
-        t.check()
+        t.check() if check_arrays else t.check_header()
         return t
 
     def check(self) -> None:
         """Validate parameters, array dtypes and shapes, CRCs, tables, block index and states."""
+        self.check_header()
+        self.check_crcs(ARRAY_DTYPES)
+        self.check_index()
+
+    def check_header(self) -> None:
+        """The checks that read no array's contents: parameters, array dtypes and shapes. A decoder that
+        does the rest itself (the C one: CRCs of the big arrays) runs this, ``check_index`` and
+        ``check_crcs`` of the small arrays."""
         where = f"tensor {self.name!r}: " if self.name else ""
         if not (1 <= self.block_size <= MAX_BLOCK_SIZE and 1 <= self.lanes <= MAX_LANES
                 and MIN_PROB_BITS <= self.prob_bits <= MAX_PROB_BITS and 0 <= self.mantissa_bits <= 7
@@ -155,9 +166,17 @@ class RansTensor:
             if array.dtype.newbyteorder("=") != np.dtype(dtype) or array.shape != expected[key]:
                 raise CodecError(f"{where}array {key} is {array.dtype}{list(array.shape)}, expected "
                                  f"{np.dtype(dtype)}{list(expected[key])} (truncated or corrupt)")
-        for key, array in self.arrays().items():
-            if crc32(array) != self.crc[key]:
+
+    def check_crcs(self, keys: Iterable[str]) -> None:
+        """The CRC-32 of each named array (after ``check_header``)."""
+        where = f"tensor {self.name!r}: " if self.name else ""
+        for key in keys:
+            if crc32(getattr(self, key)) != self.crc[key]:
                 raise CodecError(f"{where}array {key} fails its CRC-32 check: the data is corrupt")
+
+    def check_index(self) -> None:
+        """The alphabet, tables, block index and states (after ``check_header``; the CRCs are separate)."""
+        where = f"tensor {self.name!r}: " if self.name else ""
         if np.any(self.alphabet >> self.escape_bits) or np.any(np.diff(np.sort(self.alphabet)) == 0):
             raise CodecError(f"{where}the alphabet must hold distinct values < 2^(8 + mantissa_bits)")
         if self.n_blocks and not self.n_tables:

@@ -1,0 +1,107 @@
+"""The CPU decoder of the rANS mode: rANS form -> bf16 in C (``native/rans_decode.c``), every check of FORMAT.md 9.6.
+
+    bits = decode_rans_cpu(t)                  # t: reference.codec.rans.RansTensor; uint16, its shape
+    bits = decode_rans_cpu(t, threads=2)       # blocks taken in turn by POSIX threads
+
+Conformance level: bit-exact against ``reference.codec.decode_rans`` (the lockstep NumPy decoder of
+FORMAT.md 9.4): the same bits for every valid tensor, and CodecError (never wrong data) for every
+damaged one (``conformance/cases/cpu_decode_cases.py``, ``tests/test_rans_cpu.py``).
+
+Python runs the checks on the header and the small arrays (``RansTensor.check_header``, ``check_index``,
+the CRC-32 of the alphabet, tables and block index, the zero padding of the last packed group of
+``raw`` and ``escapes``); the C code does the rest in the pass that decodes: the CRC-32 of raw, stream,
+escapes and the decoded data, and per block that it reads exactly its own words and escapes and that
+every lane ends in state 2^16.
+
+Without a C compiler (or with ``UNFIRE_NATIVE=0``) ``decode_rans_cpu`` runs the NumPy decoder of
+``reference.codec.rans``: the same bits, about ten times slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+
+from fast.codec import native_build
+from reference.codec.errors import CodecError
+from reference.codec.rans import RansTensor, decode_rans
+from reference.codec.rans.model import field_group, unpack_fields
+
+SOURCE = native_build.NATIVE_DIR / "rans_decode.c"
+_lock = threading.Lock()
+_state: dict[str, ctypes.CDLL | None] = {}
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {  # name: (return type, argument types), as in native/rans_decode.c
+    "unw_rans_decode": (_INT, [_P, _I64, _P, _INT, _P, _INT, _P, _I64, _P, _P, _P, _P, _I64, _P, _I64,
+                               _I64, _I64, _INT, _INT, _INT, _INT, _P, _P]),
+    "unw_rans_use": (_INT, [_INT]),
+}
+MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
+SMALL_ARRAYS = ("alphabet", "tables", "block_words", "states", "block_table", "block_escapes")  # CRC'd in Python
+ERRORS = {  # unw_rans_decode's return codes
+    1: "rANS stream is corrupt: block {0} does not end where it should (wrong number of words read, or a lane "
+       "not back in its start state)",
+    2: "the stream's escapes do not match block_escapes in block {0} (corrupt)",
+    4: "out of memory",
+}
+CRC_ORDER = ("raw", "stream", "escapes", "data")
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled decoder, built on first use; None if it cannot be (or ``UNFIRE_NATIVE=0``)."""
+    return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the C rANS decoder", "the NumPy rANS decoder")
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _padding_is_zero(packed: np.ndarray, width: int, count: int) -> bool:
+    """Whether the fields after the first ``count`` in the last packed group are 0 (FORMAT.md 9.1)."""
+    per_group, nbytes = field_group(width)
+    if packed.size == 0:
+        return True
+    return unpack_fields(packed[-nbytes:], width, count - (packed.size // nbytes - 1) * per_group)[1]
+
+
+def decode_rans_cpu(t: RansTensor, *, threads: int = 1, native: bool | None = None) -> np.ndarray:
+    """Decompress a rANS-form tensor on the CPU: its bf16 bits (uint16, original shape). Raises CodecError.
+
+    ``threads`` decodes tensors of at least ``2 * MIN_WEIGHTS_PER_THREAD`` weights in that many threads,
+    which take the blocks in turn. ``native=None`` uses the C decoder when it builds, ``False`` the NumPy
+    decoder, ``True`` C or raise.
+    """
+    lib = library() if native is not False else None
+    if lib is None:
+        if native:
+            raise CodecError("decode_rans_cpu: the C rANS decoder is not available (no C compiler, or UNFIRE_NATIVE=0)")
+        return decode_rans(t)
+    where = f"tensor {t.name!r}: " if t.name else ""
+    t.check_header()
+    t.check_crcs(SMALL_ARRAYS)
+    t.check_index()
+    arrays = {k: np.ascontiguousarray(v) for k, v in t.arrays().items()}
+    for key, a in arrays.items():
+        if a.dtype.byteorder == ">":  # check_header accepts either byte order; C reads native order
+            raise CodecError(f"{where}decode_rans_cpu takes native-order arrays, got {a.dtype} for {key}")
+    if not (_padding_is_zero(arrays["raw"], t.raw_bits, t.n)
+            and _padding_is_zero(arrays["escapes"], t.escape_bits, t.n_escapes)):
+        raise CodecError(f"{where}the padding of the raw bits or of the escapes must be 0")
+    io = np.array([t.crc[k] for k in CRC_ORDER] + [0, 0], np.uint32)
+    out = np.empty(t.n, np.uint16)
+    threads = max(1, min(threads, t.n // MIN_WEIGHTS_PER_THREAD, 64))
+    a = arrays
+    error = lib.unw_rans_decode(
+        _ptr(a["raw"]), a["raw"].size, _ptr(a["alphabet"]), t.alphabet_size, _ptr(a["tables"]), t.n_tables,
+        _ptr(a["stream"]), t.stream_words, _ptr(a["block_words"]), _ptr(a["states"]), _ptr(a["block_table"]),
+        _ptr(a["escapes"]), a["escapes"].size, _ptr(a["block_escapes"]), t.n_escapes, t.n, t.block_size, t.lanes,
+        t.prob_bits, t.mantissa_bits, threads, _ptr(io), _ptr(out))
+    if error == 3:
+        key = CRC_ORDER[int(io[4])]
+        what = "decoded data" if key == "data" else f"array {key}"
+        raise CodecError(f"{where}{what} fails its CRC-32 check: the data is corrupt")
+    if error:
+        raise CodecError(where + ERRORS.get(error, f"C rANS decoder error {error}").format(int(io[4]), int(io[5])))
+    return out.reshape(t.shape)

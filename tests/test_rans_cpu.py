@@ -1,0 +1,137 @@
+"""The C decoder of the rANS mode (fast/codec/native/rans_decode.c via decode_rans_cpu): bit-exact to
+the reference decoder on any shape and parameters, every check of FORMAT.md 9.6 kept (damaged input:
+CodecError or the exact original, whether or not the damaged array's CRC was recomputed), and the
+NumPy fallback when there is no compiler. Damaged tensors are built without ``from_parts`` (which runs
+every check in Python), so that what the C code checks is what is tested."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fast.codec import rans_native
+from fast.codec.rans_native import decode_rans_cpu
+from reference.codec import RansTensor, decode_rans, encode_rans
+from reference.codec.errors import CodecError
+from reference.codec.format import crc32
+from tests.codec_strategies import bf16_tensors
+from tests.test_codec_rans import rans_params
+from tests.test_codec_rans_corruption import BASE, TRAINED
+from tests.test_decode_cpu import build
+
+HAS_C = rans_native.library() is not None
+needs_c = pytest.mark.skipif(not HAS_C, reason="no C compiler: the C rANS decoder is not built")
+
+
+@contextlib.contextmanager
+def many_threads() -> Iterator[None]:
+    """Let even tiny tensors be decoded by several threads (their taking of blocks and the CRC join)."""
+    saved = rans_native.MIN_WEIGHTS_PER_THREAD
+    rans_native.MIN_WEIGHTS_PER_THREAD = 1
+    try:
+        yield
+    finally:
+        rans_native.MIN_WEIGHTS_PER_THREAD = saved
+
+
+def with_arrays(t: RansTensor, arrays: dict[str, np.ndarray], fix_crc: bool) -> RansTensor:
+    """t with some arrays replaced (their CRC recomputed if fix_crc), no check run."""
+    crc = dict(t.crc) | ({k: crc32(a) for k, a in arrays.items()} if fix_crc else {})
+    return dataclasses.replace(t, crc=crc, **arrays)
+
+
+def decodes_exactly_or_raises(t: RansTensor, original: np.ndarray, threads: int = 1) -> None:
+    try:
+        with many_threads():
+            out = decode_rans_cpu(t, threads=threads, native=True)
+    except CodecError:
+        return
+    assert out.shape == original.shape and np.array_equal(out, original)
+
+
+def flipped(t: RansTensor, key: str, where: int, bit: int) -> dict[str, np.ndarray]:
+    a = np.array(getattr(t, key))
+    raw = a.view(np.uint8).reshape(-1)
+    raw[where % raw.size] ^= 1 << bit
+    return {key: a}
+
+
+@needs_c
+@given(bits=bf16_tensors(), params=rans_params(), threads=st.sampled_from([1, 2, 3]), wide=st.booleans())
+def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
+    """Both builds (portable, and AVX2 + BMI2 where the CPU has it), any shape and parameters."""
+    t = encode_rans(bits, **params)
+    with build(rans_native.library().unw_rans_use, wide), many_threads():
+        got = decode_rans_cpu(t, threads=threads, native=True)
+    assert got.dtype == np.uint16 and got.shape == bits.shape
+    assert np.array_equal(got, decode_rans(t)) and np.array_equal(got, bits)
+
+
+@needs_c
+@given(st.sampled_from([k for k, a in BASE.arrays().items() if a.size]), st.integers(0, 2**40), st.integers(0, 7),
+       st.booleans(), st.sampled_from([1, 3]))
+def test_flipped_bit_in_any_array(key: str, where: int, bit: int, fix_crc: bool, threads: int) -> None:
+    """Without ``fix_crc`` the array's CRC-32 must fail; with it, the other checks (index, lanes' end
+    states, words and escapes per block, padding, data CRC) must catch it or the bits be exact."""
+    t = with_arrays(BASE, flipped(BASE, key, where, bit), fix_crc)
+    if not fix_crc:
+        with pytest.raises(CodecError, match="CRC|corrupt|must"), many_threads():
+            decode_rans_cpu(t, threads=threads, native=True)
+    decodes_exactly_or_raises(t, TRAINED, threads)
+
+
+@needs_c
+@given(st.sampled_from(["block_words", "block_escapes", "states", "tables", "block_table", "alphabet"]),
+       st.integers(0, 10**6), st.integers(0, 2**32 - 1))
+def test_out_of_range_entries_with_valid_crc(key: str, index: int, value: int) -> None:
+    """Offsets and tables far out of range (CRC fixed): nothing read out of bounds, CodecError."""
+    a = np.array(getattr(BASE, key))
+    flat = a.reshape(-1)
+    flat[index % flat.size] = value % (np.iinfo(flat.dtype).max + 1)
+    decodes_exactly_or_raises(with_arrays(BASE, {key: a}, fix_crc=True), TRAINED)
+
+
+@needs_c
+@given(bf16_tensors(max_elements=3000), rans_params(), st.data())
+def test_fuzz_random_tensors_and_random_damage(bits: np.ndarray, params: dict, data: st.DataObject) -> None:
+    t = encode_rans(bits, **params)
+    nonempty = [k for k, a in t.arrays().items() if a.size]
+    if nonempty:
+        key = data.draw(st.sampled_from(nonempty))
+        t = with_arrays(t, flipped(t, key, data.draw(st.integers(0, 2**40)), data.draw(st.integers(0, 7))),
+                        fix_crc=data.draw(st.booleans()))
+    decodes_exactly_or_raises(t, bits, data.draw(st.sampled_from([1, 2])))
+
+
+@needs_c
+def test_errors_name_the_problem() -> None:
+    stream = np.array(BASE.stream)
+    stream[5] ^= 0x0100
+    with pytest.raises(CodecError, match="array stream fails its CRC-32"):
+        decode_rans_cpu(with_arrays(BASE, {"stream": stream}, fix_crc=False), native=True)
+    with pytest.raises(CodecError, match="rANS stream is corrupt: block 0"):
+        decode_rans_cpu(with_arrays(BASE, {"stream": stream}, fix_crc=True), native=True)
+    bad_data = dataclasses.replace(BASE, crc=BASE.crc | {"data": BASE.crc["data"] ^ 1})
+    with pytest.raises(CodecError, match="decoded data fails its CRC-32"):
+        decode_rans_cpu(bad_data, native=True)
+    raw = np.array(BASE.raw)
+    raw[-1] |= 0x80  # a padding field of the last group (TRAINED's 19,200 weights leave none: check first)
+    if BASE.n % 4:
+        with pytest.raises(CodecError, match="padding"):
+            decode_rans_cpu(with_arrays(BASE, {"raw": raw}, fix_crc=True), native=True)
+
+
+def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert np.array_equal(decode_rans_cpu(BASE, native=False), TRAINED)
+    monkeypatch.setattr(rans_native, "_state", {})
+    monkeypatch.setenv("UNFIRE_NATIVE", "0")
+    assert rans_native.library() is None
+    assert np.array_equal(decode_rans_cpu(BASE), TRAINED)
+    with pytest.raises(CodecError, match="not available"):
+        decode_rans_cpu(BASE, native=True)
