@@ -12,7 +12,8 @@ Systems, run one after another in this process with the same number of threads (
   transformers_bf16      HF ``generate`` on static left-padded batches of 8, 16 and 32 requests in
                          workload order, the same weights in bf16; the best batch size is reported
   reference              the NumPy engine (continuous batching too)
-  llama_cpp              llama-cpp-python on the same GGUF, only if it is installed (never built here)
+  llama_cpp              llama.cpp via llama-cpp-python's C API on the same (Q4_1) GGUF, continuous batching
+                         of up to 32 sequences; only if it is installed (CI never builds it)
 Useful tokens/s = the workload's output tokens / the time until the last one is ready (padding and
 tokens past a request's length do not count). TTFT: arrival to first token; ITL: every gap
 between a request's consecutive tokens; p50/p99 in ms. Results: experiments/results/bench_engine.json
@@ -149,7 +150,8 @@ def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, 
                 out["transformers_by_batch"] = {str(b): s["useful_tok_s"] for b, s in by_batch.items()}
             elif system == "llama_cpp" and gguf is not None and llama_cpp_available():
                 task = progress.add_task(system, total=len(jobs))
-                out[system] = score(run_llama_cpp(gguf, jobs, threads, lambda n, t=task: progress.advance(t, n)), jobs)
+                out[system] = score(run_llama_cpp(gguf, jobs, threads, lambda n, t=task: progress.advance(t, n),
+                                                  clock=clock), jobs)
             if on_system is not None:
                 on_system(out)
     return out

@@ -107,22 +107,98 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
-def run_llama_cpp(gguf_path: str, jobs: Sequence[Job], threads: int,
-                  on_job: Callable[[int], None] | None = None) -> list[list[float]]:
-    """llama-cpp-python on the same GGUF, one request after another (its Python API serves one sequence)."""
-    import llama_cpp
+_LLAMA_QUIET: Any = None  # the C callback must outlive every call into llama.cpp
 
-    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=512, n_threads=threads, n_batch=256, verbose=False)
+
+def run_llama_cpp(gguf_path: str, jobs: Sequence[Job], threads: int,
+                  on_job: Callable[[int], None] | None = None, clock: Callable[[], float] = time.perf_counter,
+                  max_seqs: int = 32, max_batch_tokens: int = 512,
+                  tokens: list[list[int]] | None = None, kv_unified: bool = True) -> list[list[float]]:
+    """llama.cpp (through llama-cpp-python's C API) on the same GGUF, at its best: continuous batching.
+
+    ``max_seqs`` sequences share one unified KV cache; every ``llama_decode`` call carries one token of each
+    decoding sequence and then prompt tokens of newly admitted ones up to ``max_batch_tokens`` (logits only
+    for a prompt's last token and for decode tokens); greedy (argmax), end token ignored, like our engines.
+    Returns each job's token times (seconds on ``clock`` from the start); ``tokens``, if given, receives each
+    job's generated token ids."""
+    import ctypes
+
+    import llama_cpp as lc
+
+    global _LLAMA_QUIET
+    if _LLAMA_QUIET is None:  # llama.cpp logs every tensor it loads; keep the progress bar readable
+        _LLAMA_QUIET = lc.llama_log_callback(lambda level, text, data: None)
+        lc.llama_log_set(_LLAMA_QUIET, ctypes.c_void_p(0))
+    lc.llama_backend_init()
+    mparams = lc.llama_model_default_params()
+    model = lc.llama_model_load_from_file(gguf_path.encode(), mparams)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+    longest = max(len(j.prompt) + j.output_len for j in jobs)
+    cparams = lc.llama_context_default_params()
+    cparams.n_seq_max = min(max_seqs, len(jobs))
+    cparams.n_ctx = cparams.n_seq_max * (longest + 16)
+    cparams.n_batch = cparams.n_ubatch = max_batch_tokens
+    cparams.n_threads = cparams.n_threads_batch = threads
+    cparams.kv_unified = kv_unified
+    ctx = lc.llama_init_from_model(model, cparams)
+    if not ctx:
+        lc.llama_model_free(model)
+        raise RuntimeError("llama.cpp could not create a context")
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(model))
+    batch = lc.llama_batch_init(max_batch_tokens, 0, 1)
+    mem = lc.llama_get_memory(ctx)
     times: list[list[float]] = [[] for _ in jobs]
-    t0 = time.perf_counter()
-    for i, job in enumerate(jobs):
-        llm.reset()
-        out: list[float] = []
-        for _ in llm.generate(job.prompt, temp=0.0, top_k=1, reset=True):
-            out.append(time.perf_counter() - t0)
-            if len(out) >= job.output_len:
-                break
-        times[i] = out
-        if on_job is not None:
-            on_job(1)
+    if tokens is not None:
+        tokens[:] = [[] for _ in jobs]
+    waiting = list(range(len(jobs)))
+    free_slots = list(range(cparams.n_seq_max))
+    live: dict[int, list[int]] = {}  # slot -> [job, tokens of the job fed so far, last token]
+    try:
+        t0 = clock()
+        while waiting or live:
+            while waiting and free_slots:
+                live[free_slots.pop()] = [waiting.pop(0), 0, -1]
+            entries: list[tuple[int, bool]] = []  # (slot, wants logits) per batch row
+            for slot, (j, fed, last) in live.items():  # decodes first, one token each
+                if fed >= len(jobs[j].prompt):
+                    entries.append((slot, True))
+                    _put(batch, len(entries) - 1, last, fed, slot, True)
+                    live[slot][1] += 1
+            for slot, (j, fed, _) in live.items():  # then prompt chunks, within the token budget
+                prompt = jobs[j].prompt
+                while fed < len(prompt) and len(entries) < max_batch_tokens:
+                    wants = fed == len(prompt) - 1
+                    entries.append((slot, wants))
+                    _put(batch, len(entries) - 1, prompt[fed], fed, slot, wants)
+                    fed += 1
+                live[slot][1] = fed
+            batch.n_tokens = len(entries)
+            if lc.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed (KV cache too small?)")
+            now = clock() - t0
+            for row, (slot, wants) in enumerate(entries):
+                if not wants:
+                    continue
+                logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
+                j = live[slot][0]
+                live[slot][2] = int(np.argmax(logits))
+                times[j].append(now)
+                if tokens is not None:
+                    tokens[j].append(live[slot][2])
+                if len(times[j]) >= jobs[j].output_len:
+                    lc.llama_memory_seq_rm(mem, slot, -1, -1)
+                    del live[slot]
+                    free_slots.append(slot)
+                    if on_job is not None:
+                        on_job(1)
+    finally:
+        lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
+        lc.llama_model_free(model)
     return times
+
+
+def _put(batch: Any, row: int, token: int, pos: int, seq: int, wants_logits: bool) -> None:
+    batch.token[row], batch.pos[row], batch.n_seq_id[row] = token, pos, 1
+    batch.seq_id[row][0], batch.logits[row] = seq, int(wants_logits)

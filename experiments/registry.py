@@ -127,7 +127,7 @@ class Experiment:
     claim: str  # the claim id in CLAIMS.md, e.g. "U1"
     title: str
     run: Callable[[Context], Result]
-    quick_minutes: float = 1.0  # rough time of the quick run on a 2-core machine
+    quick_minutes: float = 1.0  # the quick run on an idle 2-core machine, rounded up (each result records its seconds)
 
 
 def discover() -> dict[str, Experiment]:

@@ -174,13 +174,12 @@ def engine_bench_section(results_dir: Path) -> list[str]:
     lines = ["", "## Engine benchmark: fast engine vs transformers vs reference", "",
              f"**Goal:** {r.get('goal', '')}.  ", f"**Result:** {r.get('verdict', '')}. {r.get('why', '')}", "",
              "| system | useful tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |", "|---|---|---|---|"]
-    rerun_path = results_dir / "bench_engine_rerun.json"
-    if rerun_path.exists():  # a second, paired run of some systems: how much the ratio moves between runs
-        rerun = json.loads(rerun_path.read_text())
-        tok = rerun["measured"]["useful_tok_s"]
-        ratio = rerun["measured"].get("fast_over_transformers")
-        lines.insert(-3, f"**Rerun** (`{rerun_path.name}`, {rerun['setup'].get('date')}, load average "
-                         f"{rerun['setup'].get('load_average')}): " + ", ".join(f"{k} {v:.1f}" for k, v in tok.items())
+    for other in sorted(results_dir.glob("bench_engine_run*.json")):  # earlier runs: how much the ratio moves
+        run = json.loads(other.read_text())
+        tok = run["measured"]["useful_tok_s"]
+        ratio = run["measured"].get("fast_over_transformers")
+        lines.insert(-3, f"**Other run** (`{other.name}`, {run['setup'].get('date')}, load average "
+                         f"{run['setup'].get('load_average')}): " + ", ".join(f"{k} {v:.1f}" for k, v in tok.items())
                          + (f" useful tok/s ({ratio:.2f}x)." if ratio else " useful tok/s.") + "  ")
     for name, tok_s in m["useful_tok_s"].items():
         ttft, itl = m["ttft_ms"][name], m["itl_ms"][name]

@@ -31,9 +31,9 @@ def test_bench_engine_tiny_scores_every_system(tmp_path: Path) -> None:
     section = "\n".join(report.engine_bench_section(tmp_path))  # the paper's section, from the JSON alone
     assert f"| fast_bf16 | {tok_s['fast_bf16']:.1f} |" in section and "bench_engine.png" in section
     assert "**Rerun**" not in section and "Where the time went: fast_bf16" in stored["why"]
-    (tmp_path / "bench_engine_rerun.json").write_text(out.read_text())  # a second run is quoted next to the first
+    (tmp_path / "bench_engine_run1.json").write_text(out.read_text())  # a second run is quoted next to the first
     section = "\n".join(report.engine_bench_section(tmp_path))
-    assert "**Rerun** (`bench_engine_rerun.json`" in section and f"fast_bf16 {tok_s['fast_bf16']:.1f}" in section
+    assert "**Other run** (`bench_engine_run1.json`" in section and f"fast_bf16 {tok_s['fast_bf16']:.1f}" in section
 
 
 def test_single_system_runs_merge_into_one_result(tmp_path: Path) -> None:
@@ -66,3 +66,20 @@ def test_gpu_engine_tiny_splits_the_step(tmp_path: Path) -> None:
             assert parts == pytest.approx(r["step_ms"], rel=0.01, abs=0.01)
             assert 0 < r["control_share"] < 1 and r["tok_s"] > 0
     assert json.loads(out.read_text())["rows"] == result["rows"]
+
+
+def test_llama_cpp_baseline_batches_and_greedy_decodes() -> None:
+    """Only where llama-cpp-python is installed (an optional extra CI does not build)."""
+    pytest.importorskip("llama_cpp")
+    from experiments.engine_baselines import run_llama_cpp
+    from reference.model.tokenizer import load_tokenizer
+    from reference.model.weights import packaged_path
+
+    tok = load_tokenizer("smollm2")
+    prompt = "The capital of France is"
+    jobs = [Job(tok.encode(prompt), 6), Job(tok.encode("Once upon a time"), 3), Job(tok.encode(prompt), 6)]
+    tokens: list[list[int]] = []
+    times = run_llama_cpp(str(packaged_path("smollm2")), jobs, 1, max_seqs=2, max_batch_tokens=16, tokens=tokens)
+    assert [len(t) for t in times] == [6, 3, 6] and [len(t) for t in tokens] == [6, 3, 6]
+    assert all(a <= b for t in times for a, b in zip(t, t[1:], strict=False))
+    assert tokens[0] == tokens[2] and "Paris" in tok.decode(tokens[0])  # same prompt, other slot: same answer

@@ -118,4 +118,4 @@ def plot(rows: dict[str, Any], gpu: dict[str, Any] | None, ctx: Context) -> str:
     return path.name
 
 
-EXPERIMENT = Experiment(claim="E10", title="Control-plane share of an engine step", run=run, quick_minutes=1.5)
+EXPERIMENT = Experiment(claim="E10", title="Control-plane share of an engine step", run=run, quick_minutes=0.25)

@@ -146,4 +146,4 @@ def plot(models: dict[str, LlamaConfig], steps: list, ridges: dict[str, float], 
     return save_figure(fig, ctx, "E3.png")
 
 
-EXPERIMENT = Experiment(claim="E3", title="Arithmetic intensity of prefill vs decode", run=run, quick_minutes=1.0)
+EXPERIMENT = Experiment(claim="E3", title="Arithmetic intensity of prefill vs decode", run=run, quick_minutes=0.5)

@@ -174,4 +174,4 @@ def plot(cpu: dict[str, Any], sim: dict[str, Any], sim_long: dict[str, Any], ctx
     return save_figure(fig, ctx, "E4.png")
 
 
-EXPERIMENT = Experiment(claim="E4", title="Prefill/decode disaggregation", run=run, quick_minutes=2.5)
+EXPERIMENT = Experiment(claim="E4", title="Prefill/decode disaggregation", run=run, quick_minutes=2)

@@ -151,4 +151,4 @@ def plot(m: dict[str, Any], ctx: Context) -> str:
     return save_figure(fig, ctx, "E6.png")
 
 
-EXPERIMENT = Experiment(claim="E6", title="Layer-wise KV streaming vs bulk transfer", run=run, quick_minutes=0.5)
+EXPERIMENT = Experiment(claim="E6", title="Layer-wise KV streaming vs bulk transfer", run=run, quick_minutes=0.25)

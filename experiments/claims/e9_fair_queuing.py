@@ -225,4 +225,4 @@ def plot(sims: dict[str, dict[str, Any]], entitled: dict[str, float], ctx: Conte
     return save_figure(fig, ctx, "E9.png")
 
 
-EXPERIMENT = Experiment(claim="E9", title="SJF + weighted fair queuing under overload", run=run, quick_minutes=2.0)
+EXPERIMENT = Experiment(claim="E9", title="SJF + weighted fair queuing under overload", run=run, quick_minutes=0.5)

@@ -119,4 +119,5 @@ def plot(rows: list[dict[str, Any]], ctx: Context) -> str:
     return save_figure(fig, ctx, "R2.png")
 
 
-EXPERIMENT = Experiment(claim="R2", title="Non-uniform pipeline placement over unlike GPUs", run=run, quick_minutes=0.5)
+EXPERIMENT = Experiment(claim="R2", title="Non-uniform pipeline placement over unlike GPUs", run=run,
+                        quick_minutes=0.25)

@@ -104,4 +104,4 @@ def plot(cost: dict[str, dict[str, Any]], ctx: Context) -> str:
     return save_figure(fig, ctx, "R3.png")
 
 
-EXPERIMENT = Experiment(claim="R3", title="Data residency as a hard routing constraint", run=run, quick_minutes=2.0)
+EXPERIMENT = Experiment(claim="R3", title="Data residency as a hard routing constraint", run=run, quick_minutes=0.5)

@@ -138,4 +138,4 @@ def plot(rows: dict[str, dict[str, Any]], ctx: Context) -> str:
     return save_figure(fig, ctx, "R4.png")
 
 
-EXPERIMENT = Experiment(claim="R4", title="TTFT and utilization by infrastructure", run=run, quick_minutes=1.0)
+EXPERIMENT = Experiment(claim="R4", title="TTFT and utilization by infrastructure", run=run, quick_minutes=0.25)

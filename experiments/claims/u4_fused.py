@@ -137,4 +137,4 @@ def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, ctx: Context) -
 
 
 EXPERIMENT = Experiment(claim="U4", title="On-chip decode fused into the matmul: lossless, and its speed",
-                        run=run, quick_minutes=1.0)
+                        run=run, quick_minutes=0.5)
