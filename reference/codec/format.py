@@ -41,8 +41,26 @@ def crc32(array: np.ndarray) -> int:
     return zlib.crc32(array.view(np.uint8).reshape(-1)) if array.size else 0
 
 
+class StoredForm:
+    """What every stored form (Huffman, rANS) shares: a header dict and named arrays make the container entry."""
+
+    def header(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def header_json(self) -> str:
+        return json.dumps(self.header(), separators=(",", ":"))
+
+    @property
+    def nbytes(self) -> int:
+        """Compressed size with every overhead counted: the arrays plus the header JSON."""
+        return sum(a.nbytes for a in self.arrays().values()) + len(self.header_json().encode())
+
+
 @dataclass
-class CompressedTensor:
+class CompressedTensor(StoredForm):
     """A bf16 tensor in Huffman form (FORMAT.md section 3). Build it with ``encode`` or ``from_parts``."""
 
     shape: tuple[int, ...]
@@ -83,14 +101,6 @@ class CompressedTensor:
                 "max_code_length": self.max_code_length, "palette": list(self.palette),
                 "code_lengths": list(self.code_lengths), "n_verbatim": self.n_verbatim,
                 "stream_bits": self.stream_bits, "crc32": dict(self.crc)}
-
-    def header_json(self) -> str:
-        return json.dumps(self.header(), separators=(",", ":"))
-
-    @property
-    def nbytes(self) -> int:
-        """Compressed size with every overhead counted: the five arrays plus the header JSON."""
-        return sum(a.nbytes for a in self.arrays().values()) + len(self.header_json().encode())
 
     @classmethod
     def from_parts(

@@ -7,7 +7,6 @@ that can be validated before decoding, the decoder checks the rest.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from reference.codec.errors import CodecError
-from reference.codec.format import FORMAT_NAME, UINT32_LIMIT, VERSION, _int, _int_list, crc32
+from reference.codec.format import FORMAT_NAME, UINT32_LIMIT, VERSION, StoredForm, _int, _int_list, crc32
 from reference.codec.rans.coder import MAX_PROB_BITS, STATE_LOW
 from reference.codec.rans.model import packed_length
 
@@ -34,7 +33,7 @@ MIN_PROB_BITS = 1
 
 
 @dataclass
-class RansTensor:
+class RansTensor(StoredForm):
     """A bf16 tensor in rANS form (FORMAT.md section 9). Build it with ``encode_rans`` or ``from_parts``."""
 
     shape: tuple[int, ...]
@@ -86,14 +85,6 @@ class RansTensor:
                 "block_size": self.block_size, "lanes": self.lanes, "prob_bits": self.prob_bits,
                 "mantissa_bits": self.mantissa_bits, "alphabet_size": self.alphabet_size, "n_tables": self.n_tables,
                 "stream_words": self.stream_words, "n_escapes": self.n_escapes, "crc32": dict(self.crc)}
-
-    def header_json(self) -> str:
-        return json.dumps(self.header(), separators=(",", ":"))
-
-    @property
-    def nbytes(self) -> int:
-        """Compressed size with every overhead counted: the nine arrays plus the header JSON."""
-        return sum(a.nbytes for a in self.arrays().values()) + len(self.header_json().encode())
 
     @classmethod
     def from_parts(cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "", *,
