@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from experiments.registry import pyplot
+
 GOAL = "fast engine >= 2x the useful tok/s of transformers bf16 at its best batch size, and above llama.cpp"
 LLAMA_CPP_EARLIER = "~155 useful tok/s, static B=32, measured earlier on this machine (not in this run)"
 
@@ -78,10 +80,7 @@ def where_time_went(systems: dict[str, Any]) -> str:
 
 def figure(result: dict[str, Any], path: Path) -> Path:
     """Bars of useful tok/s per system, and TTFT / ITL p50 and p99 per system."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     m = result["measured"]
     names = list(m["useful_tok_s"])

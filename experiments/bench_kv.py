@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from experiments.registry import pyplot
+
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES = [1, 4, 16, 64, 256]
 TINY_BATCHES = [1, 3]
@@ -143,10 +145,7 @@ def bench(tiny: bool, budget: float, context: int, log: Any = print) -> dict[str
 
 def figure(res: dict[str, Any], path: Path) -> None:
     """GB/s against batch, per implementation and cache dtype, with the copy bandwidth as a line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for dtype, style in (("bfloat16", "-"), ("fp8", "--")):

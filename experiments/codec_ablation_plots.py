@@ -6,14 +6,11 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import Context, save_figure
+from experiments.registry import Context, pyplot, save_figure
 
 
 def plot_ablation(ab: dict[str, Any], rans: dict[str, Any], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 3, figsize=(19, 10))
     _where_the_bits_go(axes[0, 0], ab)

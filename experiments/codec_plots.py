@@ -6,17 +6,14 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import Context, save_figure
+from experiments.registry import Context, pyplot, save_figure
 
 METHOD_LABELS = {"bound": "entropy bound (8+H)/16", "unweight": "Unweight (ours)", "rans": "rANS mode (ours, new)",
                  "full_alphabet": "full-alphabet Huffman", "zipnn": "ZipNN", "zstd3": "zstd-3", "zstd19": "zstd-19"}
 
 
 def plot(models: list[dict[str, Any]], mlp_check: list[dict[str, Any]], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 3, figsize=(18, 9.5))
     for ax, m in zip(axes[0, :2], models[:2], strict=False):

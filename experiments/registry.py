@@ -149,6 +149,16 @@ def discover() -> dict[str, Experiment]:
     return found
 
 
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display), imported when a figure is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def save_figure(fig: Any, ctx: Context, name: str, dpi: int = 110) -> str:
     """Lay out, write ``ctx.results_dir/name`` and close a matplotlib figure; returns the name for the result."""
     import matplotlib.pyplot as plt

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from experiments.engine_load import blocks_needed, decode_load
-from experiments.registry import RESULTS_DIR, Context, Experiment, Result
+from experiments.registry import RESULTS_DIR, Context, Experiment, Result, pyplot
 
 SEQUENCES = (16, 64, 256)
 
@@ -87,10 +87,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(rows: dict[str, Any], gpu: dict[str, Any] | None, ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     names = list(rows)

@@ -23,7 +23,7 @@ from experiments.engine_bench import (
     spread,
     spread_text,
 )
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.engine import Engine
 
 POLICIES = {"continuous": "fcfs", "static": "static"}
@@ -113,10 +113,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(runs: dict[str, dict[str, Any]], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import numpy as np
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.kv import BlockManager
 from reference.kv.contiguous import ContiguousAllocator
 from reference.sched import Scheduler, SchedulerConfig, Sequence
@@ -187,10 +187,7 @@ def run(ctx: Context) -> Result:
 
 def plot(results: list[dict[str, Any]], ctx: Context) -> str:
     """Per setup: where KV memory goes per scheme, and concurrent sequences over the saturated steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(results), 2, figsize=(15, 4.2 * len(results)), squeeze=False)
     for row, r in zip(axes, results, strict=True):

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from experiments.engine_bench import CLOCK, CpuClock, one_blas_thread, run_jobs, sharegpt_jobs, smollm2
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.engine import Engine
 from reference.engine.cost import StepShape, intensity, step_bytes, step_flops
 from reference.model.config import LLAMA_3_1_8B, LlamaConfig
@@ -119,10 +119,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(models: dict[str, LlamaConfig], steps: list, ridges: dict[str, float], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(models), figsize=(13, 4.2))
     colors = {"prefill": "tab:red", "decode": "tab:blue"}

@@ -23,7 +23,7 @@ import numpy as np
 
 from experiments.disagg_sim import Gpu, SimReq, colocated, disaggregated
 from experiments.engine_bench import pct, sharegpt_jobs, smollm2
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.disagg.batch import run_requests
 from reference.disagg.cluster import ProcessCluster, WorkerOptions
 from reference.model.config import LLAMA_3_1_8B
@@ -150,10 +150,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(cpu: dict[str, Any], sim: dict[str, Any], sim_long: dict[str, Any], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
     for ax, rows, title in ((axes[0], cpu, "CPU, SmolLM2-135M, real processes"),

@@ -21,7 +21,7 @@ import numpy as np
 from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, scenario, site
 from experiments.cluster_fidelity import fidelity, table
 from experiments.engine_bench import CLOCK
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.cluster import scenario_from_dict, simulate
 from reference.cluster.lengths import sharegpt_lengths
 
@@ -136,10 +136,7 @@ def compare_at(runs: dict[str, list[dict[str, Any]]], limits: dict[str, float]) 
 
 
 def plot(runs: dict[str, list[dict[str, Any]]], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
     for name, rows in runs.items():

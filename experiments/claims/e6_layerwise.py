@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from experiments.engine_bench import one_blas_thread, sharegpt_jobs, smollm2
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.disagg.frames import HEADER_SIZE, TAG_SIZE
 from reference.disagg.wire import KVLayout
 from reference.engine.cost import StepShape, step_flops
@@ -130,10 +130,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(m: dict[str, Any], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [("cpu_smollm2", "fp32", "CPU, SmolLM2-135M, fp32 KV (measured layers)"),
               ("h100_llama8b_sim", "fp8", "H100, Llama-3.1-8B, fp8 KV (simulated)")]

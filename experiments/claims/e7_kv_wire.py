@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from experiments.engine_bench import one_blas_thread, sharegpt_jobs, smollm2
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.bf16 import float32_to_bf16
 from reference.codec import decode_many
 from reference.codec import encode as codec_encode
@@ -148,10 +148,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(rows: dict[str, dict[str, Any]], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(rows)
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))

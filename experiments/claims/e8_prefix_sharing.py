@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from experiments.engine_bench import CLOCK, CpuClock, Job, one_blas_thread, pct, run_jobs, smollm2, spread, spread_text
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.engine import Engine
 from reference.kv import prefix_keys
 from reference.workload import iter_sharegpt
@@ -144,10 +144,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(runs: dict[str, dict[str, Any]], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 3.8))
     for name, r in runs.items():

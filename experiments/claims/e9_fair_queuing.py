@@ -31,7 +31,7 @@ from experiments.engine_bench import (
     spread,
     spread_text,
 )
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.engine import Engine
 from reference.engine.cost import StepTimeModel
 from reference.engine.simulate import SimRequest, service_share, simulate
@@ -200,10 +200,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(sims: dict[str, dict[str, Any]], entitled: dict[str, float], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 4))
     x = np.arange(len(POLICIES))

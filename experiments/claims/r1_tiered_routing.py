@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, link, scenario, site
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.cluster import scenario_from_dict, simulate
 from reference.cluster.lengths import sharegpt_lengths
 
@@ -89,10 +89,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(grid: list[dict[str, Any]], edge_gpus: list[int], shares: list[float], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for e in edge_gpus:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from experiments.cluster_common import ASSUMPTIONS, GPUS, MODELS, SHARED_MACHINE
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.cluster.pipeline import ChainGpu, chain_problem, tokens_per_s
 from reference.cluster.placement import best_split, brute_force_split, lp_upper_bound, uniform_split
 from reference.cluster.scenario import GpuType, ModelSpec
@@ -102,10 +102,7 @@ def geo(values: list[float]) -> float:
 
 
 def plot(rows: list[dict[str, Any]], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(12, 4.2))
     x = np.arange(len(rows))

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from experiments.cluster_common import SHARED_MACHINE
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.cluster import simulate
 from reference.cluster.randomized import random_scenario
 from reference.cluster.report import percentiles
@@ -85,10 +85,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(cost: dict[str, dict[str, Any]], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     modes = ["enforced", "ignored"]

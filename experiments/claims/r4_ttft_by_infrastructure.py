@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, link, scenario, site
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.cluster import scenario_from_dict, simulate
 from reference.cluster.lengths import sharegpt_lengths
 
@@ -116,10 +116,7 @@ def _within(value: float, text: str) -> bool:
 
 
 def plot(rows: dict[str, dict[str, Any]], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     kinds = list(rows)

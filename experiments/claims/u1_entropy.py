@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.bf16 import FieldStats, field_stats, float32_to_bf16
 from reference.model.names import MLP_KINDS, tensor_kind
 from reference.model.weights import WeightSource, open_weights
@@ -106,10 +106,7 @@ def run(ctx: Context) -> Result:
 
 def plot(results: list[dict[str, Any]], ctx: Context) -> str:
     """Per checkpoint: the exponent histogram of a typical MLP tensor, and entropy per tensor."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(results), 2, figsize=(13, 3.6 * len(results)), squeeze=False)
     for row, r in zip(axes, results, strict=True):

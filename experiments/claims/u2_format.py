@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from experiments.claims.u1_entropy import to_bf16_bits
-from experiments.registry import Context, Experiment, Result, save_figure
+from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.bf16 import shannon_entropy
 from reference.codec import (
     CompressedTensor,
@@ -128,10 +128,7 @@ def run(ctx: Context) -> Result:
 
 
 def plot(models: list[dict[str, Any]], ctx: Context) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(len(models), 2, figsize=(13, 3.6 * len(models)), squeeze=False)
     for row, m in zip(axes, models, strict=True):

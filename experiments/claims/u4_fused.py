@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from experiments.claims.u1_entropy import to_bf16_bits
-from experiments.registry import RESULTS_DIR, Context, Experiment, Result, save_figure
+from experiments.registry import RESULTS_DIR, Context, Experiment, Result, pyplot, save_figure
 from reference.model.names import MLP_KINDS, tensor_kind
 from reference.model.weights import open_weights
 
@@ -105,10 +105,7 @@ def run(ctx: Context) -> Result:
 
 def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, ctx: Context) -> str:
     """Bits per weight of each form per matrix; with GPU results, fused / cuBLAS speed by batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2 if gpu else 1, figsize=(13 if gpu else 7, 3.8), squeeze=False)
     ax = axes[0][0]
