@@ -1,35 +1,39 @@
 """Calibration and fidelity of the cluster simulator against the real reference engine (SmolLM2, CPU).
 
-Three ShareGPT workloads run on the real NumPy engine, in interleaved rounds (A, B, C, A, B, C, ...):
+Three ShareGPT workloads run on the real NumPy engine, in rounds; within a round the three engines take
+turns step by step, each timed by its own CPU clock, so that the shared machine's load hits them alike:
 
 * A, a burst: every request at once, longer prompts (chunked prefill), short answers;
-* B, paced below capacity: a request every 0.8 s, 48-token prompts, 20-token answers;
+* B, paced below capacity: a request every 0.8 s, prompts of up to 48 tokens, 20-token answers;
 * C, paced over capacity: a request every 0.4 s, the same kind of requests: a queue builds up.
 
 Each workload is held out in turn. In every round a ``StepTimeModel`` is fitted to the measured steps of
-the *other* workloads of that round (calibrated under the same machine load as the test run: the machine
-is shared and its load moves between rounds), and the held-out workload is replayed through the cluster
-simulator, one replica with the engine's scheduler settings and KV size, stepping by that model. Per
-round: the simulated TTFT, inter-token latency (ITL) and end-to-end latency at p50/p90/p99 against that
-round's real run, as signed relative errors; the reported error is the median over the rounds. The real
-percentiles shown are the median over the runs, and the largest difference of one run from them is the
-engine's own run-to-run spread.
+the *other* workloads of that round (calibrated under the same machine load as the test run), and the
+held-out workload is replayed through the cluster simulator, one replica with the engine's scheduler
+settings and KV size, each step taking the model's time scattered as the calibration steps scatter around
+it (``Scattered``). Per round: the simulated TTFT, inter-token latency (ITL) and end-to-end latency at
+p50/p90/p99 against that round's real run, as signed relative errors; the reported error is the median
+over the rounds. The real percentiles shown are the median over the runs, and the largest difference of
+one run from them is the engine's own run-to-run spread.
 
 Step-level evidence comes with it: the held-out prediction error per kind of step (one-token decodes of
-1..4 sequences, prompt-only steps, mixed steps), the steps the simulator took against the steps the engine
-took (same scheduler: the same kinds in about the same numbers), and the errors of the previous model
-form (without ``multi_sample`` and ``row_extra``) on the same runs.
+1..4 sequences, prompt-only steps, mixed steps); the steps the simulator took against the steps the engine
+took; a replay in which every step takes the time the engine measured for it (``Measured``: the schedule
+and the accounting alone, no cost model: it must give the engine's latencies and its very steps); and the
+errors of the model's mean alone (no scatter) and of the previous model form (no ``multi_sample`` and
+``row_extra``, no scatter) on the same runs.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import CpuClock, Job, one_blas_thread, run_jobs, sharegpt_jobs, smollm2
+from experiments.engine_bench import CpuClock, Job, one_blas_thread, run_jobs_stepwise, sharegpt_jobs, smollm2
 from reference.cluster import Simulator, scenario_from_dict
 from reference.engine import Engine, SamplingParams
 from reference.engine.cost import StepShape, StepTimeModel
@@ -39,6 +43,7 @@ PS = (50, 90, 99)
 METRICS = ("ttft", "itl", "e2e")
 FORM = {"multi_sample": True, "row_extra": 2}  # the model form of the table; {} is the previous one
 GAPS = {"B": 0.8, "C": 0.4}  # seconds between arrivals of the paced workloads
+DRAWS = 20  # simulated replays per round with scattered step times (5 ms each)
 NAMES = {"A": "burst", "B": "paced, below capacity", "C": "paced, over capacity"}
 
 
@@ -52,14 +57,41 @@ def workloads(tok: Any, n: int) -> dict[str, list[Job]]:
             "C": paced(2 * n, GAPS["C"])}
 
 
-def measure(jobs: list[Job]) -> tuple[dict[str, list[float]], list[Any]]:
-    """Run the real engine once: its latencies, and every step it logged."""
-    model, tok = smollm2()
-    engine = Engine(model, tok, clock=CpuClock(), **ENGINE)
-    outs = run_jobs(engine, jobs)
-    lat = {"ttft": [o.metrics.ttft for o in outs], "e2e": [o.metrics.e2e_latency for o in outs],
-           "itl": [g for o in outs for g in o.metrics.inter_token_latencies]}
-    return lat, engine.step_log
+def measure_round(jobs: dict[str, list[Job]], model: Any, tok: Any) -> dict[str, tuple[dict, list[Any]]]:
+    """Run every workload once on its own real engine, the engines taking turns step by step (each timed by
+    its own ``CpuClock``, paused while the others step; the turn goes to the engine whose clock is furthest
+    behind): whatever the shared machine's load does during the round, it does to all workloads alike.
+
+    Per workload: its latencies, and every step it logged, with as its duration the whole turn of the engine
+    loop that ran it: the intake of requests that arrived, the step, and the work after it (recording and
+    detokenizing the new tokens), which the step record's own duration leaves out (~0.15 ms a step; small,
+    but without it the simulator's clock runs ahead of the engine's, and a request arriving just as a step
+    ends can join another step than in the engine)."""
+    engines = {n: Engine(model, tok, clock=CpuClock(), **ENGINE) for n in jobs}
+    runs = {n: run_jobs_stepwise(e, jobs[n]) for n, e in engines.items()}
+    outs: dict[str, list[Any]] = {}
+    for e in engines.values():
+        e.clock.pause()
+    turns: dict[str, list[float]] = {n: [] for n in jobs}
+    at = {n: e.clock() for n, e in engines.items()}  # each engine's clock when it last paused
+    while runs:
+        n = min(runs, key=lambda name: at[name])  # the one furthest behind: the workloads advance side by side
+        engine = engines[n]
+        engine.clock.resume()
+        started, logged = engine.clock(), len(engine.step_log)
+        try:
+            next(runs[n])
+        except StopIteration as done:
+            outs[n] = done.value
+            del runs[n]
+        if len(engine.step_log) > logged:
+            turns[n].append(engine.clock() - started)
+        at[n] = engine.clock()
+        engine.clock.pause()
+    return {n: ({"ttft": [o.metrics.ttft for o in out], "e2e": [o.metrics.e2e_latency for o in out],
+                 "itl": [g for o in out for g in o.metrics.inter_token_latencies]},
+                [replace(r, duration=t) for r, t in zip(engines[n].step_log, turns[n], strict=True)])
+            for n, out in outs.items()}
 
 
 class Recorder:
@@ -74,7 +106,24 @@ class Recorder:
         return self.cost(s)
 
 
-def simulated(jobs: list[Job], cost: StepTimeModel) -> tuple[dict[str, list[float]], list[StepShape]]:
+class Measured:
+    """A "cost model" that gives each step the time the engine measured for its step of the same index, and
+    notes whether the shapes agree: replaying with it checks the simulator's schedule and accounting alone."""
+
+    def __init__(self, steps: list[Any]) -> None:
+        self.steps, self.next, self.same = steps, 0, True
+
+    def __call__(self, s: StepShape) -> float:
+        if self.next >= len(self.steps):
+            self.same = False
+            return self.steps[-1].duration
+        r = self.steps[self.next]
+        self.same = self.same and r.new_tokens == s.new_tokens and r.context_lens == s.context_lens
+        self.next += 1
+        return r.duration
+
+
+def simulated(jobs: list[Job], cost: Any) -> tuple[dict[str, list[float]], list[StepShape]]:
     """The same jobs replayed through the cluster simulator with ``cost`` as every step's time; the
     latencies and the shapes of the steps it took."""
     s = scenario_from_dict({
@@ -92,6 +141,8 @@ def simulated(jobs: list[Job], cost: StepTimeModel) -> tuple[dict[str, list[floa
     sim = Simulator(s, 0, cost_override=rec, num_blocks=ENGINE["num_blocks"], record_gaps=True, macro_steps=False,
                     replay=[(j.arrival, j.prompt, j.output_len) for j in jobs])
     rec.on = True  # the replica priced two reference steps for its load estimates while it was built
+    if isinstance(cost, Measured):  # start over after the two reference steps
+        cost.next, cost.same = 0, True
     result = sim.run()
     return {"ttft": result.ttft, "e2e": result.e2e, "itl": result.gaps}, rec.shapes
 
@@ -133,6 +184,34 @@ def fit(steps: list[Any], form: dict[str, Any]) -> StepTimeModel:
     return StepTimeModel.fit([r.shape() for r in steps], [r.duration for r in steps], **form)
 
 
+class Scattered:
+    """The fitted model's time for a step, times a ratio (measured / predicted) drawn at random from the
+    calibration steps. The engine's steps scatter around the model's prediction (here by several percent:
+    caches, and the neighbours on a shared machine), and a percentile of single gaps (ITL p90) lands in that
+    scatter; a model of the mean alone puts every such step at the mean."""
+
+    def __init__(self, cost: StepTimeModel, steps: list[Any], seed: int) -> None:
+        self.cost, self.rng = cost, np.random.default_rng(seed)
+        self.ratios = np.array([r.duration / cost(r.shape()) for r in steps])
+
+    def __call__(self, s: StepShape) -> float:
+        return self.cost(s) * float(self.ratios[self.rng.integers(len(self.ratios))])
+
+
+def replay(jobs: list[Job], cost: StepTimeModel, steps: list[Any] | None) -> tuple[dict[str, np.ndarray], list]:
+    """Percentiles of the simulated replay: with ``steps`` (the calibration steps), the median over ``DRAWS``
+    replays with scattered step times (``Scattered``; each replay has as many requests as the real run, so
+    its percentiles are estimated alike), else one replay with the model's times."""
+    if steps is None:
+        lat, shapes = simulated(jobs, cost)
+        return percentile_ms(lat), shapes
+    draws = []
+    for seed in range(DRAWS):
+        lat, shapes = simulated(jobs, Scattered(cost, steps, seed))
+        draws.append(percentile_ms(lat))
+    return {m: np.median([d[m] for d in draws], axis=0) for m in METRICS}, shapes
+
+
 def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]]) -> dict[str, Any]:
     """Fit on the other workloads round by round, replay ``test``, compare (see the module docstring)."""
     others = [n for n in runs if n != test]
@@ -140,16 +219,17 @@ def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]
     real_each = [percentile_ms(lat) for lat, _ in runs[test]]
     real = {m: np.median([e[m] for e in real_each], axis=0) for m in METRICS}
     out: dict[str, Any] = {"fit_on": others}
-    for label, form in (("", FORM), ("previous_form_", {})):
-        models = [fit([r for n in others for r in runs[n][k][1]], form) for k in range(rounds)]
-        sims = [simulated(jobs, m) for m in models]
-        errs = [signed_error(percentile_ms(lat), real_each[k]) for k, (lat, _) in enumerate(sims)]
+    for label, form, scatter in (("", FORM, True), ("mean_only_", FORM, False), ("previous_form_", {}, False)):
+        calibration = [[r for n in others for r in runs[n][k][1]] for k in range(rounds)]
+        models = [fit(steps, form) for steps in calibration]
+        sims = [replay(jobs, m, steps if scatter else None) for m, steps in zip(models, calibration, strict=True)]
+        errs = [signed_error(p, real_each[k]) for k, (p, _) in enumerate(sims)]
         out[label + "sim_vs_real"] = as_table({m: np.median([e[m] for e in errs], axis=0) for m in METRICS})
         if label:
             continue
         out["sim_vs_real_rounds"] = [as_table(e) for e in errs]
         out["models"] = [m.__dict__ for m in models]
-        sim = {m: np.median([percentile_ms(lat)[m] for lat, _ in sims], axis=0) for m in METRICS}
+        sim = {m: np.median([p[m] for p, _ in sims], axis=0) for m in METRICS}
         out["real_ms"] = {m: [round(float(v), 2) for v in real[m]] for m in METRICS}
         out["sim_ms"] = {m: [round(float(v), 2) for v in sim[m]] for m in METRICS}
         per_round = [step_errors(m, runs[test][k][1]) for k, m in enumerate(models)]
@@ -159,6 +239,14 @@ def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]
             for key in sorted({key for r in per_round for key in r})}
         out["schedule"] = {"real_steps_by_kind": [dict(Counter(kind(r.shape()) for r in log)) for _, log in runs[test]],
                            "sim_steps_by_kind": [dict(Counter(kind(s) for s in shapes)) for _, shapes in sims]}
+    replays = []  # each round's run replayed with its own measured step times
+    for k in range(rounds):
+        measured = Measured(runs[test][k][1])
+        lat, shapes = simulated(jobs, measured)
+        replays.append((signed_error(percentile_ms(lat), real_each[k]),
+                        measured.same and len(shapes) == len(runs[test][k][1])))
+    out["measured_steps_sim_vs_real"] = as_table({m: np.median([e[m] for e, _ in replays], axis=0) for m in METRICS})
+    out["measured_steps_same_schedule"] = [same for _, same in replays]
     pooled = fit([r for n in others for _, log in runs[n] for r in log], FORM)
     out["pooled_fit_sim_vs_real"] = as_table(signed_error(percentile_ms(simulated(jobs, pooled)[0]), real))
     out["real_run_to_run"] = as_table({m: np.max([np.abs(e[m] - real[m]) / real[m] for e in real_each], axis=0)
@@ -166,7 +254,7 @@ def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]
     return out
 
 
-def fidelity(track: Any, requests: int = 12, rounds: int = 3) -> dict[str, Any]:
+def fidelity(track: Any, requests: int = 10, rounds: int = 3) -> dict[str, Any]:
     """Measure every workload ``rounds`` times (interleaved), then hold each out in turn."""
     model, tok = smollm2()
     jobs = workloads(tok, requests)
@@ -174,10 +262,10 @@ def fidelity(track: Any, requests: int = 12, rounds: int = 3) -> dict[str, Any]:
     load = []
     with one_blas_thread():
         Engine(model, tok, **ENGINE).generate([jobs["A"][0].prompt], SamplingParams(max_tokens=2))  # warm caches
-        for name, _ in track([(n, k) for k in range(rounds) for n in jobs], "E5 real engine runs (SmolLM2)"):
-            if name == "A":
-                load.append(round(os.getloadavg()[0], 2))
-            runs[name].append(measure(jobs[name]))
+        for _ in track(range(rounds), "E5 real engine rounds (SmolLM2, 3 workloads taking turns)"):
+            load.append(round(os.getloadavg()[0], 2))
+            for name, run in measure_round(jobs, model, tok).items():
+                runs[name].append(run)
     return {"workloads": {n: {"kind": NAMES[n], "requests": len(j), "arrival_gap_s": GAPS.get(n, 0.0),
                               "prompt_tokens": [len(x.prompt) for x in j], "output_tokens": [x.output_len for x in j]}
                           for n, j in jobs.items()},
@@ -195,15 +283,15 @@ def errors(f: dict[str, Any], key: str = "sim_vs_real") -> list[float]:
 def table(f: dict[str, Any]) -> str:
     rounds = f["rounds"]
     lines = [f"| held out (fitted on the others) | metric | real p50/p90/p99 (ms, median of {rounds} runs) | "
-             f"simulated p50/p90/p99 (ms) | sim error p50/p90/p99 (median of {rounds} rounds) | "
-             "previous model form | real run-to-run p50/p90/p99 (largest of one run) |",
-             "|---|---|---|---|---|---|---|"]
+             f"simulated p50/p90/p99 (ms) | sim error p50/p90/p99 (median of {rounds} rounds) | same, model mean "
+             "only | previous model form | real run-to-run p50/p90/p99 (largest of one run) |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, v in f["held_out"].items():
         for m in METRICS:
             lines.append(f"| {name} ({f['workloads'][name]['kind']}) | {m.upper()} | "
                          f"{' / '.join(f'{x:.0f}' for x in v['real_ms'][m])} | "
                          f"{' / '.join(f'{x:.0f}' for x in v['sim_ms'][m])} | {pcts(v['sim_vs_real'][m])} | "
-                         f"{pcts(v['previous_form_sim_vs_real'][m])} | "
+                         f"{pcts(v['mean_only_sim_vs_real'][m])} | {pcts(v['previous_form_sim_vs_real'][m])} | "
                          f"{spread(v['real_run_to_run'][m])} |")
     return "\n".join(lines)
 

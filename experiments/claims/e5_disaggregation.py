@@ -54,7 +54,7 @@ def run(ctx: Context) -> Result:
         runs[name].append({"rate": rate, "ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"],
                            "tpot_ms": s["tpot_ms"], "utilization": s["utilization"], "requests": s["requests"],
                            "refused": s["refused"]})
-    fid = fidelity(ctx.track, requests=32 if ctx.full else 12, rounds=5 if ctx.full else 3)
+    fid = fidelity(ctx.track, requests=32 if ctx.full else 10, rounds=5 if ctx.full else 3)
     figure = plot(runs, ctx)
     by_slo = {slo: compare_at(runs, limits) for slo, limits in SLOS.items()}
     measured: dict[str, Any] = {"slos": SLOS, "runs": runs, "by_slo": by_slo, "fidelity": fid}
