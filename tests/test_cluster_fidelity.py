@@ -97,7 +97,9 @@ def test_fit_recovers_the_cpu_terms_and_keeps_them_opt_in() -> None:
 def test_engines_take_turns_and_measured_steps_replay_exactly() -> None:
     """A real fidelity round on the tiny model: each engine's steps are timed by its own clock (paused during
     the others' turns), and replaying a run with its measured step times gives its very steps and latencies."""
-    jobs = {"x": [Job([3] * 30, 6), Job([4] * 12, 5, 0.001)], "y": [Job([9] * 8, 8, 0.0), Job([8] * 40, 4, 0.002)]}
+    # bursts, and a request long after the others (the engine idles until it): no arrival can fall within the
+    # few microseconds by which a turn's clock readings and the engine's own may differ
+    jobs = {"x": [Job([3] * 30, 6), Job([4] * 12, 5), Job([5] * 9, 3, 30.0)], "y": [Job([9] * 8, 8), Job([8] * 40, 4)]}
     runs = measure_round(jobs, MODEL, None)
     for name, (lat, steps) in runs.items():
         assert len(lat["ttft"]) == len(jobs[name]) and all(r.duration > 0 for r in steps)
