@@ -315,13 +315,16 @@ def main() -> None:
     from rich.progress import Progress
 
     from experiments.registry import Context
+    from reference.provenance import commit, machine, now
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=10, help="requests per workload")
     parser.add_argument("--rounds", type=int, default=3, help="real-engine runs of each workload")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
+    started = {"commit": commit(), "date": now()}
     f = fidelity(Context(progress_factory=Progress).track, requests=args.requests, rounds=args.rounds)
+    f = {**started, "machine": machine(), **f}
     print(table(f))
     if args.json:
         args.json.write_text(json.dumps(f, indent=1) + "\n")
