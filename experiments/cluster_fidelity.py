@@ -186,16 +186,21 @@ def fit(steps: list[Any], form: dict[str, Any]) -> StepTimeModel:
 
 class Scattered:
     """The fitted model's time for a step, times a ratio (measured / predicted) drawn at random from the
-    calibration steps. The engine's steps scatter around the model's prediction (here by several percent:
-    caches, and the neighbours on a shared machine), and a percentile of single gaps (ITL p90) lands in that
-    scatter; a model of the mean alone puts every such step at the mean."""
+    calibration steps of the same kind (``kind``; from all of them for a kind they lack). The engine's steps
+    scatter around the model's prediction (caches, and the neighbours on a shared machine; a short step
+    relatively more than a long one), and a percentile of single gaps (ITL p90) lands in that scatter; a
+    model of the mean alone puts every such step at the mean."""
 
     def __init__(self, cost: StepTimeModel, steps: list[Any], seed: int) -> None:
         self.cost, self.rng = cost, np.random.default_rng(seed)
-        self.ratios = np.array([r.duration / cost(r.shape()) for r in steps])
+        self.ratios: dict[str, list[float]] = {}
+        for r in steps:
+            for key in (kind(r.shape()), "all"):
+                self.ratios.setdefault(key, []).append(r.duration / cost(r.shape()))
 
     def __call__(self, s: StepShape) -> float:
-        return self.cost(s) * float(self.ratios[self.rng.integers(len(self.ratios))])
+        ratios = self.ratios.get(kind(s), self.ratios["all"])
+        return self.cost(s) * ratios[int(self.rng.integers(len(ratios)))]
 
 
 def replay(jobs: list[Job], cost: StepTimeModel, steps: list[Any] | None) -> tuple[dict[str, np.ndarray], list]:
