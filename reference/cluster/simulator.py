@@ -52,6 +52,8 @@ ARRIVE, REACH, STEP, KV, FAIL, RECOVER, RETRY, REPLAY = range(8)
 RETRY_AFTER_S = 0.5  # a request with no live replica allowed tries again this much later
 MACRO_CAP = 256  # most plain decode steps one macro step stands for
 HASH_MASK = (1 << 128) - 1
+EVENT = struct.Struct("<dBq")  # one logged event: time, kind, subject
+EVENT_HASHER = hashlib.blake2b(digest_size=16, person=b"unfire-cluster")
 
 
 class Simulator:
@@ -100,7 +102,8 @@ class Simulator:
 
     def log(self, t: float, kind: int, ident: int) -> None:
         """Fold one event into the event-log hash."""
-        h = hashlib.blake2b(struct.pack("<dBq", t, kind, ident), digest_size=16, person=b"unfire-cluster")
+        h = EVENT_HASHER.copy()  # a copy of a ready hasher: cheaper than a new one per event
+        h.update(EVENT.pack(t, kind, ident))
         self.digest = (self.digest + int.from_bytes(h.digest(), "little")) & HASH_MASK
         self.events += 1
 
