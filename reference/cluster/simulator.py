@@ -123,10 +123,15 @@ class Simulator:
                     REPLAY: lambda i, _: self._route(self.source.make_from(0, self.now, *self.replay[i][1:]))}
         thresholds = gc.get_threshold()
         gc.set_threshold(50_000, *thresholds[1:])  # the loop allocates fast and makes no garbage cycles to speak of:
-        try:                                         # a young-generation sweep every 50,000 allocations, not 700
+        freeze = gc.get_freeze_count() == 0          # a young-generation sweep every 50,000 allocations, not 700;
+        if freeze:  # and what exists now (the replicas' block tables: millions of slots) is left out of full sweeps
+            gc.freeze()
+        try:
             self._loop(handlers, on_progress)
         finally:
             gc.set_threshold(*thresholds)
+            if freeze:
+                gc.unfreeze()
         self.result.finalize(self.replicas, self.now, self.events, f"{self.digest:032x}", self.s.duration_s)
         self.result.queue_events = self.queue_events
         return self.result
@@ -221,16 +226,17 @@ class Simulator:
         plan.emitted = upto
         for i in range(done, upto - 1 if upto == plan.k else upto):
             self.log(plan.ends[i], STEP, rep.index)  # the last step's event is the queued one, logged by run()
+        ends, record_gaps = plan.ends, self.record_gaps
         for seq, last in zip(plan.seqs, plan.finish_step, strict=True):
             if last <= done:
                 continue  # finished in an earlier part of the plan
             r: Request = seq.request
             stop = upto if upto < last else last
-            if self.record_gaps or r.first_token is None:
+            if record_gaps or r.first_token is None:
                 for i in range(done, stop):
-                    self._token(r, plan.ends[i] + r.back_s + r.access_s)
+                    self._token(r, ends[i] + r.back_s + r.access_s)
             else:
-                r.last_token = plan.ends[stop - 1] + r.back_s + r.access_s
+                r.last_token = ends[stop - 1] + r.back_s + r.access_s
             if last <= upto:
                 r.finish = r.last_token
                 self._done(r, "done")
