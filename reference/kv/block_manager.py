@@ -111,7 +111,8 @@ class BlockManager:
     def can_append(self, seq: KVSequence, num_new_tokens: int = 1) -> bool:
         """Whether ``may_append(seq, num_new_tokens)`` would succeed now."""
         new_blocks, copies = self._append_plan(seq, num_new_tokens)
-        return new_blocks + len(copies) <= self.num_free_blocks
+        needed = new_blocks + len(copies)
+        return needed == 0 or needed <= self.num_free_blocks
 
     def may_append(self, seq: KVSequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
         """Make room for the K/V of the next ``num_new_tokens`` tokens of ``seq``.
@@ -122,6 +123,8 @@ class BlockManager:
         must make (all layers, K and V) before writing.
         """
         new_blocks, cow = self._append_plan(seq, num_new_tokens)
+        if not new_blocks and not cow:
+            return []  # the common decode step: the token goes into the last block, which is private
         if new_blocks + len(cow) > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {new_blocks + len(cow)} blocks, "
                                    f"{self.num_free_blocks} free")

@@ -166,13 +166,13 @@ class Scheduler:
                 raise SchedulerError(f"sequence {entry.seq.seq_id}: sampled token must be an int >= 0, got {token!r}")
         self._in_flight = None
         now = time.monotonic() if now is None else now
-        finished = []
+        finished, cache_full_blocks = [], self.block_manager.cache_full_blocks
         for entry, token in zip(batch.entries, new_token_ids, strict=True):
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
+            cache_full_blocks(seq)
             if not entry.needs_sample:
                 continue
             seq.token_ids.append(token)
