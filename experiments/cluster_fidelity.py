@@ -7,27 +7,31 @@ turns step by step, each timed by its own CPU clock, so that the shared machine'
 * B, paced below capacity: a request every 0.8 s, prompts of up to 48 tokens, 20-token answers;
 * C, paced over capacity: a request every 0.4 s, the same kind of requests: a queue builds up.
 
-Each workload is held out in turn. In every round a ``StepTimeModel`` is fitted to the measured steps of
-the *other* workloads of that round (calibrated under the same machine load as the test run), and the
-held-out workload is replayed through the cluster simulator, one replica with the engine's scheduler
-settings and KV size, each step taking the model's time scattered as the calibration steps scatter around
-it (``Scattered``). Per round: the simulated TTFT, inter-token latency (ITL) and end-to-end latency at
-p50/p90/p99 against that round's real run, as signed relative errors; the reported error is the median
-over the rounds. The real percentiles shown are the median over the runs, and the largest difference of
-one run from them is the engine's own run-to-run spread.
+A fourth engine takes its turns with them: a profiling sweep (``sweep_scenes``, Vidur's method) whose
+scenes make the engine take every kind of step shape it can (1..64 tokens, 1..4 sequences, 0..4 sampled,
+contexts beyond any the workloads reach), spread over the rounds. A ``StepTimeModel`` is fitted to the
+sweep's steps alone, so every workload is held out (none of its steps is fitted) and the model does not
+extrapolate (``coverage``). Each workload is replayed through the cluster simulator, one replica with the
+engine's scheduler settings and KV size, each step taking the model's time scattered as the sweep's steps
+of the same kind scatter around it (``Scattered``). Per round: the simulated TTFT, inter-token latency
+(ITL) and end-to-end latency at p50/p90/p99 against that round's real run, as signed relative errors;
+the reported error is the median over the rounds. The real percentiles shown are the median over the
+runs, and the largest difference of one run from them is the engine's own run-to-run spread.
 
 Step-level evidence comes with it: the held-out prediction error per kind of step (one-token decodes of
 1..4 sequences, prompt-only steps, mixed steps); the steps the simulator took against the steps the engine
 took; a replay in which every step takes the time the engine measured for it (``Measured``: the schedule
 and the accounting alone, no cost model: it must give the engine's latencies and its very steps); and the
-errors of the model's mean alone (no scatter) and of the previous model form (no ``multi_sample`` and
-``row_extra``, no scatter) on the same runs.
+errors of the model's mean alone (no scatter), of the previous model form (no ``multi_sample`` and
+``row_extra``, no scatter), of the previous calibration (fitted round by round on the *other* workloads'
+steps: leave one workload out) and of the sweep and the other workloads together, on the same runs.
 """
 
 from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Generator
 from dataclasses import replace
 from typing import Any
 
@@ -45,6 +49,43 @@ FORM = {"multi_sample": True, "row_extra": 2}  # the model form of the table; {}
 GAPS = {"B": 0.8, "C": 0.4}  # seconds between arrivals of the paced workloads
 DRAWS = 20  # simulated replays per round with scattered step times (5 ms each)
 NAMES = {"A": "burst", "B": "paced, below capacity", "C": "paced, over capacity"}
+SWEEP = "sweep"  # the profiling sweep's name among a round's engines
+
+
+def sweep_scenes() -> list[tuple[tuple[int, ...], int]]:
+    """The profiling sweep (Vidur's idea: profile every shape the engine can take, then never extrapolate):
+    scenes run one after the other, each a few requests that arrive together, given as (prompt lengths,
+    output length). The engine's own scheduler turns them into steps; together they cover
+
+    * prompt-only steps of 2..64 tokens over 1..4 sequences that all sample (one scene per (tokens, sequences)
+      of the grid tokens {2, 3, 4, 8, 16, 32, 48, 64} x sequences {1, 2, 3, 4}, where the tokens split evenly),
+      each followed by one decode of those sequences;
+    * 64-token chunks that sample 0..3 sequences, later chunks at contexts up to 144, and mixed steps (decodes
+      riding along a later chunk) from longer prompts;
+    * decodes of 1..4 sequences at contexts up to ~150 (the workloads reach ~110).
+    """
+    scenes = [((t // k,) * k, 2) for t in (2, 3, 4, 8, 16, 32, 48, 64) for k in (1, 2, 3, 4)
+              if t % k == 0 and t >= k and (k != 3 or t in (3, 48))]
+    scenes += [((72,), 6), ((96,), 4), ((128,), 8), ((40,) * 4, 8), ((24,) * 3, 10), ((8, 90), 10),
+               ((10, 90, 30, 60), 6), ((100, 100), 6), ((60, 70, 80), 4)]
+    return scenes
+
+
+def sweep_jobs(seed: int = 0, vocab: int = 40000) -> list[list[Job]]:
+    """The sweep's scenes as jobs; prompts of random token ids below ``vocab``: with a large vocabulary no two
+    prompts share a block (no prefix-cache hits)."""
+    rng = np.random.default_rng(seed)
+    return [[Job([int(x) for x in rng.integers(1, vocab, p)], out) for p in prompts]
+            for prompts, out in sweep_scenes()]
+
+
+def run_sweep_stepwise(engine: Engine, scenes: list[list[Job]]) -> Generator[None, None, list]:
+    """Every scene in turn on one engine, one step at a time (like ``run_jobs_stepwise``): a scene starts
+    once the one before has finished."""
+    outs: list = []
+    for jobs in scenes:
+        outs += yield from run_jobs_stepwise(engine, jobs)
+    return outs
 
 
 def workloads(tok: Any, n: int) -> dict[str, list[Job]]:
@@ -57,7 +98,8 @@ def workloads(tok: Any, n: int) -> dict[str, list[Job]]:
             "C": paced(2 * n, GAPS["C"])}
 
 
-def measure_round(jobs: dict[str, list[Job]], model: Any, tok: Any) -> dict[str, tuple[dict, list[Any]]]:
+def measure_round(jobs: dict[str, list[Job]], model: Any, tok: Any,
+                  sweep: list[list[Job]] | None = None) -> dict[str, tuple[dict, list[Any]]]:
     """Run every workload once on its own real engine, the engines taking turns step by step (each timed by
     its own ``CpuClock``, paused while the others step; the turn goes to the engine whose clock is furthest
     behind): whatever the shared machine's load does during the round, it does to all workloads alike.
@@ -66,13 +108,18 @@ def measure_round(jobs: dict[str, list[Job]], model: Any, tok: Any) -> dict[str,
     loop that ran it: the intake of requests that arrived, the step, and the work after it (recording and
     detokenizing the new tokens), which the step record's own duration leaves out (~0.15 ms a step; small,
     but without it the simulator's clock runs ahead of the engine's, and a request arriving just as a step
-    ends can join another step than in the engine)."""
-    engines = {n: Engine(model, tok, clock=CpuClock(), **ENGINE) for n in jobs}
-    runs = {n: run_jobs_stepwise(e, jobs[n]) for n, e in engines.items()}
+    ends can join another step than in the engine).
+
+    With ``sweep`` (scenes, ``sweep_jobs``), one more engine runs the profiling sweep, taking its turns with
+    the others; it comes back under the name ``SWEEP``."""
+    names = [*jobs, SWEEP] if sweep is not None else list(jobs)
+    engines = {n: Engine(model, tok, clock=CpuClock(), **ENGINE) for n in names}
+    runs = {n: run_sweep_stepwise(e, sweep) if n == SWEEP else run_jobs_stepwise(e, jobs[n])
+            for n, e in engines.items()}
     outs: dict[str, list[Any]] = {}
     for e in engines.values():
         e.clock.pause()
-    turns: dict[str, list[float]] = {n: [] for n in jobs}
+    turns: dict[str, list[float]] = {n: [] for n in names}
     at = {n: e.clock() for n, e in engines.items()}  # each engine's clock when it last paused
     while runs:
         n = min(runs, key=lambda name: at[name])  # the one furthest behind: the workloads advance side by side
@@ -217,23 +264,37 @@ def replay(jobs: list[Job], cost: StepTimeModel, steps: list[Any] | None) -> tup
     return {m: np.median([d[m] for d in draws], axis=0) for m in METRICS}, shapes
 
 
-def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]]) -> dict[str, Any]:
-    """Fit on the other workloads round by round, replay ``test``, compare (see the module docstring)."""
+def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]], sweep: list[Any]) -> dict[str, Any]:
+    """Replay ``test`` with models fitted on the profiling sweep's steps (``sweep``, all rounds; none of any
+    workload's), and, as contrasts, on the other workloads' steps round by round (see the module docstring)."""
     others = [n for n in runs if n != test]
     rounds = len(runs[test])
     real_each = [percentile_ms(lat) for lat, _ in runs[test]]
     real = {m: np.median([e[m] for e in real_each], axis=0) for m in METRICS}
-    out: dict[str, Any] = {"fit_on": others}
-    for label, form, scatter in (("", FORM, True), ("mean_only_", FORM, False), ("previous_form_", {}, False)):
-        calibration = [[r for n in others for r in runs[n][k][1]] for k in range(rounds)]
-        models = [fit(steps, form) for steps in calibration]
-        sims = [replay(jobs, m, steps if scatter else None) for m, steps in zip(models, calibration, strict=True)]
+    out: dict[str, Any] = {"fit_on": "profiling sweep", "leave_one_out_fit_on": others}
+    loo = [[r for n in others for r in runs[n][k][1]] for k in range(rounds)]
+    sources = {"sweep": [sweep] * rounds, "leave_one_out": loo,
+               "sweep_and_others": [sweep + steps for steps in loo]}
+    variants = (("", "sweep", FORM, True), ("mean_only_", "sweep", FORM, False), ("previous_form_", "sweep", {}, False),
+                ("leave_one_out_", "leave_one_out", FORM, True), ("sweep_and_others_", "sweep_and_others", FORM, True))
+    for label, source, form, scatter in variants:
+        calibration = sources[source]
+        if source == "sweep":  # the same steps every round: one model, one replay
+            models = [fit(sweep, form)] * rounds
+            sims = [replay(jobs, models[0], sweep if scatter else None)] * rounds
+        else:
+            models = [fit(steps, form) for steps in calibration]
+            sims = [replay(jobs, m, steps if scatter else None) for m, steps in zip(models, calibration, strict=True)]
         errs = [signed_error(p, real_each[k]) for k, (p, _) in enumerate(sims)]
         out[label + "sim_vs_real"] = as_table({m: np.median([e[m] for e in errs], axis=0) for m in METRICS})
+        if label == "leave_one_out_":
+            per_round = [step_errors(m, runs[test][k][1]) for k, m in enumerate(models)]
+            out["leave_one_out_step_error_all"] = round(float(np.median([r["all steps"]["error"]
+                                                                          for r in per_round])), 4)
         if label:
             continue
         out["sim_vs_real_rounds"] = [as_table(e) for e in errs]
-        out["models"] = [m.__dict__ for m in models]
+        out["model"] = models[0].__dict__
         sim = {m: np.median([p[m] for p, _ in sims], axis=0) for m in METRICS}
         out["real_ms"] = {m: [round(float(v), 2) for v in real[m]] for m in METRICS}
         out["sim_ms"] = {m: [round(float(v), 2) for v in sim[m]] for m in METRICS}
@@ -244,6 +305,7 @@ def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]
             for key in sorted({key for r in per_round for key in r})}
         out["schedule"] = {"real_steps_by_kind": [dict(Counter(kind(r.shape()) for r in log)) for _, log in runs[test]],
                            "sim_steps_by_kind": [dict(Counter(kind(s) for s in shapes)) for _, shapes in sims]}
+    out["coverage"] = coverage([r for _, log in runs[test] for r in log], sweep)
     replays = []  # each round's run replayed with its own measured step times
     for k in range(rounds):
         measured = Measured(runs[test][k][1])
@@ -252,32 +314,57 @@ def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]
                         measured.same and len(shapes) == len(runs[test][k][1])))
     out["measured_steps_sim_vs_real"] = as_table({m: np.median([e[m] for e, _ in replays], axis=0) for m in METRICS})
     out["measured_steps_same_schedule"] = [same for _, same in replays]
-    pooled = fit([r for n in others for _, log in runs[n] for r in log], FORM)
-    out["pooled_fit_sim_vs_real"] = as_table(signed_error(percentile_ms(simulated(jobs, pooled)[0]), real))
     out["real_run_to_run"] = as_table({m: np.max([np.abs(e[m] - real[m]) / real[m] for e in real_each], axis=0)
                                        for m in METRICS})
     return out
 
 
-def fidelity(track: Any, requests: int = 10, rounds: int = 3) -> dict[str, Any]:
-    """Measure every workload ``rounds`` times (interleaved), then hold each out in turn."""
+def ranges(steps: list[Any]) -> dict[str, int]:
+    """The largest new tokens, sequences, sampled sequences, attention pairs and context of any step."""
+    shapes = [r.shape() for r in steps]
+    return {"tokens": max(s.num_tokens for s in shapes), "sequences": max(len(s.new_tokens) for s in shapes),
+            "sampled": max(s.num_sampled for s in shapes), "pairs": max(s.attention_pairs() for s in shapes),
+            "context": max(max(s.context_lens) for s in shapes)}
+
+
+def coverage(steps: list[Any], sweep: list[Any]) -> dict[str, Any]:
+    """Whether the sweep spans the held-out steps: their ranges and the sweep's, and the share of held-out
+    steps inside the sweep's ranges on every count (the model does not extrapolate for those)."""
+    top = ranges(sweep)
+    inside = sum(all(v <= top[k] for k, v in ranges([r]).items()) for r in steps)
+    return {"held_out": ranges(steps), "sweep": top, "steps_inside": round(inside / len(steps), 4)}
+
+
+def fidelity(track: Any, requests: int = 10, rounds: int = 3, sweeps: int = 1) -> dict[str, Any]:
+    """Measure every workload ``rounds`` times (interleaved) and the profiling sweep ``sweeps`` times, spread
+    over the rounds (round k runs the scenes k, k + rounds, ... of the sweeps' scenes, taking turns with the
+    workloads), then hold each workload out in turn."""
     model, tok = smollm2()
     jobs = workloads(tok, requests)
+    scenes = [scene for seed in range(sweeps) for scene in sweep_jobs(seed)]
     runs: dict[str, list[tuple[dict[str, list[float]], list[Any]]]] = {n: [] for n in jobs}
+    sweep: list[Any] = []
     load = []
     with one_blas_thread():
         Engine(model, tok, **ENGINE).generate([jobs["A"][0].prompt], SamplingParams(max_tokens=2))  # warm caches
-        for _ in track(range(rounds), "E5 real engine rounds (SmolLM2, 3 workloads taking turns)"):
+        for k in track(range(rounds), "E5 real engine rounds (SmolLM2, 3 workloads + profiling sweep taking turns)"):
             load.append(round(os.getloadavg()[0], 2))
-            for name, run in measure_round(jobs, model, tok).items():
-                runs[name].append(run)
+            for name, run in measure_round(jobs, model, tok, sweep=scenes[k::rounds]).items():
+                if name == SWEEP:
+                    sweep += run[1]
+                else:
+                    runs[name].append(run)
     return {"workloads": {n: {"kind": NAMES[n], "requests": len(j), "arrival_gap_s": GAPS.get(n, 0.0),
                               "prompt_tokens": [len(x.prompt) for x in j], "output_tokens": [x.output_len for x in j]}
                           for n, j in jobs.items()},
             "rounds": rounds, "load_average_per_round": load,
+            "sweep": {"scenes": [{"prompts": list(p), "output": o} for p, o in sweep_scenes()],
+                      "times": sweeps, "steps": len(sweep), "cpu_seconds": round(sum(r.duration for r in sweep), 2),
+                      "workload_cpu_seconds": round(sum(r.duration for v in runs.values() for _, log in v
+                                                        for r in log), 2)},
             "model_form": "base + per token + per attention pair + per sample + multi_token + multi_sample + "
                           "row_extra (2 and 3 tokens)",
-            "held_out": {n: held_out(n, jobs[n], runs) for n in jobs}}
+            "held_out": {n: held_out(n, jobs[n], runs, sweep) for n in jobs}}
 
 
 def errors(f: dict[str, Any], key: str = "sim_vs_real") -> list[float]:
@@ -287,16 +374,18 @@ def errors(f: dict[str, Any], key: str = "sim_vs_real") -> list[float]:
 
 def table(f: dict[str, Any]) -> str:
     rounds = f["rounds"]
-    lines = [f"| held out (fitted on the others) | metric | real p50/p90/p99 (ms, median of {rounds} runs) | "
-             f"simulated p50/p90/p99 (ms) | sim error p50/p90/p99 (median of {rounds} rounds) | same, model mean "
-             "only | previous model form | real run-to-run p50/p90/p99 (largest of one run) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [f"| held out workload | metric | real p50/p90/p99 (ms, median of {rounds} runs) | "
+             f"simulated p50/p90/p99 (ms) | sim error p50/p90/p99, fitted on the profiling sweep (median of {rounds} "
+             "rounds) | same, model mean only | same, previous model form | fitted on the other workloads instead "
+             "(leave one out) | sweep + other workloads | real run-to-run p50/p90/p99 (largest of one run) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, v in f["held_out"].items():
         for m in METRICS:
             lines.append(f"| {name} ({f['workloads'][name]['kind']}) | {m.upper()} | "
                          f"{' / '.join(f'{x:.0f}' for x in v['real_ms'][m])} | "
                          f"{' / '.join(f'{x:.0f}' for x in v['sim_ms'][m])} | {pcts(v['sim_vs_real'][m])} | "
                          f"{pcts(v['mean_only_sim_vs_real'][m])} | {pcts(v['previous_form_sim_vs_real'][m])} | "
+                         f"{pcts(v['leave_one_out_sim_vs_real'][m])} | {pcts(v['sweep_and_others_sim_vs_real'][m])} | "
                          f"{spread(v['real_run_to_run'][m])} |")
     return "\n".join(lines)
 
@@ -325,10 +414,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=10, help="requests per workload")
     parser.add_argument("--rounds", type=int, default=3, help="real-engine runs of each workload")
+    parser.add_argument("--sweeps", type=int, default=1, help="times the profiling sweep runs, over the rounds")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args()
     started = {"commit": commit(), "date": now()}
-    f = fidelity(Context(progress_factory=Progress).track, requests=args.requests, rounds=args.rounds)
+    f = fidelity(Context(progress_factory=Progress).track, requests=args.requests, rounds=args.rounds,
+                 sweeps=args.sweeps)
     f = {**started, "machine": machine(), **f}
     print(table(f))
     if args.json:

@@ -13,7 +13,16 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.cluster_fidelity import ENGINE, Measured, measure_round, simulated
+from experiments.cluster_fidelity import (
+    ENGINE,
+    SWEEP,
+    Measured,
+    coverage,
+    kind,
+    measure_round,
+    simulated,
+    sweep_jobs,
+)
 from experiments.engine_bench import CpuClock, Job, run_jobs
 from reference.disagg.models import tiny_llama
 from reference.engine import Engine
@@ -107,3 +116,33 @@ def test_engines_take_turns_and_measured_steps_replay_exactly() -> None:
         sim, _ = simulated(jobs[name], measured)
         assert measured.same and measured.next == len(steps)
         assert np.allclose(sorted(sim["e2e"]), sorted(lat["e2e"]), rtol=0.05, atol=2e-3)
+
+
+def test_the_profiling_sweep_covers_every_step_shape_of_the_grid() -> None:
+    """The sweep's scenes, scheduled as the engine schedules them, take prompt-only steps of every (tokens,
+    sequences) of the grid, decodes of 1..4 sequences, mixed steps, and 64-token chunks sampling 0..4 rows."""
+    shapes = [s for jobs in sweep_jobs() for s in simulated(jobs, COST)[1]]
+    prompt_only = {(s.num_tokens, len(s.new_tokens)) for s in shapes if kind(s) == "prompt only"}
+    for t in (2, 3, 4, 8, 16, 32, 48, 64):
+        for k in (1, 2, 4):
+            assert t <= k or t % k or (t, k) in prompt_only, (t, k)  # t == k: one-token prompts, decode-shaped
+    assert (48, 3) in prompt_only
+    kinds = {kind(s) for s in shapes}
+    assert {"decode x1", "decode x2", "decode x3", "decode x4", "mixed"} <= kinds
+    assert {s.num_sampled for s in shapes if s.num_tokens == 64} == {0, 1, 2, 3, 4}
+    assert max(max(s.context_lens) for s in shapes) > 128  # beyond the workloads' longest context (~110)
+    prompts = [tuple(j.prompt) for jobs in sweep_jobs() for j in jobs]
+    assert len(set(prompts)) == len(prompts)  # no prefix-cache hits between scenes
+
+
+def test_the_sweep_takes_turns_with_the_workloads_and_its_coverage_is_reported() -> None:
+    scenes = sweep_jobs(vocab=96)[:2]
+    jobs = {"x": [Job([3] * 30, 4), Job([4] * 12, 3)]}
+    runs = measure_round(jobs, MODEL, None, sweep=scenes)
+    assert set(runs) == {"x", SWEEP}
+    steps = runs[SWEEP][1]
+    assert [r.new_tokens for r in steps] == [s.new_tokens for sc in scenes for s in simulated(sc, COST)[1]]
+    assert all(r.duration > 0 for r in steps)
+    cov = coverage(runs["x"][1], steps)
+    assert cov["held_out"]["tokens"] == 42 and cov["sweep"]["tokens"] == 2
+    assert cov["steps_inside"] < 1  # the 42-token step lies outside a sweep of 2-token prompts
