@@ -264,8 +264,9 @@ def replay(jobs: list[Job], cost: StepTimeModel, steps: list[Any] | None) -> tup
     return {m: np.median([d[m] for d in draws], axis=0) for m in METRICS}, shapes
 
 
-def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]], sweep: list[Any]) -> dict[str, Any]:
-    """Replay ``test`` with models fitted on the profiling sweep's steps (``sweep``, all rounds; none of any
+def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]],
+             sweep: list[list[Any]]) -> dict[str, Any]:
+    """Replay ``test`` with models fitted on the profiling sweep's steps (``sweep``: each round's; none of any
     workload's), and, as contrasts, on the other workloads' steps round by round (see the module docstring)."""
     others = [n for n in runs if n != test]
     rounds = len(runs[test])
@@ -273,18 +274,15 @@ def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]
     real = {m: np.median([e[m] for e in real_each], axis=0) for m in METRICS}
     out: dict[str, Any] = {"fit_on": "profiling sweep", "leave_one_out_fit_on": others}
     loo = [[r for n in others for r in runs[n][k][1]] for k in range(rounds)]
-    sources = {"sweep": [sweep] * rounds, "leave_one_out": loo,
-               "sweep_and_others": [sweep + steps for steps in loo]}
+    at_load = at_round_load(sweep)
+    sources = {"sweep": at_load, "leave_one_out": loo,
+               "sweep_and_others": [a + b for a, b in zip(at_load, loo, strict=True)]}
     variants = (("", "sweep", FORM, True), ("mean_only_", "sweep", FORM, False), ("previous_form_", "sweep", {}, False),
                 ("leave_one_out_", "leave_one_out", FORM, True), ("sweep_and_others_", "sweep_and_others", FORM, True))
     for label, source, form, scatter in variants:
         calibration = sources[source]
-        if source == "sweep":  # the same steps every round: one model, one replay
-            models = [fit(sweep, form)] * rounds
-            sims = [replay(jobs, models[0], sweep if scatter else None)] * rounds
-        else:
-            models = [fit(steps, form) for steps in calibration]
-            sims = [replay(jobs, m, steps if scatter else None) for m, steps in zip(models, calibration, strict=True)]
+        models = [fit(steps, form) for steps in calibration]
+        sims = [replay(jobs, m, steps if scatter else None) for m, steps in zip(models, calibration, strict=True)]
         errs = [signed_error(p, real_each[k]) for k, (p, _) in enumerate(sims)]
         out[label + "sim_vs_real"] = as_table({m: np.median([e[m] for e in errs], axis=0) for m in METRICS})
         if label == "leave_one_out_":
@@ -305,7 +303,7 @@ def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]
             for key in sorted({key for r in per_round for key in r})}
         out["schedule"] = {"real_steps_by_kind": [dict(Counter(kind(r.shape()) for r in log)) for _, log in runs[test]],
                            "sim_steps_by_kind": [dict(Counter(kind(s) for s in shapes)) for _, shapes in sims]}
-    out["coverage"] = coverage([r for _, log in runs[test] for r in log], sweep)
+    out["coverage"] = coverage([r for _, log in runs[test] for r in log], [r for steps in sweep for r in steps])
     replays = []  # each round's run replayed with its own measured step times
     for k in range(rounds):
         measured = Measured(runs[test][k][1])
@@ -317,6 +315,25 @@ def held_out(test: str, jobs: list[Job], runs: dict[str, list[tuple[dict, list]]
     out["real_run_to_run"] = as_table({m: np.max([np.abs(e[m] - real[m]) / real[m] for e in real_each], axis=0)
                                        for m in METRICS})
     return out
+
+
+def at_round_load(sweep: list[list[Any]]) -> list[list[Any]]:
+    """The whole sweep (all rounds' steps) as if run at each round's load, one list per round.
+
+    A round's load level is the time its own sweep steps took over a fit to all of them: on a shared machine
+    a step's CPU time moves with the neighbours' load (caches, memory bandwidth) by up to ~20% from one round
+    to the next, and a round runs only part of the sweep. Every step's time is divided by its round's level
+    and multiplied by round k's: a fit to those is the sweep's model at round k's load (the workloads of a
+    round run at its load, as they take turns with the sweep), from the sweep's steps alone."""
+    levels = load_levels(sweep)
+    flat = [replace(r, duration=r.duration / lv) for steps, lv in zip(sweep, levels, strict=True) for r in steps]
+    return [[replace(r, duration=r.duration * lv) for r in flat] for lv in levels]
+
+
+def load_levels(sweep: list[list[Any]]) -> list[float]:
+    """Per round: its sweep steps' measured time over the prediction of a fit to all rounds' sweep steps."""
+    base = fit([r for steps in sweep for r in steps], FORM)
+    return [round(sum(r.duration for r in steps) / sum(base(r.shape()) for r in steps), 4) for steps in sweep]
 
 
 def ranges(steps: list[Any]) -> dict[str, int]:
@@ -343,7 +360,7 @@ def fidelity(track: Any, requests: int = 10, rounds: int = 3, sweeps: int = 1) -
     jobs = workloads(tok, requests)
     scenes = [scene for seed in range(sweeps) for scene in sweep_jobs(seed)]
     runs: dict[str, list[tuple[dict[str, list[float]], list[Any]]]] = {n: [] for n in jobs}
-    sweep: list[Any] = []
+    sweep: list[list[Any]] = []  # per round, the sweep's steps
     load = []
     with one_blas_thread():
         Engine(model, tok, **ENGINE).generate([jobs["A"][0].prompt], SamplingParams(max_tokens=2))  # warm caches
@@ -351,7 +368,7 @@ def fidelity(track: Any, requests: int = 10, rounds: int = 3, sweeps: int = 1) -
             load.append(round(os.getloadavg()[0], 2))
             for name, run in measure_round(jobs, model, tok, sweep=scenes[k::rounds]).items():
                 if name == SWEEP:
-                    sweep += run[1]
+                    sweep.append(run[1])
                 else:
                     runs[name].append(run)
     return {"workloads": {n: {"kind": NAMES[n], "requests": len(j), "arrival_gap_s": GAPS.get(n, 0.0),
@@ -359,7 +376,9 @@ def fidelity(track: Any, requests: int = 10, rounds: int = 3, sweeps: int = 1) -
                           for n, j in jobs.items()},
             "rounds": rounds, "load_average_per_round": load,
             "sweep": {"scenes": [{"prompts": list(p), "output": o} for p, o in sweep_scenes()],
-                      "times": sweeps, "steps": len(sweep), "cpu_seconds": round(sum(r.duration for r in sweep), 2),
+                      "times": sweeps, "steps_per_round": [len(steps) for steps in sweep],
+                      "cpu_seconds": round(sum(r.duration for steps in sweep for r in steps), 2),
+                      "load_level_per_round": load_levels(sweep),
                       "workload_cpu_seconds": round(sum(r.duration for v in runs.values() for _, log in v
                                                         for r in log), 2)},
             "model_form": "base + per token + per attention pair + per sample + multi_token + multi_sample + "
