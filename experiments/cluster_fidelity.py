@@ -52,22 +52,29 @@ NAMES = {"A": "burst", "B": "paced, below capacity", "C": "paced, over capacity"
 SWEEP = "sweep"  # the profiling sweep's name among a round's engines
 
 
-def sweep_scenes() -> list[tuple[tuple[int, ...], int]]:
+LATE_S = 0.25  # when a scene's late prompts arrive (seconds of engine time): its first requests decode by then
+
+
+def sweep_scenes() -> list[tuple[tuple[int, ...], int, tuple[int, ...]]]:
     """The profiling sweep (Vidur's idea: profile every shape the engine can take, then never extrapolate):
-    scenes run one after the other, each a few requests that arrive together, given as (prompt lengths,
-    output length). The engine's own scheduler turns them into steps; together they cover
+    scenes run one after the other, each a few requests given as (prompt lengths, output length, prompt
+    lengths of requests that arrive ``LATE_S`` later). The engine's own scheduler turns them into steps;
+    together they cover
 
     * prompt-only steps of 2..64 tokens over 1..4 sequences that all sample (one scene per (tokens, sequences)
       of the grid tokens {2, 3, 4, 8, 16, 32, 48, 64} x sequences {1, 2, 3, 4}, where the tokens split evenly),
       each followed by one decode of those sequences;
-    * 64-token chunks that sample 0..3 sequences, later chunks at contexts up to 144, and mixed steps (decodes
-      riding along a later chunk) from longer prompts;
+    * 64-token chunks that sample 0..3 sequences, later chunks at contexts up to 144, and mixed steps (a
+      decode riding along a later chunk) from longer prompts;
+    * mixed steps of 1..3 decodes and a new prompt of 8..48 tokens (the late requests);
     * decodes of 1..4 sequences at contexts up to ~150 (the workloads reach ~110).
     """
-    scenes = [((t // k,) * k, 2) for t in (2, 3, 4, 8, 16, 32, 48, 64) for k in (1, 2, 3, 4)
+    scenes = [((t // k,) * k, 2, ()) for t in (2, 3, 4, 8, 16, 32, 48, 64) for k in (1, 2, 3, 4)
               if t % k == 0 and t >= k and (k != 3 or t in (3, 48))]
-    scenes += [((72,), 6), ((96,), 4), ((128,), 8), ((40,) * 4, 8), ((24,) * 3, 10), ((8, 90), 10),
-               ((10, 90, 30, 60), 6), ((100, 100), 6), ((60, 70, 80), 4)]
+    scenes += [((72,), 6, ()), ((96,), 4, ()), ((128,), 8, ()), ((40,) * 4, 8, ()), ((24,) * 3, 10, ()),
+               ((8, 90), 10, ()), ((10, 90, 30, 60), 6, ()), ((100, 100), 6, ()), ((60, 70, 80), 4, ())]
+    scenes += [((16,), 8, (8,)), ((20, 20), 8, (24,)), ((10, 10, 10), 8, (48,)), ((30,), 8, (40,)),
+               ((12, 12, 12), 8, (8,)), ((40, 40), 8, (16,))]
     return scenes
 
 
@@ -75,8 +82,12 @@ def sweep_jobs(seed: int = 0, vocab: int = 40000) -> list[list[Job]]:
     """The sweep's scenes as jobs; prompts of random token ids below ``vocab``: with a large vocabulary no two
     prompts share a block (no prefix-cache hits)."""
     rng = np.random.default_rng(seed)
-    return [[Job([int(x) for x in rng.integers(1, vocab, p)], out) for p in prompts]
-            for prompts, out in sweep_scenes()]
+
+    def job(length: int, out: int, arrival: float) -> Job:
+        return Job([int(x) for x in rng.integers(1, vocab, length)], out, arrival)
+
+    return [[job(p, out, 0.0) for p in prompts] + [job(p, out, LATE_S) for p in late]
+            for prompts, out, late in sweep_scenes()]
 
 
 def run_sweep_stepwise(engine: Engine, scenes: list[list[Job]]) -> Generator[None, None, list]:
@@ -375,7 +386,8 @@ def fidelity(track: Any, requests: int = 10, rounds: int = 3, sweeps: int = 1) -
                               "prompt_tokens": [len(x.prompt) for x in j], "output_tokens": [x.output_len for x in j]}
                           for n, j in jobs.items()},
             "rounds": rounds, "load_average_per_round": load,
-            "sweep": {"scenes": [{"prompts": list(p), "output": o} for p, o in sweep_scenes()],
+            "sweep": {"scenes": [{"prompts": list(p), "output": o, "late_prompts": list(late)}
+                                 for p, o, late in sweep_scenes()], "late_s": LATE_S,
                       "times": sweeps, "steps_per_round": [len(steps) for steps in sweep],
                       "cpu_seconds": round(sum(r.duration for steps in sweep for r in steps), 2),
                       "load_level_per_round": load_levels(sweep),

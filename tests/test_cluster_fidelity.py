@@ -129,6 +129,8 @@ def test_the_profiling_sweep_covers_every_step_shape_of_the_grid() -> None:
     assert (48, 3) in prompt_only
     kinds = {kind(s) for s in shapes}
     assert {"decode x1", "decode x2", "decode x3", "decode x4", "mixed"} <= kinds
+    decodes_with_a_prompt = {s.new_tokens.count(1) for s in shapes if kind(s) == "mixed"}
+    assert {1, 2, 3} <= decodes_with_a_prompt  # the late requests join running decodes
     assert {s.num_sampled for s in shapes if s.num_tokens == 64} == {0, 1, 2, 3, 4}
     assert max(max(s.context_lens) for s in shapes) > 128  # beyond the workloads' longest context (~110)
     prompts = [tuple(j.prompt) for jobs in sweep_jobs() for j in jobs]
