@@ -102,6 +102,7 @@ class TorchLlama:
         self.embedding = tensor(weights.embedding)
         tied = weights.lm_head is weights.embedding
         self.lm_head = self.embedding if tied else tensor(weights.lm_head)
+        self.head = DenseLinear(self.lm_head)  # the output projection (a packed copy on a CPU in bf16)
         self.final_norm = tensor(weights.final_norm, torch.float32)
         # RoPE tables for every position, computed by the reference's own code (identical values)
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
@@ -147,4 +148,4 @@ class TorchLlama:
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up).float()
         last = rms_norm(x[logit_rows], self.final_norm, c.rms_norm_eps).to(self.dtype)
-        return F.linear(last, self.lm_head).float()
+        return self.head(last).float()
