@@ -11,8 +11,9 @@ reach a result.
   queries a batch is two batched bf16 matrix products straight over the gathered blocks (see
   ``_decode_bf16``); with float32 queries, float32 SDPA. Decode is memory-bound: what matters is
   reading K/V few times.
-* Longer chunks (prefill) run one float32 SDPA call each, with the mask ``key position <= query
-  position`` (causal within the chunk, everything of the prefix).
+* Longer chunks (prefill) run one at a time with the mask ``key position <= query position``
+  (causal within the chunk, everything of the prefix): with bf16 queries as bf16 matrix products per
+  kv head (``_chunk_bf16``), with float32 queries one float32 SDPA call.
 Grouped-query attention folds each kv head's query heads into rows of that head, so K/V are never
 repeated per query head. The output has q's dtype. What is derived from the step alone (batches,
 masks) is computed once per step and kept in ``step.memo`` for every layer.
@@ -269,13 +270,42 @@ def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KV
                 key_pos = torch.arange(batch.width * step.block_size, device=q.device)
                 query_pos = step.starts[i] + torch.arange(n, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]  # also excludes every position past the chunk
-                longer.append((offsets[i], n, batch, mask[None]))
+                longer.append((offsets[i], n, batch, mask[None], _bias(mask)[:, 0]))
         step.memo["prefill"] = (_batches(step, single, [offsets[i] for i in single], q.device), longer)
     singles, longer = step.memo["prefill"]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _one_token_rows(q, cache, layer, singles, scale, out)
-    for row, n, batch, mask in longer:
+    for row, n, batch, mask, bias in longer:
+        if q.dtype == torch.bfloat16:
+            _chunk_bf16(q[row:row + n], cache, layer, batch, bias, scale, out[row:row + n])
+            continue
         k, v = _gather_heads(cache, layer, batch)
         qi = q[row:row + n].transpose(0, 1)[None]  # [1, H, n, D]
         out[row:row + n] = _attend(qi, k, v, mask, scale)[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def _chunk_bf16(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: _Batch, bias: torch.Tensor, scale: float,
+                out: torch.Tensor) -> None:
+    """One prefill chunk with bf16 queries: q [n, H, D] -> ``out`` [n, H, D] (bias [n, L]: the causal mask).
+
+    Per kv head, its GROUP query heads' n rows are one [GROUP * n, D] matrix, so the scores are
+    kv_heads matrix products of many rows (efficient, unlike one-token decode rows) over K laid out
+    head by head. Like ``_decode_bf16``: bf16 products accumulated in float32, scores and weights
+    rounded to bf16, scaling, mask and softmax in float32.
+    """
+    n, heads, d = q.shape
+    kv = cache.num_kv_heads
+    group = heads // kv
+    k, v = (x.to(torch.bfloat16) for x in _gather_rows(cache, layer, batch))  # [1, L, kv * D], no copy unless fp8
+    length = k.shape[1]
+    k_heads = _scratch(cache, "k.heads16", (kv, length, d), torch.bfloat16)
+    k_heads.copy_(k.view(length, kv, d).transpose(0, 1))
+    v_heads = _scratch(cache, "v.heads16", (kv, length, d), torch.bfloat16)
+    v_heads.copy_(v.view(length, kv, d).transpose(0, 1))
+    q_heads = _scratch(cache, "q.heads16", (kv, group, n, d), torch.bfloat16)
+    q_heads.copy_(q.view(n, kv, group, d).permute(1, 2, 0, 3))
+    scores = torch.bmm(q_heads.view(kv, group * n, d), k_heads.transpose(1, 2)).view(kv, group, n, length)
+    weights = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1).to(torch.bfloat16)
+    both = torch.bmm(weights.view(kv, group * n, length), v_heads).view(kv, group, n, d)
+    out.view(n, kv, group, d).copy_(both.permute(2, 0, 1, 3))
