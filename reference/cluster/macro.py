@@ -62,10 +62,12 @@ class DecodeShape(StepShape):
 class MacroStep:
     """k planned decode steps of one replica (see the module docstring); steps are numbered from 1."""
 
-    def __init__(self, rep: Replica, seqs: list[Sequence], finish: list[int], start: float) -> None:
+    def __init__(self, rep: Replica, seqs: list[Sequence], finish: list[int], start: float,
+                 computed0: list[int] | None = None) -> None:
+        """``computed0``: the sequences' computed tokens now, if the caller has them at hand (else read here)."""
         self.rep, self.seqs, self.finish_step, self.start = rep, seqs, finish, start
-        self.computed0 = [s.num_computed_tokens for s in seqs]  # before step 1
-        self.length0 = [len(s.token_ids) for s in seqs]
+        self.computed0 = computed0 if computed0 is not None else [s.num_computed_tokens for s in seqs]  # before step 1
+        self.length0 = [c + 1 for c in self.computed0]  # a decoding sequence has one token left to compute
         self.k = 0
         self.sizes: list[int] = []  # sizes[i - 1]: sequences in step i
         self.context_sums: list[int] = []  # context_sums[i - 1]: their contexts after step i, summed
@@ -123,8 +125,7 @@ class MacroStep:
         self.rep.pending_decode = max(0, self.rep.pending_decode - (self.sampled[ended] - self.sampled[self.completed]))
         self.scheduled, self.completed = started, ended
         if ended == self.k:  # in between, a sequence is brought up to date when an event touches it
-            for j, seq in enumerate(self.seqs):
-                self._set(j, seq, ended)
+            self._set_all(ended)
 
     def finish(self) -> None:
         """Apply all k steps (at the end event of the last one)."""
@@ -153,6 +154,16 @@ class MacroStep:
             else:
                 rep.flops_done += 0.0
 
+    def _set_all(self, steps: int) -> None:
+        """``_set`` for every sequence of the plan (one loop, as the plan ends)."""
+        for seq, computed, length, last in zip(self.seqs, self.computed0, self.length0, self.finish_step, strict=True):
+            if steps < last:
+                last = steps
+            seq.num_computed_tokens = computed + last
+            missing = length + last - len(seq.token_ids)
+            if missing > 0:
+                seq.token_ids.extend([PLACEHOLDER_TOKEN] * missing)
+
     def _set(self, j: int, seq: Sequence, steps: int) -> None:
         """Put sequence ``j`` in its state after ``steps`` of the planned steps (it takes part until it finishes)."""
         if steps > self.finish_step[j]:
@@ -174,37 +185,40 @@ def plan_macro(rep: Replica, now: float, cap: int) -> MacroStep | None:
     if cap < 2 or rep.role == "prefill" or sched.waiting or not sched.running or not static_order(sched.policy):
         return None
     bm, limit, key = sched.block_manager, sched.config.max_model_len, sched.policy.key
-    bs = bm.block_size
+    bs, prefix_cache, ref_count, cached = bm.block_size, bm.enable_prefix_cache, bm.ref_count, bm.block_key
     seqs = sorted(sched.running, key=lambda s: key(s, now))
-    finish = []
+    finish, computed0 = [], []
     for s in seqs:
-        computed = s.num_computed_tokens
-        if len(s.token_ids) - computed != 1 or s.first_token_time is None or s.eos_token_id == PLACEHOLDER_TOKEN \
+        computed, length = s.num_computed_tokens, len(s.token_ids)
+        computed0.append(computed)
+        if length - computed != 1 or s.first_token_time is None or s.eos_token_id == PLACEHOLDER_TOKEN \
                 or PLACEHOLDER_TOKEN in s.stop_token_ids:
             return None
-        if bm.enable_prefix_cache and len(s.block_keys) != computed // bs:
-            return None
         index = computed // bs
+        if prefix_cache and len(s.block_keys) != index:
+            return None
         if index < len(s.block_table):
             block = s.block_table[index]
-            if bm.ref_count[block] > 1 or bm.block_key[block] is not None:
+            if ref_count[block] > 1 or cached[block] is not None:
                 return None
-        left = s.max_tokens - s.num_output_tokens  # the step that samples this many more tokens finishes it
-        if limit is not None:
-            left = min(left, limit - len(s.token_ids))
+        left = s.max_tokens - (length - len(s.prompt_token_ids))  # the step that samples this many more finishes it
+        if limit is not None and limit - length < left:
+            left = limit - length
         finish.append(left)
     k = min(cap, max(finish))
     # new blocks: sequence j writes position computed + i - 1 in step i; it takes a block when that is past its table
     allocs = []
     for j, s in enumerate(seqs):
-        first = len(s.block_table) * bs - s.num_computed_tokens + 1
-        allocs += [(i, j) for i in range(first, min(k, finish[j]) + 1, bs)]
+        first = len(s.block_table) * bs - computed0[j] + 1
+        last = finish[j] if finish[j] < k else k
+        if first <= last:
+            allocs += [(i, j) for i in range(first, last + 1, bs)]
     allocs.sort()
     if len(allocs) > bm.num_free_blocks:
         k = min(k, allocs[bm.num_free_blocks][0] - 1)  # the step that would run out of blocks (and preempt)
     if k < 2:
         return None
-    p = MacroStep(rep, seqs, [f if f <= k else NEVER for f in finish], now)
+    p = MacroStep(rep, seqs, [f if f <= k else NEVER for f in finish], now, computed0)
     # price each step: by the shape's sums where the cost model can (the same number, without the shape)
     seconds_of = getattr(rep.cost, "seconds_of", None)
     t, running, finish_steps = now, p.computed0, set(finish)

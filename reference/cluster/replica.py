@@ -92,9 +92,8 @@ class Replica:
 
     def est_wait_s(self, now: float = 0.0) -> float:
         """Estimated queueing before a new request's prefill starts, from the tokens in flight at ``now``."""
-        n, cap = self.num_live, self.config.max_num_seqs
-        if self.macro is not None:
-            n = self.macro.live_at(now)
+        cap = self.config.max_num_seqs
+        n = self.num_live if self.macro is None else self.macro.live_at(now)
         wait = self.pending_prefill * self._tok_s
         if n + 1 > cap:
             decode = self.pending_decode if self.macro is None else self.macro.pending_decode_at(now)
@@ -134,14 +133,18 @@ class Replica:
         batch = self.scheduler.schedule(now)
         if not batch.entries:
             return None
-        shape = StepShape(tuple(e.num_new_tokens for e in batch.entries), tuple(e.context_len for e in batch.entries),
-                          sum(1 for e in batch.entries if e.needs_sample))
-        seconds = self.cost(shape)
+        tokens, pairs, sampled, context, prefill = step_sums(batch)
+        seconds_of = getattr(self.cost, "seconds_of", None)  # the step cost model's sums form, where it has one
+        if seconds_of is not None:
+            seconds = seconds_of(tokens, pairs, sampled, context - tokens)
+        else:
+            seconds = self.cost(StepShape(tuple(e.num_new_tokens for e in batch.entries),
+                                          tuple(e.context_len for e in batch.entries), sampled))
         counted = max(0.0, min(seconds, self.measure_until - now))  # the part inside the measured window
-        flops = self.flops(shape) * (counted / seconds if seconds > 0 else 0.0)
+        flops = self.flops_of(tokens, pairs, sampled) * (counted / seconds if seconds > 0 else 0.0)
         self.busy_s += counted
         self.flops_done += flops
-        if batch.num_prefill_tokens:
+        if prefill:
             self.prefill_busy_s += counted
             self.prefill_flops += flops
         self.stepping = True
@@ -166,3 +169,20 @@ class Replica:
     def drop(self, decode_left: int) -> None:
         """A request left before finishing (aborted): forget its remaining decode tokens."""
         self.pending_decode = max(0, self.pending_decode - decode_left)
+
+
+def step_sums(batch: Batch) -> tuple[int, int, int, int, int]:
+    """A step's shape as the sums the step cost model reads, in one pass over its entries: new tokens,
+    attention pairs (a new token at position p attends to p + 1 keys, as ``StepShape.attention_pairs``),
+    sampled sequences, contexts after the step, and prompt tokens (prefill entries' new tokens)."""
+    tokens = pairs = sampled = context = prefill = 0
+    for e in batch.entries:
+        n, start = e.num_new_tokens, e.start
+        tokens += n
+        pairs += n * start + n * (n + 1) // 2
+        context += start + n
+        if e.needs_sample:
+            sampled += 1
+        if e.is_prefill:
+            prefill += n
+    return tokens, pairs, sampled, context, prefill

@@ -6,8 +6,8 @@ step), steps ending together go in replica order, and other events in the order 
 run is a pure function of (scenario, seed): the only randomness is one ``numpy`` Generator, and
 nothing reads the wall clock (a test runs a whole simulation with ``time.time``/``monotonic``/
 ``perf_counter`` made to raise). Every event (time, kind, subject) is hashed with BLAKE2b and the
-hashes are summed modulo 2**128: the **event-log hash**, a fingerprint of the whole log that the same
-scenario and seed reproduce.
+hashes are summed modulo 2**128 (``eventlog.py``): the **event-log hash**, a fingerprint of the whole
+log that the same scenario and seed reproduce.
 
 Macro steps (``macro.py``, on unless ``macro_steps=False``): when a replica's next steps are provably
 plain decode steps, one queued event stands for up to ``macro_cap`` of them. The run is the same
@@ -27,16 +27,14 @@ independently of the router, so the residency rule can be audited afterwards.
 from __future__ import annotations
 
 import gc
-import hashlib
 import heapq
-import struct
-import zlib
 from collections.abc import Callable
 from typing import IO
 
 import numpy as np
 
 from reference.cluster.costs import kv_bytes_per_token
+from reference.cluster.eventlog import EventLog, event_id
 from reference.cluster.fleet import Request, RequestSource, build_replicas
 from reference.cluster.macro import MacroStep
 from reference.cluster.network import Network, Path
@@ -51,7 +49,6 @@ from reference.sched import Sequence as SchedSequence
 ARRIVE, REACH, STEP, KV, FAIL, RECOVER, RETRY, REPLAY = range(8)
 RETRY_AFTER_S = 0.5  # a request with no live replica allowed tries again this much later
 MACRO_CAP = 256  # most plain decode steps one macro step stands for
-HASH_MASK = (1 << 128) - 1
 
 
 class Simulator:
@@ -84,8 +81,7 @@ class Simulator:
         # each replica's next macro-step length: halved towards what a cut plan used, doubled after a whole
         # plan ran (steps planned past a cut are wasted work; the run is the same whatever the length)
         self.caps = [8] * len(self.replicas)
-        self.digest = 0  # the event-log hash: sum of the events' hashes modulo 2**128
-        self.events = 0  # events logged (a macro step counts as the steps it stands for)
+        self.event_log = EventLog()  # every event logged (a macro step logs each step it stands for)
         self.queue_events = 0  # events taken from the queue
         self.result = SimResult(ttft_by_id={} if record_ids else None)
         self.kv_bytes = {m.name: kv_bytes_per_token(m) for m in scenario.models.values()}
@@ -97,12 +93,6 @@ class Simulator:
         else:
             heapq.heappush(self.heap, (t, 0, 0, self.count, kind, a, b))
         self.count += 1
-
-    def log(self, t: float, kind: int, ident: int) -> None:
-        """Fold one event into the event-log hash."""
-        h = hashlib.blake2b(struct.pack("<dBq", t, kind, ident), digest_size=16, person=b"unfire-cluster")
-        self.digest = (self.digest + int.from_bytes(h.digest(), "little")) & HASH_MASK
-        self.events += 1
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> SimResult:
         """Process every event; returns the metrics. ``on_progress(virtual time)`` every 10,000 events."""
@@ -120,11 +110,17 @@ class Simulator:
                     REPLAY: lambda i, _: self._route(self.source.make_from(0, self.now, *self.replay[i][1:]))}
         thresholds = gc.get_threshold()
         gc.set_threshold(50_000, *thresholds[1:])  # the loop allocates fast and makes no garbage cycles to speak of:
-        try:                                         # a young-generation sweep every 50,000 allocations, not 700
+        freeze = gc.get_freeze_count() == 0          # a young-generation sweep every 50,000 allocations, not 700;
+        if freeze:  # and what exists now (the replicas' block tables: millions of slots) is left out of full sweeps
+            gc.freeze()
+        try:
             self._loop(handlers, on_progress)
         finally:
             gc.set_threshold(*thresholds)
-        self.result.finalize(self.replicas, self.now, self.events, f"{self.digest:032x}", self.s.duration_s)
+            if freeze:
+                gc.unfreeze()
+        self.result.finalize(self.replicas, self.now, self.event_log.events, self.event_log.hexdigest(),
+                             self.s.duration_s)
         self.result.queue_events = self.queue_events
         return self.result
 
@@ -134,7 +130,7 @@ class Simulator:
             if kind == STEP and len(b) == 3 and b[2] != b[0].version:
                 continue  # the end of a macro step that was cut short: a new end event replaced it
             self.now = t
-            self.log(t, kind, _event_id(a))
+            self.event_log.add(t, kind, event_id(a))
             handlers[kind](a, b)
             self.queue_events += 1
             if on_progress is not None and self.queue_events % 10_000 == 0:
@@ -216,18 +212,19 @@ class Simulator:
         if upto <= done:
             return
         plan.emitted = upto
-        for i in range(done, upto - 1 if upto == plan.k else upto):
-            self.log(plan.ends[i], STEP, rep.index)  # the last step's event is the queued one, logged by run()
+        for i in range(done, upto - 1 if upto == plan.k else upto):  # the last step's event is the queued one,
+            self.event_log.add(plan.ends[i], STEP, rep.index)  # logged by run()
+        ends, record_gaps = plan.ends, self.record_gaps
         for seq, last in zip(plan.seqs, plan.finish_step, strict=True):
             if last <= done:
                 continue  # finished in an earlier part of the plan
             r: Request = seq.request
             stop = upto if upto < last else last
-            if self.record_gaps or r.first_token is None:
+            if record_gaps or r.first_token is None:
                 for i in range(done, stop):
-                    self._token(r, plan.ends[i] + r.back_s + r.access_s)
+                    self._token(r, ends[i] + r.back_s + r.access_s)
             else:
-                r.last_token = plan.ends[stop - 1] + r.back_s + r.access_s
+                r.last_token = ends[stop - 1] + r.back_s + r.access_s
             if last <= upto:
                 r.finish = r.last_token
                 self._done(r, "done")
@@ -313,16 +310,6 @@ class Simulator:
         self.result.add(r, self.network.jurisdiction)
         if self.trace is not None:
             self.trace.write(trace_record(r, self.network.jurisdiction) + "\n")
-
-
-def _event_id(a: object) -> int:
-    if isinstance(a, Request):
-        return a.rid
-    if isinstance(a, Replica):
-        return a.index
-    if isinstance(a, int):
-        return a
-    return -1 if a is None else zlib.crc32(str(a).encode())
 
 
 def simulate(scenario: Scenario, seed: int = 0, **kwargs: object) -> SimResult:

@@ -111,7 +111,8 @@ class BlockManager:
     def can_append(self, seq: KVSequence, num_new_tokens: int = 1) -> bool:
         """Whether ``may_append(seq, num_new_tokens)`` would succeed now."""
         new_blocks, copies = self._append_plan(seq, num_new_tokens)
-        return new_blocks + len(copies) <= self.num_free_blocks
+        needed = new_blocks + len(copies)
+        return needed == 0 or needed <= self.num_free_blocks
 
     def may_append(self, seq: KVSequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
         """Make room for the K/V of the next ``num_new_tokens`` tokens of ``seq``.
@@ -122,6 +123,8 @@ class BlockManager:
         must make (all layers, K and V) before writing.
         """
         new_blocks, cow = self._append_plan(seq, num_new_tokens)
+        if not new_blocks and not cow:
+            return []  # the common decode step: the token goes into the last block, which is private
         if new_blocks + len(cow) > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {new_blocks + len(cow)} blocks, "
                                    f"{self.num_free_blocks} free")
@@ -142,11 +145,11 @@ class BlockManager:
         """
         if not self.enable_prefix_cache:
             return
-        bs = self.block_size
-        for i in range(len(seq.block_keys), seq.num_computed_tokens // bs):
-            parent = seq.block_keys[i - 1] if i else ROOT_KEY
+        bs, keys = self.block_size, seq.block_keys
+        for i in range(len(keys), seq.num_computed_tokens // bs):
+            parent = keys[i - 1] if i else ROOT_KEY
             key = block_key(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
-            seq.block_keys.append(key)
+            keys.append(key)
             block = seq.block_table[i]
             if key not in self.cached_blocks and self.block_key[block] is None:
                 self.cached_blocks[key] = block
@@ -206,10 +209,11 @@ class BlockManager:
         if num_new_tokens < 1 or end > len(seq.token_ids):
             raise KVCacheError(f"sequence {seq.seq_id}: cannot compute {num_new_tokens} tokens from position "
                                f"{start}, it has {len(seq.token_ids)} tokens")
-        last = self.blocks_for(end)  # table length needed
+        last = -(-end // self.block_size)  # table length needed
         table = seq.block_table
+        ref_count, cached = self.ref_count, self.block_key
         cow = [i for i in range(start // self.block_size, min(last, len(table)))
-               if self.ref_count[table[i]] > 1 or self.block_key[table[i]] is not None]
+               if ref_count[table[i]] > 1 or cached[table[i]] is not None]
         return max(0, last - len(table)), cow
 
     def _allocate_block(self) -> int:

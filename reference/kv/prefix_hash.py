@@ -23,6 +23,8 @@ from reference.kv.errors import KVCacheError
 ROOT_KEY = bytes(16)  # the parent key of a sequence's first block
 KEY_BYTES = 16
 _PERSON = b"unfire-kv-v1"  # BLAKE2 personalization: keys never collide with other BLAKE2 uses
+_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)  # copied for each key, never updated itself
+_PACKERS: dict[int, struct.Struct] = {}  # block length -> its int64 packer (one or two lengths in practice)
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int], salt: str | None = None) -> bytes:
@@ -30,15 +32,15 @@ def block_key(parent_key: bytes, token_ids: Sequence[int], salt: str | None = No
     if len(parent_key) != KEY_BYTES:
         raise KVCacheError(f"parent key must be {KEY_BYTES} bytes, got {len(parent_key)}")
     salt_bytes = (salt or "").encode("utf-8")
+    packer = _PACKERS.get(len(token_ids))
+    if packer is None:
+        packer = _PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q")
     try:
-        tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
+        tokens = packer.pack(*token_ids)
     except struct.error as e:
         raise KVCacheError(f"token ids must be integers that fit in int64: {e}") from None
-    h = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
-    h.update(parent_key)
-    h.update(struct.pack("<I", len(salt_bytes)))
-    h.update(salt_bytes)
-    h.update(tokens)
+    h = _HASHER.copy()  # a copy of a ready hasher: cheaper than setting up BLAKE2b's parameters per block
+    h.update(parent_key + struct.pack("<I", len(salt_bytes)) + salt_bytes + tokens)
     return h.digest()
 
 

@@ -106,7 +106,7 @@ class Scheduler:
             raise SchedulerError("schedule() called again before postprocess() of the previous batch")
         now = time.monotonic() if now is None else now
         batch, budget = Batch(now=now), self.config.max_num_batched_tokens
-        key = self.policy.key
+        key, bm = self.policy.key, self.block_manager
         # 1. running sequences: decodes first, then prefill chunks; preempt when blocks run out
         ordered = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, key(s, now)))
         unscheduled = list(ordered)
@@ -115,9 +115,10 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = min(seq.num_uncomputed_tokens, budget)
-            is_prefill = seq.num_uncomputed_tokens > 1
-            while not self.block_manager.can_append(seq, n):
+            uncomputed = seq.num_uncomputed_tokens
+            n = min(uncomputed, budget)
+            is_prefill = uncomputed > 1
+            while not bm.can_append(seq, n):
                 victim = max(unscheduled, key=lambda s: key(s, now))
                 self._preempt(victim, batch)
                 unscheduled.remove(victim)
@@ -165,13 +166,13 @@ class Scheduler:
                 raise SchedulerError(f"sequence {entry.seq.seq_id}: sampled token must be an int >= 0, got {token!r}")
         self._in_flight = None
         now = time.monotonic() if now is None else now
-        finished = []
+        finished, cache_full_blocks = [], self.block_manager.cache_full_blocks
         for entry, token in zip(batch.entries, new_token_ids, strict=True):
             seq = entry.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue
             seq.num_computed_tokens += entry.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
+            cache_full_blocks(seq)
             if not entry.needs_sample:
                 continue
             seq.token_ids.append(token)

@@ -12,6 +12,14 @@ from reference.sched.errors import RequestError
 _next_id = itertools.count()
 
 
+def _non_negative_ints(tokens: list[Any]) -> bool:
+    """Whether every token id is an int (not a bool) >= 0. The common case, plain ``int`` only, is checked
+    with two C-level passes (``set(map(type, ...))`` and ``min``); anything else item by item."""
+    if set(map(type, tokens)) == {int}:
+        return min(tokens) >= 0
+    return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued, holds no blocks (new, or preempted)
     RUNNING = "running"  # admitted: holds blocks, gets tokens computed each step
@@ -57,7 +65,7 @@ class Sequence:
         prompt = list(self.prompt_token_ids)
         if not prompt:
             raise RequestError("empty prompt: a request needs at least one prompt token")
-        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
+        if not _non_negative_ints(prompt):
             raise RequestError("prompt token ids must be non-negative integers")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
