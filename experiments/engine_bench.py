@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,17 +34,25 @@ class CpuClock:
     the neighbours hold the CPU. With BLAS on one thread, this process's CPU time excludes that, but
     the neighbours still slow the engine's own work (shared caches, memory bandwidth, frequency).
     When the engine is idle until the next arrival, ``idle_until`` moves the clock forward instead of
-    sleeping.
+    sleeping. ``pause``/``resume``: several engines of one process take turns, each counting its own turns.
     """
 
     def __init__(self) -> None:
         self.offset = 0.0
+        self.paused_at = 0.0
 
     def __call__(self) -> float:
         return time.process_time() + self.offset
 
     def idle_until(self, t: float) -> None:
         self.offset += max(0.0, t - self())
+
+    def pause(self) -> None:
+        """Stop counting (another engine of this process takes its turn) until ``resume``."""
+        self.paused_at = time.process_time()
+
+    def resume(self) -> None:
+        self.offset -= time.process_time() - self.paused_at
 
 
 # how the engine experiments measure time (Result.clock_detail of every engine result)
@@ -108,6 +116,17 @@ def sharegpt_jobs(tokenizer: Tokenizer, n: int, max_prompt: int, max_output: int
 def run_jobs(engine: Engine, jobs: Sequence[Job], salt_by_tenant: bool = False) -> list[Any]:
     """Feed jobs at their arrival times (engine clock) and step until all finish; outputs in job order.
     ``salt_by_tenant``: each request's prefix-cache salt is its tenant (tenants share no cached KV)."""
+    steps = run_jobs_stepwise(engine, jobs, salt_by_tenant)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def run_jobs_stepwise(engine: Engine, jobs: Sequence[Job], salt_by_tenant: bool = False) -> Generator[None, None, list]:
+    """``run_jobs`` one engine step (or one skip of idle time) at a time: it pauses after each, so that several
+    engines can take turns; the outputs come back as the generator's return value."""
     t0 = engine.clock()
     order = sorted(range(len(jobs)), key=lambda i: jobs[i].arrival)
     ids: dict[int, str] = {}
@@ -128,6 +147,7 @@ def run_jobs(engine: Engine, jobs: Sequence[Job], salt_by_tenant: bool = False) 
                 engine.clock.idle_until(next_arrival)
             else:
                 time.sleep(max(0.0, next_arrival - engine.clock()))
+        yield
     return [engine.output(ids[i]) for i in range(len(jobs))]
 
 

@@ -2,7 +2,10 @@
 
 Events live in one heap ordered by virtual time; at equal times the end of a replica's step comes
 after every other event (so a request that reaches a replica exactly when a step ends joins the next
-step), steps ending together go in replica order, and other events in the order they were pushed. A
+step), steps ending together go in replica order, and other events in the order they were pushed. An
+idle replica that a request reaches while more events are due at that same time starts its step after
+them too (a ``KICK`` event): a burst of requests joins one step, as the engine takes in every request
+that has arrived before it plans a step. A
 run is a pure function of (scenario, seed): the only randomness is one ``numpy`` Generator, and
 nothing reads the wall clock (a test runs a whole simulation with ``time.time``/``monotonic``/
 ``perf_counter`` made to raise). Every event (time, kind, subject) is hashed with BLAKE2b and the
@@ -46,7 +49,7 @@ from reference.engine.cost import StepShape
 from reference.sched import RequestError
 from reference.sched import Sequence as SchedSequence
 
-ARRIVE, REACH, STEP, KV, FAIL, RECOVER, RETRY, REPLAY = range(8)
+ARRIVE, REACH, STEP, KV, FAIL, RECOVER, RETRY, REPLAY, KICK = range(9)
 RETRY_AFTER_S = 0.5  # a request with no live replica allowed tries again this much later
 MACRO_CAP = 256  # most plain decode steps one macro step stands for
 
@@ -77,6 +80,7 @@ class Simulator:
         self.heap: list[tuple[float, int, int, int, int, object, object]] = []
         self.count = 0
         self.now = 0.0
+        self.kick_due: set[int] = set()  # replicas with a deferred step start queued (``_admit``)
         self.macro_steps = macro_steps
         # each replica's next macro-step length: halved towards what a cut plan used, doubled after a whole
         # plan ran (steps planned past a cut are wasted work; the run is the same whatever the length)
@@ -87,8 +91,9 @@ class Simulator:
         self.kv_bytes = {m.name: kv_bytes_per_token(m) for m in scenario.models.values()}
 
     def push(self, t: float, kind: int, a: object = None, b: object = None) -> None:
-        """Queue an event; a step's end sorts after the other events at its time, then by replica."""
-        if kind == STEP:
+        """Queue an event; a step's end (or a deferred step start) sorts after the other events at its time,
+        then by replica."""
+        if kind in (STEP, KICK):
             heapq.heappush(self.heap, (t, 1, a.index, self.count, kind, a, b))
         else:
             heapq.heappush(self.heap, (t, 0, 0, self.count, kind, a, b))
@@ -105,7 +110,7 @@ class Simulator:
         for f in self.s.failures:
             self.push(f.at_s, FAIL, f.site)
             self.push(f.at_s + f.duration_s, RECOVER, f.site)
-        handlers = {ARRIVE: self._arrive, REACH: self._reach, STEP: self._step, KV: self._kv,
+        handlers = {ARRIVE: self._arrive, REACH: self._reach, STEP: self._step, KV: self._kv, KICK: self._kicked,
                     FAIL: self._fail, RECOVER: self._recover, RETRY: lambda r, _: self._route(r),
                     REPLAY: lambda i, _: self._route(self.source.make_from(0, self.now, *self.replay[i][1:]))}
         thresholds = gc.get_threshold()
@@ -178,6 +183,17 @@ class Simulator:
             return self._done(r, "refused")
         r.visited.append(rep.site)
         r.back_s = r.decision.path_in.one_way_s if rep is r.decision.prefill else self._path(rep.site, r).one_way_s
+        if self.heap and self.heap[0][0] == self.now and self.heap[0][1] == 0:
+            # more requests (or KV) are due at this very time, e.g. a burst: like the engine, which takes in every
+            # request that has arrived before it plans a step, start the step once they are all in
+            if rep.index not in self.kick_due and not rep.stepping:
+                self.kick_due.add(rep.index)
+                self.push(self.now, KICK, rep)
+        else:
+            self._kick(rep)
+
+    def _kicked(self, rep: Replica, _: object) -> None:
+        self.kick_due.discard(rep.index)
         self._kick(rep)
 
     def _kick(self, rep: Replica) -> None:

@@ -108,12 +108,21 @@ def intensity(c: LlamaConfig, s: StepShape, weight_bytes: float = 2, kv_bytes: f
 @dataclass(frozen=True)
 class StepTimeModel:
     """seconds = base + per_token * tokens + per_pair * attention pairs + per_sample * sampled sequences
-    + multi_token if the step computes more than one token.
+    + multi_token if the step computes more than one token + multi_sample if more than one sequence samples
+    + row_extra[t - 2] if the step computes exactly t = 2, 3, ... tokens.
 
-    ``multi_token`` is what the NumPy engine shows on a CPU: a step of one token multiplies vectors by
-    the weight matrices (BLAS matrix-vector kernels), a step of two or more multiplies matrices, whose
-    kernels pay a fixed extra cost at these small sizes (measured: one decode ~45 ms, two ~100 ms for
-    SmolLM2 on one core). On a GPU it fits to about 0.
+    The last three terms are what the NumPy engine shows on a CPU (measured, SmolLM2 on one core):
+
+    * ``multi_token``: a step of one token multiplies vectors by the weight matrices (BLAS matrix-vector
+      kernels), a step of two or more multiplies matrices, whose kernels pay a fixed extra at these small
+      sizes: one decode ~42 ms, a two-token step ~85-100 ms.
+    * ``multi_sample``: the output head is the same story for the rows that sample: one row is a
+      matrix-vector product, two or more a matrix-matrix one (16 prompt tokens of one sequence ~120 ms,
+      of two sequences of 8 that both sample ~136 ms).
+    * ``row_extra``: matrix-matrix kernels on a handful of rows do not cost a straight line in the rows
+      (2 rows ~82 ms, 3 rows ~99 ms, 4 rows ~94 ms): a signed correction for each of the smallest counts.
+
+    On a GPU they fit to about 0.
     """
 
     base: float
@@ -121,6 +130,8 @@ class StepTimeModel:
     per_pair: float
     per_sample: float
     multi_token: float = 0.0
+    multi_sample: float = 0.0
+    row_extra: tuple[float, ...] = ()
 
     def __call__(self, s: StepShape) -> float:
         return self.seconds_of(s.num_tokens, s.attention_pairs(), s.num_sampled, sum(s.context_lens) - s.num_tokens)
@@ -128,22 +139,46 @@ class StepTimeModel:
     def seconds_of(self, tokens: int, pairs: int, sampled: int, cached: int = 0) -> float:
         """Seconds from the shape's sums (``cached`` is not in this model; taken for the common signature)."""
         seconds = self.base + self.per_token * tokens + self.per_pair * pairs + self.per_sample * sampled
-        return seconds + self.multi_token if tokens > 1 else seconds
+        if tokens > 1:
+            seconds += self.multi_token
+        if sampled > 1:
+            seconds += self.multi_sample
+        if 2 <= tokens < 2 + len(self.row_extra):
+            seconds += self.row_extra[tokens - 2]
+        return seconds
 
     @classmethod
-    def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float]) -> StepTimeModel:
-        """Least squares on measured steps; a coefficient that comes out negative is dropped (set 0).
-        ``multi_token`` is fitted only when the steps include both one-token and larger steps (otherwise it
-        cannot be told apart from ``base``)."""
-        features = np.array([[1.0, s.num_tokens, s.attention_pairs(), s.num_sampled, float(s.num_tokens > 1)]
-                             for s in shapes])
+    def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float], *, multi_sample: bool = False,
+            row_extra: int = 0) -> StepTimeModel:
+        """Least squares on measured steps; a coefficient that comes out negative is dropped (set 0), except
+        the signed ``row_extra`` corrections.
+
+        A term is fitted only when the steps can tell it apart from the others: ``multi_token`` when there
+        are one-token steps and larger ones; ``multi_sample`` (if asked) when some steps of more than one
+        token sample at most one sequence and others sample several; ``row_extra`` (if asked: corrections
+        for 2 .. row_extra + 1 tokens) for each count with at least 3 steps, when there are larger steps too.
+        """
+        tokens = np.array([s.num_tokens for s in shapes])
+        sampled = np.array([s.num_sampled for s in shapes])
+        columns = [np.ones(len(shapes)), tokens, [s.attention_pairs() for s in shapes], sampled, tokens > 1,
+                   sampled > 1] + [tokens == t for t in range(2, 2 + row_extra)]
+        features = np.array(columns, dtype=np.float64).T
         y = np.asarray(seconds, dtype=np.float64)
-        keep = [0, 1, 2, 3, 4] if 0 < features[:, 4].sum() < len(features) else [0, 1, 2, 3]
+        keep = [0, 1, 2, 3]
+        if 0 < features[:, 4].sum() < len(features):
+            keep.append(4)
+        several = (tokens > 1) & (sampled > 1)
+        if multi_sample and several.any() and ((tokens > 1) & (sampled <= 1)).any():
+            keep.append(5)
+        keep += [6 + i for i in range(row_extra) if features[:, 6 + i].sum() >= 3 and (tokens > 2 + i).any()]
         while True:
             coef, *_ = np.linalg.lstsq(features[:, keep], y, rcond=None)
-            if (coef >= 0).all() or len(keep) == 1:
+            signed = [c if k < 6 else 0.0 for c, k in zip(coef, keep, strict=True)]
+            if min(signed) >= 0 or len(keep) == 1:
                 break
-            keep.pop(int(np.argmin(coef)))
-        full = np.zeros(5)
-        full[keep] = np.maximum(coef, 0)
-        return cls(*(float(x) for x in full))
+            keep.pop(int(np.argmin(signed)))
+        full = np.zeros(features.shape[1])
+        full[keep] = coef
+        full[:6] = np.maximum(full[:6], 0)
+        extra = tuple(max(float(full[6 + i]), -float(full[1] * (2 + i) + full[4])) for i in range(row_extra))
+        return cls(*(float(x) for x in full[:6]), row_extra=extra)
