@@ -21,8 +21,8 @@
   included); 2^-20 covers the GPU's approximate exp. p_j are the float64 weights. With bf16 queries
   the output is bf16 and rounding it adds 2^-8 |o| <= 2^-8 (|o64| + the bound above). A slot read
   past the end gives NaN; a wrong block or a wrong mask misses by orders of magnitude.
-  The torch decode path with bf16 queries (the bf16 engine's) multiplies in bf16: each score, summed
-  in float32, is rounded to bf16 (error <= 2^-9 |s| more, so the score error is at most
+  The torch path with bf16 queries (the bf16 engine's; one-token rows and prefill chunks) multiplies in
+  bf16: each score, summed in float32, is rounded to bf16 (error <= 2^-9 |s| more, so the score error is at most
   e = ((D+2)u + 2^-9) S and a weight moves by a factor within exp(+-2e)), and each weight is rounded
   to bf16 (2^-9 relative): the factor becomes expm1(2e) + 2^-9 + 4Lu + 2^-20, plus 2^-133 for fp8
   values below bf16's smallest subnormal. Those cases also run on a bf16 cache.
@@ -293,7 +293,7 @@ def _register_all() -> None:
                      + (", up to 4096 positions, 32 heads on 8 kv heads" if long else ""))
             make = _attention_inputs(dtype, small, large, bf16_query)  # shared by both backends (cached)
             for backend in ("torch", "triton"):
-                # the torch path multiplies one-token chunks' bf16 queries in bf16 (scores, weights rounded)
+                # the torch path multiplies bf16 queries in bf16 (scores, weights rounded), decode and prefill
                 products = bf16_query and backend == "torch"
                 register(Case(f"kv.{kind}_attention.{label}{dtype}.{backend}", Level.BOUNDED, make,
                               _attention_reference, _attention_fast(kind, backend),

@@ -11,8 +11,9 @@ reach a result.
   queries a batch is two batched bf16 matrix products straight over the gathered blocks (see
   ``_decode_bf16``); with float32 queries, float32 SDPA. Decode is memory-bound: what matters is
   reading K/V few times.
-* Longer chunks (prefill) run one float32 SDPA call each, with the mask ``key position <= query
-  position`` (causal within the chunk, everything of the prefix).
+* Longer chunks (prefill) run one at a time with the mask ``key position <= query position``
+  (causal within the chunk, everything of the prefix): with bf16 queries as bf16 matrix products per
+  kv head (``_chunk_bf16``), with float32 queries one float32 SDPA call.
 Grouped-query attention folds each kv head's query heads into rows of that head, so K/V are never
 repeated per query head. The output has q's dtype. What is derived from the step alone (batches,
 masks) is computed once per step and kept in ``step.memo`` for every layer.
@@ -44,6 +45,7 @@ class _Batch:
     bad: torch.Tensor  # int64: flat positions in [0, n * width * block_size) past each one's length
     valid: torch.Tensor  # bool [n, width * block_size]
     width: int
+    bias: torch.Tensor  # float32 [n, 1, width * block_size]: 0 where valid, -inf past each one's length
 
 
 def length_groups(lengths: list[int], block_size: int, cost: int | None = None) -> list[list[int]]:
@@ -96,7 +98,8 @@ def _batches(step: KVStep, chunks: list[int], rows: list[int], device: torch.dev
         valid = torch.arange(width * bs, device=device)[None, :] < lens[:, None]
         out.append(_Batch(rows=torch.tensor([rows[i] for i in group], dtype=torch.int64, device=device),
                           blocks=step.block_tables[members, :width].reshape(-1).to(torch.int64),
-                          bad=torch.nonzero(~valid.reshape(-1)).reshape(-1), valid=valid, width=width))
+                          bad=torch.nonzero(~valid.reshape(-1)).reshape(-1), valid=valid, width=width,
+                          bias=_bias(valid)))
     return out
 
 
@@ -107,18 +110,26 @@ def _chunk_batch(step: KVStep, i: int, device: torch.device) -> _Batch:
     valid = torch.arange(width * step.block_size, device=device)[None, :] < length
     return _Batch(rows=torch.zeros(0, dtype=torch.int64, device=device),
                   blocks=step.block_tables[i, :width].to(torch.int64),
-                  bad=torch.nonzero(~valid.reshape(-1)).reshape(-1), valid=valid, width=width)
+                  bad=torch.nonzero(~valid.reshape(-1)).reshape(-1), valid=valid, width=width, bias=_bias(valid))
+
+
+def _bias(valid: torch.Tensor) -> torch.Tensor:
+    """0 where ``valid`` [n, L], -inf elsewhere, as float32 [n, 1, L] (added to scores before the softmax)."""
+    bias = torch.zeros(valid.shape, dtype=torch.float32, device=valid.device)
+    return bias.masked_fill_(~valid, float("-inf"))[:, None, :]
 
 
 def _gather_rows(cache: PagedKVCache, layer: int, batch: _Batch) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of a batch as [n, L, kv_heads * D] in the cache's dtype (fp8: float32): the blocks as
-    stored, one copy into scratch buffers. Unused slots of V are zeroed: they may hold NaN, and a zero
-    weight times NaN is NaN. (K's need not be: their scores are replaced by -inf, NaN or not.)"""
+    stored, one copy into scratch buffers. Unused slots of both are zeroed: they may hold NaN or inf,
+    and neither a zero weight times NaN nor NaN plus a -inf mask is zero."""
     n, length = batch.valid.shape
     shape = (n, length, cache.num_kv_heads * cache.head_dim)
     k = _gather_blocks(cache, layer, batch.blocks, "k").view(shape)
     v = _gather_blocks(cache, layer, batch.blocks, "v").view(shape)
-    v.view(n * length, -1).index_fill_(0, batch.bad, 0.0)
+    if batch.bad.numel():
+        k.view(n * length, -1).index_fill_(0, batch.bad, 0.0)
+        v.view(n * length, -1).index_fill_(0, batch.bad, 0.0)
     return k, v
 
 
@@ -128,7 +139,6 @@ def _gather_heads(cache: PagedKVCache, layer: int, batch: _Batch) -> tuple[torch
     n, length = batch.valid.shape
     kv, d, bs = cache.num_kv_heads, cache.head_dim, cache.block_size
     k, v = _gather_rows(cache, layer, batch)
-    k.view(n * length, -1).index_fill_(0, batch.bad, 0.0)
     out = []
     for which, x in (("k", k), ("v", v)):
         heads = _scratch(cache, which + ".heads", (n, kv, length, d), torch.float32)
@@ -178,8 +188,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=scale).reshape(b, heads, n, d)
 
 
-def _decode_bf16(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: _Batch, scale: float) -> torch.Tensor:
-    """One batch of one-token chunks with bf16 queries: q [n, H, D] -> [n, H, D] bf16.
+def _decode_bf16(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: _Batch, scale: float,
+                 out: torch.Tensor) -> None:
+    """One batch of one-token chunks with bf16 queries: q [n, H, D] -> ``out`` [n, kv_heads, H / kv_heads, D].
 
     Each sequence's K and V are read straight from the gathered blocks ([n, L, kv_heads * D], no
     per-head transpose). The queries become a block-diagonal matrix [n, H, kv_heads * D] (query head h
@@ -187,21 +198,35 @@ def _decode_bf16(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: _Batch
     every head's scores; the product with V gives, per head, its own kv head's block (the diagonal)
     and discarded cross terms. The extra products by zero are exact and cheap next to reading K/V
     (exact for finite keys: an inf or NaN stored in a used slot of one kv head would also spoil the other
-    heads' scores at that position; unused slots are masked whatever they hold).
+    heads' scores at that position; unused slots are zeroed and masked whatever they held).
     The products take bf16 inputs, accumulate in float32 and round their result to bf16 (as
-    transformers' bf16 attention does); the softmax is float32.
+    transformers' bf16 attention does); scaling, mask and softmax are float32 (one ``add`` does the
+    first two). The block-diagonal matrix lives in a scratch buffer whose zeros are never overwritten.
     """
     n, heads, d = q.shape
     kv = cache.num_kv_heads
     group = heads // kv
     k, v = (x.to(torch.bfloat16) for x in _gather_rows(cache, layer, batch))  # no copy unless fp8
-    q_diag = torch.zeros((n, kv, group, kv, d), dtype=q.dtype, device=q.device)
-    q_diag.diagonal(dim1=1, dim2=3).copy_(q.reshape(n, kv, group, d).permute(0, 2, 3, 1))
-    scores = torch.bmm(q_diag.view(n, heads, kv * d), k.transpose(1, 2)).float()  # [n, H, L]
-    scores.mul_(scale).masked_fill_(~batch.valid[:, None, :], float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.bmm(weights, v).view(n, kv, group, kv, d).diagonal(dim1=1, dim2=3)  # [n, group, D, kv]
-    return out.permute(0, 3, 1, 2).reshape(n, heads, d)
+    q_diag = _zeros_scratch(cache, "q_diag", (n, kv, group, kv, d), q.dtype)
+    q_diag.diagonal(dim1=1, dim2=3).copy_(q.view(n, kv, group, d).permute(0, 2, 3, 1))
+    scores = torch.bmm(q_diag.view(n, heads, kv * d), k.transpose(1, 2))  # [n, H, L] bf16
+    weights = torch.softmax(torch.add(batch.bias, scores, alpha=scale), dim=-1).to(q.dtype)
+    both = torch.bmm(weights, v).view(n, kv, group, kv, d)
+    out.copy_(both.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2))
+
+
+def _zeros_scratch(cache: PagedKVCache, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Like ``_scratch``, but the buffer starts as zeros: callers write only entries that they always write
+    (the diagonal of ``_decode_bf16``'s query matrix), so every other entry stays zero."""
+    n = 1
+    for size in shape:
+        n *= size
+    key = "zeros." + name
+    buf = cache.scratch.get(key)
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
+        buf = cache.scratch[key] = torch.zeros(max(n, 0 if buf is None else buf.numel()), dtype=dtype,
+                                               device=cache.device)
+    return buf[:n].view(shape)
 
 
 def _one_token_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, batches: list[_Batch], scale: float,
@@ -210,11 +235,15 @@ def _one_token_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, batches: l
     for batch in batches:
         rows = q.index_select(0, batch.rows)
         if q.dtype == torch.bfloat16:
-            result = _decode_bf16(rows, cache, layer, batch, scale)
+            n, heads, d = rows.shape
+            kv = cache.num_kv_heads
+            result = _scratch(cache, "decode.out", (n, kv, heads // kv, d), q.dtype)
+            _decode_bf16(rows, cache, layer, batch, scale, result)
+            out.index_copy_(0, batch.rows, result.view(n, heads, d))
         else:  # float32 batched products are slow on this CPU (MKL): SDPA, and no products by zero
             k, v = _gather_heads(cache, layer, batch)
             result = _attend(rows[:, :, None, :], k, v, batch.valid[:, None, :], scale)[:, :, 0, :]
-        out.index_copy_(0, batch.rows, result.to(out.dtype))
+            out.index_copy_(0, batch.rows, result.to(out.dtype))
 
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, scale: float) -> torch.Tensor:
@@ -241,13 +270,42 @@ def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KV
                 key_pos = torch.arange(batch.width * step.block_size, device=q.device)
                 query_pos = step.starts[i] + torch.arange(n, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]  # also excludes every position past the chunk
-                longer.append((offsets[i], n, batch, mask[None]))
+                longer.append((offsets[i], n, batch, mask[None], _bias(mask)[:, 0]))
         step.memo["prefill"] = (_batches(step, single, [offsets[i] for i in single], q.device), longer)
     singles, longer = step.memo["prefill"]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _one_token_rows(q, cache, layer, singles, scale, out)
-    for row, n, batch, mask in longer:
+    for row, n, batch, mask, bias in longer:
+        if q.dtype == torch.bfloat16:
+            _chunk_bf16(q[row:row + n], cache, layer, batch, bias, scale, out[row:row + n])
+            continue
         k, v = _gather_heads(cache, layer, batch)
         qi = q[row:row + n].transpose(0, 1)[None]  # [1, H, n, D]
         out[row:row + n] = _attend(qi, k, v, mask, scale)[0].transpose(0, 1).to(q.dtype)
     return out
+
+
+def _chunk_bf16(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: _Batch, bias: torch.Tensor, scale: float,
+                out: torch.Tensor) -> None:
+    """One prefill chunk with bf16 queries: q [n, H, D] -> ``out`` [n, H, D] (bias [n, L]: the causal mask).
+
+    Per kv head, its GROUP query heads' n rows are one [GROUP * n, D] matrix, so the scores are
+    kv_heads matrix products of many rows (efficient, unlike one-token decode rows) over K laid out
+    head by head. Like ``_decode_bf16``: bf16 products accumulated in float32, scores and weights
+    rounded to bf16, scaling, mask and softmax in float32.
+    """
+    n, heads, d = q.shape
+    kv = cache.num_kv_heads
+    group = heads // kv
+    k, v = (x.to(torch.bfloat16) for x in _gather_rows(cache, layer, batch))  # [1, L, kv * D], no copy unless fp8
+    length = k.shape[1]
+    k_heads = _scratch(cache, "k.heads16", (kv, length, d), torch.bfloat16)
+    k_heads.copy_(k.view(length, kv, d).transpose(0, 1))
+    v_heads = _scratch(cache, "v.heads16", (kv, length, d), torch.bfloat16)
+    v_heads.copy_(v.view(length, kv, d).transpose(0, 1))
+    q_heads = _scratch(cache, "q.heads16", (kv, group, n, d), torch.bfloat16)
+    q_heads.copy_(q.view(n, kv, group, d).permute(1, 2, 0, 3))
+    scores = torch.bmm(q_heads.view(kv, group * n, d), k_heads.transpose(1, 2)).view(kv, group, n, length)
+    weights = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1).to(torch.bfloat16)
+    both = torch.bmm(weights.view(kv, group * n, length), v_heads).view(kv, group, n, d)
+    out.view(n, kv, group, d).copy_(both.permute(2, 0, 1, 3))
