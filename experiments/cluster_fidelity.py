@@ -332,10 +332,11 @@ def at_round_load(sweep: list[list[Any]]) -> list[list[Any]]:
     """The whole sweep (all rounds' steps) as if run at each round's load, one list per round.
 
     A round's load level is the time its own sweep steps took over a fit to all of them: on a shared machine
-    a step's CPU time moves with the neighbours' load (caches, memory bandwidth) by up to ~20% from one round
-    to the next, and a round runs only part of the sweep. Every step's time is divided by its round's level
-    and multiplied by round k's: a fit to those is the sweep's model at round k's load (the workloads of a
-    round run at its load, as they take turns with the sweep), from the sweep's steps alone."""
+    a step's CPU time moves with the neighbours' load (caches, memory bandwidth) from one round to the next
+    (levels of 0.95-1.05 measured), and a round runs only part of the sweep. Every step's time is divided
+    by its round's level and multiplied by round k's: a fit to those is the sweep's model at round k's load
+    (the workloads of a round run at its load, as they take turns with the sweep), from the sweep's steps
+    alone."""
     levels = load_levels(sweep)
     flat = [replace(r, duration=r.duration / lv) for steps, lv in zip(sweep, levels, strict=True) for r in steps]
     return [[replace(r, duration=r.duration * lv) for r in flat] for lv in levels]
