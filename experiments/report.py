@@ -250,6 +250,12 @@ def _cluster_scale_section(results_dir: Path) -> list[str]:
                  f"{r.get('load_average_before', '?')} before and {r.get('load_average_after', '?')} after the run, "
                  f"its own work included); peak memory {r.get('peak_rss_mb', '?')} MB; commit {r.get('commit', '?')}; "
                  f"{r.get('date', '?')}. {r.get('note', '')}."]
+        earlier = r.get("earlier_runs", [])
+        if earlier:
+            lines += ["", "Earlier runs of the same command: " + "; ".join(
+                f"{e['run_s']} s wall, {e['cpu_s']} s CPU at {e['commit'][:7]} (load average "
+                f"{e['load_average_before']} -> {e['load_average_after']}, event-log hash {e['event_log_hash'][:8]})"
+                for e in earlier) + f". {r.get('earlier_runs_note', '')}."]
     except (OSError, json.JSONDecodeError, KeyError, TypeError):
         return []
     return lines
