@@ -30,6 +30,7 @@ from typing import Any
 from experiments import setup_info
 from experiments.cluster_common import link, scenario, site
 from reference.cluster import Simulator, scenario_from_dict
+from reference.safe_write import write_text
 
 POPS, REGIONS, CENTRALS = 125, 10, 2
 RATE = 2000.0  # requests/s, all metros together
@@ -140,7 +141,7 @@ def main() -> None:
                                   "(profile_shares)")
     print(json.dumps(out, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1) + "\n")
+        write_text(args.json, json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

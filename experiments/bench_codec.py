@@ -52,6 +52,7 @@ from reference.codec import (
     to_palette,
 )
 from reference.codec.container import DECODE_BATCH, MIN_ELEMENTS, weight_count
+from reference.safe_write import write_text
 
 TARGET_MBPS = 100.0
 
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     if load_before is not None:
         result["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_text(args.json, json.dumps(result, indent=1) + "\n")
 
 
 def print_reference(result: dict, repeat: int) -> None:

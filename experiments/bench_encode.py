@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from reference.safe_write import write_text
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
               f"ZipNN {r['zipnn_MBps']:.0f} MB/s (ratio {r['zipnn_ratio']:.3f})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(res, indent=1) + "\n")
+        write_text(args.json, json.dumps(res, indent=1) + "\n")
     return 0
 
 

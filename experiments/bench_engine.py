@@ -34,6 +34,7 @@ import numpy as np
 
 from experiments.engine_baselines import hf_llama, llama_cpp_available, run_llama_cpp, run_transformers
 from experiments.engine_bench import Job, pct, sharegpt_jobs
+from reference.safe_write import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SYSTEMS = ("fast_bf16", "fast_fp32", "transformers_bf16", "reference", "llama_cpp")
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                  "engine_settings": ENGINE_SETTINGS,
                  "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
         result = result_json(measured, setup)
-        args.out.write_text(json.dumps(result, indent=1))
+        write_text(args.out, json.dumps(result, indent=1))
         print(result["summary"], flush=True)
         return result
 
@@ -213,7 +214,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        clock=CLOCKS[args.clock], hf_batches=args.hf_batches)
     result = save(measured)
     result["figures"] = [figure(result, args.out.with_suffix(".png")).name]
-    args.out.write_text(json.dumps(result, indent=1))
+    write_text(args.out, json.dumps(result, indent=1))
     return result
 
 
@@ -247,7 +248,7 @@ def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     setup["load_average"] = [d["setup"]["load_average"] for d in docs]
     result = result_json(measured, setup)
     result["figures"] = [figure(result, out.with_suffix(".png")).name]
-    out.write_text(json.dumps(result, indent=1))
+    write_text(out, json.dumps(result, indent=1))
     print(result["summary"])
     return result
 

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from experiments.registry import pyplot
+from reference.safe_write import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES = [1, 4, 16, 64, 256]
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     res = bench(args.tiny, args.budget, args.context or (40 if args.tiny else 1024))
     res.update({"commit": commit(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     path = args.json or RESULTS / "bench_kv.json"
-    path.write_text(json.dumps(res, indent=1) + "\n")
+    write_text(path, json.dumps(res, indent=1) + "\n")
     if not args.tiny:
         figure(res, path.with_suffix(".png"))
     print(f"wrote {path}")

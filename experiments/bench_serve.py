@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from experiments import setup_info
+from reference.safe_write import write_text
 from serve.bench import BenchConfig, arrival_times, run_bench, sharegpt_prompts
 from serve.latency import RequestRecord, summarize
 
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "engine_process_cpu_s: CPU seconds of the process running the engine",
         "median": median, "overhead": overhead, "runs": runs,
     }
-    Path(a.out).write_text(json.dumps(record, indent=2) + "\n")
+    write_text(Path(a.out), json.dumps(record, indent=2) + "\n")
     print(json.dumps({"median": median, "overhead": overhead}, indent=2))
     return 0
 

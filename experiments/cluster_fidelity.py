@@ -41,6 +41,7 @@ from experiments.engine_bench import CpuClock, Job, one_blas_thread, run_jobs_st
 from reference.cluster import Simulator, scenario_from_dict
 from reference.engine import Engine, SamplingParams
 from reference.engine.cost import StepShape, StepTimeModel
+from reference.safe_write import write_text
 
 ENGINE = {"num_blocks": 128, "block_size": 16, "max_num_batched_tokens": 64, "max_num_seqs": 4}
 PS = (50, 90, 99)
@@ -455,7 +456,7 @@ def main() -> None:
     f = {**started, "machine": machine(), **f}
     print(table(f))
     if args.json:
-        args.json.write_text(json.dumps(f, indent=1) + "\n")
+        write_text(args.json, json.dumps(f, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reference.safe_write import write_text
+
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(14336, 4096), (4096, 14336)]  # Llama-3.1-8B: gate/up [14336, 4096], down [4096, 14336]
 BATCHES = [1, 4, 16, 64, 256]
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.json or (None if args.tiny else RESULTS / "gpu_bench.json")
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(res, indent=1) + "\n")
+        write_text(path, json.dumps(res, indent=1) + "\n")
         print(f"wrote {path}")
     return 0
 

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from reference.safe_write import write_text
+
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = RESULTS.parent.parent
 
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             summary[key]["result_file"] = str(path)
             summary[key]["passed" if key == "conformance" else "goals"] = doc.get("passed" if key == "conformance"
                                                                                   else "goals")
-    (out / "gpu_check.json").write_text(json.dumps(summary, indent=1) + "\n")
+    write_text(out / "gpu_check.json", json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out / 'gpu_check.json'}")
     ok = all(summary[k]["rc"] == 0 for k in ("conformance", "benchmark", "kv_benchmark", "engine"))
     return 0 if ok else 1

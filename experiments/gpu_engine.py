@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from reference.safe_write import write_text
+
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCHES = (1, 4, 16, 64, 256)
 GOAL = "control plane < 5% of a decode step at 64 sequences"
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "rows": rows, "control_plane": control,
               "goals": {GOAL: None if share64 is None else bool(share64 < 0.05)}}
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_text(args.json, json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.json}")
     return result
 

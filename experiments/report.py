@@ -13,6 +13,7 @@ from typing import Any
 from experiments.claims import CLAIMS
 from experiments.registry import CLOCKS, RESULTS_DIR, Experiment, Result, clock_problem
 from reference import provenance
+from reference.safe_write import write_text
 
 REPO = Path(__file__).resolve().parent.parent
 PAPER = REPO / "paper" / "report.md"
@@ -48,7 +49,7 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{exp.claim}.json"
-    path.write_text(json.dumps(record, indent=2, default=_jsonable) + "\n")
+    write_text(path, json.dumps(record, indent=2, default=_jsonable) + "\n")
     return path
 
 
@@ -160,7 +161,7 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
     lines += _serve_section(results_dir)
     lines += _cluster_scale_section(results_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines) + "\n")
+    write_text(out, "\n".join(lines) + "\n")
     return out
 
 

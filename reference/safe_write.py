@@ -125,3 +125,10 @@ def atomic_output(path: str | Path) -> Iterator[BinaryIO]:
         pass
     finally:
         os.close(dir_fd)
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """``Path(path).write_text(text)`` (UTF-8) through ``atomic_output``: a results file, say, is replaced
+    whole or not at all, so an interrupted run never leaves the stored one half-written."""
+    with atomic_output(path) as f:
+        f.write(text.encode("utf-8"))

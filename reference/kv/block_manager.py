@@ -112,7 +112,7 @@ class BlockManager:
         """Whether ``may_append(seq, num_new_tokens)`` would succeed now."""
         new_blocks, copies = self._append_plan(seq, num_new_tokens)
         needed = new_blocks + len(copies)
-        return needed == 0 or needed <= self.num_free_blocks
+        return needed == 0 or needed <= self.num_free_blocks  # a decode into its own last block needs none
 
     def may_append(self, seq: KVSequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
         """Make room for the K/V of the next ``num_new_tokens`` tokens of ``seq``.
@@ -209,7 +209,7 @@ class BlockManager:
         if num_new_tokens < 1 or end > len(seq.token_ids):
             raise KVCacheError(f"sequence {seq.seq_id}: cannot compute {num_new_tokens} tokens from position "
                                f"{start}, it has {len(seq.token_ids)} tokens")
-        last = -(-end // self.block_size)  # table length needed
+        last = self.blocks_for(end)  # table length needed
         table = seq.block_table
         ref_count, cached = self.ref_count, self.block_key
         cow = [i for i in range(start // self.block_size, min(last, len(table)))
