@@ -7,12 +7,12 @@ raises ``ScenarioError`` naming the field (``sites[2].replicas[0].gpus: ...``), 
 
 from __future__ import annotations
 
-import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reference import jsonsafe
 from reference.cluster.fields import ScenarioError, as_list, as_table, build, check_positive
 
 TIERS = ("edge", "regional", "central")  # routing order: nearest and smallest first
@@ -137,8 +137,8 @@ def load_scenario(path: str | Path) -> Scenario:
     except OSError as e:
         raise ScenarioError(f"{path}: cannot read scenario: {e.strerror}") from None
     try:
-        data = json.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        data = jsonsafe.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
+    except (jsonsafe.JsonError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise ScenarioError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from None
     try:
         return scenario_from_dict(data)

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from reference import jsonsafe
 from reference.bf16 import float32_to_bf16
 from reference.codec import rans
 from reference.codec.codec import encode
@@ -176,7 +177,7 @@ class Container:
             raise CodecError(f"not a readable container: {e}") from None
         meta = self._file.metadata
         try:
-            top = json.loads(meta[FORMAT_NAME])
+            top = jsonsafe.loads(meta[FORMAT_NAME])
             assert isinstance(top, dict) and isinstance(top.get("tensors"), list)
         except (KeyError, ValueError, AssertionError):
             raise CodecError(f"{self.path}: no valid '{FORMAT_NAME}' entry in the metadata: not a container") from None
@@ -201,7 +202,7 @@ class Container:
 
     def _header(self, name: str) -> dict[str, Any]:
         try:
-            header = json.loads(self._file.metadata[f"{FORMAT_NAME}{SEP}{name}"])
+            header = jsonsafe.loads(self._file.metadata[f"{FORMAT_NAME}{SEP}{name}"])
         except (KeyError, ValueError):
             raise CodecError(f"{self.path}: tensor {name!r} has no valid header in the metadata") from None
         if not isinstance(header, dict):

@@ -1,9 +1,9 @@
 """Payloads of the control frames: small JSON objects, each checked against a fixed schema.
 
-A peer's JSON is parsed with ``json.loads`` (no pickle, no object hooks) and then every field is
-checked: present, of the right type, in range, and no field that the schema does not name. What
-fails raises ``MessageError`` naming the frame kind and the field. The KV payload is binary
-(``wire.py``).
+A peer's JSON is parsed with ``jsonsafe.loads`` (no pickle, no object hooks, at most 4 levels
+deep) and then every field is checked: present, of the right type, in range, and no field that
+the schema does not name. What fails raises ``MessageError`` naming the frame kind and the field.
+The KV payload is binary (``wire.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from reference import jsonsafe
 from reference.disagg.frames import Kind
 
 MAX_TOKENS_IN_MESSAGE = 1 << 20
@@ -97,9 +98,9 @@ def dump(kind: Kind, body: dict[str, Any]) -> bytes:
 def load(kind: Kind, payload: bytes) -> dict[str, Any]:
     """Parse and check a control payload of ``kind``."""
     try:
-        body = json.loads(payload.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise MessageError(f"{kind.name} payload is not JSON: {e}") from None
+        body = jsonsafe.loads(payload, max_depth=4, what=f"{kind.name} payload")
+    except jsonsafe.JsonError as e:
+        raise MessageError(str(e)) from None
     check(kind, body)
     return body
 

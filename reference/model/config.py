@@ -7,11 +7,11 @@ the rest of the code uses. Nothing read from a file is trusted: missing or nonse
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from reference import jsonsafe
 from reference.model.errors import WeightError
 
 
@@ -107,8 +107,8 @@ def config_from_hf(path: str | Path) -> LlamaConfig:
     if path.is_dir():
         path = path / "config.json"
     try:
-        cfg = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        cfg = jsonsafe.loads(path.read_bytes())
+    except (OSError, jsonsafe.JsonError) as e:
         raise ConfigError(f"{path}: cannot read config ({e})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: expected a JSON object")

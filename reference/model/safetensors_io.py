@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from reference import jsonsafe
 from reference.safe_write import atomic_output
 
 # safetensors dtype name -> the NumPy dtype we hold it in (bf16 and fp8 as raw bits)
@@ -136,9 +137,9 @@ def _read_header(path: Path) -> tuple[dict[str, str], dict[str, TensorInfo], int
             )
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise SafetensorsError(f"{path}: header is not valid UTF-8 JSON ({e})") from None
+        header = jsonsafe.loads(raw, what="header")
+    except jsonsafe.JsonError as e:
+        raise SafetensorsError(f"{path}: {e}") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{path}: header must be a JSON object, got {type(header).__name__}")
 
