@@ -12,6 +12,7 @@ streams end with an error event) and exits 0.
 from __future__ import annotations
 
 import argparse
+import logging
 import signal
 import socket
 import sys
@@ -24,25 +25,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="packaged model name or checkpoint path (default smollm2)")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
-    p.add_argument("--engine", choices=["reference", "fast"], default="reference")
+    p.add_argument("--engine", choices=["reference", "fast"], default="reference",
+                   help="reference: the NumPy engine; fast: torch + Triton (default reference)")
     p.add_argument("--dtype", default="bfloat16", help="weights dtype of the fast engine")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; others need --api-keys)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
     p.add_argument("--api-keys", help="TOML file: [keys] key = { tenant = ..., plan = ... }, optional [plans]")
     p.add_argument("--allow-unauthenticated", action="store_true",
                    help="without --api-keys, allow binding to a non-loopback address")
     p.add_argument("--policy", default="sjf+wfq", help="scheduling policy: fcfs, sjf, wfq, sjf+wfq (default)")
     p.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in one engine step (default 32)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=256,
+                   help="tokens in one engine step, prefill chunks included (default 256)")
+    p.add_argument("--max-model-len", type=int,
+                   help="context length in tokens (default: the model's, capped by the KV cache)")
     p.add_argument("--max-pending", type=int, default=256,
                    help="requests in flight before new ones get 503 + Retry-After")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds requests in flight may finish after SIGTERM before they are aborted")
     p.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
+                   help="uvicorn's and the server's log level (default warning)")
     args = p.parse_args(argv)
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
@@ -57,6 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     try:
         import uvicorn
     except ImportError:
@@ -73,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    sock = listening_socket(args.host, args.port)  # a busy port is reported now, not after the model loaded
+    if sock is None:
+        return 2
     if args.engine == "reference" and args.blas_threads > 0:
         from threadpoolctl import threadpool_limits
 
@@ -84,24 +94,17 @@ def main(argv: list[str] | None = None) -> int:
                              max_model_len=args.max_model_len)
     except (EngineUnavailable, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sock.close()
         return 2
     worker = EngineWorker(engine)
     name = args.served_model_name or args.model
     app = create_app(worker, engine.tokenizer, model_name=name, keys=keys, max_pending=args.max_pending)
-    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
-        return 2
     port = sock.getsockname()[1]
+    banner = (f"serving {name} ({args.engine} engine, context {worker.max_model_len} tokens) on "
+              f"http://{args.host}:{port}/v1" + (f" with {len(keys)} API keys" if keys else ""))
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
-    server = draining_server(config, worker, args.shutdown_grace)
+    server = draining_server(config, worker, args.shutdown_grace, banner)
     worker.start()
-    print(f"serving {name} ({args.engine} engine, context {worker.max_model_len} tokens) on "
-          f"http://{args.host}:{port}/v1" + (f" with {len(keys)} API keys" if keys else ""), flush=True)
     # uvicorn handles SIGTERM/SIGINT itself while it runs, then re-raises the signal to whatever handler
     # was there before; a handler that does nothing makes a drained shutdown exit 0
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -114,11 +117,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def draining_server(config: object, worker: object, grace: float) -> object:
-    """uvicorn's Server, whose exit signal (SIGTERM, SIGINT) also tells the engine worker to drain."""
+def listening_socket(host: str, port: int) -> socket.socket | None:
+    """A socket bound to host:port (None, with the reason on stderr, if it cannot be): taken before the
+    model loads, so a busy port costs no loading time. uvicorn starts listening on it later."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        print(f"error: cannot listen on {host}:{port}: {e.strerror or e}", file=sys.stderr)
+        return None
+    return sock
+
+
+def draining_server(config: object, worker: object, grace: float, banner: str = "") -> object:
+    """uvicorn's Server, whose exit signal (SIGTERM, SIGINT) also tells the engine worker to drain, and
+    which prints ``banner`` once its socket listens (so a client that reads it can connect at once)."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if banner and not self.should_exit:
+                print(banner, flush=True)
+
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             worker.drain(grace)  # type: ignore[attr-defined]
             super().handle_exit(sig, frame)

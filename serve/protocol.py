@@ -4,7 +4,9 @@ Every check names the field it rejects (``param`` in the error body, as OpenAI d
 sees ``temperature: must be a number in [0, 2]`` instead of a stack trace. Fields that change the
 output and that we do not implement (``n`` > 1, logprobs, penalties, ...) are refused rather than
 silently ignored; fields that do not (``user``, ``metadata``) are accepted. Two vLLM extensions used
-by benchmark tools are supported: ``top_k`` and ``ignore_eos``.
+by benchmark tools are supported: ``top_k`` and ``ignore_eos``. Text that reaches the tokenizer (the
+prompt, message contents, stop strings) must be valid Unicode: JSON can spell a lone UTF-16 surrogate
+(``"\\ud800"``), which no tokenizer can encode, so it is refused naming the field and the position.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ def parse_completion(body: Any, model: str) -> Parsed:
     if isinstance(prompt, str):
         if not prompt:
             raise bad("prompt", "must not be empty")
+        check_text("prompt", prompt)
     elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         prompt = [int(t) for t in prompt]
     else:
@@ -89,6 +92,7 @@ def parse_chat(body: Any, model: str) -> Parsed:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise bad(f"messages[{i}].content", "must be a string or a list of text parts")
+        check_text(f"messages[{i}].content", content)
         role = "system" if m["role"] == "developer" else m["role"]
         clean.append({"role": role, "content": content})
     if "max_completion_tokens" in body and body.get("max_tokens") is None:
@@ -149,6 +153,8 @@ def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int 
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop", f"must be a non-empty string or a list of at most {MAX_STOPS} non-empty strings")
+    for s in stop:
+        check_text("stop", s)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream", "must be true or false")
@@ -163,6 +169,15 @@ def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int 
         field = str(e).split("=", 1)[0]
         raise bad(field, str(e)) from None
     return Parsed(prompt, prompt_field, max_tokens, params, stop, stream, include_usage)
+
+
+def check_text(param: str, s: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate, which UTF-8 cannot encode)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad(param, f"is not valid Unicode text: a lone surrogate {s[e.start]!r} at character {e.start} "
+                  "(send UTF-8, or a surrogate pair)") from None
 
 
 def _is_int(x: Any) -> bool:
