@@ -19,6 +19,8 @@ from pathlib import Path
 
 from reference.disagg.faults import FAULTS
 
+SECRET_ENV = "UNFIRE_DISAGG_SECRET"  # the same name as reference.disagg.cluster's (imported lazily there)
+
 EPILOG = ("faults for --inject (the workers then use short timeouts: handshake 0.5 s x 3, stream 3 s):\n"
           + "\n".join(f"  {name:13s} {what}" for name, what in FAULTS.items()))
 
@@ -33,7 +35,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--decode", type=int, default=1, help="decode worker processes")
     run.add_argument("--prompts", required=True, type=Path, help="input JSONL")
     run.add_argument("--out", required=True, type=Path, help="output JSONL")
-    run.add_argument("--kv-wire", default="fp32", choices=["fp32", "bf16", "fp8"])
+    run.add_argument("--kv-wire", default="fp32", choices=["fp32", "bf16", "fp8"],
+                     help="how KV is sent from prefill to decode workers (default fp32)")
     run.add_argument("--inject", default="", help="comma-separated faults (below)")
     run.add_argument("--seed", type=int, default=0, help="seed of the fault injector")
     run.add_argument("--deadline", type=float, default=None,
@@ -42,11 +45,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--in-process", action="store_true", help="workers in this process (queues) instead of OS "
                                                                "processes (sockets)")
     work = sub.add_parser("worker", help="(started by the coordinator) one worker process")
-    work.add_argument("--role", choices=["prefill", "decode"], required=True)
-    work.add_argument("--node", type=int, required=True)
-    work.add_argument("--port", type=int, required=True)
-    work.add_argument("--model", required=True)
-    work.add_argument("--kv-wire", default="fp32", choices=["fp32", "bf16", "fp8"])
+    work.add_argument("--role", choices=["prefill", "decode"], required=True, help="what this worker does")
+    work.add_argument("--node", type=int, required=True, help="this worker's node id (1-65535)")
+    work.add_argument("--port", type=int, required=True, help="the coordinator's port on 127.0.0.1")
+    work.add_argument("--model", required=True, help="smollm2, tiny[:SEED], or a checkpoint path")
+    work.add_argument("--kv-wire", default="fp32", choices=["fp32", "bf16", "fp8"],
+                      help="how KV is sent to decode workers (default fp32)")
+    work.add_argument("--secret-stdin", action="store_true",
+                      help=f"read the shared secret (hex) from stdin, as the coordinator sends it; without it, "
+                           f"from ${SECRET_ENV}")
     work.add_argument("--options", default="", help="WorkerOptions fields as name=value,...")
     return parser.parse_args(argv)
 
@@ -117,12 +124,18 @@ def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: li
 
 
 def worker_main(args: argparse.Namespace) -> int:
-    from reference.disagg.cluster import SECRET_ENV, WorkerOptions, hello, make_worker, serve
+    from reference.disagg.cluster import WorkerOptions, hello, make_worker, read_secret, serve
+    from reference.disagg.models import digest_of
     from reference.disagg.transport import Link, connect
 
-    secret = bytes.fromhex(os.environ.get(SECRET_ENV, ""))
+    try:
+        secret = read_secret(sys.stdin) if args.secret_stdin else bytes.fromhex(os.environ.get(SECRET_ENV, ""))
+    except ValueError as e:
+        print(f"worker: {e}", file=sys.stderr)
+        return 2
     if not secret:
-        print(f"worker: the shared secret must be in ${SECRET_ENV}", file=sys.stderr)
+        print(f"worker: no shared secret: give --secret-stdin and write it to stdin, or set ${SECRET_ENV}",
+              file=sys.stderr)
         return 2
     fields = {f: type(getattr(WorkerOptions(), f)) for f in WorkerOptions.__dataclass_fields__}
     values: dict = {"wire": args.kv_wire}
@@ -133,6 +146,7 @@ def worker_main(args: argparse.Namespace) -> int:
             return 2
         values[name] = fields[name](value)
     opts = WorkerOptions(**values)
+    digest_of(args.model)  # load the model first (cached): the coordinator expects HELLO soon after connecting
     try:
         link = Link(connect(args.port), secret, args.node)
     except OSError as e:

@@ -4,13 +4,16 @@
         results = run_requests(cluster, [{"id": "a", "prompt_token_ids": [...], "max_tokens": 16}])
 
 Both kinds have ``coordinator``, ``pump()`` (one round of work), ``kill(node)`` and ``close()``. Worker
-processes are started with ``python -m reference.disagg worker ...``, get the shared secret in their
-environment (never on the command line), connect to 127.0.0.1, and exit when the link closes, so
-none outlives its coordinator. ``close()`` asks each to stop, then kills and reaps what is left.
+processes are started with ``python -m reference.disagg worker --secret-stdin ...``, read the shared
+secret from a pipe on their stdin (never the command line, nor the environment, which other users'
+tools read in ``/proc/PID/environ``), load their model, connect to 127.0.0.1, and exit when the link
+closes, so none outlives its coordinator. ``close()`` asks each to stop, then kills and reaps what is
+left. The listener refuses a connection (logged) while ``max_pending_links`` links have not said HELLO.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -32,9 +35,23 @@ from reference.disagg.messages import MessageError
 from reference.disagg.models import digest_of, load_model
 from reference.disagg.prefill import PrefillWorker
 from reference.disagg.routing import Worker
-from reference.disagg.transport import Link, SocketEndpoint, listen, pipe
+from reference.disagg.transport import Link, SocketEndpoint, listen, pipe, socket_peer
 
-SECRET_ENV = "UNFIRE_DISAGG_SECRET"
+SECRET_ENV = "UNFIRE_DISAGG_SECRET"  # torchrun's ranks (fast.disagg) still read it here; see read_secret
+log = logging.getLogger("reference.disagg")
+
+
+def read_secret(stream: Any) -> bytes:
+    """The shared secret as a worker reads it: one line of hex from ``stream`` (its stdin pipe).
+    Raises ValueError naming the problem."""
+    line = stream.readline(256).strip()
+    try:
+        secret = bytes.fromhex(line)
+    except ValueError:
+        raise ValueError("the shared secret on stdin is not hex") from None
+    if len(secret) < 16:
+        raise ValueError(f"the shared secret on stdin has {len(secret)} bytes; at least 16 are needed")
+    return secret
 
 
 @dataclass(frozen=True)
@@ -241,20 +258,32 @@ class ProcessCluster(Cluster):
                 sock, _ = self.server.accept()
             except OSError:
                 return
+            if self.coordinator.pending_links() >= self.coordinator.max_pending_links:
+                self.coordinator.counters["links_refused"] = self.coordinator.counters.get("links_refused", 0) + 1
+                log.warning("refusing a connection from %s: %d links have not said HELLO yet",
+                            socket_peer(sock), self.coordinator.pending_links())
+                sock.close()
+                continue
             endpoint = SocketEndpoint(sock, self.coordinator.inbox, start=False)
             self.coordinator.attach(endpoint)
             endpoint.start()
 
     def spawn(self, role: str) -> int:
         node = next(self._nodes)
-        env = dict(os.environ, **{SECRET_ENV: self.secret.hex(), "OMP_NUM_THREADS": "1",
-                                  "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
+        env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+        env.update({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         o = self.opts
-        cmd = [sys.executable, "-m", "reference.disagg", "worker", "--role", role, "--node", str(node),
-               "--port", str(self.port), "--model", self.model_spec, "--kv-wire", o.wire,
+        cmd = [sys.executable, "-m", "reference.disagg", "worker", "--secret-stdin", "--role", role, "--node",
+               str(node), "--port", str(self.port), "--model", self.model_spec, "--kv-wire", o.wire,
                "--options", ",".join(f"{k}={v}" for k, v in asdict(o).items() if k != "wire")]
-        self.procs[node] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self.log,
-                                            stderr=self.log)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=self.log, stderr=self.log)
+        self.procs[node] = proc
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(self.secret.hex().encode() + b"\n")
+            proc.stdin.close()
+        except OSError:  # it died at once; the coordinator never hears its HELLO
+            pass
         return node
 
     def kill(self, node: int) -> None:

@@ -14,11 +14,20 @@ are told to compute those prompts themselves; a decode worker lost -> its reques
 (new stream) on a live decode worker, up to ``max_attempts``, else they fail with an error; a
 request past its deadline -> aborted everywhere and answered with an error. A FINISH for an ended
 request or an old attempt is ignored (counted), so nothing is answered twice.
+
+A peer's bad input never escapes the loop: a frame that fails its checks is refused (counted, logged
+with the reason); a correctly signed frame whose payload breaks its schema drops the peer that sent
+it (logged, counted in ``peers_dropped``), which is then handled as a lost worker. A link that has not
+said HELLO may send only handshake-sized frames (``transport.HANDSHAKE_PAYLOAD``), and a socket link
+is closed if no HELLO comes within ``hello_timeout`` seconds (a worker connects once its model is
+loaded); at most ``max_pending_links`` such links are kept (the listener refuses more); closed links
+are forgotten.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import time
 from collections.abc import Callable
@@ -26,10 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reference.disagg import messages
-from reference.disagg.frames import STREAM_KINDS, Frame, Kind
+from reference.disagg.frames import MAX_PAYLOAD, STREAM_KINDS, Frame, Kind
+from reference.disagg.messages import MessageError
 from reference.disagg.routing import Worker, choose_decode, choose_prefill
-from reference.disagg.transport import Endpoint, Link, LinkClosed
+from reference.disagg.transport import HANDSHAKE_PAYLOAD, Endpoint, Link, LinkClosed
 from reference.kv.prefix_hash import prefix_keys
+
+log = logging.getLogger("reference.disagg")
 
 
 class CoordinatorError(ValueError):
@@ -57,8 +69,11 @@ class RequestState:
 
 class Coordinator:
     def __init__(self, secret: bytes, *, deadline: Callable[[int, int], float] = lambda p, o: 60.0 + 0.5 * o,
-                 max_attempts: int = 2, injector: Any = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_attempts: int = 2, injector: Any = None, clock: Callable[[], float] = time.monotonic,
+                 hello_timeout: float = 10.0, max_pending_links: int = 16) -> None:
         self.secret = secret
+        self.hello_timeout, self.max_pending_links = hello_timeout, max_pending_links
+        self.opened: dict[Endpoint, float] = {}  # when each link that has not said HELLO yet was attached
         self.vocab_size, self.eos, self.max_context = 0, (), 0  # the model's, from the workers' HELLO
         self.deadline_for, self.max_attempts, self.injector, self.clock = deadline, max_attempts, injector, clock
         self.inbox: queue.Queue = queue.Queue()
@@ -77,8 +92,30 @@ class Coordinator:
     def attach(self, endpoint: Endpoint) -> Link:
         """A new worker link (its HELLO names it). Its frames arrive in ``self.inbox``."""
         link = Link(endpoint, self.secret, node=0, counters=self.counters)
+        if hasattr(endpoint, "max_payload"):  # a socket anyone may open: a handshake's worth, for a while
+            endpoint.max_payload = HANDSHAKE_PAYLOAD
+            self.opened[endpoint] = self.clock()
         self.links[endpoint] = link
         return link
+
+    def pending_links(self) -> int:
+        """Links attached that have not said HELLO yet (a listener refuses new ones past ``max_pending_links``)."""
+        return len(self.opened)
+
+    def drop(self, link: Link, counter: str, reason: str) -> None:
+        """Close a peer's link for ``reason`` (logged, counted); a worker behind it is handled as lost."""
+        self.counters[counter] = self.counters.get(counter, 0) + 1
+        log.warning("dropping %s: %s", link.peer_name(), reason)
+        w = link.peer
+        if isinstance(w, Worker) and w.alive:
+            self._lost(w)
+        else:
+            link.endpoint.close(flush_s=0.0)
+        self._forget(link.endpoint)
+
+    def _forget(self, endpoint: Endpoint) -> None:
+        self.links.pop(endpoint, None)
+        self.opened.pop(endpoint, None)
 
     def live(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.alive and w.role == role]
@@ -188,6 +225,9 @@ class Coordinator:
         except queue.Empty:
             pass
         now = self.clock()
+        for endpoint, since in list(self.opened.items()):
+            if now - since > self.hello_timeout and endpoint in self.links:
+                self.drop(self.links[endpoint], "links_idle", f"no HELLO within {self.hello_timeout:.0f} s")
         if self.injector is not None:
             self.injector.pump(now)
         for req in list(self.requests.values()):
@@ -208,15 +248,23 @@ class Coordinator:
             w = link.peer
             if isinstance(w, Worker):
                 self._lost(w)
+            self._forget(endpoint)
             return
         frame = link.accept(data)
         if frame is None:
             return
+        try:
+            self._handle_frame(link, frame)
+        except MessageError as e:  # signed with the secret, yet malformed: a broken or hostile peer
+            self.drop(link, "peers_dropped", f"its {frame.kind.name} frame breaks the schema: {e}")
+
+    def _handle_frame(self, link: Link, frame: Frame) -> None:
         if frame.kind is Kind.HELLO:
             return self._hello(link, frame)
         w = link.peer
         if not isinstance(w, Worker) or frame.src != w.node:
-            self.counters["frames_from_unknown_node"] = self.counters.get("frames_from_unknown_node", 0) + 1
+            link.refuse("frames_from_unknown_node", f"a {frame.kind.name} frame from node {frame.src}, "
+                        f"which is not this link's worker")
             return
         if frame.kind is Kind.HEARTBEAT:
             body = messages.load(Kind.HEARTBEAT, frame.payload)
@@ -227,12 +275,17 @@ class Coordinator:
             self._stream_frame(w, frame)
 
     def _hello(self, link: Link, frame: Frame) -> None:
+        if link.peer is not None:
+            link.refuse("hello_refused", "a second HELLO on a link that already said one")
+            return
         body = messages.load(Kind.HELLO, frame.payload)
         if body["node"] != frame.src or frame.src in self.workers:
-            self.counters["hello_refused"] = self.counters.get("hello_refused", 0) + 1
+            link.refuse("hello_refused", f"HELLO from node {frame.src} (body says {body['node']}): "
+                        "a node id that is taken or does not match")
             return
         if self.workers and (body["vocab_size"], tuple(body["eos_token_ids"])) != (self.vocab_size, self.eos):
-            self.counters["hello_refused"] = self.counters.get("hello_refused", 0) + 1  # another model
+            link.refuse("hello_refused", f"HELLO from node {frame.src} for another model (vocabulary "
+                        f"{body['vocab_size']}, eos {body['eos_token_ids']})")
             return
         self.vocab_size, self.eos = body["vocab_size"], tuple(body["eos_token_ids"])
         self.max_context = min(body["max_context"], self.max_context or body["max_context"])
@@ -240,6 +293,9 @@ class Coordinator:
                    free_blocks=body["num_blocks"])
         link.peer = w
         self.workers[w.node] = w
+        self.opened.pop(link.endpoint, None)
+        if hasattr(link.endpoint, "max_payload"):
+            link.endpoint.max_payload = MAX_PAYLOAD  # authenticated: KV frames may come now
 
     def _stream_frame(self, w: Worker, frame: Frame) -> None:
         req = self.by_stream.get(frame.stream)

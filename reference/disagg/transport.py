@@ -10,10 +10,16 @@ inbox: a coordinator waits on one queue for all its workers.
 Carriers here: ``pipe()`` (in-process queues, for tests and teaching) and ``SocketEndpoint`` (TCP on
 127.0.0.1 by default; frames are length-prefixed by their own header). ``fast/disagg`` adds
 torch.distributed. ``Link`` puts the protocol on top: frame numbering, signing, checking.
+
+A socket reader trusts a header's length only up to the endpoint's ``max_payload``: a listener lowers
+it to ``HANDSHAKE_PAYLOAD`` for a peer that has not yet proved it holds the secret (its HELLO), so an
+unauthenticated peer can make it buffer at most one handshake, not a 64 MiB frame. Every refused frame
+is logged once, with the reason (after ``LOGGED_REFUSALS`` on one link, refusals are only counted).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import threading
@@ -21,16 +27,21 @@ from typing import Any
 
 from reference.disagg.frames import (
     HEADER_SIZE,
+    MAX_PAYLOAD,
+    TAG_SIZE,
     Frame,
     FrameError,
     Kind,
     ReplayGuard,
     decode_frame,
     encode_frame,
-    frame_size,
+    parse_header,
 )
 
 Inbox = queue.Queue  # of (Endpoint, bytes | None)
+HANDSHAKE_PAYLOAD = 4096  # the largest frame a peer may send before its HELLO is accepted (a HELLO is ~400 B)
+LOGGED_REFUSALS = 20  # per link; later refusals are counted, not logged
+log = logging.getLogger("reference.disagg")
 
 
 class LinkClosed(ConnectionError):
@@ -85,6 +96,7 @@ class SocketEndpoint(Endpoint):
         super().__init__(inbox)
         self.sock = sock
         self.error: str | None = None
+        self.max_payload = MAX_PAYLOAD  # a header announcing more is refused before its payload is read
         self._out: queue.Queue[bytes | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read_loop, daemon=True)
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
@@ -131,12 +143,17 @@ class SocketEndpoint(Endpoint):
                 header = self._read_exact(HEADER_SIZE)
                 if header is None:
                     break
-                rest = self._read_exact(frame_size(header) - HEADER_SIZE)  # FrameError on a bad header
+                length = parse_header(header)[4]  # FrameError on a bad header
+                if length > self.max_payload:
+                    raise FrameError(f"a frame of {length} payload bytes exceeds this link's limit of "
+                                     f"{self.max_payload} (the peer has not said HELLO)")
+                rest = self._read_exact(length + TAG_SIZE)
                 if rest is None:
                     break
                 self.inbox.put((self, header + rest))
         except FrameError as e:
             self.error = f"peer sent bytes that are not a frame: {e}"
+            log.warning("closing the link to %s: %s", socket_peer(self.sock), self.error)
         except OSError as e:
             self.error = str(e)
         self.closed = True
@@ -157,6 +174,15 @@ class SocketEndpoint(Endpoint):
             except OSError as e:
                 self.error = str(e)
                 return
+
+
+def socket_peer(sock: socket.socket) -> str:
+    """``host:port`` of the other end of ``sock``, for log lines."""
+    try:
+        host, port = sock.getpeername()[:2]
+        return f"{host}:{port}"
+    except OSError:
+        return "a closed socket"
 
 
 def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -188,6 +214,7 @@ class Link:
         self.counters = counters if counters is not None else {}
         self.guard = guard if guard is not None else ReplayGuard()
         self.next_seq = 0
+        self.refusals = 0
         self.peer: Any = None  # whatever the owner wants to remember about the other end
 
     def send(self, kind: Kind, stream: int, payload: bytes) -> None:
@@ -205,13 +232,25 @@ class Link:
     def accept(self, data: bytes) -> Frame | None:
         try:
             frame = decode_frame(data, self.secret)
-        except FrameError:
-            self.count("frames_refused")
+        except FrameError as e:
+            self.refuse("frames_refused", str(e))
             return None
         if not self.guard.accept(frame.src, frame.seq):
-            self.count("frames_duplicate")
+            self.refuse("frames_duplicate", f"duplicate or replayed frame (src {frame.src}, seq {frame.seq})")
             return None
         return frame
+
+    def refuse(self, counter: str, reason: str) -> None:
+        """Count a refused frame (or peer) and log why: one line each, up to LOGGED_REFUSALS per link."""
+        self.count(counter)
+        self.refusals += 1
+        if self.refusals <= LOGGED_REFUSALS:
+            more = "; further refusals on this link are only counted" if self.refusals == LOGGED_REFUSALS else ""
+            log.warning("node %d refused a frame from %s: %s%s", self.node, self.peer_name(), reason, more)
+
+    def peer_name(self) -> str:
+        name = getattr(self.peer, "node", None)
+        return f"node {name}" if name is not None else "a peer that has not said HELLO"
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
