@@ -5,7 +5,9 @@
 
 IN: one JSON object per line, ``{"id": str, "prompt_token_ids": [int], "max_tokens": int}`` (greedy).
 OUT: one line per input line, in order, whatever happens: ``{"id", "output_token_ids", "finish_reason",
-"error"}``. ``--prefill 0 --decode 0`` runs the same prompts colocated, in one engine in this process.
+"error"}`` (if the cluster itself fails, every request not yet answered gets that failure as its error).
+``--prefill 0 --decode 0`` runs the same prompts colocated, in one engine in this process. At the end
+one line says what was written: how many requests finished and failed, and the first error.
 Exit status: 0 when every request ended without error, 1 otherwise, 2 for bad arguments or input.
 """
 
@@ -17,6 +19,7 @@ import os
 import sys
 from pathlib import Path
 
+from reference import jsonsafe
 from reference.disagg.faults import FAULTS
 
 SECRET_ENV = "UNFIRE_DISAGG_SECRET"  # the same name as reference.disagg.cluster's (imported lazily there)
@@ -65,7 +68,7 @@ def read_prompts(path: Path) -> list[dict]:
         if not line.strip():
             continue
         try:
-            r = json.loads(line)
+            r = jsonsafe.loads(line, what=f"line {number}")
             if not isinstance(r, dict):
                 raise ValueError("not a JSON object")
         except ValueError as e:
@@ -176,15 +179,36 @@ def main(argv: list[str] | None = None) -> int:
     if not args.prompts.is_file():
         print(f"error: no such prompts file: {args.prompts}", file=sys.stderr)
         return 2
-    requests = read_prompts(args.prompts)
-    if args.prefill == 0:
-        results = run_colocated(args.model, requests)
-    else:
-        results = run_disaggregated(args, requests, faults)
+    try:
+        requests = read_prompts(args.prompts)
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: cannot read {args.prompts}: {e}", file=sys.stderr)
+        return 2
+    try:
+        if args.prefill == 0:
+            results = run_colocated(args.model, requests)
+        else:
+            results = run_disaggregated(args, requests, faults)
+    except Exception as e:  # noqa: BLE001 (the cluster failed as a whole: still answer every line)
+        why = f"the batch failed: {type(e).__name__}: {e}"
+        print(f"error: {why}", file=sys.stderr)
+        results = [{"id": r.get("id"), "output_token_ids": [], "finish_reason": "error", "error": why}
+                   for r in requests]
     tmp = args.out.with_name(args.out.name + ".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in results))
     tmp.replace(args.out)  # never a half-written output file
+    print(summary(results, args.out), flush=True)
     return 0 if all(r["error"] is None for r in results) else 1
+
+
+def summary(results: list[dict], out: Path) -> str:
+    """The line printed at the end: what was written, how many requests failed, and the first error."""
+    failed = [r for r in results if r["error"] is not None]
+    line = (f"wrote {len(results)} results to {out}: {len(results) - len(failed)} finished, {len(failed)} failed, "
+            f"{sum(len(r['output_token_ids']) for r in results)} tokens generated")
+    if failed:
+        line += f"; first error ({failed[0]['id']!r}): {str(failed[0]['error'])[:200]}"
+    return line
 
 
 if __name__ == "__main__":
