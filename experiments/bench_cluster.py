@@ -128,8 +128,9 @@ def profile_shares(requests: int = 2000) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=20_000)
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench_cluster", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=20_000, help="requests to simulate (default 20000)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     parser.add_argument("--profile", action="store_true", help="also profile a short run: time share by package")
     parser.add_argument("--single-steps", action="store_true", help="one event per engine step (macro steps off)")

@@ -201,10 +201,12 @@ def paired_runs(calls: list[dict[str, Callable[[], object]]], total: int, repeat
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeat", type=int, default=5)
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench_codec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeat", type=int, default=5, help="timed runs of each measurement (default 5)")
     parser.add_argument("--weights", default="minilm", help="for the ZipNN comparison: minilm, smollm2, a path")
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2],
+                        help="thread counts to measure, each for both decoders (default 1 2)")
     parser.add_argument("--limit", type=int, default=None, help="only the first N tensors (ZipNN comparison)")
     parser.add_argument("--zipnn-only", action="store_true", help="only the fast CPU decoder vs ZipNN")
     parser.add_argument("--reference-only", action="store_true", help="only the reference codec's speeds")

@@ -131,10 +131,10 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_encode", description=__doc__.splitlines()[0])
-    p.add_argument("--weights", default="minilm")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--min-elements", type=int, default=4096)
+    p.add_argument("--weights", default="minilm", help="minilm, smollm2, or a checkpoint path (default minilm)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts to measure (default 1 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed runs of each encoder (default 5)")
+    p.add_argument("--min-elements", type=int, default=4096, help="smaller tensors are skipped (default 4096)")
     p.add_argument("--limit", type=int, default=None, help="only the first N tensors")
     p.add_argument("--json", type=Path, default=None, help=f"write results here (e.g. {RESULTS}/bench_encode.json)")
     args = p.parse_args(argv)

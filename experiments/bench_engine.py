@@ -165,12 +165,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from experiments import setup_info
     from experiments.bench_engine_report import figure, result_json
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_engine", description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch and BLAS threads (default: cores)")
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    p.add_argument("--requests", type=int, default=64, help="ShareGPT requests per system (default 64)")
+    p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
+                   help="the systems to run (default all)")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and 6 requests (seconds)")
-    p.add_argument("--out", type=Path, default=RESULTS / "bench_engine.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_engine.json",
+                   help="the results file (default experiments/results/bench_engine.json)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                    help="wall: elapsed seconds; cpu: CPU seconds of the process (with 1 thread, blind to other "
                         "load on a shared machine; then systems may also run in parallel processes, see --merge)")

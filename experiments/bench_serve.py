@@ -159,14 +159,16 @@ def _pair(inproc: dict, srv: dict) -> dict[str, float | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--max-prompt-chars", type=int, default=300)
-    p.add_argument("--request-rate", type=float, default=2.0)
-    p.add_argument("--burst", action="store_true")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", default=str(RESULTS / "serve_overhead.json"))
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_serve", description=__doc__.split("\n")[0])
+    p.add_argument("--num-prompts", type=int, default=16, help="ShareGPT prompts per run (default 16)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
+    p.add_argument("--max-prompt-chars", type=int, default=300,
+                   help="longest prompt taken, in characters (default 300)")
+    p.add_argument("--request-rate", type=float, default=2.0, help="Poisson arrivals per second (default 2)")
+    p.add_argument("--burst", action="store_true", help="send every request at once instead")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each side (default 2)")
+    p.add_argument("--out", default=str(RESULTS / "serve_overhead.json"),
+                   help="the results file (default experiments/results/serve_overhead.json)")
     p.add_argument("--in-process-worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     from rich.progress import Progress

@@ -51,13 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU smoke test under the interpreter")
     p.add_argument("--out", type=Path, default=None, help="results folder (default experiments/results; "
                    "a temporary folder with --tiny)")
-    p.add_argument("--conformance-timeout", type=float, default=240)
-    p.add_argument("--bench-timeout", type=float, default=160)
-    p.add_argument("--bench-budget", type=float, default=120)
-    p.add_argument("--kv-timeout", type=float, default=90)
-    p.add_argument("--kv-budget", type=float, default=50)
-    p.add_argument("--engine-timeout", type=float, default=110)
-    p.add_argument("--engine-budget", type=float, default=70)
+    p.add_argument("--conformance-timeout", type=float, default=240, help="seconds before the conformance step is "
+                   "stopped (default 240)")
+    p.add_argument("--bench-timeout", type=float, default=160, help="seconds before the kernel benchmark is stopped "
+                   "(default 160)")
+    p.add_argument("--bench-budget", type=float, default=120, help="--budget of experiments.gpu_bench (default 120)")
+    p.add_argument("--kv-timeout", type=float, default=90,
+                   help="seconds before the KV benchmark is stopped (default 90)")
+    p.add_argument("--kv-budget", type=float, default=50, help="--budget of experiments.bench_kv (default 50)")
+    p.add_argument("--engine-timeout", type=float, default=110, help="seconds before the engine benchmark is stopped "
+                   "(default 110)")
+    p.add_argument("--engine-budget", type=float, default=70, help="--budget of experiments.gpu_engine (default 70)")
     args = p.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_check_")) if args.tiny else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
