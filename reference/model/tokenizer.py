@@ -9,11 +9,11 @@ with digits split one by one for SmolLM ("smollm"), or Llama 3's regex ("llama-b
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from reference import jsonsafe
 from reference.model.config import ConfigError
 from reference.model.gguf_io import GGUFFile
 from reference.model.weights import WeightSource, open_weights
@@ -134,7 +134,12 @@ def _from_hf_folder(folder: Path) -> Tokenizer:
     backend = tk.Tokenizer.from_file(str(path))
     config: dict[str, Any] = {}
     if (folder / "tokenizer_config.json").is_file():
-        config = json.loads((folder / "tokenizer_config.json").read_text())
+        try:
+            config = jsonsafe.loads((folder / "tokenizer_config.json").read_bytes(), what="tokenizer_config.json")
+        except jsonsafe.JsonError as e:
+            raise TokenizerError(f"{folder}: {e}") from None
+        if not isinstance(config, dict):
+            raise TokenizerError(f"{folder}: tokenizer_config.json must hold a JSON object")
 
     def token(key: str) -> str | None:
         t = config.get(key)
