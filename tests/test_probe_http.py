@@ -185,6 +185,7 @@ def test_after_the_fuzzing_a_normal_request_works_and_the_log_is_clean(server):
     assert "Traceback" not in log, log[-3000:]
 
 
+@pytest.mark.slow  # waits out uvicorn's graceful-shutdown timeout (grace + 5 s)
 def test_sigterm_with_stalled_clients_exits_0_without_tracebacks(server):
     stalled = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
     for s in stalled:
