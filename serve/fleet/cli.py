@@ -13,6 +13,7 @@ writes for the servers it starts), so each server schedules and salts its prefix
 from __future__ import annotations
 
 import argparse
+import re
 import secrets
 import signal
 import socket
@@ -99,10 +100,24 @@ def warm_up(reps: list[SiteReplica], key: str | None) -> None:
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         times.append(time.perf_counter() - t0)
-            if len(times) >= 2:
-                rep.tok_s = times[0] / WARMUP_PROMPT
-                rep.decode_s = (times[-1] - times[0]) / (len(times) - 1)
+            if not times:
+                raise FleetError(f"sites[{rep.site}] worker {rep.index}: the warm-up request streamed no token")
+            # the engine's own clock, from the server's histograms (the stream may bunch tokens together)
+            sums = dict(HISTOGRAM.findall(client.get(f"http://{rep.worker.address}/metrics").text))
+            ttft = _mean(sums, "unfire_time_to_first_token_seconds")
+            itl = _mean(sums, "unfire_inter_token_latency_seconds")
+            rep.tok_s = (ttft if ttft is not None else times[0]) / WARMUP_PROMPT
+            if itl is not None:
+                rep.decode_s = itl
             rep.alive = True
+
+
+HISTOGRAM = re.compile(r"^(unfire_\w+_seconds_(?:sum|count)) ([0-9.eE+-]+)$", re.M)
+
+
+def _mean(sums: dict[str, str], name: str) -> float | None:
+    n = float(sums.get(name + "_count", 0))
+    return float(sums[name + "_sum"]) / n if n > 0 else None
 
 
 class Fleet:
@@ -154,6 +169,7 @@ class Fleet:
             self._sock.bind((host, port))
         except OSError as e:
             raise FleetError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+        self._sock.listen(2048)  # connections wait in the backlog until the gateway serves
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
         return self.url
 

@@ -20,8 +20,10 @@ audit included), which ``GET /fleet`` reports with the router's view of every se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -156,7 +158,8 @@ def create_gateway_app(g: Gateway) -> Starlette:
         return JSONResponse(g.view())
 
     async def metrics(request: Request) -> Response:
-        lines = ["# HELP unfire_fleet_requests_total Requests by outcome.", "# TYPE unfire_fleet_requests_total counter"]
+        lines = ["# HELP unfire_fleet_requests_total Requests by outcome.",
+                 "# TYPE unfire_fleet_requests_total counter"]
         lines += [f'unfire_fleet_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(g.result.outcomes.items())]
         lines += ["# HELP unfire_fleet_tier_total Requests served per tier.", "# TYPE unfire_fleet_tier_total counter"]
         lines += [f'unfire_fleet_tier_total{{tier="{k}"}} {v}' for k, v in sorted(g.result.tier.items())]
@@ -171,21 +174,21 @@ def create_gateway_app(g: Gateway) -> Starlette:
     async def chat(request: Request) -> Response:
         return await route(g, request, chat=True)
 
-    async def startup() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
         g.http = httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0),
                                    limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
-        g.poller = asyncio.create_task(poll_forever(g.replicas, g.poll_s))  # type: ignore[attr-defined]
-
-    async def shutdown() -> None:
-        g.poller.cancel()  # type: ignore[attr-defined]
-        if g.http is not None:
+        poller = asyncio.create_task(poll_forever(g.replicas, g.poll_s))
+        try:
+            yield
+        finally:
+            poller.cancel()
             await g.http.aclose()
 
     routes = [Route("/v1/models", models), Route("/health", health), Route("/fleet", fleet), Route("/metrics", metrics),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={ApiError: _error_response}, on_startup=[startup],
-                     on_shutdown=[shutdown])
+    return Starlette(routes=routes, exception_handlers={ApiError: _error_response}, lifespan=lifespan)
 
 
 async def read_body(request: Request) -> dict[str, Any]:
@@ -243,7 +246,7 @@ async def forward(g: Gateway, r: Trip, tenant: Tenant, body: dict[str, Any], str
         rep.pending_prefill += len(r.prompt)
         rep.pending_decode += r.output_len
         counted = Counted(rep, len(r.prompt), r.output_len)
-        r.visited.extend(d.path_in.sites[1:])  # the sites the prompt crossed, and the one computing it
+        r.visited.extend([*d.path_in.sites[1:-1], rep.site])  # sites the prompt crossed, and the one computing it
         try:
             req = g.http.build_request("POST", f"http://{rep.worker.address}{path}", json=out, headers=headers)
             resp = await g.http.send(req, stream=True)
