@@ -34,6 +34,7 @@ from serve.fleet.view import SiteReplica, site_replicas
 from serve.keys import KeysError, KeyTable
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+WARMUP = "fleet-warmup"  # the servers' tenant of the gateway's warm-up requests
 WARMUP_PROMPT = 32  # tokens of the warm-up request that measures each server's prefill and decode times
 WARMUP_OUTPUT = 8
 
@@ -71,25 +72,30 @@ def check_keys(s: Scenario, keys: KeyTable, where: str) -> None:
 
 
 def write_site_keys(s: Scenario, path: Path) -> dict[str, str]:
-    """A keys file for the local servers: a fresh random key per traffic class, on its plan."""
+    """A keys file for the local servers: a fresh random key per traffic class, on its plan, and one for
+    the gateway's own warm-up requests (tenant ``WARMUP``, so no tenant's counters show them)."""
     keys = {t.name: f"fleet-{secrets.token_hex(12)}" for t in s.traffic}
-    plans = sorted({t.plan for t in s.traffic})
+    keys[WARMUP] = f"fleet-{secrets.token_hex(12)}"
+    plan = {t.name: t.plan for t in s.traffic} | {WARMUP: s.traffic[0].plan}
+    plans = sorted(set(plan.values()))
     lines = ["[plans]", *(f'"{p}" = {DEFAULT_PLAN_WEIGHTS.get(p, 1.0)}' for p in plans), "", "[keys]"]
-    lines += [f'"{key}" = {{ tenant = "{name}", plan = "{s.traffic[i].plan}" }}'
-              for i, (name, key) in enumerate(keys.items())]
+    lines += [f'"{key}" = {{ tenant = "{name}", plan = "{plan[name]}" }}' for name, key in keys.items()]
     path.write_text("\n".join(lines) + "\n")
     path.chmod(0o600)
     return keys
 
 
-def warm_up(reps: list[SiteReplica], key: str | None) -> None:
+def warm_up(reps: list[SiteReplica], keys: dict[str, str], s: Scenario) -> None:
     """One streamed request per server: it proves the server answers and measures its prefill time per
-    prompt token and its decode step time, which the router's wait estimate uses."""
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    prompt token and its decode step time, which the router's wait estimate uses. It is sent as the
+    ``WARMUP`` tenant, or (servers with a keys file of their own) as a tenant allowed at the server."""
     body = {"prompt": list(range(100, 100 + WARMUP_PROMPT)), "max_tokens": WARMUP_OUTPUT, "ignore_eos": True,
             "stream": True, "temperature": 0}
     with httpx.Client(timeout=60) as client:
         for rep in reps:
+            allowed = [t.name for t in s.traffic if rep.jurisdiction in t.allowed and t.name in keys]
+            key = keys.get(WARMUP) or (keys[allowed[0]] if allowed else None)
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
             t0 = time.perf_counter()
             times = []
             with client.stream("POST", f"http://{rep.worker.address}/v1/completions", json={**body, "model": rep.model},
@@ -154,7 +160,7 @@ class Fleet:
     def start_sites(self) -> None:
         self.sites.start()
         try:
-            warm_up(self.replicas, next(iter(self.tenant_keys.values()), None))
+            warm_up(self.replicas, self.tenant_keys, self.s)
         except (httpx.HTTPError, FleetError):
             self.sites.stop()
             raise

@@ -140,7 +140,16 @@ class Gateway:
         for key in ("events", "queue_events", "simulated_s", "event_log_hash"):
             summary.pop(key, None)
         return {"servers": [r.view() for r in self.replicas], "outcomes": dict(self.result.outcomes),
-                "summary": summary, "uptime_s": round(self.now(), 3)}
+                "summary": no_nan(summary), "uptime_s": round(self.now(), 3)}
+
+
+def no_nan(obj: Any) -> Any:
+    """``obj`` with every NaN (a percentile of nothing) as None, so that it is valid JSON."""
+    if isinstance(obj, dict):
+        return {k: no_nan(v) for k, v in obj.items()}
+    if isinstance(obj, float) and obj != obj:
+        return None
+    return obj
 
 
 def create_gateway_app(g: Gateway) -> Starlette:

@@ -64,7 +64,8 @@ class SiteReplica:
 
     def view(self) -> dict:
         return {"index": self.index, "site": self.site, "model": self.model, "tier": self.tier,
-                "jurisdiction": self.jurisdiction, "address": self.worker.address, "alive": self.alive,
+                "jurisdiction": self.jurisdiction, "address": self.worker.address,
+                "pid": self.worker.proc.pid if self.worker.proc is not None else None, "alive": self.alive,
                 "live": self.live, "remote_live": self.remote_live, "pending_prefill": self.pending_prefill,
                 "pending_decode": self.pending_decode, "est_wait_ms": round(self.est_wait_s() * 1000, 3),
                 "tok_ms": round(self.tok_s * 1000, 4), "decode_step_ms": round(self.decode_s * 1000, 4)}

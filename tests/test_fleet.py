@@ -1,0 +1,193 @@
+"""The fleet on real processes: ``python -m serve fleet`` over reference/cluster/examples/fleet_small.toml.
+
+Every site is a real ``python -m serve`` process (the tiny model) and the gateway routes with the real
+``reference.cluster.router``. Checked: the openai client gets answers; EU-restricted requests are served by
+EU sites only (in the trace and, independently, in each server's own per-tenant token counters), also with
+EU sites killed; with every EU site down an EU tenant gets 503 with the router's reason while a tenant
+allowed elsewhere is still served; a stream whose site dies ends (error event or full answer), never hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("starlette")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from reference.cluster.scenario import ScenarioError, load_scenario, scenario_from_dict  # noqa: E402
+from serve.fleet.sites import FleetError, plan_workers  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL = REPO / "reference/cluster/examples/fleet_small.toml"
+TWO_REGIONS = REPO / "reference/cluster/examples/two_regions.toml"
+EU_SITES = {"fra-edge", "fra-core"}
+
+
+def client(url: str, tenant: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=tenant, max_retries=0, timeout=60)
+
+
+def ask(url: str, tenant: str, model: str = "auto", stream: bool = False) -> str:
+    c = client(url, tenant)
+    if stream:
+        chunks = c.completions.create(model=model, prompt="Where is Paris?", max_tokens=6, stream=True)
+        return "".join(ch.choices[0].text for ch in chunks)
+    r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "Where is Paris?"}], max_tokens=6)
+    return r.choices[0].message.content
+
+
+def tenant_prompt_tokens(address: str) -> dict[str, int]:
+    """A server's own count of prompt tokens it computed, per tenant (its /metrics)."""
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    return {m[0]: int(m[1]) for m in re.findall(r'unfire_prompt_tokens_total\{tenant="([^"]+)"\} (\d+)', text)}
+
+
+# ---- without processes -------------------------------------------------------------------------
+
+
+def test_serving_fields_are_checked() -> None:
+    s = load_scenario(SMALL)
+    assert s.sites["fra-edge"].serve_model == "tiny" and s.sites["fra-edge"].workers == 1
+    data = __import__("tomllib").loads(SMALL.read_text())
+    for bad, needle in [({"workers": -1}, "workers"), ({"address": ["nocolon"]}, "address"),
+                        ({"address": ["h:1", "h:2"], "workers": 3}, "workers"), ({"serve_model": " "}, "serve_model"),
+                        ({"address": "h:1"}, "address")]:
+        broken = json.loads(json.dumps(data))
+        broken["sites"][0].update(bad)
+        with pytest.raises(ScenarioError, match=needle):
+            scenario_from_dict(broken)
+
+
+def test_workers_per_site_and_disaggregated_sites() -> None:
+    s = load_scenario(TWO_REGIONS)
+    with pytest.raises(FleetError, match=r"sites\[fra-core\].*disaggregated"):
+        plan_workers(s)
+    workers = plan_workers(s, colocate=True)
+    assert [w.site for w in workers].count("central") == 4  # one server per replica by default
+    assert {w.model for w in workers if w.site == "fra-edge"} == {"small-1b"}
+    data = __import__("tomllib").loads(SMALL.read_text())
+    data["sites"][1]["workers"] = 3
+    data["sites"][3]["address"] = ["10.0.0.7:8000", "10.0.0.8:8000"]
+    workers = plan_workers(scenario_from_dict(data))
+    assert [w.site for w in workers].count("fra-core") == 3
+    assert [w.address for w in workers if w.site == "central"] == ["10.0.0.7:8000", "10.0.0.8:8000"]
+
+
+def test_wait_estimate_is_the_simulated_replicas() -> None:
+    from serve.fleet.sites import Worker
+    from serve.fleet.view import SiteReplica
+
+    rep = SiteReplica(Worker(0, "a", "m", "tiny"), "EU", "edge", max_num_seqs=2, tok_s=0.001, decode_s=0.01)
+    assert rep.est_wait_s() == 0
+    rep.pending_prefill, rep.pending_decode, rep.live = 100, 30, 3
+    # 100 prompt tokens at 1 ms, plus (3 + 1 - 2) / 2 of the decode of one of the 3 sequences at 10 ms a step
+    assert rep.est_wait_s() == pytest.approx(0.1 + 1.0 * (30 / 3) * 0.01)
+
+
+# ---- the command, on real processes --------------------------------------------------------------
+
+
+class FleetProcess:
+    def __init__(self, tmp: Path, *args: str) -> None:
+        self.trace = tmp / "trace.jsonl"
+        cmd = [sys.executable, "-m", "serve", "fleet", str(SMALL), "--port", "0", "--trace", str(self.trace),
+               "--workdir", str(tmp / "work"), "--poll-s", "30", *args]  # failures found by requests
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.monotonic() + 90
+        lines = []
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            lines.append(line)
+            m = re.search(r"gateway on (http://127\.0\.0\.1:\d+)/v1", line)
+            if m:
+                self.url = m.group(1)
+                return
+            if not line and self.proc.poll() is not None:
+                break
+        self.proc.kill()
+        raise AssertionError("the fleet did not start:\n" + "".join(lines))
+
+    def servers(self) -> list[dict]:
+        return httpx.get(self.url + "/fleet", timeout=10).json()["servers"]
+
+    def kill_site(self, site: str) -> None:
+        for s in self.servers():
+            if s["site"] == site:
+                os.killpg(s["pid"], signal.SIGKILL)
+
+    def records(self) -> list[dict]:
+        return [json.loads(line) for line in self.trace.read_text().splitlines()]
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    f = FleetProcess(tmp_path_factory.mktemp("fleet"))
+    yield f
+    f.stop()
+
+
+def test_openai_client_gets_answers_routed_by_tier(fleet: FleetProcess) -> None:
+    for tenant in ("eu-chat", "us-chat", "us-hard"):
+        assert ask(fleet.url, tenant)
+        assert ask(fleet.url, tenant, stream=True)
+    assert ask(fleet.url, "eu-chat", model="llama-8b")  # a trait that needs the larger model: not the edge
+    names = [m.id for m in client(fleet.url, "eu-chat").models.list().data]
+    assert names == ["auto", "small-1b", "llama-8b"]
+    with pytest.raises(openai.AuthenticationError):
+        ask(fleet.url, "nobody")
+    with pytest.raises(openai.NotFoundError):
+        ask(fleet.url, "eu-chat", model="gpt-5")
+    recs = {(r["tenant"], r["models"][0]): r for r in fleet.records()}
+    assert recs[("eu-chat", "small-1b")]["prefill_site"] == "fra-edge"
+    assert recs[("eu-chat", "small-1b")]["tier"] == "edge"
+    assert recs[("eu-chat", "llama-8b")]["prefill_site"] == "fra-core"
+    assert recs[("us-chat", "small-1b")]["prefill_site"] == "iad-edge"
+    for r in fleet.records():
+        assert r["outcome"] == "done" and r["status"] == 200 and r["ttft_ms"] > 0 and r["token_times_ms"]
+        assert {"arrival_s", "tier", "prefill_site", "reason", "e2e_ms"} <= set(r)
+
+
+def test_residency_with_eu_sites_killed_and_503_when_none_is_left(fleet: FleetProcess) -> None:
+    fleet.kill_site("fra-edge")
+    for _ in range(4):  # the first finds the dead server (connection refused), is routed again: still the EU
+        assert ask(fleet.url, "eu-chat")
+        assert ask(fleet.url, "us-hard")
+    fleet.kill_site("fra-core")
+    with pytest.raises(openai.APIStatusError) as e:
+        ask(fleet.url, "eu-chat")
+    assert e.value.status_code == 503 and "no live replica" in str(e.value) and "EU" in str(e.value)
+    assert ask(fleet.url, "us-hard")  # allowed in the US too: served by the central site
+    assert ask(fleet.url, "us-chat")
+    recs = fleet.records()
+    eu = [r for r in recs if r["tenant"] == "eu-chat"]
+    assert eu and all(r["prefill_site"] in EU_SITES for r in eu if r["outcome"] == "done")
+    assert all(set(r["visited"]) <= EU_SITES for r in eu)
+    assert any(r["retries"] > 0 for r in eu)  # failed over, and the trace says so
+    assert eu[-1]["outcome"] == "refused" and eu[-1]["status"] == 503
+    # independently of the gateway: no US server ever computed an EU tenant's prompt
+    for s in fleet.servers():
+        if s["jurisdiction"] == "US":
+            assert tenant_prompt_tokens(s["address"]).get("eu-chat", 0) == 0
+    health = httpx.get(fleet.url + "/fleet", timeout=10).json()
+    assert health["summary"]["residency_violations"] == 0
+    assert fleet.stop() == 0
