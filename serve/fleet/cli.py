@@ -35,8 +35,7 @@ from serve.keys import KeysError, KeyTable
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 WARMUP = "fleet-warmup"  # the servers' tenant of the gateway's warm-up requests
-WARMUP_PROMPT = 32  # tokens of the warm-up request that measures each server's prefill and decode times
-WARMUP_OUTPUT = 8
+WARMUP_OUTPUT = 8  # tokens the warm-up request generates (its prompt fills one step's token budget)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -87,9 +86,11 @@ def write_site_keys(s: Scenario, path: Path) -> dict[str, str]:
 
 def warm_up(reps: list[SiteReplica], keys: dict[str, str], s: Scenario) -> None:
     """One streamed request per server: it proves the server answers and measures its prefill time per
-    prompt token and its decode step time, which the router's wait estimate uses. It is sent as the
+    prompt token (a prompt of one whole step budget, as the simulated replica's estimate prices it) and its
+    decode step time, which the router's wait estimate uses. It is sent as the
     ``WARMUP`` tenant, or (servers with a keys file of their own) as a tenant allowed at the server."""
-    body = {"prompt": list(range(100, 100 + WARMUP_PROMPT)), "max_tokens": WARMUP_OUTPUT, "ignore_eos": True,
+    n = max(1, min(s.max_num_batched_tokens, 2000))
+    body = {"prompt": [100 + i % 1000 for i in range(n)], "max_tokens": WARMUP_OUTPUT, "ignore_eos": True,
             "stream": True, "temperature": 0}
     with httpx.Client(timeout=60) as client:
         for rep in reps:
@@ -112,7 +113,7 @@ def warm_up(reps: list[SiteReplica], keys: dict[str, str], s: Scenario) -> None:
             sums = dict(HISTOGRAM.findall(client.get(f"http://{rep.worker.address}/metrics").text))
             ttft = _mean(sums, "unfire_time_to_first_token_seconds")
             itl = _mean(sums, "unfire_inter_token_latency_seconds")
-            rep.tok_s = (ttft if ttft is not None else times[0]) / WARMUP_PROMPT
+            rep.tok_s = (ttft if ttft is not None else times[0]) / n
             if itl is not None:
                 rep.decode_s = itl
             rep.alive = True
