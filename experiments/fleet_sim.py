@@ -32,6 +32,7 @@ import os
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -110,14 +111,19 @@ def simulated(s: Scenario, seed: int, cost: Any) -> tuple[dict[str, Any], Record
     rows = [{"tier": r.decision.prefill.tier if r.outcome == "done" else None, "outcome": r.outcome,
              "ttft": (r.first_token - r.arrival) if r.outcome == "done" else None, "gaps": list(r.gaps),
              "site": r.decision.prefill.site if r.outcome == "done" else None, "arrival": r.arrival,
-             "traffic": r.traffic} for r in sim.finished]
+             "traffic": r.traffic, "spilled": "overloaded" in r.reason} for r in sim.finished]
     stats = per_tier(rows)
     stats["residency_violations"] = len(result.violations)
+    stats["spilled"] = sum(r["spilled"] for r in rows)
+    stats["wait_model"] = {rep.site: {"prefill_ms_per_token": round(rep._tok_s * 1e3, 4),
+                                      "decode_step_ms": round(rep._decode_s * 1e3, 3)} for rep in sim.replicas}
     return {"stats": stats, "rows": rows}, sim
 
 
-async def drive(url: str, s: Scenario, arrivals: dict[int, tuple[int, float, list[int], int]], fleet: Any) -> None:
-    """Send every recorded request at its arrival time; kill and restart failed sites on the scenario's clock."""
+async def drive(url: str, s: Scenario, arrivals: dict[int, tuple[int, float, list[int], int]],
+                fleet: Any) -> list[float]:
+    """Send every recorded request at its arrival time; kill and restart failed sites on the scenario's clock.
+    Returns each failure's real downtime: from the kill until the restarted servers serve again."""
     t0 = time.monotonic()
     fleet.gateway.t0 = t0
 
@@ -133,18 +139,24 @@ async def drive(url: str, s: Scenario, arrivals: dict[int, tuple[int, float, lis
         except httpx.HTTPError:
             pass  # the gateway's trace has the outcome
 
-    async def failure(f: Any) -> None:
+    async def failure(f: Any) -> float:
         await asyncio.sleep(max(0.0, t0 + f.at_s - time.monotonic()))
         await asyncio.to_thread(fleet.sites.kill_site, f.site)
+        killed = time.monotonic()
         await asyncio.sleep(max(0.0, t0 + f.at_s + f.duration_s - time.monotonic()))
         await asyncio.to_thread(fleet.sites.restart_site, f.site)
+        reps = [r for r in fleet.replicas if r.site == f.site]
+        while not all(r.alive for r in reps):  # the gateway's poller sees it up
+            await asyncio.sleep(0.05)
+        return time.monotonic() - killed
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(10.0, read=300.0),
                                  limits=httpx.Limits(max_connections=512)) as client:
-        await asyncio.gather(*(one(client, *a) for a in arrivals.values()), *(failure(f) for f in s.failures))
+        done = await asyncio.gather(*(failure(f) for f in s.failures), *(one(client, *a) for a in arrivals.values()))
+    return [round(d, 3) for d in done[:len(s.failures)]]
 
 
-def real_run(s: Scenario, arrivals: dict, workdir: Path) -> list[dict[str, Any]]:
+def real_run(s: Scenario, arrivals: dict, workdir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from serve.fleet import Fleet
 
     trace = io.StringIO()
@@ -152,8 +164,11 @@ def real_run(s: Scenario, arrivals: dict, workdir: Path) -> list[dict[str, Any]]
     try:
         fleet.start_sites()
         url = fleet.serve(in_thread=True)
-        asyncio.run(drive(url, s, arrivals, fleet))
+        downtime = asyncio.run(drive(url, s, arrivals, fleet))
         time.sleep(0.5)
+        wait_model = {v["site"]: {"prefill_ms_per_token": v["tok_ms"], "decode_step_ms": v["decode_step_ms"]}
+                      for v in fleet.gateway.view()["servers"]}
+        wait_model["downtime_s"] = downtime
     finally:
         fleet.stop()
     records = [json.loads(line) for line in trace.getvalue().splitlines()]
@@ -164,9 +179,9 @@ def real_run(s: Scenario, arrivals: dict, workdir: Path) -> list[dict[str, Any]]
         rows.append({"tier": r["tier"], "outcome": r["outcome"], "site": r["prefill_site"],
                      "ttft": r["ttft_ms"] / 1e3 if r["ttft_ms"] is not None else None,
                      "gaps": list(np.diff(times)) if len(times) > 1 else [], "arrival": r["arrival_s"],
-                     "tenant": r["tenant"], "retries": r["retries"],
+                     "tenant": r["tenant"], "retries": r["retries"], "spilled": "overloaded" in r["reason"],
                      "violation": any(jur[v] not in r["allowed"] for v in r["visited"])})
-    return rows
+    return rows, wait_model
 
 
 def spread(values: list[float | None]) -> dict[str, float | None]:
@@ -176,30 +191,34 @@ def spread(values: list[float | None]) -> dict[str, float | None]:
     return {"median": round(float(np.median(v)), 2), "min": round(min(v), 2), "max": round(max(v), 2)}
 
 
-def compare(sim: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+def compare(sim: dict[str, Any], runs: list[dict[str, Any]], sim_real: dict[str, Any]) -> dict[str, Any]:
+    """Per tier and metric: the simulator on the scenario, the simulator with the real downtime, the real runs."""
     table: dict[str, Any] = {}
     for tier in TIERS:
-        row: dict[str, Any] = {"share": {"sim": sim[tier]["share"], "real": spread([r[tier]["share"] for r in runs])}}
+        row: dict[str, Any] = {"share": {"sim": sim[tier]["share"], "sim_real_downtime": sim_real[tier]["share"],
+                                         "real": spread([r[tier]["share"] for r in runs])}}
         for metric in ("ttft_ms", "itl_ms"):
             for p in PS:
                 key = f"p{p}"
                 row[f"{metric[:-3]}_{key}_ms"] = {"sim": sim[tier][metric][key],
+                                                  "sim_real_downtime": sim_real[tier][metric][key],
                                                   "real": spread([r[tier][metric][key] for r in runs])}
         table[tier] = row
     return table
 
 
-def markdown(table: dict[str, Any], sim: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+def markdown(table: dict[str, Any]) -> str:
     def cell(c: dict[str, Any], pct: bool = False) -> str:
         if c["sim"] is None and c["real"]["median"] is None:
             return "-"
-        f = (lambda x: "-" if x is None else f"{x:.0%}") if pct else (lambda x: "-" if x is None else f"{x:.1f}")
-        return f"{f(c['sim'])} / {f(c['real']['median'])} [{f(c['real']['min'])}-{f(c['real']['max'])}]"
+        f = (lambda x: "-" if x is None else f"{x:.0%}") if pct else (lambda x: "-" if x is None else f"{x:.0f}")
+        r = c["real"]
+        return f"{f(c['sim'])} / {f(c['sim_real_downtime'])} / **{f(r['median'])}** [{f(r['min'])}-{f(r['max'])}]"
 
     lines = ["| tier | share | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | ITL p99 |",
              "|---|---|---|---|---|---|---|---|"]
     for tier, row in table.items():
-        if row["share"]["sim"] == 0 and not row["share"]["real"]["max"]:
+        if not row["share"]["sim"] and not row["share"]["sim_real_downtime"] and not row["share"]["real"]["max"]:
             continue
         cells = [cell(row["share"], pct=True)] + [cell(row[f"{m}_p{p}_ms"]) for m in ("ttft", "itl") for p in PS]
         lines.append(f"| {tier} | " + " | ".join(cells) + " |")
@@ -255,15 +274,22 @@ def main() -> None:
         work = Path(tmp)
         cost, n_steps = calibrate(s, work)
         sim, recorded = simulated(s, args.seed, cost)
-        real_rows = [real_run(s, recorded.arrivals, work / f"run{i}") for i in range(args.runs)]
+        real = [real_run(s, recorded.arrivals, work / f"run{i}") for i in range(args.runs)]
+    real_rows = [rows for rows, _ in real]
     runs = []
-    for rows in real_rows:
+    for rows, wait_model in real:
         stats = per_tier(rows)
+        stats["spilled"] = sum(r["spilled"] for r in rows)
+        stats["wait_model"] = wait_model
         stats["residency_violations"] = sum(r["violation"] for r in rows)
         stats["retries"] = sum(r["retries"] for r in rows)
         runs.append(stats)
-    table = compare(sim["stats"], runs)
-    md = markdown(table, sim["stats"], runs)
+    # the same arrivals again, with each failure lasting as long as it really did (a restart takes seconds)
+    downtime = [float(np.median([r["wait_model"]["downtime_s"][i] for r in runs])) for i in range(len(s.failures))]
+    s_real = replace(s, failures=tuple(replace(f, duration_s=d) for f, d in zip(s.failures, downtime, strict=True)))
+    sim_real, _ = simulated(s_real, args.seed, cost)
+    table = compare(sim["stats"], runs, sim_real["stats"])
+    md = markdown(table)
     figure_path = args.figure or args.json.with_suffix(".png")
     figure(sim["rows"], real_rows[0], s, figure_path)
     result = {
@@ -277,13 +303,18 @@ def main() -> None:
                   "delays": "the scenario's access and path delays added by the gateway (real) / modelled (sim)",
                   "clock": "wall (the servers' and gateway's monotonic clocks) for real; simulated for the simulator",
                   "seconds": round(time.perf_counter() - t_start, 1)},
-        "measured": {"table": table, "simulated": sim["stats"], "real_runs": runs, "markdown": md},
+        "measured": {"table": table, "simulated": sim["stats"], "simulated_real_downtime": sim_real["stats"],
+                     "real_downtime_s": downtime, "real_runs": runs, "markdown": md},
         "figure": figure_path.name,
     }
     write_text(args.json, json.dumps(result, indent=1) + "\n")
     print(md)
-    print(f"sim outcomes {sim['stats']['outcomes']}, violations {sim['stats']['residency_violations']}; real: " +
-          "; ".join(f"{r['outcomes']} violations {r['residency_violations']}" for r in runs))
+    print(f"real downtime {downtime} s; sim with it: {sim_real['stats']['outcomes']}")
+    print(f"sim outcomes {sim['stats']['outcomes']}, violations {sim['stats']['residency_violations']}, "
+          f"spilled {sim['stats']['spilled']}, wait model {sim['stats']['wait_model']}")
+    for r in runs:
+        print(f"real: {r['outcomes']} violations {r['residency_violations']} spilled {r['spilled']} "
+              f"retries {r['retries']}, wait model {r['wait_model']}")
 
 
 if __name__ == "__main__":

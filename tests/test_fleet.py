@@ -167,6 +167,26 @@ def test_openai_client_gets_answers_routed_by_tier(fleet: FleetProcess) -> None:
         assert {"arrival_s", "tier", "prefill_site", "reason", "e2e_ms"} <= set(r)
 
 
+def test_a_stream_whose_site_dies_ends_with_an_error_event(fleet: FleetProcess) -> None:
+    body = {"model": "auto", "prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    events = []
+    started = time.monotonic()
+    with httpx.stream("POST", fleet.url + "/v1/completions", json=body, headers={"Authorization": "Bearer us-chat"},
+                      timeout=60) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                events.append(line)
+                if len(events) == 3:
+                    fleet.kill_site("iad-edge")
+    assert time.monotonic() - started < 30 and events[-1] == "data: [DONE]"
+    assert any('"site_failed"' in e for e in events) or len(events) >= 1500  # cut short with a reason, or done
+    assert ask(fleet.url, "us-chat")  # the next one goes to the US central site
+    last = [r for r in fleet.records() if r["tenant"] == "us-chat"][-2:]
+    assert last[0]["prefill_site"] == "iad-edge" and last[0]["outcome"] in ("failed", "done")
+    assert last[1]["prefill_site"] == "central" and last[1]["outcome"] == "done"
+
+
 def test_residency_with_eu_sites_killed_and_503_when_none_is_left(fleet: FleetProcess) -> None:
     fleet.kill_site("fra-edge")
     for _ in range(4):  # the first finds the dead server (connection refused), is routed again: still the EU
