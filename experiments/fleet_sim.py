@@ -225,31 +225,36 @@ def markdown(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def figure(sim_rows: list[dict], real_rows: list[dict], s: Scenario, path: Path) -> None:
+def figure(sim_rows: list[dict], real_rows: list[dict], s: Scenario, downtime: list[float], path: Path) -> None:
+    """Requests per site and tier over arrival time: the simulator and the first real run, failures shaded."""
     from experiments.registry import pyplot
 
     plt = pyplot()
     sites = list(s.sites)
     colors = {"edge": "tab:green", "regional": "tab:blue", "central": "tab:purple"}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.8), sharey=True)
-    for ax, rows, title in ((axes[0], sim_rows, "simulated"), (axes[1], real_rows, "real fleet (run 1)")):
-        for f in s.failures:
-            ax.axvspan(f.at_s, f.at_s + f.duration_s, color="red", alpha=0.08)
-            ax.text(f.at_s, len(sites) - 0.6, f"{f.site} down", fontsize=7, color="red")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), sharey=True)
+    panels = ((axes[0], sim_rows, "simulated", [f.duration_s for f in s.failures]),
+              (axes[1], real_rows, "real fleet (run 1)", downtime))
+    for ax, rows, title, downs in panels:
+        for f, down in zip(s.failures, downs, strict=True):
+            ax.axvspan(f.at_s, f.at_s + down, color="red", alpha=0.08)
+            ax.text(f.at_s + 0.05, -0.9, f"{f.site} down {down:.1f} s", fontsize=7, color="red")
         for tier, color in colors.items():
             mine = [r for r in rows if r["outcome"] == "done" and r["tier"] == tier]
             ax.scatter([r["arrival"] for r in mine], [sites.index(r["site"]) for r in mine], s=14, color=color,
                        label=tier, alpha=0.8)
         other = [r for r in rows if r["outcome"] != "done"]
-        ax.scatter([r["arrival"] for r in other], [-0.6] * len(other), marker="x", color="black", s=18,
-                   label="not done (refused / cut)")
+        ax.scatter([r["arrival"] for r in other], [sites.index(r["site"]) if r["site"] else -0.5 for r in other],
+                   marker="x", color="black", s=24, label="not done (refused / cut by the failure)")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("arrival (s)")
-    axes[0].set_yticks(range(len(sites)), [f"{n} ({s.sites[n].jurisdiction})" for n in sites], fontsize=8)
-    axes[0].set_ylim(-1, len(sites) - 0.3)
-    axes[1].legend(fontsize=7, loc="center right")
-    fig.suptitle("Requests per site and tier over time (fleet_small.toml, same arrivals)", fontsize=10)
-    fig.tight_layout()
+    axes[0].set_yticks(range(len(sites)), [f"{n} ({s.sites[n].tier}, {s.sites[n].jurisdiction})" for n in sites],
+                       fontsize=8)
+    axes[0].set_ylim(-1.1, len(sites) - 0.4)
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=4)
+    fig.suptitle(f"Requests per site and tier over time ({path.stem}: same scenario, same arrivals)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -291,7 +296,7 @@ def main() -> None:
     table = compare(sim["stats"], runs, sim_real["stats"])
     md = markdown(table)
     figure_path = args.figure or args.json.with_suffix(".png")
-    figure(sim["rows"], real_rows[0], s, figure_path)
+    figure(sim["rows"], real_rows[0], s, runs[0]["wait_model"]["downtime_s"], figure_path)
     result = {
         "claim": "R1", "title": "Tiered routing: the simulator against the real fleet (same scenario, same arrivals)",
         "setup": {**started, "machine_after": machine(), "scenario": str(args.scenario.name), "seed": args.seed,
