@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -99,26 +100,49 @@ def test_wait_estimate_is_the_simulated_replicas() -> None:
 # ---- the command, on real processes --------------------------------------------------------------
 
 
+def start_server(cmd: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """Start a process that prints an http://host:port address; returns it and that address."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + 90
+    lines = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        lines.append(line)
+        m = re.search(r"(?:gateway )?on http://(127\.0\.0\.1:\d+)/v1", line)
+        if m and (cmd[3:4] != ["fleet"] or "gateway" in line):
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return proc, m.group(1)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise AssertionError(f"{cmd[:4]} did not start:\n" + "".join(lines))
+
+
 class FleetProcess:
-    def __init__(self, tmp: Path, *args: str) -> None:
-        self.trace = tmp / "trace.jsonl"
-        cmd = [sys.executable, "-m", "serve", "fleet", str(SMALL), "--port", "0", "--trace", str(self.trace),
-               "--workdir", str(tmp / "work"), "--poll-s", "30", *args]  # failures found by requests
+    """``python -m serve fleet`` on fleet_small.toml, with its central site "remote": a server this test
+    starts itself and lists in the scenario as the site's ``address``, both run with one ``--site-keys`` file."""
+
+    def __init__(self, tmp: Path) -> None:
+        from serve.fleet.cli import write_site_keys
+        from serve.fleet.tiny import write_tiny_checkpoint
+
         env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        deadline = time.monotonic() + 90
-        lines = []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            lines.append(line)
-            m = re.search(r"gateway on (http://127\.0\.0\.1:\d+)/v1", line)
-            if m:
-                self.url = m.group(1)
-                return
-            if not line and self.proc.poll() is not None:
-                break
-        self.proc.kill()
-        raise AssertionError("the fleet did not start:\n" + "".join(lines))
+        keys = tmp / "site-keys.toml"
+        write_site_keys(load_scenario(SMALL), keys)
+        tiny = write_tiny_checkpoint(tmp / "tiny")
+        self.remote, address = start_server(
+            [sys.executable, "-m", "serve", "--model", str(tiny), "--served-model-name", "llama-8b", "--port", "0",
+             "--api-keys", str(keys), "--max-num-seqs", "16", "--max-num-batched-tokens", "256"], env)
+        scenario = tmp / "fleet_remote.toml"
+        text = SMALL.read_text()
+        assert '# address = ["10.0.0.7:8000"]' in text
+        scenario.write_text(text.replace('# address = ["10.0.0.7:8000"]', f'address = ["{address}"]'))
+        self.trace = tmp / "trace.jsonl"
+        cmd = [sys.executable, "-m", "serve", "fleet", str(scenario), "--port", "0", "--trace", str(self.trace),
+               "--workdir", str(tmp / "work"), "--site-keys", str(keys), "--poll-s", "30"]  # failures found by requests
+        self.proc, gateway = start_server(cmd, env)
+        self.url = "http://" + gateway
 
     def servers(self) -> list[dict]:
         return httpx.get(self.url + "/fleet", timeout=10).json()["servers"]
@@ -136,8 +160,10 @@ class FleetProcess:
         try:
             return self.proc.wait(30)
         finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
+            for p in (self.proc, self.remote):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +184,8 @@ def test_openai_client_gets_answers_routed_by_tier(fleet: FleetProcess) -> None:
         ask(fleet.url, "nobody")
     with pytest.raises(openai.NotFoundError):
         ask(fleet.url, "eu-chat", model="gpt-5")
+    central = next(s for s in fleet.servers() if s["site"] == "central")
+    assert central["pid"] is None and central["alive"]  # remote: not started by the fleet, reached over HTTP
     recs = {(r["tenant"], r["models"][0]): r for r in fleet.records()}
     assert recs[("eu-chat", "small-1b")]["prefill_site"] == "fra-edge"
     assert recs[("eu-chat", "small-1b")]["tier"] == "edge"

@@ -114,7 +114,7 @@ def check_example(run: Run, actions: list[tuple]) -> None:
     run.restore()
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions=st.lists(action, min_size=3, max_size=8).filter(lambda xs: sum(a[0] == "kill" for a in xs) <= 2))
 def test_residency_under_random_tenants_and_site_kills(run: Run, actions: list[tuple]) -> None:
     check_example(run, actions)
