@@ -86,6 +86,18 @@ def test_workers_per_site_and_disaggregated_sites() -> None:
     assert [w.address for w in workers if w.site == "central"] == ["10.0.0.7:8000", "10.0.0.8:8000"]
 
 
+def test_api_keys_must_name_traffic_classes_on_their_plans() -> None:
+    from serve.fleet.cli import check_keys
+    from serve.keys import KeysError, KeyTable
+
+    s = load_scenario(SMALL)
+    check_keys(s, KeyTable.from_dict({"keys": {"k1": {"tenant": "eu-chat", "plan": "paid"}}}), "k")
+    with pytest.raises(KeysError, match="not a traffic class"):
+        check_keys(s, KeyTable.from_dict({"keys": {"k1": {"tenant": "acme", "plan": "paid"}}}), "k")
+    with pytest.raises(KeysError, match="on plan 'free', its traffic class on 'paid'"):
+        check_keys(s, KeyTable.from_dict({"keys": {"k1": {"tenant": "eu-chat", "plan": "free"}}}), "k")
+
+
 def test_wait_estimate_is_the_simulated_replicas() -> None:
     from serve.fleet.sites import Worker
     from serve.fleet.view import SiteReplica

@@ -25,20 +25,25 @@ pytest.importorskip("starlette")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from serve.fleet import Fleet  # noqa: E402
+from serve.keys import KeyTable  # noqa: E402
 
 SMALL = Path(__file__).resolve().parent.parent / "reference/cluster/examples/fleet_small.toml"
 TENANTS = ("eu-chat", "us-chat", "us-hard")
 SITES = ("fra-edge", "fra-core", "iad-edge", "central")
+# serve's own keys table: each key's tenant is a traffic class of the scenario, on its plan
+KEYS = {"keys": {"sk-eu-1": {"tenant": "eu-chat", "plan": "paid"}, "sk-us-1": {"tenant": "us-chat", "plan": "free"},
+                 "sk-us-2": {"tenant": "us-hard", "plan": "free"}}}
+KEY_OF = {entry["tenant"]: key for key, entry in KEYS["keys"].items()}
 
 
 class Run:
     def __init__(self, workdir: Path) -> None:
         self.trace = io.StringIO()
-        self.fleet = Fleet(SMALL, workdir=workdir, trace=self.trace, poll_s=0.3)
+        self.fleet = Fleet(SMALL, workdir=workdir, keys=KeyTable.from_dict(KEYS), trace=self.trace, poll_s=0.3)
         self.fleet.start_sites()
         self.url = self.fleet.serve(in_thread=True)
         self.killed: set[str] = set()
@@ -46,8 +51,8 @@ class Run:
 
     def ask(self, tenant: str, model: str, stream: bool) -> httpx.Response:
         body = {"model": model, "prompt": "The capital of France is", "max_tokens": 4, "stream": stream}
-        return httpx.post(self.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {tenant}"},
-                          timeout=60)
+        return httpx.post(self.url + "/v1/completions", json=body,
+                          headers={"Authorization": f"Bearer {KEY_OF[tenant]}"}, timeout=60)
 
     def could_serve(self, tenant: str, model: str) -> set[str]:
         """The live sites allowed for ``tenant`` holding a model its request accepts (the truth, not the view)."""
@@ -79,6 +84,13 @@ def run(tmp_path_factory):
 action = st.one_of(
     st.tuples(st.just("ask"), st.sampled_from(TENANTS), st.sampled_from(["auto", "llama-8b"]), st.booleans()),
     st.tuples(st.just("kill"), st.sampled_from(SITES)))
+
+
+def test_keys_are_servers_keys_and_name_traffic_classes(run: Run) -> None:
+    assert run.ask("eu-chat", "auto", False).status_code == 200
+    wrong = httpx.post(run.url + "/v1/completions", json={"model": "auto", "prompt": "x"},
+                       headers={"Authorization": "Bearer eu-chat"}, timeout=30)  # a class name is no key here
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
 
 
 def check_example(run: Run, actions: list[tuple]) -> None:
@@ -116,6 +128,8 @@ def check_example(run: Run, actions: list[tuple]) -> None:
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions=st.lists(action, min_size=3, max_size=8).filter(lambda xs: sum(a[0] == "kill" for a in xs) <= 2))
+@example(actions=[("kill", "fra-edge"), ("ask", "eu-chat", "auto", True), ("ask", "us-hard", "auto", False),
+                  ("kill", "fra-core"), ("ask", "eu-chat", "auto", False), ("ask", "us-hard", "llama-8b", True)])
 def test_residency_under_random_tenants_and_site_kills(run: Run, actions: list[tuple]) -> None:
     check_example(run, actions)
 
