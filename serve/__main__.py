@@ -2,6 +2,7 @@
 
     python -m serve --model smollm2 [--engine reference|fast] [--host 127.0.0.1] [--port 8000]
                     [--api-keys KEYS.toml] [--num-blocks 512] [--max-pending 256] [--shutdown-grace 10]
+    python -m serve fleet SCENARIO.toml [...]   (a simulator scenario on real servers: serve/fleet)
 
 Without ``--api-keys`` every request is accepted (tenant "default"), so the server binds only to a
 loopback address unless ``--allow-unauthenticated`` is given. SIGTERM (or Ctrl-C) stops accepting
@@ -62,6 +63,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["fleet"]:  # python -m serve fleet SCENARIO.toml: see serve/fleet
+        from serve.fleet import main as fleet_main
+
+        return fleet_main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
     try:

@@ -23,8 +23,7 @@ MAX_REQUESTS = 100_000_000  # sum over traffic classes of rate_per_s x duration_
 MAX_TOKENS = 1_000_000  # any one prompt / output / system prompt / step budget
 MAX_SEQS = 100_000  # max_num_seqs
 MAX_REPLICAS = 100_000  # replicas in the whole scenario
-
-
+MAX_WORKERS = 64  # server processes one site of a real fleet may ask for
 
 
 @dataclass(frozen=True)
@@ -73,6 +72,10 @@ class Site:
     gpus: dict[str, int]  # GPU type -> count
     replicas: tuple[ReplicaSpec, ...] = ()
     local_gbps: float = 400.0  # bandwidth between replicas inside the site (KV transfer)
+    # what a real run (``python -m serve fleet``) needs; the simulator ignores these
+    serve_model: str = "tiny"  # the packaged model its servers run: "tiny", "smollm2" or a checkpoint path
+    workers: int = 0  # server processes for the site (0: one per replica of ``replicas``)
+    address: tuple[str, ...] = ()  # host:port of servers already running elsewhere (then none is started)
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,7 @@ def scenario_from_dict(data: dict[str, Any]) -> Scenario:
         t = dict(as_table(t, f"sites[{i}]"))
         t["replicas"] = tuple(build(ReplicaSpec, r, f"sites[{i}].replicas[{k}]")
                               for k, r in enumerate(as_list(t, "replicas", f"sites[{i}].", required=False)))
+        t["address"] = tuple(as_list(t, "address", f"sites[{i}].", required=False))
         sites[t.get("name")] = build(Site, t, f"sites[{i}]")
     links = tuple(build(Link, t, f"links[{i}]") for i, t in enumerate(as_list(data, "links", required=False)))
     traffic = []
@@ -201,6 +205,7 @@ def check(s: Scenario) -> None:
         for gpu, n in site.gpus.items():
             if gpu not in s.gpu_types or isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ScenarioError(f"{where}.gpus: {gpu!r} = {n!r}; need a known GPU type and a count >= 0")
+        _check_serving(site, where)
         used: dict[str, int] = {}
         for r in site.replicas:
             if r.model not in s.models:
@@ -253,6 +258,20 @@ def check(s: Scenario) -> None:
     _check_limits(s)
     check_positive("simulation", duration_s=s.duration_s, block_size=s.block_size, max_wait_s=s.max_wait_s,
               max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs)
+
+
+def _check_serving(site: Site, where: str) -> None:
+    """The fields only a real run reads: a model to serve, a worker count, well-formed addresses."""
+    if not site.serve_model.strip():
+        raise ScenarioError(f"{where}.serve_model: must name a model (tiny, smollm2 or a checkpoint path)")
+    if site.workers < 0 or site.workers > MAX_WORKERS:
+        raise ScenarioError(f"{where}.workers: {site.workers} is not in 0..{MAX_WORKERS}")
+    if site.address and site.workers and site.workers != len(site.address):
+        raise ScenarioError(f"{where}.workers: {site.workers} workers but {len(site.address)} addresses")
+    for a in site.address:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ScenarioError(f"{where}.address: {a!r} is not host:port")
 
 
 def _check_limits(s: Scenario) -> None:
