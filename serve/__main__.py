@@ -43,11 +43,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds requests in flight may finish after SIGTERM before they are aborted")
     p.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--pipeline", metavar="STAGES",
+                   help="split the model over stage processes: a number of equal CPU stages (2) or a chain "
+                        "cpu:THREADS[xSLOWDOWN],... (e.g. cpu:1,cpu:1x2); layers by the placement's best split")
+    p.add_argument("--micro-batches", type=int, default=2, help="pieces a pipeline step is cut into (default 2)")
     args = p.parse_args(argv)
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
                 "give --api-keys KEYS.toml, or --allow-unauthenticated if that is what you want")
-    for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending"):
+    for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending", "micro_batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.shutdown_grace < 0:
@@ -81,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None, policy=args.policy,
                              dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=args.max_model_len)
+                             max_model_len=args.max_model_len, pipeline=args.pipeline,
+                             micro_batches=args.micro_batches)
     except (EngineUnavailable, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -100,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
     server = draining_server(config, worker, args.shutdown_grace)
     worker.start()
-    print(f"serving {name} ({args.engine} engine, context {worker.max_model_len} tokens) on "
+    kind = f"pipeline {_stages(engine)}" if args.pipeline else f"{args.engine} engine"
+    print(f"serving {name} ({kind}, context {worker.max_model_len} tokens) on "
           f"http://{args.host}:{port}/v1" + (f" with {len(keys)} API keys" if keys else ""), flush=True)
     # uvicorn handles SIGTERM/SIGINT itself while it runs, then re-raises the signal to whatever handler
     # was there before; a handler that does nothing makes a drained shutdown exit 0
@@ -110,8 +116,16 @@ def main(argv: list[str] | None = None) -> int:
         server.run(sockets=[sock])
     finally:
         worker.stop()
+        getattr(engine.runner, "close", lambda: None)()  # a pipeline's stage processes
     print("stopped", flush=True)
     return 0
+
+
+def _stages(engine: object) -> str:
+    """The stages and their layers, e.g. 'cpu:1 [0, 19) -> cpu:1x2 [19, 30)'."""
+    plan = engine.runner.plan  # type: ignore[attr-defined]
+    b = plan.bounds
+    return " -> ".join(f"{n} [{b[k]}, {b[k + 1]})" for k, n in enumerate(plan.nodes))
 
 
 def draining_server(config: object, worker: object, grace: float) -> object:

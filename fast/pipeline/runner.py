@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fast.pipeline import stage as stage_mod
 from fast.pipeline import wire
 from fast.pipeline.chain import Node, PipelineError, Plan, parse_chain, plan
 from fast.pipeline.stage import FOREVER, StageModel, limits_of, load_checkpoint, now
@@ -97,7 +98,7 @@ class PipelineRunner:
 
     def __init__(self, model_spec: str, config: Any, weights: Any, the_plan: Plan, *, num_blocks: int,
                  block_size: int = 16, kv_dtype: str | None = None, dtype: str = "bfloat16", micro_batches: int = 2,
-                 step_timeout_s: float = 120.0, start_timeout_s: float = 300.0):
+                 step_timeout_s: float = 120.0, start_timeout_s: float = 300.0, ship_weights: bool = True):
         if PipelineRunner._active is not None:
             raise PipelineError("a pipeline is already running in this process; close() it first")
         if micro_batches < 1:
@@ -112,6 +113,7 @@ class PipelineRunner:
         self._results: queue.Queue = queue.Queue()
         self._closed = False
         bounds, nodes = the_plan.bounds, the_plan.nodes
+        self._threads_before = torch.get_num_threads()  # restored by close()
         torch.set_num_threads(nodes[0].threads)
         self.stage = StageModel(config, weights, 0, bounds[1], dtype=dtype, num_blocks=num_blocks,
                                 block_size=block_size, kv_dtype=kv_dtype, slowdown=nodes[0].slowdown)
@@ -124,23 +126,37 @@ class PipelineRunner:
                    OMP_NUM_THREADS="1")
         for rank in range(1, self.world):
             cmd = [sys.executable, "-m", "fast.pipeline.stage", "--rank", str(rank), "--world", str(self.world),
-                   "--store-port", str(self._store.port), "--model", str(model_spec),
+                   "--store-port", str(self._store.port),
                    "--bounds", ",".join(map(str, bounds)), "--dtype", dtype, "--num-blocks", str(num_blocks),
                    "--block-size", str(block_size), "--threads", str(nodes[rank].threads),
                    "--slowdown", str(nodes[rank].slowdown), "--parent", str(os.getpid())]
             if kv_dtype:
                 cmd += ["--kv-dtype", kv_dtype]
+            if not ship_weights:
+                cmd += ["--model", str(model_spec)]
             log = open(Path(self._logs.name) / f"stage{rank}.log", "wb")  # noqa: SIM115 (the child owns it)
             self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT))
             log.close()
         PipelineRunner._active = self
         atexit.register(self.close)
         try:
-            self._wait_ready(start_timeout_s)
+            deadline = time.monotonic() + start_timeout_s
+            self._wait_for("joined", deadline)
             dist.init_process_group("gloo", store=self._store, rank=0, world_size=self.world, timeout=FOREVER)
-        except BaseException:
+            if ship_weights:
+                for rank in range(1, self.world):
+                    stage_mod.ship_weights(self._store, config, weights, bounds, rank)
+            self._wait_for("ready", deadline)
+        except BaseException as e:
+            time.sleep(0.2)  # let a stage that died be reaped, to name it
+            dead = self._dead()
             self._kill()
+            if dist.is_initialized():
+                dist.destroy_process_group()
             PipelineRunner._active = None
+            torch.set_num_threads(self._threads_before)
+            if isinstance(e, RuntimeError) and not isinstance(e, PipelineError):
+                raise PipelineError(f"starting the stages failed: {dead or e}") from None
             raise
         self._receiver = threading.Thread(target=self._receive, name="pipeline-recv", daemon=True)
         self._receiver.start()
@@ -263,20 +279,20 @@ class PipelineRunner:
             except subprocess.TimeoutExpired:
                 pass
 
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def _wait_for(self, key: str, deadline: float) -> None:
+        """Until every stage has set ``key{rank}`` in the store; a stage that failed or exited ends the wait."""
         waiting = set(range(1, self.world))
         while waiting:
             for rank in sorted(waiting):
                 if self._store.check([f"failed{rank}"]):
                     raise PipelineError(f"stage {rank} could not start: {self._store.get(f'failed{rank}').decode()}")
-                if self._store.check([f"ready{rank}"]):
+                if self._store.check([f"{key}{rank}"]):
                     waiting.discard(rank)
             dead = self._dead()
             if dead:
                 raise PipelineError(f"a stage could not start: {dead}")
             if time.monotonic() > deadline:
-                raise PipelineError(f"stages {sorted(waiting)} were not ready within {timeout:g} s")
+                raise PipelineError(f"stages {sorted(waiting)} did not start in time (waiting for {key!r})")
             time.sleep(0.05)
 
     def close(self, timeout: float = 10.0) -> None:
@@ -288,6 +304,7 @@ class PipelineRunner:
             try:
                 dist.send(wire.header(wire.STOP), dst=1)
                 self._receiver.join(timeout)
+                dist.destroy_process_group()
                 for p in self.procs:
                     p.wait(timeout=timeout)
             except (RuntimeError, subprocess.TimeoutExpired):
@@ -296,6 +313,7 @@ class PipelineRunner:
         if dist.is_initialized():
             dist.destroy_process_group()
         PipelineRunner._active = None
+        torch.set_num_threads(self._threads_before)
         self._logs.cleanup()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import os
 import sys
 import threading
@@ -53,6 +54,61 @@ def load_checkpoint(spec: str) -> tuple[Any, LlamaWeights]:
     from reference.model.loader import load_llama
 
     return load_llama(spec)
+
+
+LAYER_FIELDS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down", "bq", "bk", "bv", "bo")
+MAX_WEIGHT_ELEMENTS = 1 << 34  # a manifest naming more than this is refused
+
+
+def stage_tensors(config: Any, weights: LlamaWeights, first: int, last: int) -> list[tuple[str, np.ndarray]]:
+    """What stage ``first .. last - 1`` holds, by name, in the order stage 0 sends it."""
+    out = [(f"layers.{i}.{f}", getattr(weights.layers[i], f)) for i in range(first, last) for f in LAYER_FIELDS
+           if getattr(weights.layers[i], f) is not None]
+    out.append(("final_norm", weights.final_norm))
+    if weights.rope_freq_factors is not None:
+        out.append(("rope_freq_factors", weights.rope_freq_factors))
+    if last == config.num_layers:
+        out.append(("lm_head", weights.lm_head))
+    return out
+
+
+def ship_weights(store: Any, config: Any, weights: LlamaWeights, bounds: Sequence[int], rank: int) -> None:
+    """Stage 0 sends stage ``rank`` its config (JSON, in the store) and its tensors (float32, over the group)."""
+    named = stage_tensors(config, weights, bounds[rank], bounds[rank + 1])
+    manifest = {"config": dataclasses.asdict(config), "tensors": [(n, list(a.shape)) for n, a in named]}
+    store.set(f"manifest{rank}", json.dumps(manifest))
+    for _, a in named:
+        dist.send(torch.from_numpy(np.array(a, dtype=np.float32)), dst=rank)  # a writable copy
+
+
+def receive_weights(store: Any, first: int, last: int) -> tuple[Any, LlamaWeights]:
+    """The other side of ``ship_weights``: every name and shape checked before a buffer is allocated."""
+    from reference.model.config import LlamaConfig
+    from reference.model.loader import LayerWeights
+
+    manifest = json.loads(store.get(f"manifest{dist.get_rank()}"))
+    cfg = dict(manifest["config"])
+    cfg["eos_token_ids"] = tuple(cfg.get("eos_token_ids") or ())
+    config = LlamaConfig(**cfg)
+    if not 0 <= first < last <= config.num_layers:
+        raise ValueError(f"stage layers {first}..{last - 1} are not a range of the model's {config.num_layers}")
+    wanted = {f"layers.{i}.{f}" for i in range(first, last) for f in LAYER_FIELDS} | \
+        {"final_norm", "rope_freq_factors", "lm_head"}
+    got: dict[str, np.ndarray] = {}
+    for name, shape in manifest["tensors"]:
+        n = int(np.prod(shape)) if shape else 1
+        if name not in wanted or name in got or not 0 < n <= MAX_WEIGHT_ELEMENTS:
+            raise ValueError(f"stage 0 announced an unexpected tensor {name!r} of shape {shape}")
+        t = torch.empty([int(d) for d in shape], dtype=torch.float32)
+        dist.recv(t, src=0)
+        got[name] = t.numpy()
+    layers = [LayerWeights(**{f: got.get(f"layers.{i}.{f}") for f in LAYER_FIELDS}) for i in range(first, last)]
+    stand_in = np.zeros((1, config.hidden_size), np.float32)
+    head = got.get("lm_head", stand_in)
+    pad = [None] * first  # StageModel indexes the checkpoint's layers; the ones before ``first`` are not here
+    weights = LlamaWeights(embedding=head if config.tie_embeddings else stand_in, layers=pad + layers,
+                           final_norm=got["final_norm"], lm_head=head, rope_freq_factors=got.get("rope_freq_factors"))
+    return config, weights
 
 
 class StageModel:
@@ -158,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--store-port", type=int, required=True)
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", help="load the checkpoint here (default: stage 0 sends this stage its weights)")
     p.add_argument("--bounds", required=True, help="layer boundaries of every stage, e.g. 0,20,30")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--kv-dtype")
@@ -172,25 +228,29 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     bounds = [int(b) for b in args.bounds.split(",")]
     store = dist.TCPStore("127.0.0.1", args.store_port, args.world, is_master=False,
-                          timeout=datetime.timedelta(seconds=120))
+                          timeout=datetime.timedelta(seconds=300))
+    store.set(f"joined{args.rank}", str(os.getpid()))
+    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=FOREVER)
+    first, last = bounds[args.rank], bounds[args.rank + 1]
     try:
-        config, weights = load_checkpoint(args.model)
-        stage = StageModel(config, weights, bounds[args.rank], bounds[args.rank + 1], dtype=args.dtype,
-                           num_blocks=args.num_blocks, block_size=args.block_size, kv_dtype=args.kv_dtype,
-                           slowdown=args.slowdown)
+        if args.model:
+            config, weights = load_checkpoint(args.model)
+        else:  # stage 0 sends this stage its weights
+            config, weights = receive_weights(store, first, last)
+        stage = StageModel(config, weights, first, last, dtype=args.dtype, num_blocks=args.num_blocks,
+                           block_size=args.block_size, kv_dtype=args.kv_dtype, slowdown=args.slowdown)
         del weights
     except Exception as e:  # tell stage 0 why, instead of leaving it to wait
         store.set(f"failed{args.rank}", f"{type(e).__name__}: {e}")
         raise
     store.set(f"ready{args.rank}", str(os.getpid()))
-    dist.init_process_group("gloo", store=store, rank=args.rank, world_size=args.world, timeout=FOREVER)
     try:
         serve_stage(stage, args.rank, args.world)
     except (RuntimeError, wire.WireError) as e:  # a link closed (a stage died) or a peer sent garbage
         print(f"pipeline stage {args.rank}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         os._exit(1)  # closing our links tells the neighbours at once
-    dist.destroy_process_group()
-    return 0
+    sys.stdout.flush()
+    os._exit(0)  # nothing left to tear down (interpreter teardown with torch loaded takes seconds)
 
 
 if __name__ == "__main__":
