@@ -203,7 +203,8 @@ class PipelineRunner:
         tokens = sum(len(ch.tokens) for ch in chunks)
         self.stats.steps.append(StepTrace(begin, now(), tokens, sampled, stage_busy))
         self.stats.tokens += tokens
-        self.stats.bytes_back += sampled * self.config.vocab_size * 4 + len(pieces) * (wire.HEADER_LEN + 2 * self.world) * 8
+        self.stats.bytes_back += sampled * self.config.vocab_size * 4 + \
+            len(pieces) * (wire.HEADER_LEN + 2 * self.world) * 8
         return out
 
     # -- inside --------------------------------------------------------------------------------
@@ -322,7 +323,8 @@ class PipelineModel:
 
     def __init__(self, model: str, stages: str | Sequence[Node], *, dtype: str = "bfloat16", micro_batches: int = 2,
                  split: str = "optimal", max_num_seqs: int = 32, step_timeout_s: float = 120.0):
-        self.spec, self.dtype, self.micro_batches, self.step_timeout_s = str(model), dtype, micro_batches, step_timeout_s
+        self.spec, self.dtype, self.micro_batches = str(model), dtype, micro_batches
+        self.step_timeout_s = step_timeout_s
         self.config, self.weights = load_checkpoint(self.spec)
         nodes = parse_chain(stages) if isinstance(stages, str) else list(stages)
         self.plan = plan(self.config, nodes, max_num_seqs=max_num_seqs, micro_batches=micro_batches, dtype=dtype,
