@@ -215,7 +215,7 @@ def test_a_stage_accepts_a_well_formed_micro_batch():
 @pytest.mark.parametrize(("chunks", "copies", "why"), [
     ([Chunk([1], 0, [8])], [], "block id outside"),
     ([Chunk([1] * 9, 0, [1, 2])], [], "does not cover"),
-    ([Chunk([1], 70, [1] * 16)], [], "context 64"),
+    ([Chunk([1], 70, [1] * 8)], [], "context 64"),
     ([Chunk([1], 0, [1])], [(0, 9)], "block copy outside"),
 ])
 def test_a_stage_refuses_numbers_outside_its_limits(chunks, copies, why):
