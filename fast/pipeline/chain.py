@@ -8,7 +8,10 @@ each) or nodes in pipeline order, comma-separated:
     cpu:1x2.5      one thread, declared 2.5 times slower (the stage sleeps 1.5x its compute time
                    after each micro-batch: how this CPU machine emulates an unlike, slower node)
 
-A node's speed is its threads divided by its slowdown (assumed linear in threads). Each node is
+A node's speed is its threads divided by its slowdown (assumed linear in threads). The split comes
+from ``best_split`` over one of two problems. Calibrated (the default of ``fast.pipeline``): one
+layer and the output head are timed on this machine at the micro-batch shape (``calibrate`` in
+``runner.py``), and each node runs them in that time over its speed. Nominal: each node is
 described to the placement model (``reference/cluster/pipeline.chain_problem``: the roofline of
 ``reference.engine.cost`` per layer, the output head on the last stage, activations sent to the next
 stage) as a device with that share of nominal CPU rates (``CPU_TFLOPS``, ``CPU_TBPS`` per thread), all on
@@ -30,7 +33,7 @@ from reference.model.config import LlamaConfig
 CPU_TFLOPS = 0.1  # nominal bf16 FLOP/s of one CPU thread (oneDNN reaches 150-200 GFLOP/s on this project's EPYC)
 CPU_TBPS = 0.008  # nominal bytes/s one thread streams from memory
 LOOPBACK_GBPS = 8.0  # nominal gloo over loopback, Gbit/s
-CONTEXT = 256  # context of the decode micro-batch the split is chosen for
+CONTEXT = 128  # context of the decode micro-batch the split is chosen for
 MAX_STAGES = 16
 
 
@@ -103,6 +106,19 @@ def placement_problem(config: LlamaConfig, nodes: list[Node], shape: StepShape, 
     return chain_problem(model_spec(config, dtype), gpus, shape, kv_tokens=0, intra_gbps=LOOPBACK_GBPS)
 
 
+def calibrated_problem(config: LlamaConfig, nodes: list[Node], layer_s: float, head_s: float,
+                       shape: StepShape) -> Problem:
+    """The placement problem with measured times: one layer ``layer_s`` and the output head ``head_s`` seconds
+    on one thread at the micro-batch ``shape`` (``calibrate``), divided by each node's speed; no memory limit."""
+    if config.num_layers < len(nodes):
+        raise PipelineError(f"a model of {config.num_layers} layers cannot fill {len(nodes)} stages")
+    comm = shape.num_tokens * config.hidden_size * 4 * 8 / (LOOPBACK_GBPS * 1e9)  # float32 residual stream
+    return Problem(layer_time=tuple(tuple([layer_s / n.speed] * config.num_layers) for n in nodes),
+                   layer_mem=tuple([0.0] * config.num_layers), capacity=tuple([1e30] * len(nodes)),
+                   last_time=tuple(head_s / n.speed for n in nodes),
+                   comm_time=tuple([comm] * (len(nodes) - 1) + [0.0]))
+
+
 @dataclass(frozen=True)
 class Plan:
     nodes: tuple[Node, ...]
@@ -122,9 +138,12 @@ class Plan:
 
 
 def plan(config: LlamaConfig, nodes: list[Node], *, max_num_seqs: int = 32, micro_batches: int = 2,
-         dtype: str = "bfloat16", split: str = "optimal") -> Plan:
-    """The split to run: ``best_split``'s (``split="optimal"``), ``"uniform"``, or explicit layer counts "10,20"."""
-    p = placement_problem(config, nodes, micro_batch_shape(max_num_seqs, micro_batches), dtype)
+         dtype: str = "bfloat16", split: str = "optimal", calibration: tuple[float, float] | None = None) -> Plan:
+    """The split to run: ``best_split``'s (``split="optimal"``), ``"uniform"``, or explicit layer counts "10,20".
+    ``calibration``: measured (layer, head) seconds on one thread; without it the nominal roofline is used."""
+    shape = micro_batch_shape(max_num_seqs, micro_batches)
+    p = calibrated_problem(config, nodes, *calibration, shape) if calibration else \
+        placement_problem(config, nodes, shape, dtype)
     optimal, uniform = best_split(p), uniform_split(p)
     if split == "optimal":
         chosen = optimal

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from fast.pipeline import stage as stage_mod
 from fast.pipeline import wire
-from fast.pipeline.chain import Node, PipelineError, Plan, parse_chain, plan
+from fast.pipeline.chain import Node, PipelineError, Plan, micro_batch_shape, parse_chain, plan
 from fast.pipeline.stage import FOREVER, StageModel, limits_of, load_checkpoint, now
 from reference.model.llama import Chunk
 
@@ -318,17 +318,55 @@ class PipelineRunner:
         self._logs.cleanup()
 
 
+def calibrate(config: Any, weights: Any, shape: Any, dtype: str, repeats: int = 7) -> tuple[float, float]:
+    """Seconds of one layer and of the output head on one thread at a decode ``shape`` (median of ``repeats``),
+    timed on the model's last layer and head with a scratch KV cache."""
+    from fast.kv import KVStep
+    from fast.pipeline.stage import StageModel
+
+    b, ctx, bs = len(shape.new_tokens), max(shape.context_lens), 16
+    per = -(-ctx // bs)
+    probe = StageModel(config, weights, config.num_layers - 1, config.num_layers, dtype=dtype, num_blocks=b * per,
+                       block_size=bs)
+    step = KVStep.build(query_lens=[1] * b, starts=[ctx - 1] * b,
+                        block_tables=[list(range(i * per, (i + 1) * per)) for i in range(b)], block_size=bs,
+                        num_blocks=b * per)
+    x = torch.randn(b, config.hidden_size)
+    positions, rows = torch.full((b,), ctx - 1, dtype=torch.int64), torch.arange(b)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    layer, head = [], []
+    try:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            probe.model.run_layers(x, positions, step, probe.cache)
+            t1 = time.perf_counter()
+            probe.model.logits(x, rows)
+            layer.append(t1 - t0)
+            head.append(time.perf_counter() - t1)
+    finally:
+        torch.set_num_threads(before)
+    return float(np.median(layer)), float(np.median(head))
+
+
 class PipelineModel:
-    """What ``Engine`` is given: the checkpoint, the chain and its split; ``make_runner`` starts the stages."""
+    """What ``Engine`` is given: the checkpoint, the chain and its split; ``make_runner`` starts the stages.
+
+    ``calibrate``: time a layer and the head here first and split by those times (else the nominal roofline)."""
 
     def __init__(self, model: str, stages: str | Sequence[Node], *, dtype: str = "bfloat16", micro_batches: int = 2,
-                 split: str = "optimal", max_num_seqs: int = 32, step_timeout_s: float = 120.0):
+                 split: str = "optimal", max_num_seqs: int = 32, step_timeout_s: float = 120.0,
+                 calibrate: bool = True):
         self.spec, self.dtype, self.micro_batches = str(model), dtype, micro_batches
         self.step_timeout_s = step_timeout_s
         self.config, self.weights = load_checkpoint(self.spec)
         nodes = parse_chain(stages) if isinstance(stages, str) else list(stages)
+        if len(nodes) > self.config.num_layers:
+            raise PipelineError(f"a model of {self.config.num_layers} layers cannot fill {len(nodes)} stages")
+        self.calibration = calibrate_(self.config, self.weights, micro_batch_shape(max_num_seqs, micro_batches),
+                                      dtype) if calibrate else None
         self.plan = plan(self.config, nodes, max_num_seqs=max_num_seqs, micro_batches=micro_batches, dtype=dtype,
-                         split=split)
+                         split=split, calibration=self.calibration)
 
     def make_runner(self, num_blocks: int, block_size: int = 16, kv_dtype: str | None = None) -> PipelineRunner:
         return PipelineRunner(self.spec, self.config, self.weights, self.plan, num_blocks=num_blocks,
@@ -336,15 +374,19 @@ class PipelineModel:
                               micro_batches=self.micro_batches, step_timeout_s=self.step_timeout_s)
 
 
+calibrate_ = calibrate  # the name PipelineModel's keyword hides
+
+
 def load_engine(model: str = "smollm2", stages: str | Sequence[Node] = "2", *, dtype: str = "bfloat16",
                 micro_batches: int = 2, split: str = "optimal", step_timeout_s: float = 120.0, tokenizer: bool = True,
-                **engine_kwargs: Any) -> Any:
+                calibrate: bool = True, **engine_kwargs: Any) -> Any:
     """The reference engine (the one control plane) over a pipeline of stage processes; ``engine.runner.close()``
     stops them (also done at exit)."""
     from reference.engine.engine import Engine
 
     pm = PipelineModel(model, stages, dtype=dtype, micro_batches=micro_batches, split=split,
-                       max_num_seqs=engine_kwargs.get("max_num_seqs", 32), step_timeout_s=step_timeout_s)
+                       max_num_seqs=engine_kwargs.get("max_num_seqs", 32), step_timeout_s=step_timeout_s,
+                       calibrate=calibrate)
     tok = None
     if tokenizer and not (pm.spec == "tiny" or pm.spec.startswith("tiny:")):
         from reference.model.tokenizer import load_tokenizer
