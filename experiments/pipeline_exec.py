@@ -62,7 +62,8 @@ def drive(args: argparse.Namespace) -> int:
                       "calibration_s": {"layer": cal[0], "head": cal[1]} if cal else None,
                       "optimal_layers": list(p.optimal.layers), "uniform_layers": list(p.uniform.layers),
                       "model_stage_s": times, "model_bottleneck_s": p.split.bottleneck_s,
-                      "model_uniform_stage_s": p.stage_times(p.uniform), "model_uniform_bottleneck_s": p.uniform.bottleneck_s,
+                      "model_uniform_stage_s": p.stage_times(p.uniform),
+                      "model_uniform_bottleneck_s": p.uniform.bottleneck_s,
                       "model_bubble": predicted_bubble(times, args.micro_batches)}), flush=True)
     for line in sys.stdin:
         if line.strip() != "run":
