@@ -319,8 +319,8 @@ class PipelineRunner:
 
 
 def calibrate(config: Any, weights: Any, shape: Any, dtype: str, repeats: int = 7) -> tuple[float, float]:
-    """Seconds of one layer and of the output head on one thread at a decode ``shape`` (median of ``repeats``),
-    timed on the model's last layer and head with a scratch KV cache."""
+    """Seconds of one layer and of the output head on one thread at a decode ``shape`` (the fastest of ``repeats``:
+    other load on the machine only ever adds time), timed on the model's last layer and head, scratch KV cache."""
     from fast.kv import KVStep
     from fast.pipeline.stage import StageModel
 
@@ -346,7 +346,7 @@ def calibrate(config: Any, weights: Any, shape: Any, dtype: str, repeats: int = 
             head.append(time.perf_counter() - t1)
     finally:
         torch.set_num_threads(before)
-    return float(np.median(layer)), float(np.median(head))
+    return min(layer), min(head)
 
 
 class PipelineModel:
@@ -359,8 +359,8 @@ class PipelineModel:
                  calibrate: bool = True):
         self.spec, self.dtype, self.micro_batches = str(model), dtype, micro_batches
         self.step_timeout_s = step_timeout_s
+        nodes = parse_chain(stages) if isinstance(stages, str) else list(stages)  # a bad chain fails before loading
         self.config, self.weights = load_checkpoint(self.spec)
-        nodes = parse_chain(stages) if isinstance(stages, str) else list(stages)
         if len(nodes) > self.config.num_layers:
             raise PipelineError(f"a model of {self.config.num_layers} layers cannot fill {len(nodes)} stages")
         self.calibration = calibrate_(self.config, self.weights, micro_batch_shape(max_num_seqs, micro_batches),
