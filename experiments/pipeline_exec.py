@@ -160,10 +160,10 @@ def measure(*, model: str = "smollm2", chain: str = CHAIN, rounds: int = 3, prom
         per_split[split] = {
             "layers": ready[split]["layers"], "tokens_per_s": spread([x["tokens_per_s"] for x in rs]),
             "calibration_ms": {k: round(1000 * v, 2) for k, v in (ready[split]["calibration_s"] or {}).items()},
-            "stage_busy_per_piece_ms": [round(1000 * v, 2) for v in busy],
-            "model_stage_ms": [round(1000 * v, 2) for v in modelled],
+            "stage_busy_per_piece_ms": [round(1000 * float(v), 2) for v in busy],
+            "model_stage_ms": [round(1000 * float(v), 2) for v in modelled],
             "measured_over_model": [round(float(a / m), 3) for a, m in zip(busy, modelled, strict=True)],
-            "roofline_stage_ms": [round(1000 * v, 2) for v in roofline],
+            "roofline_stage_ms": [round(1000 * float(v), 2) for v in roofline],
             "bubble_share": spread([x["bubble_share"] for x in rs]),
             "model_bubble_share": round(ready[split]["model_bubble"], 3),
             "bytes_between_stages_per_token": round(float(np.mean([x["bytes_between_stages_per_token"] for x in rs])),
