@@ -82,6 +82,33 @@ def test_two_stage_float32_and_three_stage_bfloat16():
         assert pipelined(stages, dtype, prompts)[0] == single_process(dtype, prompts)[0]
 
 
+def test_numpy_stages_chained_in_one_process_equal_the_whole_model_bit_for_bit():
+    from reference.disagg.models import load_model
+    from reference.model.stage import NumpyStage
+
+    m = load_model("tiny")
+    chunks = [Chunk(p, 0, list(range(4 * i, 4 * i + 10))) for i, p in enumerate(workload()[:3])]
+    want = m.forward(chunks, m.new_cache(40, 4))
+    stages = [NumpyStage(m, a, b, num_blocks=40, block_size=4) for a, b in ((0, 1), (1, 3))]
+    got = stages[1].compute(chunks, stages[0].compute(chunks))
+    assert np.array_equal(np.stack(want), got)
+
+
+@pytest.mark.slow
+def test_numpy_stage_processes_give_the_reference_engines_tokens():
+    from reference.disagg.models import load_model
+    from reference.engine.engine import Engine
+
+    prompts = workload(seed=7)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    want = [o.output_token_ids for o in Engine(load_model("tiny"), **OPTS).generate(prompts, params)]
+    engine = load_engine("tiny", "3", dtype="float32", impl="numpy", **OPTS)
+    try:
+        assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
+    finally:
+        engine.runner.close()
+
+
 def test_a_killed_stage_ends_every_request_in_flight_with_a_clear_error():
     """Through serve's engine worker (what ``python -m serve --pipeline`` runs): a stage is SIGKILLed
     mid-run; every request gets an error naming the stage, within a bounded time, and later ones too."""

@@ -98,7 +98,8 @@ class PipelineRunner:
 
     def __init__(self, model_spec: str, config: Any, weights: Any, the_plan: Plan, *, num_blocks: int,
                  block_size: int = 16, kv_dtype: str | None = None, dtype: str = "bfloat16", micro_batches: int = 2,
-                 step_timeout_s: float = 120.0, start_timeout_s: float = 300.0, ship_weights: bool = True):
+                 step_timeout_s: float = 120.0, start_timeout_s: float = 300.0, ship_weights: bool = True,
+                 impl: str = "torch"):
         if PipelineRunner._active is not None:
             raise PipelineError("a pipeline is already running in this process; close() it first")
         if micro_batches < 1:
@@ -116,7 +117,7 @@ class PipelineRunner:
         self._threads_before = torch.get_num_threads()  # restored by close()
         torch.set_num_threads(nodes[0].threads)
         self.stage = StageModel(config, weights, 0, bounds[1], dtype=dtype, num_blocks=num_blocks,
-                                block_size=block_size, kv_dtype=kv_dtype, slowdown=nodes[0].slowdown)
+                                block_size=block_size, kv_dtype=kv_dtype, slowdown=nodes[0].slowdown, impl=impl)
         self.limits = limits_of(self.stage)
         self._logs = tempfile.TemporaryDirectory(prefix="unfire-pipeline-")
         self._store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
@@ -129,7 +130,7 @@ class PipelineRunner:
                    "--store-port", str(self._store.port),
                    "--bounds", ",".join(map(str, bounds)), "--dtype", dtype, "--num-blocks", str(num_blocks),
                    "--block-size", str(block_size), "--threads", str(nodes[rank].threads),
-                   "--slowdown", str(nodes[rank].slowdown), "--parent", str(os.getpid())]
+                   "--slowdown", str(nodes[rank].slowdown), "--parent", str(os.getpid()), "--impl", impl]
             if kv_dtype:
                 cmd += ["--kv-dtype", kv_dtype]
             if not ship_weights:
@@ -352,26 +353,29 @@ def calibrate(config: Any, weights: Any, shape: Any, dtype: str, repeats: int = 
 class PipelineModel:
     """What ``Engine`` is given: the checkpoint, the chain and its split; ``make_runner`` starts the stages.
 
-    ``calibrate``: time a layer and the head here first and split by those times (else the nominal roofline)."""
+    ``calibrate``: time a layer and the head here first and split by those times (else the nominal roofline).
+    ``impl="numpy"``: every stage is the reference's NumPy stage (``reference/model/stage.py``, float32)."""
 
     def __init__(self, model: str, stages: str | Sequence[Node], *, dtype: str = "bfloat16", micro_batches: int = 2,
                  split: str = "optimal", max_num_seqs: int = 32, step_timeout_s: float = 120.0,
-                 calibrate: bool = True):
+                 calibrate: bool = True, impl: str = "torch"):
         self.spec, self.dtype, self.micro_batches = str(model), dtype, micro_batches
-        self.step_timeout_s = step_timeout_s
+        self.step_timeout_s, self.impl = step_timeout_s, impl
+        if impl not in ("torch", "numpy") or impl == "numpy" and dtype != "float32":
+            raise PipelineError(f"impl {impl!r} with dtype {dtype!r}: use impl 'torch', or 'numpy' with float32")
         nodes = parse_chain(stages) if isinstance(stages, str) else list(stages)  # a bad chain fails before loading
         self.config, self.weights = load_checkpoint(self.spec)
         if len(nodes) > self.config.num_layers:
             raise PipelineError(f"a model of {self.config.num_layers} layers cannot fill {len(nodes)} stages")
         self.calibration = calibrate_(self.config, self.weights, micro_batch_shape(max_num_seqs, micro_batches),
-                                      dtype) if calibrate else None
+                                      dtype) if calibrate and impl == "torch" else None
         self.plan = plan(self.config, nodes, max_num_seqs=max_num_seqs, micro_batches=micro_batches, dtype=dtype,
                          split=split, calibration=self.calibration)
 
     def make_runner(self, num_blocks: int, block_size: int = 16, kv_dtype: str | None = None) -> PipelineRunner:
         return PipelineRunner(self.spec, self.config, self.weights, self.plan, num_blocks=num_blocks,
                               block_size=block_size, kv_dtype=kv_dtype, dtype=self.dtype,
-                              micro_batches=self.micro_batches, step_timeout_s=self.step_timeout_s)
+                              micro_batches=self.micro_batches, step_timeout_s=self.step_timeout_s, impl=self.impl)
 
 
 calibrate_ = calibrate  # the name PipelineModel's keyword hides
@@ -379,14 +383,14 @@ calibrate_ = calibrate  # the name PipelineModel's keyword hides
 
 def load_engine(model: str = "smollm2", stages: str | Sequence[Node] = "2", *, dtype: str = "bfloat16",
                 micro_batches: int = 2, split: str = "optimal", step_timeout_s: float = 120.0, tokenizer: bool = True,
-                calibrate: bool = True, **engine_kwargs: Any) -> Any:
+                calibrate: bool = True, impl: str = "torch", **engine_kwargs: Any) -> Any:
     """The reference engine (the one control plane) over a pipeline of stage processes; ``engine.runner.close()``
     stops them (also done at exit)."""
     from reference.engine.engine import Engine
 
     pm = PipelineModel(model, stages, dtype=dtype, micro_batches=micro_batches, split=split,
                        max_num_seqs=engine_kwargs.get("max_num_seqs", 32), step_timeout_s=step_timeout_s,
-                       calibrate=calibrate)
+                       calibrate=calibrate, impl=impl)
     tok = None
     if tokenizer and not (pm.spec == "tiny" or pm.spec.startswith("tiny:")):
         from reference.model.tokenizer import load_tokenizer

@@ -33,8 +33,9 @@ import torch.distributed as dist
 from fast.engine.model import TorchLlama
 from fast.kv import KVStep
 from fast.pipeline import wire
-from reference.model.llama import Chunk
+from reference.model.llama import Chunk, LlamaModel
 from reference.model.loader import LlamaWeights
+from reference.model.stage import NumpyStage
 
 FOREVER = datetime.timedelta(days=365)  # a stage waits for the next step as long as the server is idle
 
@@ -116,7 +117,7 @@ class StageModel:
 
     def __init__(self, config: Any, weights: LlamaWeights, first: int, last: int, *, dtype: str = "bfloat16",
                  num_blocks: int, block_size: int = 16, kv_dtype: str | None = None, slowdown: float = 1.0,
-                 device: str = "cpu"):
+                 device: str = "cpu", impl: str = "torch"):
         L = config.num_layers
         if not 0 <= first < last <= L:
             raise ValueError(f"stage layers {first}..{last - 1} are not a range of the model's {L} layers")
@@ -131,14 +132,30 @@ class StageModel:
         head = weights.lm_head if self.is_last else stand_in
         if self.is_last and tied:
             head = embedding
+        self.numpy: NumpyStage | None = None
+        self.busy_s = 0.0  # compute (and declared slowdown) seconds, summed over micro-batches
+        if impl == "numpy":  # the reference's NumPy stage (float32), for teaching
+            if dtype != "float32":
+                raise ValueError("NumPy stages compute in float32: use dtype='float32' with impl='numpy'")
+            own = list(weights.layers[first:last])  # NumpyStage slices the checkpoint's layers itself: pad the rest
+            full = LlamaWeights(embedding=embedding, layers=[own[0]] * first + own + [own[0]] * (L - last),
+                                final_norm=weights.final_norm, lm_head=head,
+                                rope_freq_factors=weights.rope_freq_factors)
+            self.numpy = NumpyStage(LlamaModel(config, full), first, last, num_blocks=num_blocks,
+                                    block_size=block_size, kv_dtype=kv_dtype or "float32")
+            return
+        if impl != "torch":
+            raise ValueError(f"stage implementation must be 'torch' or 'numpy', not {impl!r}")
         part = LlamaWeights(embedding=embedding, layers=list(weights.layers[first:last]),
                             final_norm=weights.final_norm, lm_head=head, rope_freq_factors=weights.rope_freq_factors)
         self.model = TorchLlama(dataclasses.replace(config, num_layers=last - first), part, dtype=dtype,
                                 device=device)
         self.cache = self.model.new_cache(num_blocks, block_size, kv_dtype)
-        self.busy_s = 0.0  # compute (and declared slowdown) seconds, summed over micro-batches
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        if self.numpy is not None:
+            self.numpy.copy_blocks(copies)
+            return
         for src, dst in copies:
             self.cache.copy_block(src, dst)
 
@@ -146,6 +163,9 @@ class StageModel:
         """Run this stage's layers over one micro-batch: returns (residual stream, or the last stage's logits
         of the chunks that want them; start; end). The first stage embeds the chunks' tokens (``x`` None)."""
         started = now()
+        if self.numpy is not None:
+            out = self.numpy.compute(chunks, None if x is None else x.numpy())
+            return self._done(torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)), started)
         sizes = np.fromiter((len(ch.tokens) for ch in chunks), dtype=np.int64, count=len(chunks))
         starts = np.fromiter((ch.start for ch in chunks), dtype=np.int64, count=len(chunks))
         first_row = np.cumsum(sizes) - sizes
@@ -160,6 +180,9 @@ class StageModel:
         if self.is_last:
             rows = (first_row + sizes - 1)[[j for j, ch in enumerate(chunks) if ch.wants_logits]]
             x = self.model.logits(x, torch.from_numpy(rows))
+        return self._done(x, started)
+
+    def _done(self, x: torch.Tensor, started: float) -> tuple[torch.Tensor, float, float]:
         took = now() - started
         if self.slowdown > 1.0:  # an emulated slower node: as long again as (slowdown - 1) x the real compute
             time.sleep((self.slowdown - 1.0) * took)
@@ -223,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--slowdown", type=float, default=1.0)
     p.add_argument("--parent", type=int, default=os.getppid())
+    p.add_argument("--impl", default="torch", choices=["torch", "numpy"])
     args = p.parse_args(argv)
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
     torch.set_num_threads(args.threads)
@@ -238,7 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         else:  # stage 0 sends this stage its weights
             config, weights = receive_weights(store, first, last)
         stage = StageModel(config, weights, first, last, dtype=args.dtype, num_blocks=args.num_blocks,
-                           block_size=args.block_size, kv_dtype=args.kv_dtype, slowdown=args.slowdown)
+                           block_size=args.block_size, kv_dtype=args.kv_dtype, slowdown=args.slowdown,
+                           impl=args.impl)
         del weights
     except Exception as e:  # tell stage 0 why, instead of leaving it to wait
         store.set(f"failed{args.rank}", f"{type(e).__name__}: {e}")
