@@ -107,6 +107,8 @@ def summarise(engine: Any, outs: list[Any], wall: float, load_before: float, mic
             "bubble_share": 1.0 - busy / (k * step_wall),
             "step_share_of_wall": step_wall / wall,
             "bytes_between_stages_per_token": runner.stats.bytes_between_stages / runner.stats.tokens,
+            # the nominal placement model's (reference/cluster/pipeline.py): bf16 activations, hidden x 2 bytes a hop
+            "model_bytes_between_stages_per_token": (k - 1) * runner.config.hidden_size * 2,
             "load_average_before": load_before, "load_average_after": os.getloadavg()[0],
             "output_tokens": [o.output_token_ids for o in outs]}
 
@@ -167,7 +169,8 @@ def measure(*, model: str = "smollm2", chain: str = CHAIN, rounds: int = 3, prom
             "bubble_share": spread([x["bubble_share"] for x in rs]),
             "model_bubble_share": round(ready[split]["model_bubble"], 3),
             "bytes_between_stages_per_token": round(float(np.mean([x["bytes_between_stages_per_token"] for x in rs])),
-                                                    1)}
+                                                    1),
+            "model_bytes_between_stages_per_token": rs[0]["model_bytes_between_stages_per_token"]}
     loads = [x[k] for rs in runs.values() for x in rs for k in ("load_average_before", "load_average_after")]
     return {"chain": chain, "model": model, "dtype": dtype, "micro_batches": micro_batches, "rounds": rounds,
             "workload": f"{prompts} ShareGPT prompts cut to {max_prompt} tokens, {max_tokens} output tokens each "

@@ -127,7 +127,10 @@ EXECUTED_NOTE = ("Executed pipeline: the slow node is emulated by a declared slo
                  "calibrated on this machine: one layer and the output head timed on one thread at the decode "
                  "micro-batch shape, divided by each node's speed; the nominal CPU roofline "
                  "(fast/pipeline/chain.py) is shown beside it. Load average during the runs {load[min]}-{load[max]} "
-                 "(other jobs on the 2-core machine inflate every stage's time, the ratio less).")
+                 "(other jobs on the 2-core machine inflate every stage's time, the ratio less). Bytes between "
+                 "stages: the residual stream goes as float32 (hidden x 4 bytes per token per hop, plus a header "
+                 "and the block tables per micro-batch); the nominal placement model counts bf16 activations "
+                 "(hidden x 2).")
 
 
 def executed_why(m: dict[str, Any] | str) -> str:
@@ -163,7 +166,8 @@ def executed_table(m: dict[str, Any]) -> str:
         r = m[split]
         cells = [split, r["layers"], spread_text(r["tokens_per_s"], ""), r["stage_busy_per_piece_ms"],
                  r["model_stage_ms"], r["roofline_stage_ms"], spread_text(r["bubble_share"], ""),
-                 r["model_bubble_share"], f"{r['bytes_between_stages_per_token']:,.0f}"]
+                 r["model_bubble_share"], f"{r['bytes_between_stages_per_token']:,.0f} "
+                 f"(model: {r['model_bytes_between_stages_per_token']:,})"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     ratio = (f"model: {m['model_ratio_one_step']}x per step, {m['model_ratio_steady_state']}x steady state")
     lines.append(f"| optimal / uniform | | {spread_text(m['throughput_ratio'])} | | {ratio} | | | | |")

@@ -365,6 +365,8 @@ class PipelineModel:
             raise PipelineError(f"impl {impl!r} with dtype {dtype!r}: use impl 'torch', or 'numpy' with float32")
         nodes = parse_chain(stages) if isinstance(stages, str) else list(stages)  # a bad chain fails before loading
         self.config, self.weights = load_checkpoint(self.spec)
+        if len(nodes) < 2:
+            raise PipelineError(f"a pipeline needs at least 2 stages, got {len(nodes)}")
         if len(nodes) > self.config.num_layers:
             raise PipelineError(f"a model of {self.config.num_layers} layers cannot fill {len(nodes)} stages")
         self.calibration = calibrate_(self.config, self.weights, micro_batch_shape(max_num_seqs, micro_batches),
