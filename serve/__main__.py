@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="split the model over stage processes: a number of equal CPU stages (2) or a chain "
                         "cpu:THREADS[xSLOWDOWN],... (e.g. cpu:1,cpu:1x2); layers by the placement's best split")
     p.add_argument("--micro-batches", type=int, default=2, help="pieces a pipeline step is cut into (default 2)")
+    p.add_argument("--pipeline-step-timeout", type=float, default=120.0,
+                   help="seconds a pipeline step may take before its stages count as hung (default 120)")
     args = p.parse_args(argv)
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
@@ -56,6 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.shutdown_grace < 0:
         p.error("--shutdown-grace must be >= 0")
+    if args.pipeline_step_timeout <= 0:
+        p.error("--pipeline-step-timeout must be > 0")
     return args
 
 
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                              dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=args.max_model_len, pipeline=args.pipeline,
-                             micro_batches=args.micro_batches)
+                             micro_batches=args.micro_batches, pipeline_step_timeout_s=args.pipeline_step_timeout)
     except (EngineUnavailable, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,7 +19,7 @@ class EngineUnavailable(RuntimeError):
 
 def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None = None, policy: str = "sjf+wfq",
                 dtype: str = "bfloat16", pipeline: str | None = None, micro_batches: int = 2,
-                **engine_kwargs: Any) -> Any:
+                pipeline_step_timeout_s: float = 120.0, **engine_kwargs: Any) -> Any:
     """An engine over ``model`` (a packaged model name or a checkpoint path) with its tokenizer.
 
     ``pipeline``: a chain of stages (``"2"``, ``"cpu:2,cpu:1x2"``): the torch engine split over stage
@@ -33,7 +33,8 @@ def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None 
         except ImportError as e:
             raise EngineUnavailable(f"--pipeline needs torch (fast.pipeline cannot be imported here: {e})") from None
         try:
-            return fast_pipeline.load_engine(model, pipeline, dtype=dtype, micro_batches=micro_batches, **options)
+            return fast_pipeline.load_engine(model, pipeline, dtype=dtype, micro_batches=micro_batches,
+                                             step_timeout_s=pipeline_step_timeout_s, **options)
         except fast_pipeline.PipelineError as e:
             raise EngineUnavailable(str(e)) from None
     if kind == "reference":
