@@ -50,15 +50,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
                    help="uvicorn's and the server's log level (default warning)")
+    p.add_argument("--pipeline", metavar="STAGES",
+                   help="split the model over stage processes: a number of equal CPU stages (2) or a chain "
+                        "cpu:THREADS[xSLOWDOWN],... (e.g. cpu:1,cpu:1x2); layers by the placement's best split")
+    p.add_argument("--micro-batches", type=int, default=2, help="pieces a pipeline step is cut into (default 2)")
+    p.add_argument("--pipeline-step-timeout", type=float, default=120.0,
+                   help="seconds a pipeline step may take before its stages count as hung (default 120)")
     args = p.parse_args(argv)
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
                 "give --api-keys KEYS.toml, or --allow-unauthenticated if that is what you want")
-    for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending"):
+    for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending", "micro_batches"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.shutdown_grace < 0:
         p.error("--shutdown-grace must be >= 0")
+    if args.pipeline_step_timeout <= 0:
+        p.error("--pipeline-step-timeout must be > 0")
     return args
 
 
@@ -97,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None, policy=args.policy,
                              dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=args.max_model_len)
+                             max_model_len=args.max_model_len, pipeline=args.pipeline,
+                             micro_batches=args.micro_batches, pipeline_step_timeout_s=args.pipeline_step_timeout)
     except (EngineUnavailable, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         sock.close()
@@ -106,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or args.model
     app = create_app(worker, engine.tokenizer, model_name=name, keys=keys, max_pending=args.max_pending)
     port = sock.getsockname()[1]
-    banner = (f"serving {name} ({args.engine} engine, context {worker.max_model_len} tokens) on "
+    kind = f"pipeline {_stages(engine)}" if args.pipeline else f"{args.engine} engine"
+    banner = (f"serving {name} ({kind}, context {worker.max_model_len} tokens) on "
               f"http://{args.host}:{port}/v1" + (f" with {len(keys)} API keys" if keys else ""))
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
     server = draining_server(config, worker, args.shutdown_grace, banner)
@@ -119,8 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         server.run(sockets=[sock])
     finally:
         worker.stop()
+        getattr(engine.runner, "close", lambda: None)()  # a pipeline's stage processes
     print("stopped", flush=True)
     return 0
+
+
+def _stages(engine: object) -> str:
+    """The stages and their layers, e.g. 'cpu:1 [0, 19) -> cpu:1x2 [19, 30)'."""
+    plan = engine.runner.plan  # type: ignore[attr-defined]
+    b = plan.bounds
+    return " -> ".join(f"{n} [{b[k]}, {b[k + 1]})" for k, n in enumerate(plan.nodes))
 
 
 def listening_socket(host: str, port: int) -> socket.socket | None:

@@ -18,11 +18,25 @@ class EngineUnavailable(RuntimeError):
 
 
 def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None = None, policy: str = "sjf+wfq",
-                dtype: str = "bfloat16", **engine_kwargs: Any) -> Any:
-    """An engine over ``model`` (a packaged model name or a checkpoint path) with its tokenizer."""
+                dtype: str = "bfloat16", pipeline: str | None = None, micro_batches: int = 2,
+                pipeline_step_timeout_s: float = 120.0, **engine_kwargs: Any) -> Any:
+    """An engine over ``model`` (a packaged model name or a checkpoint path) with its tokenizer.
+
+    ``pipeline``: a chain of stages (``"2"``, ``"cpu:2,cpu:1x2"``): the torch engine split over stage
+    processes by the placement's best split (``fast.pipeline``), whatever ``kind`` says."""
     if tenants is None:
         tenants = Tenants.open()
     options = dict(policy=policy, tenants=tenants, **engine_kwargs)
+    if pipeline:
+        try:
+            fast_pipeline = importlib.import_module("fast.pipeline")
+        except ImportError as e:
+            raise EngineUnavailable(f"--pipeline needs torch (fast.pipeline cannot be imported here: {e})") from None
+        try:
+            return fast_pipeline.load_engine(model, pipeline, dtype=dtype, micro_batches=micro_batches,
+                                             step_timeout_s=pipeline_step_timeout_s, **options)
+        except fast_pipeline.PipelineError as e:
+            raise EngineUnavailable(str(e)) from None
     if kind == "reference":
         from reference.engine.engine import Engine
         from reference.model.llama import LlamaModel

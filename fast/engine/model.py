@@ -136,11 +136,21 @@ class TorchLlama:
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """Run one step: tokens, positions [T] (int64), the step's KV layout; returns float32 logits
         [len(logit_rows), vocab] of the rows ``logit_rows`` (the last token of each chunk that wants them)."""
+        return self.logits(self.run_layers(self.embed(tokens), positions, step, cache), logit_rows)
+
+    @torch.inference_mode()
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual stream's start: float32 [T, hidden] rows of the embedding."""
+        return self.embedding[tokens].to(torch.float32)
+
+    @torch.inference_mode()
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, step: KVStep, cache: PagedKVCache) -> torch.Tensor:
+        """Every layer of this model over the residual stream x [T, hidden] (float32); layer i uses cache layer i.
+        A pipeline stage is a model holding a range of a checkpoint's layers (``fast/pipeline``)."""
         c = self.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        n = tokens.shape[0]
+        n = x.shape[0]
         cos, sin = self.cos[positions], self.signed_sin[positions]
-        x = self.embedding[tokens].to(torch.float32)
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps).to(self.dtype)
             qkv = layer.qkv(h)
@@ -154,5 +164,10 @@ class TorchLlama:
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps).to(self.dtype)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up).float()
-        last = rms_norm(x[logit_rows], self.final_norm, c.rms_norm_eps).to(self.dtype)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head on the rows ``logit_rows`` of x: float32 [len(logit_rows), vocab]."""
+        last = rms_norm(x[logit_rows], self.final_norm, self.config.rms_norm_eps).to(self.dtype)
         return self.head(last).float()

@@ -107,13 +107,27 @@ class LlamaModel:
         ``on_layer(i)``, if given, is called right after layer i's K/V of this step are in the cache
         (a prefill worker sends them from there while the next layer computes).
         """
+        x = self.run_layers(self.embed(chunks), chunks, cache, on_layer)
+        logits = self.logits(x, chunks)
+        results: list[np.ndarray | None] = [None] * len(chunks)
+        wanted = [j for j, ch in enumerate(chunks) if ch.wants_logits]
+        for row, j in enumerate(wanted):
+            results[j] = logits[row]
+        return results
+
+    def embed(self, chunks: Sequence[Chunk]) -> np.ndarray:
+        """The residual stream's start: the embedding rows of every chunk's tokens, [tokens, hidden]."""
+        return self.weights.embedding[np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])]
+
+    def run_layers(self, x: np.ndarray, chunks: Sequence[Chunk], cache: KVCache,
+                   on_layer: Callable[[int], None] | None = None) -> np.ndarray:
+        """Every layer over the residual stream x of the chunks' tokens (a pipeline stage runs only its own
+        layers: ``reference/model/stage.py``); writes their K/V into the cache and returns the new x."""
         c, w = self.config, self.weights
         sizes = [len(ch.tokens) for ch in chunks]
-        tokens = np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
         positions = np.concatenate([np.arange(ch.start, ch.start + n) for ch, n in zip(chunks, sizes, strict=True)])
         slots = np.concatenate([cache.slots(ch.block_table, ch.start, n) for ch, n in zip(chunks, sizes, strict=True)])
         cos, sin = rope_tables(positions, self.inv_freq)
-        x = w.embedding[tokens]
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
             q = apply_rope(linear(h, layer.wq, layer.bq).reshape(-1, c.num_heads, c.head_dim), cos, sin)
@@ -128,17 +142,18 @@ class LlamaModel:
                 keys, values = cache.read(i, ch.block_table, ch.start + n)
                 out[offset:offset + n] = attention(q[offset:offset + n], keys, values, ch.start)
                 offset += n
-            x = x + linear(out.reshape(len(tokens), -1), layer.wo, layer.bo)
+            x = x + linear(out.reshape(len(positions), -1), layer.wo, layer.bo)
             x = x + self._mlp(rms_norm(x, layer.mlp_norm, c.rms_norm_eps), i)
-        last = np.cumsum(sizes) - 1
+        return x
+
+    def logits(self, x: np.ndarray, chunks: Sequence[Chunk]) -> np.ndarray:
+        """Final norm and output head on the last token of each chunk that wants logits: [wanted, vocab]."""
+        last = np.cumsum([len(ch.tokens) for ch in chunks]) - 1
         wanted = [j for j, ch in enumerate(chunks) if ch.wants_logits]
-        results: list[np.ndarray | None] = [None] * len(chunks)
-        if wanted:
-            final = rms_norm(x[last[wanted]], w.final_norm, c.rms_norm_eps)
-            logits = final @ w.lm_head.T
-            for row, j in enumerate(wanted):
-                results[j] = logits[row]
-        return results
+        if not wanted:
+            return np.zeros((0, self.config.vocab_size), np.float32)
+        final = rms_norm(x[last[wanted]], self.weights.final_norm, self.config.rms_norm_eps)
+        return final @ self.weights.lm_head.T
 
     def _mlp(self, h: np.ndarray, i: int) -> np.ndarray:
         layer = self.weights.layers[i]
