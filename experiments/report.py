@@ -7,6 +7,7 @@ workload, machine, commit, date), measured, article, verdict, why, summary, figu
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "clock": result.clock,
         "clock_detail": result.clock_detail,
         "tables": result.tables,
+        "headline": result.headline,
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{exp.claim}.json"
@@ -109,8 +111,12 @@ def print_table(rows: list[tuple[str, str, str, str, str]]) -> None:
 
 
 def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_DIR, out: Path = PAPER) -> Path:
-    """Write paper/report.md from the stored results: every number in it comes from a JSON."""
+    """Write paper/report.md from the stored results: every number in it comes from a JSON.
+
+    ``results_dir``/``out`` elsewhere (a rerun's ``runs/<date>-<commit>/``): the paper of that run, its
+    figures linked relative to ``out``."""
     results = load_results(results_dir)
+    figs = Path(os.path.relpath(results_dir.resolve(), out.resolve().parent)).as_posix()
     problems = [f"{cid}: {p}" for cid, r in results.items() if "setup" in r
                 for p in [clock_problem(r.get("clock"), r.get("measured", {}))] if p]
     if problems:
@@ -156,7 +162,7 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
         for table in r.get("tables", []):
             lines += ["", table]
         for fig in r.get("figures", []):
-            lines += ["", f"![{c.id}](../experiments/results/{fig})"]
+            lines += ["", f"![{c.id}]({figs}/{fig})"]
     lines += engine_bench_section(results_dir)
     lines += _serve_section(results_dir)
     lines += _cluster_scale_section(results_dir)

@@ -48,7 +48,7 @@ def run(ctx: Context) -> Result:
     threads = 1  # the machine is shared: a second thread spin-waits on a busy core (see bench_engine)
     rows = measure(ctx, threads)
     measured: dict[str, Any] = {"cpu": rows}
-    gpu = ctx.results_dir / "gpu_engine.json"
+    gpu = RESULTS_DIR / "gpu_engine.json"  # measured on a GPU by experiments.gpu_engine; a rerun reads it
     if gpu.exists():
         measured["gpu"] = json.loads(gpu.read_text()).get("control_plane")
     bench = RESULTS_DIR / "bench_engine.json"
