@@ -125,7 +125,9 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
     lines = [
         "# Reproducing Unweight, Infire and edge placement: the report",
         "",
-        "Built by `python -m experiments paper` from `experiments/results/*.json`; no number here is",
+        ("Built by `python -m experiments paper` from `experiments/results/*.json`; no number here is"
+         if results_dir.resolve() == RESULTS_DIR.resolve() else
+         "Built by `python -m experiments reproduce` from the result files beside it (a rerun); no number here is"),
         "typed by hand. Each section names the weights, workload, machine and commit it was measured on,",
         "and the clock its times are on:",
         "",
