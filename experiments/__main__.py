@@ -13,7 +13,6 @@ import argparse
 import sys
 import time
 import traceback
-
 from pathlib import Path
 
 from experiments.agreement import agreement_rows, compare, new_run_dir, print_agreement

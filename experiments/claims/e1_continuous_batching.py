@@ -14,9 +14,9 @@ from typing import Any
 
 from experiments.engine_bench import (
     CLOCK,
+    CpuClock,
     against,
     inconclusive,
-    CpuClock,
     one_blas_thread,
     pct,
     run_jobs,
