@@ -76,7 +76,7 @@ def run(ctx: Context) -> Result:
         measured={"runs": runs, "repeats": repeats, "ratios": ratios, "ttft_p50_ms_by_repeat": ttft_p50_abs,
                   "repeat_runs": repeat_runs[1:],
                   "throughput_ratio": ratios["throughput_continuous_over_static"]["median"]},
-        summary=(f"continuous vs static, ratios within one run: TTFT p50 "
+        summary=(f"reference NumPy engine (SmolLM2, 1 thread), continuous vs static, ratios within one run: TTFT p50 "
                  f"{spread_text(ratios['ttft_p50_static_over_continuous'])} lower, tok/s "
                  f"{spread_text(ratios['throughput_continuous_over_static'])}, ITL p99 "
                  f"{spread_text(ratios['itl_p99_static_over_continuous'])} lower; absolute (first run, CPU time): "
