@@ -25,7 +25,8 @@ drained at once. ``install_share=None`` installs each frame as it arrives. The w
 installing cost and where: ``kv_install_us`` (CPU microseconds in all), and of it what ran while
 sequences waited for their next token: ``kv_install_blocking_us``, ``kv_install_blocking_steps`` (steps
 it delayed) and ``kv_install_blocking_us_max`` (the most before one step), next to ``decode_step_us``
-and ``decode_steps`` (the steps themselves).
+and ``decode_steps`` (the steps themselves); ``kv_install_deferred`` counts the units queued because
+sequences were running.
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ class DecodeWorker(WorkerBase):
         self.installs.append(work)
         if self.install_share is None or not self.scheduler.running:  # nobody's next token waits for it
             self._install(float("inf"))
+        else:
+            self.link.count("kv_install_deferred")
 
     def _install(self, budget_s: float) -> None:
         """Run queued install work for up to ``budget_s`` CPU seconds (at least one unit, if any). Its time
