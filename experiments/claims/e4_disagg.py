@@ -156,7 +156,7 @@ def run(ctx: Context) -> Result:
                "slos": regimes.SLOS, "verdict_rule": regimes.VERDICT_RULE},
         article={"claim": "p90 ITL ~100 ms colocated -> 20-30 ms disaggregated (3-5x)"},
         figures=[figure],
-        tables=[table(points)],
+        tables=[table(points), cpu_table(runs, cuts)],
         notes=[f"Decode worker, disaggregated CPU runs: receiving and installing a prompt's KV cost "
                f"{install['per_handoff_ms']} ms of CPU per handoff (a decode step: "
                f"{install['decode_step_mean_ms']} ms); "
@@ -179,6 +179,20 @@ def table(points: list[dict[str, Any]]) -> str:
                     f"{p['ttft_p90_ratio_dis_over_co']:.2f} | {'ok' if p['colocated_meets_ttft'] else 'broken'} / "
                     f"{'ok' if p['disaggregated_meets_ttft'] else 'broken'} | {g['colocated']:.1f} / "
                     f"{g['disaggregated']:.1f} |")
+    return "\n".join(rows)
+
+
+def cpu_table(runs: dict[str, list[dict[str, Any]]], cuts: dict[str, dict[str, Any]]) -> str:
+    rows = ["| CPU configuration (real processes) | repeat | p90 ITL co / dis (ms, CPU) | p99 ITL co / dis | "
+            "TTFT p90 co / dis (ms, wall) | errors |", "|---|---|---|---|---|---|"]
+    for name, reps in runs.items():
+        for k, r in enumerate(reps):
+            co, dis = r["colocated"], r["disaggregated"]
+            rows.append(f"| {name} | {k + 1} | {co['itl_ms']['p90']:.0f} / {dis['itl_ms']['p90']:.0f} | "
+                        f"{co['itl_ms']['p99']:.0f} / {dis['itl_ms']['p99']:.0f} | {co['ttft_ms']['p90']:.0f} / "
+                        f"{dis['ttft_ms']['p90']:.0f} | {co['errors'] + dis['errors']} |")
+        c = cuts[name]
+        rows.append(f"| {name} | cut | p90 {spread_text(c['p90'])} | p99 {spread_text(c['p99'])} | | |")
     return "\n".join(rows)
 
 
