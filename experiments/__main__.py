@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -89,18 +90,23 @@ def main(argv: list[str] | None = None) -> int:
                                                                     "--store writes there)"), flush=True)
     ctx = Context(full=args.full, weights=args.weights, results_dir=out_dir, progress_factory=_progress_factory())
     ran, failed = set(), []
+    run_start, run_cpu = time.perf_counter(), cpu_seconds()
     for exp in to_run:
         print(f"== {exp.claim}: {exp.title}", flush=True)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         try:
             result = exp.run(ctx)
-            path = write_result(exp, result, args.full, time.perf_counter() - start, out_dir)
+            path = write_result(exp, result, args.full, time.perf_counter() - start, out_dir,
+                                cpu_seconds() - cpu_start)
         except Exception:  # report, keep going with the other claims, exit non-zero at the end
             traceback.print_exc()
             failed.append(exp.claim)
             continue
         print(f"   {result.summary}  ->  {path}  ({time.perf_counter() - start:.0f} s)", flush=True)
         ran.add(exp.claim)
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    print(f"ran {len(ran)} claim(s) in {time.perf_counter() - run_start:.0f} s wall, {cpu_seconds() - run_cpu:.0f} s "
+          f"CPU (this process and its finished children); load average now {load} (1/5/15 min)", flush=True)
     rows = [r for r in table_rows(experiments, load_results(out_dir), ran) if r[0] in wanted]
     print_table(rows)
     rerun = {k: v for k, v in load_results(out_dir).items() if k in ran}
@@ -116,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended (worker processes included)."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def weights_problem(source: str) -> str | None:

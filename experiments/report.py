@@ -20,8 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 PAPER = REPO / "paper" / "report.md"
 
 
-def write_result(exp: Experiment, result: Result, full: bool, seconds: float, results_dir: Path) -> Path:
-    """Write one claim's result JSON, with the setup every number needs next to it (and its clock)."""
+def write_result(exp: Experiment, result: Result, full: bool, seconds: float, results_dir: Path,
+                 cpu_seconds: float | None = None) -> Path:
+    """Write one claim's result JSON, with the setup every number needs next to it (and its clock).
+    ``seconds``: the run's wall time; ``cpu_seconds``: its CPU time, worker processes included (less
+    exposed than wall time to other load on a shared machine)."""
     problem = clock_problem(result.clock, result.measured)
     if problem:
         raise ValueError(f"experiment {exp.claim}: {problem}")
@@ -32,6 +35,7 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "date": provenance.now(),
         "size": "full" if full else "quick",
         "seconds": round(seconds, 1),
+        **({"cpu_seconds": round(cpu_seconds, 1)} if cpu_seconds is not None else {}),
     }
     record = {
         "claim": exp.claim,
