@@ -224,8 +224,12 @@ def plot(points: list[dict[str, Any]], ctx: Context) -> str:
             ax.set_yticks(range(len(work)),
                           [f"{w} ({regimes.WORKLOADS[w].uncached_prompt():.0f})" for w in work], fontsize=7)
             ax.set_xlabel("load (share of estimated capacity)")
+            if col == 0:
+                ax.set_ylabel("workload (mean prompt tokens computed)", fontsize=8)
             ax.set_title(f"{n} x H100, p90 ITL cut {what}", fontsize=8)
-    fig.colorbar(image, ax=axes, shrink=0.6, label="p90 ITL colocated / disaggregated (x: disagg breaks TTFT SLO)")
+            if col == len(gpus) - 1:
+                fig.colorbar(image, ax=ax, label="colocated / disaggregated p90 ITL", fraction=0.08)
+    fig.suptitle("Llama-3.1-8B, simulated: p90 ITL cut (x: disaggregated breaks the 2 s TTFT p90 SLO)", fontsize=9)
     return save_figure(fig, ctx, "E4.png")
 
 
