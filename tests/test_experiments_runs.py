@@ -92,3 +92,9 @@ def test_two_reruns_leave_stored_results_alone_and_agree(tmp_path: Path, capsys:
     with pytest.raises(SystemExit):  # a rerun never overwrites another
         main(["reproduce", "--only", "R2", "--out", str(tmp_path / "run1")])
     assert main(["compare", str(tmp_path / "empty")]) == 2
+
+
+def test_default_run_dir_is_under_runs_and_ignored_by_git() -> None:
+    assert agreement.RUNS_DIR == REPO / "runs"
+    probe = agreement.RUNS_DIR / "2026-01-01-abc" / "E4.json"
+    assert subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=REPO).returncode == 0
