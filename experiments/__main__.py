@@ -1,6 +1,7 @@
 """The reproduction runner.
 
-    python -m experiments reproduce [--full] [--only U1,E4] [--weights PATH ...]
+    python -m experiments reproduce [--full] [--only U1,E4] [--weights PATH ...] [--store | --out DIR]
+    python -m experiments compare RUN_DIR   # a rerun next to the stored results (the agreement table)
     python -m experiments table      # the table from stored results, running nothing
     python -m experiments paper      # rebuild paper/report.md from stored results
     python -m experiments list       # implemented experiments and their quick-run times
@@ -9,10 +10,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
+from pathlib import Path
 
+from experiments.agreement import agreement_rows, compare, new_run_dir, print_agreement
 from experiments.claims import CLAIM_IDS
 from experiments.registry import RESULTS_DIR, Context, discover
 from experiments.report import build_paper, load_results, print_table, table_rows, write_result
@@ -27,6 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--only", default="", help="comma-separated claim ids, e.g. U1,E4")
     rep.add_argument("--weights", action="append", default=[], metavar="PATH",
                      help="also measure this checkpoint (safetensors file/dir or GGUF); repeatable")
+    where = rep.add_mutually_exclusive_group()
+    where.add_argument("--store", action="store_true",
+                       help="write into experiments/results/ and rebuild paper/ (default: a new runs/<date>-<commit>/)")
+    where.add_argument("--out", type=Path, metavar="DIR", help="write the rerun into DIR instead of runs/...")
+    cmp = sub.add_parser("compare", help="print a rerun's agreement table against the stored results")
+    cmp.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    cmp.add_argument("--against", type=Path, default=RESULTS_DIR, metavar="DIR",
+                     help="the results to compare with (default experiments/results/)")
     sub.add_parser("table", help="print the table from stored results")
     sub.add_parser("paper", help="rebuild paper/report.md from stored results")
     sub.add_parser("list", help="list implemented experiments")
@@ -39,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "table":
         print_table(table_rows(experiments, load_results(), ran=set()))
+        return 0
+    if args.command == "compare":
+        try:
+            compare(args.run_dir, args.against)
+        except FileNotFoundError as e:
+            print(f"compare: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.command == "paper":
         try:
@@ -57,26 +76,45 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             parser.error(f"--weights {source}: {problem}")
     to_run = [experiments[c] for c in wanted if c in experiments]
-    ctx = Context(full=args.full, weights=args.weights, results_dir=RESULTS_DIR,
-                  progress_factory=_progress_factory())
+    stored = load_results()  # before anything is written: what the rerun is compared with
+    if args.store:
+        out_dir = RESULTS_DIR
+    elif args.out is not None:
+        if args.out.exists() and any(args.out.iterdir()):
+            parser.error(f"--out {args.out}: exists and is not empty (a rerun never overwrites another)")
+        args.out.mkdir(parents=True, exist_ok=True)
+        out_dir = args.out
+    else:
+        out_dir = new_run_dir()
+    print(f"writing results to {out_dir}" + ("" if args.store else " (experiments/results/ and paper/ untouched; "
+                                                                    "--store writes there)"), flush=True)
+    ctx = Context(full=args.full, weights=args.weights, results_dir=out_dir, progress_factory=_progress_factory())
     ran, failed = set(), []
+    run_start, run_cpu = time.perf_counter(), cpu_seconds()
     for exp in to_run:
         print(f"== {exp.claim}: {exp.title}", flush=True)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), cpu_seconds()
         try:
             result = exp.run(ctx)
-            path = write_result(exp, result, args.full, time.perf_counter() - start, RESULTS_DIR)
+            path = write_result(exp, result, args.full, time.perf_counter() - start, out_dir,
+                                cpu_seconds() - cpu_start)
         except Exception:  # report, keep going with the other claims, exit non-zero at the end
             traceback.print_exc()
             failed.append(exp.claim)
             continue
-        print(f"   {result.summary}  ->  {path.relative_to(RESULTS_DIR.parent.parent)}"
-              f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+        print(f"   {result.summary}  ->  {path}  ({time.perf_counter() - start:.0f} s)", flush=True)
         ran.add(exp.claim)
-    rows = [r for r in table_rows(experiments, load_results(), ran) if r[0] in wanted]
+    load = " / ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
+    print(f"ran {len(ran)} claim(s) in {time.perf_counter() - run_start:.0f} s wall, {cpu_seconds() - run_cpu:.0f} s "
+          f"CPU (this process and its finished children); load average now {load} (1/5/15 min)", flush=True)
+    rows = [r for r in table_rows(experiments, load_results(out_dir), ran) if r[0] in wanted]
     print_table(rows)
+    rerun = {k: v for k, v in load_results(out_dir).items() if k in ran}
+    print_agreement(agreement_rows(rerun, stored), "This run vs the results stored before it")
     try:
-        build_paper(experiments)
+        paper = build_paper(experiments, out_dir) if args.store else \
+            build_paper(experiments, out_dir, out_dir / "report.md")
+        print(f"paper: {paper}")
     except ValueError as e:  # stored results that cannot go into the paper (e.g. without a clock)
         print(f"paper not rebuilt: {e}", file=sys.stderr)
         failed.append("paper")
@@ -84,6 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended (worker processes included)."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def weights_problem(source: str) -> str | None:

@@ -73,6 +73,24 @@ def spread_text(s: dict[str, Any], unit: str = "x") -> str:
     return f"{s['median']:.2f}{unit} ({s['min']:.2f}-{s['max']:.2f} over {len(s['runs'])} runs)"
 
 
+def against(s: dict[str, Any], threshold: float, strict: bool = False) -> str:
+    """Where a repeated ratio's spread sits against a threshold it should reach: 'clears' (every repeat
+    reaches it; ``strict``: exceeds it), 'fails' (no repeat does) or 'straddles' (the spread covers it:
+    within noise, the timed verdict is inconclusive). Depends only on the min and max, so not on the
+    order of the repeats."""
+    lo, hi = s["min"], s["max"]
+    if lo > threshold or (lo == threshold and not strict):
+        return "clears"
+    if hi < threshold or (hi == threshold and strict):
+        return "fails"
+    return "straddles"
+
+
+def inconclusive(name: str, s: dict[str, Any], threshold: float) -> str:
+    """'inconclusive (ITL p50 ratio spread 0.98-1.02 straddles 1)'."""
+    return f"inconclusive ({name} spread {s['min']:.2f}-{s['max']:.2f} straddles {threshold:g})"
+
+
 @contextmanager
 def one_blas_thread() -> Iterator[None]:
     from threadpoolctl import threadpool_limits

@@ -52,6 +52,9 @@ class Result:
     clock_detail: str = ""  # optional: how that clock was taken here (threads, what was skipped, ...)
     notes: list[str] = field(default_factory=list)  # caveats the paper prints in the section's text
     tables: list[str] = field(default_factory=list)  # markdown tables for the paper's section
+    # the figure a rerun is compared on (``experiments.agreement``): {"name", "value", "min", "max"}, min/max
+    # the spread over the run's repeats (equal to value for a deterministic, simulated figure)
+    headline: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.clock is not None and self.clock not in CLOCKS:

@@ -7,6 +7,7 @@ workload, machine, commit, date), measured, article, verdict, why, summary, figu
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 PAPER = REPO / "paper" / "report.md"
 
 
-def write_result(exp: Experiment, result: Result, full: bool, seconds: float, results_dir: Path) -> Path:
-    """Write one claim's result JSON, with the setup every number needs next to it (and its clock)."""
+def write_result(exp: Experiment, result: Result, full: bool, seconds: float, results_dir: Path,
+                 cpu_seconds: float | None = None) -> Path:
+    """Write one claim's result JSON, with the setup every number needs next to it (and its clock).
+    ``seconds``: the run's wall time; ``cpu_seconds``: its CPU time, worker processes included (less
+    exposed than wall time to other load on a shared machine)."""
     problem = clock_problem(result.clock, result.measured)
     if problem:
         raise ValueError(f"experiment {exp.claim}: {problem}")
@@ -31,6 +35,7 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "date": provenance.now(),
         "size": "full" if full else "quick",
         "seconds": round(seconds, 1),
+        **({"cpu_seconds": round(cpu_seconds, 1)} if cpu_seconds is not None else {}),
     }
     record = {
         "claim": exp.claim,
@@ -46,6 +51,7 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "clock": result.clock,
         "clock_detail": result.clock_detail,
         "tables": result.tables,
+        "headline": result.headline,
     }
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / f"{exp.claim}.json"
@@ -109,8 +115,12 @@ def print_table(rows: list[tuple[str, str, str, str, str]]) -> None:
 
 
 def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_DIR, out: Path = PAPER) -> Path:
-    """Write paper/report.md from the stored results: every number in it comes from a JSON."""
+    """Write paper/report.md from the stored results: every number in it comes from a JSON.
+
+    ``results_dir``/``out`` elsewhere (a rerun's ``runs/<date>-<commit>/``): the paper of that run, its
+    figures linked relative to ``out``."""
     results = load_results(results_dir)
+    figs = Path(os.path.relpath(results_dir.resolve(), out.resolve().parent)).as_posix()
     problems = [f"{cid}: {p}" for cid, r in results.items() if "setup" in r
                 for p in [clock_problem(r.get("clock"), r.get("measured", {}))] if p]
     if problems:
@@ -119,7 +129,9 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
     lines = [
         "# Reproducing Unweight, Infire and edge placement: the report",
         "",
-        "Built by `python -m experiments paper` from `experiments/results/*.json`; no number here is",
+        ("Built by `python -m experiments paper` from `experiments/results/*.json`; no number here is"
+         if results_dir.resolve() == RESULTS_DIR.resolve() else
+         "Built by `python -m experiments reproduce` from the result files beside it (a rerun); no number here is"),
         "typed by hand. Each section names the weights, workload, machine and commit it was measured on,",
         "and the clock its times are on:",
         "",
@@ -156,7 +168,7 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
         for table in r.get("tables", []):
             lines += ["", table]
         for fig in r.get("figures", []):
-            lines += ["", f"![{c.id}](../experiments/results/{fig})"]
+            lines += ["", f"![{c.id}]({figs}/{fig})"]
     lines += engine_bench_section(results_dir)
     lines += _serve_section(results_dir)
     lines += _cluster_scale_section(results_dir)

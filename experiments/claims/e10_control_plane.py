@@ -48,7 +48,7 @@ def run(ctx: Context) -> Result:
     threads = 1  # the machine is shared: a second thread spin-waits on a busy core (see bench_engine)
     rows = measure(ctx, threads)
     measured: dict[str, Any] = {"cpu": rows}
-    gpu = ctx.results_dir / "gpu_engine.json"
+    gpu = RESULTS_DIR / "gpu_engine.json"  # measured on a GPU by experiments.gpu_engine; a rerun reads it
     if gpu.exists():
         measured["gpu"] = json.loads(gpu.read_text()).get("control_plane")
     bench = RESULTS_DIR / "bench_engine.json"
@@ -62,7 +62,7 @@ def run(ctx: Context) -> Result:
     def control_ms(r: dict[str, Any]) -> float:
         return r["schedule_ms"] + r["step_tensors_ms"] + r["bookkeeping_ms"]
 
-    summary = "control plane per decode step (CPU, bf16): " + ", ".join(
+    summary = "control plane per decode step (fast engine, torch CPU runner, bf16): " + ", ".join(
         f"{n} seqs {r['control_share'] * 100:.1f}% ({control_ms(r):.1f} ms)" for n, r in rows.items())
     if gpu64 is not None:
         summary += f"; GPU at 64 seqs {gpu64 * 100:.1f}%"

@@ -1,18 +1,19 @@
 """E4: prefill and decode on separate workers; p90 inter-token latency falls (article: ~100 -> 20-30 ms).
 
-Two regimes, both layouts measured in one run on the same arrivals:
+A regime study, not one configuration (``experiments/disagg_regimes.py``; the verdict rule there was
+written before the sweep ran):
 
-* real processes on this CPU: SmolLM2-135M (NumPy, one BLAS thread per process). Colocated = two
-  engine replicas, each a worker process that runs prompts (chunked, 256 tokens/step) and decodes
-  in the same steps; disaggregated = one prefill and one decode process (``reference/disagg``, fp32
-  KV over TCP). The same coordinator routes requests (fewest in-flight tokens). Poisson arrivals,
-  ShareGPT prompt and answer lengths (scaled down for the CPU), at several loads. ITL is measured in
-  the decode process's CPU seconds between its tokens (what its own steps cost, prefill chunks
-  included, not what other jobs on the shared machine took); the wall-clock ITL and the TTFT come
-  from the coordinator's clock (token receipt) and carry the machine's other load.
-* the article's regime, simulated: Llama-3.1-8B on H100s (two GPUs either way), the real scheduler
-  per GPU, step times from a roofline over ``reference/engine/cost.py``'s FLOPs and bytes
-  (``experiments/disagg_sim.py``), ShareGPT lengths unscaled, fp8 KV over a 400 Gbit/s link.
+* simulated, the article's hardware class: Llama-3.1-8B on H100s at equal GPU counts, colocated at its
+  best chunk budget vs disaggregated at its best P:D ratio, ShareGPT chat, RAG-like long prompts with
+  and without prefix reuse, and a mix, from light load to saturation; ITL p50/p90/p99, TTFT p90/p99,
+  goodput under two SLO pairs; a phase diagram (prompt length x load, colour = the p90 ITL cut);
+* real processes on this CPU (SmolLM2-135M, NumPy, one BLAS thread per process, ``reference/disagg``:
+  fp32 KV over TCP): colocated = two engine replicas, disaggregated = one prefill + one decode process,
+  the same coordinator routing both; two configurations, one like the points where the simulator finds
+  the largest cut (prompts long next to an unchunked budget, near the prefill capacity) and one unlike
+  them (short chat prompts, light load), each repeated on fresh Poisson arrivals; ITL in the decode
+  process's CPU seconds between its tokens, so other jobs' time on the shared CPU stays out of it. The
+  decode worker counts what receiving and installing KV cost it, and how much of that delayed a step.
 """
 
 from __future__ import annotations
@@ -21,14 +22,19 @@ from typing import Any
 
 import numpy as np
 
-from experiments.disagg_sim import Gpu, SimReq, colocated, disaggregated
-from experiments.engine_bench import pct, sharegpt_jobs, smollm2
+from experiments import disagg_regimes as regimes
+from experiments.engine_bench import against, inconclusive, pct, sharegpt_jobs, smollm2, spread, spread_text
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.disagg.batch import run_requests
 from reference.disagg.cluster import ProcessCluster, WorkerOptions
-from reference.model.config import LLAMA_3_1_8B
 
 LAYOUTS = {"colocated": (0, 2), "disaggregated": (1, 1)}
+CPU_BUDGET = 512  # tokens per step on the CPU workers: more than any prompt here, i.e. unchunked
+# name -> (prompt tokens min, max, arrival rate per s): like the largest simulated cut / unlike it
+CPU_CONFIGS = {"long prompts, near prefill capacity": (320, 384, 0.8), "short prompts, light load": (16, 96, 0.5)}
+INSIDE = next(iter(CPU_CONFIGS))
+INSTALL_KEYS = ("kv_install_us", "kv_install_blocking_us", "kv_install_blocking_steps", "kv_install_blocking_us_max",
+                "decode_step_us", "decode_steps", "handoffs_complete", "prefills_recomputed", "kv_digest_match")
 
 
 def latencies(coordinator: Any, ids: list[str]) -> dict[str, Any]:
@@ -41,134 +47,191 @@ def latencies(coordinator: Any, ids: list[str]) -> dict[str, Any]:
             "errors": errors}
 
 
-def real_processes(ctx: Context, jobs: list, rates: list[float], seed: int) -> tuple[dict, dict]:
-    """Latencies per load and layout; and per layout, what the workers counted (handoffs, recomputes)."""
-    rng = np.random.default_rng(seed)
-    arrivals = {rate: np.cumsum(rng.exponential(1 / rate, len(jobs))).tolist() for rate in rates}
-    out: dict[str, dict[str, Any]] = {}
-    handoffs: dict[str, dict[str, int]] = {}
-    opts = WorkerOptions(num_blocks=256, block_size=16, max_num_batched_tokens=256, max_num_seqs=16)
-    for layout, (num_prefill, num_decode) in ctx.track(LAYOUTS.items(), "E4 layouts"):
+def real_processes(ctx: Context, jobs: dict[str, list], repeats: int) -> tuple[dict, dict]:
+    """Per configuration and repeat, each layout's latencies; per layout, the workers' counters."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [{} for _ in range(repeats)] for name in CPU_CONFIGS}
+    counters: dict[str, dict[str, int]] = {}
+    opts = WorkerOptions(num_blocks=256, block_size=16, max_num_batched_tokens=CPU_BUDGET, max_num_seqs=16)
+    for layout, (num_prefill, num_decode) in ctx.track(LAYOUTS.items(), "E4 real processes, layouts"):
         with ProcessCluster("smollm2", num_prefill, num_decode, opts=opts, restart=False,
                             deadline=lambda p, o: 600.0) as cluster:
-            for rate in rates:
-                requests = [{"id": f"{layout}-{rate}-{i}", "prompt_token_ids": j.prompt, "max_tokens": j.output_len}
-                            for i, j in enumerate(jobs)]
-                run_requests(cluster, requests, arrivals=arrivals[rate], timeout=900)
-                out.setdefault(f"{rate}/s", {})[layout] = latencies(cluster.coordinator, [r["id"] for r in requests])
+            for name, (_, _, rate) in CPU_CONFIGS.items():
+                for k in range(repeats):
+                    rng = np.random.default_rng(100 + k)  # the same arrivals for both layouts
+                    arrivals = np.cumsum(rng.exponential(1 / rate, len(jobs[name]))).tolist()
+                    reqs = [{"id": f"{layout}-{name}-{k}-{i}", "prompt_token_ids": j.prompt, "max_tokens": j.output_len}
+                            for i, j in enumerate(jobs[name])]
+                    run_requests(cluster, reqs, arrivals=arrivals, timeout=900)
+                    runs[name][k][layout] = latencies(cluster.coordinator, [r["id"] for r in reqs])
             cluster.shutdown()
-        counters = [b["counters"] for b in cluster.byes]
-        handoffs[layout] = {k: sum(c.get(k, 0) for c in counters) for k in
-                            ("handoffs_complete", "prefills_recomputed", "kv_digest_match", "kv_bytes_received")}
-    return out, handoffs
+        merged: dict[str, int] = {}
+        for bye in cluster.byes:
+            for key in INSTALL_KEYS:
+                merged[key] = merged.get(key, 0) + bye["counters"].get(key, 0)
+        counters[layout] = merged
+    return runs, counters
 
 
-def simulated(jobs_lengths: list[tuple[int, int]], rates: list[float], seed: int) -> dict[str, dict[str, Any]]:
-    rng = np.random.default_rng(seed)
-    out: dict[str, dict[str, Any]] = {}
-    for rate in rates:
-        arrivals = np.cumsum(rng.exponential(1 / rate, len(jobs_lengths)))
-        for layout, fn in (("colocated", colocated), ("disaggregated", disaggregated)):
-            reqs = [SimReq(float(a), p, o) for a, (p, o) in zip(arrivals, jobs_lengths, strict=True)]
-            fn(reqs, LLAMA_3_1_8B, Gpu())
-            ttft = [r.token_times[0] - r.arrival for r in reqs]
-            itl = [g for r in reqs for g in np.diff(r.token_times)]
-            out.setdefault(f"{rate}/s", {})[layout] = {"ttft_ms": pct(ttft), "itl_ms": pct(itl), "requests": len(reqs)}
-    return out
+def cpu_cuts(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per configuration: the p90 and p99 ITL cut (colocated / disaggregated) of each repeat, as spreads."""
+    def cut(r: dict[str, Any], p: str) -> float:
+        return r["colocated"]["itl_ms"][p] / r["disaggregated"]["itl_ms"][p]
+
+    return {name: {"p90": spread([cut(r, "p90") for r in reps]), "p99": spread([cut(r, "p99") for r in reps])}
+            for name, reps in runs.items()}
+
+
+def verdict_of(points: list[dict[str, Any]], inside_cut: dict[str, Any]) -> str:
+    """regimes.VERDICT_RULE."""
+    if not any(p["in_regime"] for p in points):
+        return "differs"
+    where = against(inside_cut, regimes.CUT_REGIME)
+    if where == "clears":
+        return "matches"
+    if where == "straddles":
+        return inconclusive("CPU p90 ITL cut", inside_cut, regimes.CUT_REGIME)
+    return "partly matches"
 
 
 def run(ctx: Context) -> Result:
-    n, min_prompt, max_prompt, max_output, scale, rates = (24, 128, 384, 24, 0.08, [0.25, 0.5, 1.0]) if ctx.full \
-        else (8, 128, 384, 12, 0.05, [0.3, 0.6])
+    if ctx.full:
+        grid = [(regimes.WORKLOADS, [0.25, 0.5, 1.0, 1.5, 2.0], [2, 4, 8])]
+        n_sim, n_cpu, max_output, repeats = 300, 12, 16, 3
+    else:  # quick: 2 GPUs over the whole grid at 3 loads, 8 GPUs on 8K prompts only, no 4 GPUs; fewer requests
+        grid = [(regimes.WORKLOADS, [0.5, 1.0, 2.0], [2]), (["rag 8k"], [1.0, 2.0], [8])]
+        n_sim, n_cpu, max_output, repeats = 100, 6, 12, 2
+    points = [p for workloads, loads, gpus in grid
+              for p in regimes.sweep(gpus, workloads, loads, n_sim, lambda items, d: ctx.track(list(items), d))]
     _, tok = smollm2()
-    jobs = [j for j in sharegpt_jobs(tok, 6 * n, max_prompt, max_output, output_scale=scale)
-            if len(j.prompt) >= min_prompt][:n]
-    cpu, handoffs = real_processes(ctx, jobs, rates, seed=0)
-    n_sim = 600 if ctx.full else 200
-    lengths = [(len(j.prompt), j.output_len) for j in sharegpt_jobs(tok, n_sim, 8192, 1024)]
-    sim_rates = [8.0, 16.0, 32.0, 48.0] if ctx.full else [8.0, 32.0]
-    sim = simulated(lengths, sim_rates, seed=1)
-    long_rates = [4.0, 8.0, 16.0] if ctx.full else [4.0, 8.0]
-    sim_long = simulated([(min(8 * p, 16384), o) for p, o in lengths], long_rates, seed=2)
-    figure = plot(cpu, sim, sim_long, ctx)
-
-    def cut(rows: dict[str, dict[str, Any]]) -> dict[str, float]:
-        return {load: round(r["colocated"]["itl_ms"]["p90"] / r["disaggregated"]["itl_ms"]["p90"], 2)
-                for load, r in rows.items()}
-
-    cpu_cut, sim_cut, long_cut = cut(cpu), cut(sim), cut(sim_long)
-    p99_cut = {load: round(r["colocated"]["itl_ms"]["p99"] / r["disaggregated"]["itl_ms"]["p99"], 2)
-               for load, r in sim.items()}
-
-    def pairs(rows: dict[str, dict[str, Any]], digits: int) -> str:
-        p90 = {load: (r["colocated"]["itl_ms"]["p90"], r["disaggregated"]["itl_ms"]["p90"]) for load, r in rows.items()}
-        return ", ".join(f"{c:.{digits}f}->{d:.{digits}f} at {load}" for load, (c, d) in p90.items())
-
-    if min(cpu_cut.values()) >= 3 and min(sim_cut.values()) >= 3:
-        verdict = "matches"
-    elif min(cpu_cut.values()) >= 2 or max(p99_cut.values()) >= 3:
-        verdict = "partly matches"
-    else:
-        verdict = "differs"
+    pool = sharegpt_jobs(tok, 400, 4096, max_output, output_scale=0.05)
+    jobs = {name: [j for j in pool if len(j.prompt) >= lo][:n_cpu] for name, (lo, hi, _) in CPU_CONFIGS.items()}
+    jobs = {name: [type(j)(j.prompt[:CPU_CONFIGS[name][1]], j.output_len) for j in js] for name, js in jobs.items()}
+    runs, counters = real_processes(ctx, jobs, repeats)
+    cuts = cpu_cuts(runs)
+    figure = plot(points, ctx)
+    verdict = verdict_of(points, cuts[INSIDE]["p90"])
+    best = max(points, key=lambda p: p["p90_itl_cut"])
+    vs2048 = max(points, key=lambda p: p["p90_itl_cut_vs_budget_2048"])
+    decode = counters["disaggregated"]
+    install = {"per_handoff_ms": round(decode["kv_install_us"] / max(decode["handoffs_complete"], 1) / 1000, 2),
+               "blocking_share_of_decode_time": round(decode["kv_install_blocking_us"]
+                                                      / max(decode["decode_step_us"], 1), 4),
+               "blocking_max_ms": round(decode["kv_install_blocking_us_max"] / 1000, 2),
+               "decode_step_mean_ms": round(decode["decode_step_us"] / max(decode["decode_steps"], 1) / 1000, 2)}
     return Result(
-        clock="cpu-process",
-        clock_detail=('CPU rows: ITL in CPU seconds of the decode process between tokens, TTFT and itl_wall in '
-                      'wall-clock seconds at the coordinator; H100/Llama-3.1-8B rows: simulated seconds from the step '
-                      'cost model'),
-        measured={"cpu_processes": cpu, "cpu_worker_counters": handoffs, "h100_llama8b_sim": sim,
-                  "h100_llama8b_sim_long_prompts": sim_long,
-                  "p90_itl_cut_cpu": cpu_cut, "p90_itl_cut_sim": sim_cut, "p99_itl_cut_sim": p99_cut,
-                  "p90_itl_cut_sim_long_prompts": long_cut},
-        summary=(f"p90 ITL colocated->disaggregated (ms): CPU/SmolLM2 {pairs(cpu, 0)}; H100/8B sim {pairs(sim, 1)} "
-                 f"(p99 cut up to {max(p99_cut.values())}x; prompts x8: p90 cut up to {max(long_cut.values())}x)"),
+        clock="simulated",
+        clock_detail=("sweep: simulated seconds (cluster simulator, roofline step costs); CPU rows: ITL in CPU "
+                      "seconds of the decode process between tokens, TTFT and itl_wall in wall-clock seconds at the "
+                      "coordinator"),
+        measured={"sweep": points, "regime": regimes.regime_text(points),
+                  "cpu_processes": runs, "cpu_p90_itl_cut": cuts, "cpu_worker_counters": counters,
+                  "kv_install": install},
+        summary=(f"H100/8B sim, each setup at its best config: p90 ITL cut up to {best['p90_itl_cut']:.2f}x "
+                 f"({best['workload']}, {best['gpus']} GPUs, load {best['load']:g}); vs colocated at budget 2048 up to "
+                 f"{vs2048['p90_itl_cut_vs_budget_2048']:.2f}x ({vs2048['workload']}, load {vs2048['load']:g}); "
+                 f"CPU/SmolLM2 real processes, colocated unchunked ({CPU_BUDGET}-token budget): p90 cut "
+                 f"{spread_text(cuts[INSIDE]['p90'])} ({INSIDE}), "
+                 f"{spread_text(cuts[next(reversed(CPU_CONFIGS))]['p90'])} (short prompts)"),
         verdict=verdict,
-        why=("'matches' needs a >= 3x cut of p90 ITL at every load in both regimes; 'partly' a >= 2x cut at every "
-             "CPU load or a >= 3x cut of the simulated p99. Disaggregation removes prefill chunks from "
-             "decode steps, so its ITL is the decode step alone; colocated ITL is hurt only by steps that carry "
-             "prefill, which ShareGPT's mostly short prompts make a small share of the steps: the p90 moves less "
-             "than the p99, and the cut grows with load and prompt length (the x8 rows). On the CPU a SmolLM2 "
-             "decode step is memory-bound (~all weights read per step) and a 256-token prefill chunk costs ~10 "
-             "of them, so colocated ITL spikes where a chunk lands; the decode-only worker also gathers a larger "
-             "batch per step, whose cost grows with it. The worker processes share the CPU's cores with whatever else "
-             "runs (load average in setup.machine): even CPU-time ITL moves between runs, so read them with the "
-             "counters."),
-        setup={"weights": "smollm2 (NumPy float32, 1 BLAS thread per process) for the CPU runs; Llama-3.1-8B "
-                          "shapes for the simulation",
-               "clock": "ITL: CPU seconds of the decode process between tokens; TTFT and itl_wall: wall clock at "
-                        "the coordinator",
-               "workload": f"CPU: the first {n} ShareGPT prompts with >= {min_prompt} tokens, truncated to "
-                           f"{max_prompt}, outputs = answer x {scale} capped at {max_output}, Poisson at {rates} "
-                           f"req/s; sim: {n_sim} ShareGPT requests (prompts <= 8192, outputs <= 1024 tokens), "
-                           f"Poisson at {sim_rates} req/s; and the same with prompts 8x longer (<= 16384: "
-                           f"long-context traffic without prefix reuse) at {long_rates} req/s",
-               "workers": "colocated: 2 replicas; disaggregated: 1 prefill + 1 decode; 256-token step budget "
-                          "on the CPU, 2048 on the simulated H100s",
-               "gpu": Gpu().__dict__},
+        headline={"name": "CPU p90 ITL cut, " + INSIDE, "value": cuts[INSIDE]["p90"]["median"],
+                  "min": cuts[INSIDE]["p90"]["min"], "max": cuts[INSIDE]["p90"]["max"]},
+        why=(regimes.VERDICT_RULE + " Regime found: " + regimes.regime_text(points) + ". At equal GPU counts the "
+             "disaggregated decode pool is smaller than the colocated fleet, so each decode GPU carries a larger "
+             "batch and its memory-bound step (weights plus every sequence's KV) is longer; colocated at a small "
+             "chunk budget keeps its steps short and loses only TTFT. Disaggregation's cut is large against a "
+             "colocated engine with a large budget (long prompts land whole in a decode step), and it is bought "
+             "with TTFT (the prefill pool is smaller too): see the TTFT ratio of every point in the sweep."),
+        setup={"weights": "Llama-3.1-8B shapes (simulated, bf16 weights and KV); smollm2 (NumPy float32, 1 BLAS thread "
+                          "per process) for the CPU runs",
+               "workload": (f"sim: {n_sim} requests per point, ShareGPT lengths (outputs <= {regimes.MAX_OUTPUT}), "
+                            f"RAG = a 2K/4K/8K-token document + a ShareGPT question (<= {regimes.QUESTION_MAX} "
+                            f"tokens), "
+                            f"reuse = 8 documents in the prefix cache, mix = half chat half RAG 4K; Poisson at shares "
+                            f"of the estimated capacity; CPU: {n_cpu} ShareGPT prompts per configuration "
+                            + "; ".join(f"{k}: prompts {lo}-{hi} tokens at {r} req/s" for k, (lo, hi, r) in
+                                        CPU_CONFIGS.items())
+                            + f", outputs = answer x 0.05 capped at {max_output}, {repeats} repeats"),
+               "workers": (f"sim: colocated budgets {list(regimes.BUDGETS)}, disaggregated P+D for every P, budget "
+                           f"{regimes.DISAGG_BUDGET}, max 64 sequences per GPU, KV over 400 Gbit/s; CPU: budget "
+                           f"{CPU_BUDGET} tokens (unchunked), colocated 2 replicas vs 1 prefill + 1 decode"),
+               "slos": regimes.SLOS, "verdict_rule": regimes.VERDICT_RULE},
         article={"claim": "p90 ITL ~100 ms colocated -> 20-30 ms disaggregated (3-5x)"},
         figures=[figure],
+        tables=[table(points), cpu_table(runs, cuts)],
+        notes=[f"Decode worker, disaggregated CPU runs: receiving and installing a prompt's KV cost "
+               f"{install['per_handoff_ms']} ms of CPU per handoff (a decode step: "
+               f"{install['decode_step_mean_ms']} ms); "
+               f"installed from a queue at most a quarter of the last step's time before each step, what delayed "
+               f"running sequences was {100 * install['blocking_share_of_decode_time']:.1f}% of the decode time, at "
+               f"most {install['blocking_max_ms']} ms before one step."],
     )
 
 
-def plot(cpu: dict[str, Any], sim: dict[str, Any], sim_long: dict[str, Any], ctx: Context) -> str:
-    plt = pyplot()
+def table(points: list[dict[str, Any]]) -> str:
+    rows = ["| GPUs | workload | load | req/s | best colocated | best disaggregated | p90 ITL cut | vs budget 2048 | "
+            "p99 cut | TTFT p90 dis/co | TTFT SLO co / dis | goodput (2 s, 50 ms) co / dis |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        g = p["best_goodput_per_s"][regimes.TTFT_SLO]
+        rows.append(f"| {p['gpus']} | {p['workload']} | {p['load']:g} | {p['rate_per_s']:.1f} | "
+                    f"{p['best_colocated'].split('budget ')[-1]} | {p['best_disaggregated']} | "
+                    f"{p['p90_itl_cut']:.2f} | "
+                    f"{p['p90_itl_cut_vs_budget_2048']:.2f} | {p['p99_itl_cut']:.2f} | "
+                    f"{p['ttft_p90_ratio_dis_over_co']:.2f} | {'ok' if p['colocated_meets_ttft'] else 'broken'} / "
+                    f"{'ok' if p['disaggregated_meets_ttft'] else 'broken'} | {g['colocated']:.1f} / "
+                    f"{g['disaggregated']:.1f} |")
+    return "\n".join(rows)
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    for ax, rows, title in ((axes[0], cpu, "CPU, SmolLM2-135M, real processes"),
-                            (axes[1], sim, "H100 x2, Llama-3.1-8B, ShareGPT (simulated)"),
-                            (axes[2], sim_long, "same, prompts x8 (simulated)")):
-        loads = list(rows)
-        x = np.arange(len(loads))
-        for off, layout in ((-0.2, "colocated"), (0.2, "disaggregated")):
-            p90 = [rows[ld][layout]["itl_ms"]["p90"] for ld in loads]
-            p99 = [rows[ld][layout]["itl_ms"]["p99"] for ld in loads]
-            bars = ax.bar(x + off, p90, 0.4, label=f"{layout} p90")
-            ax.scatter(x + off, p99, marker="_", s=200, color=bars.patches[0].get_facecolor(), label=f"{layout} p99")
-        ax.set_xticks(x, loads)
-        ax.set_xlabel("arrival rate")
-        ax.set_ylabel("inter-token latency (ms)")
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
+
+def cpu_table(runs: dict[str, list[dict[str, Any]]], cuts: dict[str, dict[str, Any]]) -> str:
+    rows = ["| CPU configuration (real processes) | repeat | p90 ITL co / dis (ms, CPU) | p99 ITL co / dis | "
+            "TTFT p90 co / dis (ms, wall) | errors |", "|---|---|---|---|---|---|"]
+    for name, reps in runs.items():
+        for k, r in enumerate(reps):
+            co, dis = r["colocated"], r["disaggregated"]
+            rows.append(f"| {name} | {k + 1} | {co['itl_ms']['p90']:.0f} / {dis['itl_ms']['p90']:.0f} | "
+                        f"{co['itl_ms']['p99']:.0f} / {dis['itl_ms']['p99']:.0f} | {co['ttft_ms']['p90']:.0f} / "
+                        f"{dis['ttft_ms']['p90']:.0f} | {co['errors'] + dis['errors']} |")
+        c = cuts[name]
+        rows.append(f"| {name} | cut | p90 {spread_text(c['p90'])} | p99 {spread_text(c['p99'])} | | |")
+    return "\n".join(rows)
+
+
+def plot(points: list[dict[str, Any]], ctx: Context) -> str:
+    """Phase diagram: prompt length (rows, by mean uncached prompt) x load; colour = p90 ITL cut."""
+    plt = pyplot()
+    from matplotlib.colors import LogNorm
+
+    gpus = sorted({p["gpus"] for p in points})
+    fig, axes = plt.subplots(2, len(gpus), figsize=(5.2 * len(gpus), 7.5), squeeze=False)
+    norm = LogNorm(vmin=1 / 4, vmax=4)
+    image = None
+    for col, n in enumerate(gpus):
+        mine = [p for p in points if p["gpus"] == n]
+        work = sorted({p["workload"] for p in mine}, key=lambda w: regimes.WORKLOADS[w].uncached_prompt())
+        loads = sorted({p["load"] for p in mine})
+        for row, key, what in ((0, "p90_itl_cut", "vs colocated at its best budget"),
+                               (1, "p90_itl_cut_vs_budget_2048", "vs colocated at budget 2048")):
+            ax = axes[row][col]
+            grid = np.full((len(work), len(loads)), np.nan)
+            for p in mine:
+                i, j = work.index(p["workload"]), loads.index(p["load"])
+                grid[i, j] = p[key]
+                mark = "" if p["disaggregated_meets_ttft"] else "x"
+                ax.text(j, i, f"{p[key]:.2f}{mark}", ha="center", va="center", fontsize=7)
+            image = ax.imshow(grid, cmap="RdBu", norm=norm, aspect="auto", origin="lower")
+            ax.set_xticks(range(len(loads)), [f"{x:g}" for x in loads])
+            ax.set_yticks(range(len(work)),
+                          [f"{w} ({regimes.WORKLOADS[w].uncached_prompt():.0f})" for w in work], fontsize=7)
+            ax.set_xlabel("load (share of estimated capacity)")
+            if col == 0:
+                ax.set_ylabel("workload (mean prompt tokens computed)", fontsize=8)
+            ax.set_title(f"{n} x H100, p90 ITL cut {what}", fontsize=8)
+            if col == len(gpus) - 1:
+                fig.colorbar(image, ax=ax, label="colocated / disaggregated p90 ITL", fraction=0.08)
+    fig.suptitle("Llama-3.1-8B, simulated: p90 ITL cut (x: disaggregated breaks the 2 s TTFT p90 SLO)", fontsize=9)
     return save_figure(fig, ctx, "E4.png")
 
 
-EXPERIMENT = Experiment(claim="E4", title="Prefill/decode disaggregation", run=run, quick_minutes=2)
+EXPERIMENT = Experiment(claim="E4", title="Prefill/decode disaggregation: where the p90 ITL cut holds", run=run,
+                        quick_minutes=3)

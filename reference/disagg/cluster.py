@@ -69,6 +69,9 @@ class WorkerOptions:
     handshake_timeout: float = 1.0
     handshake_retries: int = 8
     stream_timeout: float = 60.0
+    # the decode worker installs received KV for at most this share of its last step's time before each
+    # step while sequences are running (DecodeWorker.install_share); 0: install each frame as it arrives
+    install_share: float = 0.25
 
 
 FAST_FAULTS = {"handshake_timeout": 0.5, "handshake_retries": 2, "stream_timeout": 3.0}
@@ -81,7 +84,8 @@ def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions) -> 
     if role == "prefill":
         return PrefillWorker(model, link, wire=opts.wire, handshake_timeout=opts.handshake_timeout,
                              retries=opts.handshake_retries, **common)
-    return DecodeWorker(model, link, kv_dtype=opts.kv_dtype, stream_timeout=opts.stream_timeout, **common)
+    return DecodeWorker(model, link, kv_dtype=opts.kv_dtype, stream_timeout=opts.stream_timeout,
+                        install_share=opts.install_share or None, **common)
 
 
 def hello(worker: PrefillWorker | DecodeWorker, link: Link, model_spec: str, opts: WorkerOptions) -> None:

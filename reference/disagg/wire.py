@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -147,9 +147,21 @@ def kv_digest(cache: object, block_table: Sequence[int], length: int) -> str:
     The prefill worker puts it in DONE; with fp32 on the wire the decode worker computes it over its
     own cache (received positions and its own cached prefix) and must get the same value.
     """
+    steps = kv_digest_by_layer(cache, block_table, length)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def kv_digest_by_layer(cache: object, block_table: Sequence[int], length: int) -> Generator[None, None, str]:
+    """``kv_digest`` one layer at a time: it pauses after each layer (so a worker can run a step between
+    them); the digest is the generator's return value."""
     h = hashlib.blake2b(digest_size=32, person=b"unfire-kvdig-v1")
     for layer in range(cache.num_layers):  # type: ignore[attr-defined]
         k, v = cache.read(layer, block_table, length)  # type: ignore[attr-defined]
         h.update(np.ascontiguousarray(k, "<f4").tobytes())
         h.update(np.ascontiguousarray(v, "<f4").tobytes())
+        yield
     return h.hexdigest()

@@ -1,0 +1,100 @@
+"""Reruns next to the stored results: runs/<date>-<commit>/, the agreement table, verdicts robust to noise."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from experiments import agreement
+from experiments.__main__ import main
+from experiments.claims.e1_continuous_batching import ratios_of, verdict_of
+from experiments.engine_bench import against, spread
+from experiments.registry import RESULTS_DIR
+from experiments.report import PAPER, REPO
+
+E1_STORED = json.loads((RESULTS_DIR / "E1.json").read_text())["measured"]
+E1_REPEATS = [E1_STORED["runs"], *E1_STORED["repeat_runs"]]
+
+
+@given(st.permutations(E1_REPEATS))
+def test_e1_stored_repeats_give_one_verdict_in_any_order(order: list) -> None:
+    assert verdict_of(ratios_of(order)) == verdict_of(ratios_of(E1_REPEATS))
+
+
+def test_a_spread_that_straddles_its_threshold_is_inconclusive() -> None:
+    assert against(spread([1.2, 1.5]), 1.0) == "clears"
+    assert against(spread([0.7, 0.9]), 1.0) == "fails"
+    assert against(spread([0.95, 1.05]), 1.0) == "straddles"
+    assert against(spread([1.0, 1.1]), 1.0) == "clears" and against(spread([1.0, 1.1]), 1.0, strict=True) == "straddles"
+    ratios = ratios_of(E1_REPEATS)
+    ratios["itl_p50_static_over_continuous"] = spread([0.98, 1.03])
+    ratios["itl_p99_static_over_continuous"] = spread([1.1, 1.2])
+    assert verdict_of(ratios).startswith("inconclusive (ITL p50 ratio spread 0.98-1.03 straddles 1)")
+    ratios["itl_p50_static_over_continuous"] = spread([1.01, 1.03])
+    assert verdict_of(ratios) == "matches"
+    ratios["ttft_p50_static_over_continuous"] = spread([0.5, 0.9])
+    assert verdict_of(ratios) == "differs"
+
+
+@given(st.lists(st.floats(0.1, 10, allow_nan=False), min_size=1, max_size=6), st.floats(0.1, 10))
+def test_against_depends_on_the_spread_only(values: list[float], threshold: float) -> None:
+    assert against(spread(values), threshold) == against(spread(values[::-1]), threshold)
+
+
+def test_verdict_classes_and_agreement() -> None:
+    assert agreement.verdict_class("partly matches (stored, 2026-12-01 @ abc)") == "partly matches"
+    assert agreement.verdicts_agree("matches", "matches") == "yes"
+    assert agreement.verdicts_agree("matches", "differs") == "no"
+    assert agreement.verdicts_agree("matches", "inconclusive (x spread 0.9-1.1 straddles 1)") == "inconclusive"
+    stored = {"headline": {"name": "r", "value": 2.0, "min": 1.8, "max": 2.2}}
+    assert agreement.spread_cell(stored, {"headline": {"name": "r", "value": 2.1}}).startswith("inside")
+    assert agreement.spread_cell(stored, {"headline": {"name": "r", "value": 2.5}}).startswith("outside")
+    old = {"measured": {"a": spread([1.0, 1.2]), "b": {"c": spread([3.0, 3.1])}}}
+    new = {"measured": {"a": spread([1.1, 1.3]), "b": {"c": spread([4.0])}}}
+    assert agreement.spread_cell(old, new) == "1/2 medians inside (outside: b.c)"
+
+
+def test_new_run_dir_never_reuses_a_run(tmp_path: Path) -> None:
+    a, b = agreement.new_run_dir(tmp_path), agreement.new_run_dir(tmp_path)
+    assert a != b and a.is_dir() and b.name == a.name + "-2"
+
+
+def _fingerprint() -> dict[str, str]:
+    files = sorted(RESULTS_DIR.iterdir()) + [PAPER]
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files if p.is_file()}
+
+
+def _git_status() -> str:
+    return subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True).stdout
+
+
+def test_two_reruns_leave_stored_results_alone_and_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before, status = _fingerprint(), _git_status()
+    for k in (1, 2):
+        assert main(["reproduce", "--only", "R2", "--out", str(tmp_path / f"run{k}")]) == 0
+        out = capsys.readouterr().out
+        assert "This run vs the results stored before it" in out and "1 of 1 agree" in out
+        assert (tmp_path / f"run{k}" / "R2.json").is_file() and (tmp_path / f"run{k}" / "report.md").is_file()
+    report_md = (tmp_path / "run1" / "report.md").read_text()
+    assert "## R2" in report_md and "](./R2.png)" in report_md  # the run's own figure, linked beside it
+    assert _fingerprint() == before and _git_status() == status
+    r1, r2 = (json.loads((tmp_path / f"run{k}" / "R2.json").read_text()) for k in (1, 2))
+    assert r1["verdict"] == r2["verdict"]
+    assert main(["compare", str(tmp_path / "run2"), "--against", str(tmp_path / "run1")]) == 0
+    out = capsys.readouterr().out
+    assert "R2" in out and "1 of 1 agree" in out and "the same headline" in out
+    with pytest.raises(SystemExit):  # a rerun never overwrites another
+        main(["reproduce", "--only", "R2", "--out", str(tmp_path / "run1")])
+    assert main(["compare", str(tmp_path / "empty")]) == 2
+
+
+def test_default_run_dir_is_under_runs_and_ignored_by_git() -> None:
+    assert agreement.RUNS_DIR == REPO / "runs"
+    probe = agreement.RUNS_DIR / "2026-01-01-abc" / "E4.json"
+    assert subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=REPO).returncode == 0
