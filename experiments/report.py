@@ -171,6 +171,7 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             lines += ["", f"![{c.id}]({figs}/{fig})"]
     lines += engine_bench_section(results_dir)
     lines += _serve_section(results_dir)
+    lines += _fleet_section(results_dir)
     lines += _cluster_scale_section(results_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text(out, "\n".join(lines) + "\n")
@@ -240,6 +241,27 @@ def _serve_section(results_dir: Path) -> list[str]:
             + (f", load average {m['load_average']} at the end, its own work included" if "load_average" in m else "")
             + f"); commit {s.get('commit', '?')}; "
               f"{s.get('date', '?')}. {s.get('note', '')}"]
+    return lines
+
+
+def _fleet_section(results_dir: Path) -> list[str]:
+    """R1 on real processes (``python -m experiments.fleet_sim``): the simulator against the real fleet."""
+    try:
+        r = json.loads((results_dir / "R1_fleet.json").read_text())
+        s, table = r["setup"], r["measured"]["markdown"]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError):
+        return []
+    m = s.get("machine_before", {})
+    lines = ["", f"## {r.get('title', 'Tiered routing: the simulator against the real fleet')}", "",
+             f"`python -m serve fleet {s.get('scenario')}` (gateway + real `python -m serve` sites, routed by "
+             f"`reference.cluster.router`) against the simulator on the same scenario and arrivals. Each cell: "
+             "simulated / simulated with the real fleet's measured downtime / **real** (median of "
+             f"{s.get('runs')} runs) [real min-max]; times in ms.", "", table, "",
+             f"Measured on: weights {s.get('weights')}; clock {s.get('clock')}; {m.get('cpu', '?')} "
+             f"({m.get('cores', '?')} cores, load average {m.get('load_average', '?')} at the start); commit "
+             f"{s.get('commit')}; {s.get('date')}."]
+    if r.get("figure"):
+        lines.append(f"\n![fleet trace](../experiments/results/{r['figure']})")
     return lines
 
 

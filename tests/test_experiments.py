@@ -93,3 +93,19 @@ def test_every_stored_result_states_a_valid_clock() -> None:
     """The committed results: each names its clock (a reviewer reads no time without one)."""
     for claim_id, record in report.load_results().items():
         assert clock_problem(record.get("clock"), record.get("measured", {})) is None, claim_id
+
+
+def test_paper_carries_the_fleet_table_from_its_result(tmp_path) -> None:
+    import json as _json
+
+    from experiments.report import _fleet_section
+
+    assert _fleet_section(tmp_path) == []  # not measured: no section
+    doc = {"title": "Tiered routing: sim vs fleet", "figure": "R1_fleet.png",
+           "setup": {"scenario": "fleet_small.toml", "runs": 3, "weights": "tiny", "clock": "wall", "commit": "abc",
+                     "date": "2026-12-01", "machine_before": {"cpu": "X", "cores": 2, "load_average": 1.0}},
+           "measured": {"markdown": "| tier | share |\n|---|---|\n| edge | 70% / 57% / **55%** [51%-57%] |"}}
+    (tmp_path / "R1_fleet.json").write_text(_json.dumps(doc))
+    text = "\n".join(_fleet_section(tmp_path))
+    assert "| edge | 70% / 57% / **55%** [51%-57%] |" in text and "median of 3 runs" in text
+    assert "R1_fleet.png" in text and "commit abc" in text
