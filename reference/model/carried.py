@@ -84,7 +84,7 @@ def parse_entry(text: str, where: str) -> dict[str, Any]:
               and all(isinstance(v, str) for v in files.values()))
     else:
         ok = False
-    if not ok or set(entry) != {"format", "version", "kind", kind, "crc32"} | ({"files"} if kind == "hf" else set()):
+    if not ok or set(entry) != {"format", "version", "kind", "crc32", "gguf" if kind == "gguf" else "files"}:
         raise WeightError(f"{where}: malformed {MODEL_KEY} entry (kind {kind!r})")
     return entry
 
