@@ -209,6 +209,7 @@ def stored_projections(src: WeightSource, num_layers: int, which: Sequence[str],
     transcoded to the palette form (FORMAT.md section 5), without a bf16 copy on the way."""
     from fast.codec.convert import huffman_from_reference
     from fast.codec.linear import UnweightLinear
+    from fast.codec.torch_ops import transcode_torch
     from reference.codec import CompressedTensor
 
     out: dict[tuple[int, str], CompressedLinear] = {}
@@ -222,5 +223,8 @@ def stored_projections(src: WeightSource, num_layers: int, which: Sequence[str],
             ct = files[name].container.compressed(name)  # every array checked (load_llama checked the data)
             if isinstance(ct, CompressedTensor) and len(ct.palette) <= 16 and len(ct.shape) == 2:
                 form = huffman_from_reference(ct, torch.device(device))
-                out[(i, proj)] = CompressedLinear(UnweightLinear.from_huffman(form), dtype)
+                # on a CPU the torch transcode, never Triton's interpreter (far too slow for a model)
+                unweight = UnweightLinear.from_huffman(form) if form.device.type == "cuda" else UnweightLinear(
+                    transcode_torch(form))
+                out[(i, proj)] = CompressedLinear(unweight, dtype)
     return out
