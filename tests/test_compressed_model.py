@@ -229,3 +229,19 @@ def test_smollm2_container_serves_the_ggufs_greedy_tokens(tmp_path):
     # the reference (float32) engine reads the container's weights: the GGUF's rounded to bf16
     down, original = load_llama(out)[1].layers[0].w_down, load_llama("smollm2")[1].layers[0].w_down
     assert np.array_equal(down, bf16_to_float32(float32_to_bf16(original)))
+
+
+@pytest.mark.slow
+def test_bench_compressed_runs_end_to_end(tiny, tmp_path):
+    """The benchmark's whole path on the tiny checkpoint: containers, loads, the budget, three engine runs."""
+    pytest.importorskip("torch")
+    from experiments.bench_compressed import main
+
+    out = tmp_path / "bench_compressed.json"
+    result = main(["--model", str(tiny["folder"]), "--requests", "4", "--max-prompt", "48", "--max-output", "6",
+                   "--out", str(out)])
+    s, e = result["summary"], result["measured"]["economics"]
+    assert json.loads(out.read_text())["summary"] == s and out.with_suffix(".png").is_file()
+    assert e["blocks_compressed"] > e["blocks_plain"] and s["resident_weights_ratio"] < 1
+    assert e["budget_bytes"] >= e["weights_compressed_bytes"] + e["blocks_compressed"] * e["kv_block_bytes"]
+    assert all(v > 0 for v in s["useful_tok_s"].values())
