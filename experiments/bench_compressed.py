@@ -71,6 +71,13 @@ def measure_load(source: str | Path, compressed: bool) -> tuple[Any, dict[str, A
                    "weights": model.weight_nbytes()}
 
 
+def bf16_checkpoint_bytes(model: str | Path) -> int:
+    """Tensor bytes of the checkpoint stored as bf16 (2 bytes per parameter): what a bf16 file reads."""
+    from reference.model.weights import open_weights
+
+    return 2 * open_weights(model).num_params()
+
+
 def block_bytes(config: Any, block_size: int = 16, itemsize: int = 2) -> int:
     """Bytes of one KV block (keys and values of every layer) in bf16."""
     return config.num_layers * 2 * config.num_kv_heads * config.head_dim * block_size * itemsize
@@ -125,7 +132,8 @@ def run(model_name: str, requests: int, max_prompt: int, max_output: int, budget
                  "workload_blocks": need}
     throughput = {"plain": run_workload(plain, jobs, b0), "compressed": run_workload(packed, jobs, int(b1)),
                   "compressed_same_blocks": run_workload(packed, jobs, b0)}
-    return {"compress_seconds": round(compress_s, 2), "loads": loads, "economics": economics,
+    return {"compress_seconds": round(compress_s, 2), "bf16_checkpoint_bytes": bf16_checkpoint_bytes(model_name),
+            "loads": loads, "economics": economics,
             "throughput": throughput,
             "workload": (f"{len(jobs)} ShareGPT requests (prompt <= {max_prompt}, output <= {max_output} tokens; "
                          f"{sum(len(j.prompt) for j in jobs)} prompt and {sum(j.output_len for j in jobs)} output "
@@ -137,7 +145,7 @@ def summary(m: dict[str, Any]) -> dict[str, Any]:
     loads, e, t = m["loads"], m["economics"], m["throughput"]
     dense = loads["unweight_plain"]["weights"]
     comp = loads["unweight_compressed"]["weights"]
-    return {"file_bytes": {k: v["bytes_read"] for k, v in loads.items()},
+    return {"file_bytes": {k: v["bytes_read"] for k, v in loads.items()} | {"bf16": m["bf16_checkpoint_bytes"]},
             "load_seconds": {k: v["seconds"] for k, v in loads.items()},
             "resident_weights_ratio": round((comp["dense"] + comp["compressed"]) / (dense["dense"]), 4),
             "kv_blocks": [e["blocks_plain"], e["blocks_compressed"]],
