@@ -208,6 +208,19 @@ def test_compressed_needs_the_fast_engine():
         load_engine("smollm2", "reference", compressed=("o",))
 
 
+def test_auto_picks_the_fast_engine_when_torch_imports(monkeypatch):
+    import importlib.util
+
+    import serve.engines as engines
+
+    pytest.importorskip("torch")
+    assert engines.pick_engine("auto") == ("fast", None) and engines.pick_engine("reference") == ("reference", None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torch" else real(name, *a))
+    kind, why = engines.pick_engine("auto")
+    assert kind == "reference" and "torch" in why
+
+
 @pytest.mark.slow
 def test_smollm2_container_serves_the_ggufs_greedy_tokens(tmp_path):
     """The packaged SmolLM2 GGUF compressed by the reference CLI (``--to-bf16``; its F32 norms are bf16-exact)
