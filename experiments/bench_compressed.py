@@ -154,6 +154,32 @@ def summary(m: dict[str, Any]) -> dict[str, Any]:
             "peak_running": {k: v["peak_running"] for k, v in t.items()}}
 
 
+def table(result: dict[str, Any]) -> str:
+    """The README's memory/concurrency table (markdown), from a result."""
+    m = result["measured"]
+    loads, e, t = m["loads"], m["economics"], m["throughput"]
+    mib = 2**20
+    rows = ["| load | file read (MiB) | load s (wall / CPU) | resident weights (MiB) | + CPU packed copies (MiB) |",
+            "|---|---|---|---|---|"]
+    for k, v in loads.items():
+        w = v["weights"]
+        rows.append(f"| {k.replace('_', ' ')} | {v['bytes_read'] / mib:.1f} | {v['seconds']:.1f} / "
+                    f"{v['cpu_seconds']:.1f} | {(w['dense'] + w['compressed']) / mib:.1f} | {w['packed'] / mib:.1f} |")
+    rows += ["", f"Budget {e['budget_bytes'] / mib:.1f} MiB for weights + KV (KV block: "
+             f"{e['kv_block_bytes'] / 1024:.0f} KiB, 16 tokens; a workload sequence needs "
+             f"{e['mean_blocks_per_sequence']} blocks on average):", "",
+             "| engine | weights (MiB) | KV blocks | sequences of mean length | run (CPU s) | useful tok/s "
+             "| peak running | preempted |", "|---|---|---|---|---|---|---|---|"]
+    runs = (("plain", e["weights_plain_bytes"], e["blocks_plain"], e["sequences_plain"]),
+            ("compressed", e["weights_compressed_bytes"], e["blocks_compressed"], e["sequences_compressed"]),
+            ("compressed_same_blocks", e["weights_compressed_bytes"], e["blocks_plain"], e["sequences_plain"]))
+    for run_name, weights, blocks, seqs in runs:
+        r = t[run_name]
+        rows.append(f"| {run_name.replace('_', ' ')} | {weights / mib:.1f} | {blocks} | {seqs} | {r['seconds']:.1f} "
+                    f"| {r['useful_tok_s']:.1f} | {r['peak_running']} | {r['phases']['preempted']} |")
+    return "\n".join(rows)
+
+
 def figure(result: dict[str, Any], path: Path) -> Path:
     from experiments.registry import pyplot
 
@@ -209,6 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result["figures"] = [figure(result, args.out.with_suffix(".png")).name]
     write_text(args.out, json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1), flush=True)
+    print(table(result), flush=True)
     return result
 
 
