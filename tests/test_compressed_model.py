@@ -141,11 +141,10 @@ def test_fast_engine_serves_the_container_plain_and_compressed(tiny):
     assert served["compressed"] > 0 and served["dense"] < plain["dense"]
 
 
-def _start_server(model: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def _start_server(model: Path, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "serve", "--model", str(model), "--served-model-name", "m", "--port", "0",
            "--num-blocks", "32", "--log-level", "error", *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    return proc, cmd[-1]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
 
 
 def _url(proc: subprocess.Popen, timeout: float) -> str:
@@ -167,9 +166,9 @@ def _chat(url: str, n: int) -> list[str]:
     return out
 
 
-def _served_texts(model: Path, options: list[list[str]], n: int, timeout: float) -> list[list[str]]:
-    """Greedy chat texts from one server process per option list, started together."""
-    procs = [_start_server(model, *o)[0] for o in options]
+def _served_texts(servers: list[tuple[Path, list[str]]], n: int, timeout: float) -> list[list[str]]:
+    """Greedy chat texts from one server process per (model, options), all started together."""
+    procs = [_start_server(model, *o) for model, o in servers]
     try:
         urls = [_url(p, timeout) for p in procs]
         return [_chat(u, n) for u in urls]
@@ -192,9 +191,8 @@ def test_server_process_serves_the_container_with_the_checkpoints_tokens(tiny):
     expected = [tok.decode(engine.generate([tok.encode_chat([{"role": "user", "content": q}])],
                                            SamplingParams(max_tokens=10))[0].output_token_ids, skip_special=True)
                 for q in ("Hello, tiny model!", "Say something.")]
-    texts = _served_texts(tiny["unweight"], [[], ["--compressed"]], 10, 120)
-    assert texts == [expected, expected]
-    assert _served_texts(tiny["rans"], [["--compressed", "o,down"]], 10, 120) == [expected]
+    servers = [(tiny["unweight"], []), (tiny["unweight"], ["--compressed"]), (tiny["rans"], ["--compressed", "o,down"])]
+    assert _served_texts(servers, 10, 180) == [expected] * 3
 
 
 def test_compressed_needs_the_fast_engine():
@@ -238,7 +236,7 @@ def test_smollm2_container_serves_the_ggufs_greedy_tokens(tmp_path):
     expected = [tok.decode(engine.generate([tok.encode_chat([{"role": "user", "content": q}])],
                                            SamplingParams(max_tokens=10))[0].output_token_ids, skip_special=True)
                 for q in ("Hello, tiny model!", "Say something.")]
-    assert _served_texts(out, [[], ["--compressed"]], 10, 300) == [expected, expected]
+    assert _served_texts([(out, []), (out, ["--compressed"])], 10, 300) == [expected, expected]
     # the reference (float32) engine reads the container's weights: the GGUF's rounded to bf16
     down, original = load_llama(out)[1].layers[0].w_down, load_llama("smollm2")[1].layers[0].w_down
     assert np.array_equal(down, bf16_to_float32(float32_to_bf16(original)))
