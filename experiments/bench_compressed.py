@@ -41,6 +41,7 @@ from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("unweight", "rans")
+SWEEP_BLOCKS = (32, 128, 512, 2048)  # budgets of the README's arithmetic table (blocks the bf16 model gets)
 
 
 def write_containers(model: str, folder: Path) -> dict[str, Path]:
@@ -177,6 +178,13 @@ def table(result: dict[str, Any]) -> str:
         r = t[run_name]
         rows.append(f"| {run_name.replace('_', ' ')} | {weights / mib:.1f} | {blocks} | {seqs} | {r['seconds']:.1f} "
                     f"| {r['useful_tok_s']:.1f} | {r['peak_running']} | {r['phases']['preempted']} |")
+    rows += ["", "The same arithmetic at other budgets (bf16 weights + N blocks; measured weight bytes):", "",
+             "| KV blocks, bf16 weights | KV blocks, compressed | more blocks | sequences of mean length |",
+             "|---|---|---|---|"]
+    for n in SWEEP_BLOCKS:
+        more = (e["weights_plain_bytes"] - e["weights_compressed_bytes"]) // e["kv_block_bytes"]
+        rows.append(f"| {n} | {n + more} | +{100 * more / n:.0f}% | {int(n // e['mean_blocks_per_sequence'])} -> "
+                    f"{int((n + more) // e['mean_blocks_per_sequence'])} |")
     return "\n".join(rows)
 
 
