@@ -102,7 +102,8 @@ def in_process_fresh(a: argparse.Namespace) -> dict:
 
 def served(prompts: list[str], cfg: BenchConfig) -> dict:
     """Start ``python -m serve`` with the same engine settings, run the load generator, stop it."""
-    cmd = [sys.executable, "-m", "serve", "--model", "smollm2", "--port", "0", "--log-level", "error",
+    cmd = [sys.executable, "-m", "serve", "--model", "smollm2", "--engine", "reference", "--port", "0",
+           "--log-level", "error",
            "--num-blocks", str(ENGINE["num_blocks"]), "--block-size", str(ENGINE["block_size"]),
            "--max-num-seqs", str(ENGINE["max_num_seqs"]),
            "--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"])]

@@ -1,13 +1,15 @@
 """``python -m serve``: the OpenAI-compatible server over an engine.
 
-    python -m serve --model smollm2 [--engine reference|fast] [--host 127.0.0.1] [--port 8000]
+    python -m serve --model smollm2 [--engine auto|reference|fast] [--host 127.0.0.1] [--port 8000]
                     [--api-keys KEYS.toml] [--num-blocks 512] [--max-pending 256] [--shutdown-grace 10]
     python -m serve fleet SCENARIO.toml [...]   (a simulator scenario on real servers: serve/fleet)
 
 Without ``--api-keys`` every request is accepted (tenant "default"), so the server binds only to a
-loopback address unless ``--allow-unauthenticated`` is given. SIGTERM (or Ctrl-C) stops accepting
-connections, lets requests in flight finish for ``--shutdown-grace`` seconds, aborts the rest (their
-streams end with an error event) and exits 0.
+loopback address unless ``--allow-unauthenticated`` is given. ``--model`` may be an Unweight container
+(``python -m reference.codec compress``); ``--compressed qkv,o,gate_up,down`` (or ``all``) serves those
+matrices in the palette form (fast engine). ``--engine auto`` (default): fast if torch imports.
+SIGTERM (or Ctrl-C) stops accepting connections, lets requests in flight finish for
+``--shutdown-grace`` seconds, aborts the rest (their streams end with an error event) and exits 0.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m serve", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="packaged model name or checkpoint path (default smollm2)")
     p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
-    p.add_argument("--engine", choices=["reference", "fast"], default="reference",
-                   help="reference: the NumPy engine; fast: torch + Triton (default reference)")
+    p.add_argument("--engine", choices=["auto", "reference", "fast"], default="auto",
+                   help="auto (default): the fast engine (torch) when torch imports, else the reference (NumPy)")
+    p.add_argument("--compressed", nargs="?", const="all", default="",
+                   help="projection matrices served compressed (fast engine): qkv,o,gate_up,down; bare: all")
     p.add_argument("--dtype", default="bfloat16", help="weights dtype of the fast engine")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; others need --api-keys)")
@@ -94,6 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from serve.engines import parse_compressed, pick_engine
+
+    args.engine, why = pick_engine(args.engine)
+    if why:
+        print(why, file=sys.stderr, flush=True)
     sock = listening_socket(args.host, args.port)  # a busy port is reported now, not after the model loaded
     if sock is None:
         return 2
@@ -103,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         threadpool_limits(args.blas_threads, user_api="blas")
     try:
         engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None, policy=args.policy,
-                             dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
+                             dtype=args.dtype, compressed=parse_compressed(args.compressed),
+                             num_blocks=args.num_blocks, block_size=args.block_size,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_model_len=args.max_model_len, pipeline=args.pipeline,
                              micro_batches=args.micro_batches, pipeline_step_timeout_s=args.pipeline_step_timeout)

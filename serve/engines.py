@@ -3,11 +3,16 @@
 The fast engine lives in ``fast.engine`` and is imported only when asked for, so the server runs
 without torch; if it is not there, the error says so and how to get the reference engine instead.
 Both take the same scheduling options (``num_blocks``, ``block_size``, ``max_num_seqs``, ...).
+``kind="auto"`` (what ``python -m serve`` does by default) picks the fast engine when torch imports,
+else the reference, and says why (``pick_engine``). ``model`` may be an Unweight container file
+(``python -m reference.codec compress``); ``compressed`` names the projection matrices the fast
+engine serves in the palette form (``fast.engine.Engine.load``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import Any
 
 from reference.sched import Tenants
@@ -17,13 +22,46 @@ class EngineUnavailable(RuntimeError):
     """The engine asked for cannot be built here (missing module or package)."""
 
 
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # what --compressed may name (fast.engine.model.PROJECTIONS)
+
+
+def pick_engine(kind: str) -> tuple[str, str | None]:
+    """The engine ``kind`` means ("auto": fast if torch imports, else reference) and, for auto, why."""
+    if kind != "auto":
+        return kind, None
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("fast.engine") is None:
+        return "reference", "reference engine: torch (or fast.engine) is not installed here, so not the fast engine"
+    try:
+        importlib.import_module("fast.engine")
+    except ImportError as e:
+        return "reference", f"reference engine: the fast engine does not import here ({e})"
+    return "fast", None
+
+
+def parse_compressed(value: str | None) -> tuple[str, ...]:
+    """``--compressed`` as a tuple of projection names: "" or None -> (), "all" -> every projection."""
+    if not value:
+        return ()
+    names = PROJECTIONS if value == "all" else tuple(n.strip() for n in value.split(",") if n.strip())
+    unknown = sorted(set(names) - set(PROJECTIONS))
+    if unknown:
+        raise ValueError(f"--compressed names unknown matrices {unknown}: choose from {','.join(PROJECTIONS)}")
+    return names
+
+
 def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None = None, policy: str = "sjf+wfq",
-                dtype: str = "bfloat16", pipeline: str | None = None, micro_batches: int = 2,
-                pipeline_step_timeout_s: float = 120.0, **engine_kwargs: Any) -> Any:
-    """An engine over ``model`` (a packaged model name or a checkpoint path) with its tokenizer.
+                dtype: str = "bfloat16", compressed: tuple[str, ...] = (), pipeline: str | None = None,
+                micro_batches: int = 2, pipeline_step_timeout_s: float = 120.0, **engine_kwargs: Any) -> Any:
+    """An engine over ``model`` (a packaged model name, a checkpoint path or a container) with its tokenizer.
 
     ``pipeline``: a chain of stages (``"2"``, ``"cpu:2,cpu:1x2"``): the torch engine split over stage
     processes by the placement's best split (``fast.pipeline``), whatever ``kind`` says."""
+    if compressed and pipeline:
+        raise EngineUnavailable(f"--compressed {','.join(compressed)} with --pipeline: the pipeline's stages serve "
+                                "plain weights only")
+    if compressed and kind != "fast":
+        raise EngineUnavailable(f"--compressed {','.join(compressed)} needs the fast engine (the reference engine "
+                                "decodes a container to float32 and serves it plain)")
     if tenants is None:
         tenants = Tenants.open()
     options = dict(policy=policy, tenants=tenants, **engine_kwargs)
@@ -50,5 +88,5 @@ def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None 
             raise EngineUnavailable(f"--engine fast needs the fast engine (fast.engine), which cannot be imported "
                                     f"here: {e}. Install the fast extra (pip install -e '.[fast]') on a checkout "
                                     "that has fast/engine, or use --engine reference") from None
-        return fast_engine.Engine.load(model=model, dtype=dtype, compressed=False, **options)
+        return fast_engine.Engine.load(model=model, dtype=dtype, compressed=tuple(compressed), **options)
     raise EngineUnavailable(f"unknown engine {kind!r}: use 'reference' or 'fast'")

@@ -269,8 +269,8 @@ def test_metrics_report_latency_queue_blocks_and_tenant_tokens(served):
 @pytest.fixture(scope="module", autouse=True)
 def server_process():
     """A real server process for the SIGTERM test, started first so that it loads while the others run."""
-    cmd = [sys.executable, "-m", "serve", "--model", "smollm2", "--port", "0", "--num-blocks", "32",
-           "--shutdown-grace", "1", "--log-level", "error"]
+    cmd = [sys.executable, "-m", "serve", "--model", "smollm2", "--engine", "reference", "--port", "0",
+           "--num-blocks", "32", "--shutdown-grace", "1", "--log-level", "error"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     yield proc

@@ -43,7 +43,7 @@ class Engine(ReferenceEngine):
     def load(cls, model: str | Path | WeightSource = "smollm2", dtype: str = "bfloat16",
              compressed: bool | tuple[str, ...] = False, *, device: str | None = None, threads: int | None = None,
              tokenizer: bool = True, cuda_graphs: bool = True, **engine_kwargs: Any) -> Engine:
-        """Load a checkpoint (whatever ``reference`` loads) and build an engine around it.
+        """Load a checkpoint (whatever ``reference`` loads: an Unweight container too) and build an engine around it.
 
         dtype: "bfloat16" or "float32". compressed: True serves every projection matrix from the
         palette form (``UnweightLinear``), or name some of ("qkv", "o", "gate_up", "down").

@@ -9,7 +9,12 @@ It computes what ``reference/model/llama.py`` computes (read that first), arrang
 * attention is ``fast.kv.paged_attention``: Triton kernels on a GPU, gather + SDPA on a CPU;
 * the output head runs only on the rows whose logits the engine wants (last token of a chunk);
 * with ``compressed=True`` the four projection matrices of every layer are ``UnweightLinear``s:
-  held in the palette form (12 bits per weight) and decoded on the fly (``fast/engine/linear.py``).
+  held in the palette form (12 bits per weight) and decoded on the fly (``fast/engine/linear.py``);
+* from an Unweight container (``python -m reference.codec compress``), the article's flow: a matrix
+  stored alone in the Huffman form (o, down) is transcoded straight to the palette form it is served
+  in; the fused ones (q/k/v, gate/up: one palette for the whole fused matrix) and the matrices left
+  plain are decoded to bf16 by the reference loader (every CRC checked) and, if served compressed,
+  encoded again. Lossless either way (``tests/test_compressed_model.py`` compares the forms).
 
 Conformance (``conformance/cases/engine_cases.py``): *bounded*. In float32 the logits differ from the
 reference's only by summation order, and the greedy tokens and scheduling decisions on the
@@ -27,13 +32,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fast.engine.linear import DenseLinear, Linear, compress
+from fast.engine.linear import CompressedLinear, DenseLinear, Linear, compress
 from fast.errors import KernelInputError
 from fast.kv import KVStep, PagedKVCache, paged_attention
+from reference.model.carried import ContainerFile
 from reference.model.config import LlamaConfig
-from reference.model.loader import LlamaWeights, load_llama
+from reference.model.loader import GGUF_NAMES, HF_NAMES, LlamaWeights, load_llama
 from reference.model.rope import inverse_frequencies, rope_tables
-from reference.model.weights import WeightSource
+from reference.model.weights import WeightSource, open_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the matrices of a layer, as ``compressed=`` names them
@@ -76,7 +82,10 @@ class TorchLlama:
     """A Llama checkpoint as torch tensors on one device; ``forward`` runs one engine step."""
 
     def __init__(self, config: LlamaConfig, weights: LlamaWeights, *, dtype: str = "bfloat16",
-                 device: str | torch.device = "cpu", compressed: bool | Sequence[str] = False):
+                 device: str | torch.device = "cpu", compressed: bool | Sequence[str] = False,
+                 stored: dict[tuple[int, str], CompressedLinear] | None = None):
+        """``stored``: compressed matrices already built (layer, projection name) -> matrix, e.g.
+        transcoded from a container (``stored_projections``); used where ``compressed`` names them."""
         if dtype not in DTYPES:
             raise KernelInputError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         which = PROJECTIONS if compressed is True else tuple(compressed or ())
@@ -89,7 +98,9 @@ class TorchLlama:
         def tensor(a: np.ndarray, dt: torch.dtype | None = None) -> torch.Tensor:
             return torch.tensor(np.asarray(a), device=self.device, dtype=dt or self.dtype)
 
-        def linear(name: str, *parts: np.ndarray) -> Linear:
+        def linear(i: int, name: str, *parts: np.ndarray) -> Linear:
+            if name in which and (i, name) in (stored or {}):
+                return stored[(i, name)]
             w = tensor(np.concatenate(parts) if len(parts) > 1 else parts[0])
             return compress(w, self.dtype) if name in which else DenseLinear(w)
 
@@ -102,12 +113,12 @@ class TorchLlama:
                           torch.float32)
 
         self.layers = [TorchLayer(attn_norm=tensor(lw.attn_norm, torch.float32),
-                                  qkv=linear("qkv", lw.wq, lw.wk, lw.wv), o=linear("o", lw.wo),
+                                  qkv=linear(i, "qkv", lw.wq, lw.wk, lw.wv), o=linear(i, "o", lw.wo),
                                   mlp_norm=tensor(lw.mlp_norm, torch.float32),
-                                  gate_up=linear("gate_up", lw.w_gate, lw.w_up), down=linear("down", lw.w_down),
-                                  qkv_bias=qkv_bias(lw),
+                                  gate_up=linear(i, "gate_up", lw.w_gate, lw.w_up),
+                                  down=linear(i, "down", lw.w_down), qkv_bias=qkv_bias(lw),
                                   o_bias=None if lw.bo is None else tensor(lw.bo, torch.float32))
-                       for lw in weights.layers]
+                       for i, lw in enumerate(weights.layers)]
         self.embedding = tensor(weights.embedding)
         tied = weights.lm_head is weights.embedding
         self.lm_head = self.embedding if tied else tensor(weights.lm_head)
@@ -121,8 +132,39 @@ class TorchLlama:
 
     @classmethod
     def load(cls, source: str | Path | WeightSource = "smollm2", **kwargs: object) -> TorchLlama:
-        """Load a checkpoint with the reference loaders (a packaged name, a path, or a WeightSource)."""
-        return cls(*load_llama(source), **kwargs)  # type: ignore[arg-type]
+        """Load a checkpoint with the reference loaders (a packaged name, a path, a container, or a
+        WeightSource); a container's single matrices served compressed are transcoded, not re-encoded."""
+        src = source if isinstance(source, WeightSource) else open_weights(source)
+        config, weights = load_llama(src)
+        compressed = kwargs.get("compressed", False)
+        which = PROJECTIONS if compressed is True else tuple(compressed or ())  # type: ignore[arg-type]
+        dtype = DTYPES.get(str(kwargs.get("dtype", "bfloat16")), torch.bfloat16)
+        stored = stored_projections(src, config.num_layers, which, dtype, kwargs.get("device", "cpu"))  # type: ignore[arg-type]
+        return cls(config, weights, stored=stored, **kwargs)  # type: ignore[arg-type]
+
+    def weight_nbytes(self) -> dict[str, int]:
+        """Resident bytes of the weights: ``dense`` (plain tensors: embedding, head if untied, plain
+        matrices, norms), ``compressed`` (the palette forms' buffers) and ``packed`` (the CPU's
+        oneDNN copies of plain bf16 matrices, ``DenseLinear.packed``: a speed copy, 0 on a GPU)."""
+        out = {"dense": 0, "compressed": 0, "packed": 0}
+
+        def nb(t: torch.Tensor) -> int:
+            return t.numel() * t.element_size()
+
+        for layer in self.layers:
+            out["dense"] += nb(layer.attn_norm) + nb(layer.mlp_norm)
+            out["dense"] += sum(nb(b) for b in (layer.qkv_bias, layer.o_bias) if b is not None)
+            for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if isinstance(lin, CompressedLinear):
+                    out["compressed"] += lin.nbytes()
+                else:
+                    out["dense"] += nb(lin.weight)
+                    out["packed"] += nb(lin.packed) if lin.packed is not None else 0
+        out["dense"] += nb(self.embedding) + nb(self.final_norm)
+        if self.lm_head is not self.embedding:
+            out["dense"] += nb(self.lm_head)
+        out["packed"] += nb(self.head.packed) if self.head.packed is not None else 0
+        return out
 
     def new_cache(self, num_blocks: int, block_size: int = 16, dtype: str | None = None) -> PagedKVCache:
         """A paged KV cache for this model; ``dtype`` None: the model's dtype ("float32" | "bfloat16" | "fp8")."""
@@ -171,3 +213,33 @@ class TorchLlama:
         """Final norm and output head on the rows ``logit_rows`` of x: float32 [len(logit_rows), vocab]."""
         last = rms_norm(x[logit_rows], self.final_norm, self.config.rms_norm_eps).to(self.dtype)
         return self.head(last).float()
+
+
+SINGLE = {"o": "wo", "down": "w_down"}  # projections that are one stored matrix (no fusion, no GGUF row permutation)
+
+
+def stored_projections(src: WeightSource, num_layers: int, which: Sequence[str], dtype: torch.dtype,
+                       device: str | torch.device = "cpu") -> dict[tuple[int, str], CompressedLinear]:
+    """The single matrices (o, down) to serve compressed that a container holds in the Huffman form,
+    transcoded to the palette form (FORMAT.md section 5), without a bf16 copy on the way."""
+    from fast.codec.convert import huffman_from_reference
+    from fast.codec.linear import UnweightLinear
+    from fast.codec.torch_ops import transcode_torch
+    from reference.codec import CompressedTensor
+
+    out: dict[tuple[int, str], CompressedLinear] = {}
+    files = {n: f for f in src.files if isinstance(f, ContainerFile) for n in f.names()}
+    for proj in set(which) & set(SINGLE):
+        for i in range(num_layers):
+            names = (f"blk.{i}.{GGUF_NAMES[SINGLE[proj]]}.weight", f"model.layers.{i}.{HF_NAMES[SINGLE[proj]]}.weight")
+            name = next((n for n in names if n in files), None)
+            if name is None or not files[name].container.is_compressed(name):
+                continue
+            ct = files[name].container.compressed(name)  # every array checked (load_llama checked the data)
+            if isinstance(ct, CompressedTensor) and len(ct.palette) <= 16 and len(ct.shape) == 2:
+                form = huffman_from_reference(ct, torch.device(device))
+                # on a CPU the torch transcode, never Triton's interpreter (far too slow for a model)
+                unweight = UnweightLinear.from_huffman(form) if form.device.type == "cuda" else UnweightLinear(
+                    transcode_torch(form))
+                out[(i, proj)] = CompressedLinear(unweight, dtype)
+    return out

@@ -36,6 +36,7 @@ from reference.codec.errors import CodecError
 from reference.codec.format import ARRAY_DTYPES, FORMAT_NAME, VERSION, CompressedTensor, crc32
 from reference.codec.lockstep import decode_many
 from reference.codec.paths import check_output, input_paths
+from reference.model.carried import MODEL_KEY, ContainerFile, model_entry
 from reference.model.errors import WeightError
 from reference.model.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, write_safetensors
 from reference.model.weights import open_weights
@@ -103,6 +104,9 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
     out = Path(out)
     metadata = _source_metadata(weights)  # (refuses a container first: the more useful message)
     check_output(out, input_paths(source, weights))
+    carried = model_entry(weights)  # the config and tokenizer, so that the container alone serves
+    if carried is not None:
+        metadata[MODEL_KEY] = carried
     names, counts = weights.names(), {"compressed": 0, "passed": 0, "castable_passed": 0}
     with _Scratch(out) as scratch:
         pending: list[tuple[str, np.ndarray, str]] = []  # tensors waiting to be encoded as one batch
@@ -277,6 +281,11 @@ class Container:
             raise CodecError(f"{self.path}: tensor {name!r} fails its CRC-32 check: the data is corrupt")
         return np.array(array)
 
+    @property
+    def model_entry(self) -> str | None:
+        """The carried config and tokenizer (``unweight.model``, FORMAT.md section 6.2), unparsed, or None."""
+        return self._file.metadata.get(MODEL_KEY)
+
     def close(self) -> None:
         self._file.close()
 
@@ -317,6 +326,9 @@ def _source_metadata(weights: Any) -> dict[str, str]:
     """
     meta: dict[str, str] = {}
     for f in weights.files:
+        if isinstance(f, ContainerFile):
+            raise CodecError(f"{f.path} is already an {FORMAT_NAME} container: compress the original "
+                             "checkpoint, or decompress this file first")
         if isinstance(f, SafetensorsFile):
             if any(k == FORMAT_NAME or k.startswith(FORMAT_NAME + SEP) for k in f.metadata):
                 raise CodecError(f"{f.path} is already an {FORMAT_NAME} container: compress the original "

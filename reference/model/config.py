@@ -107,12 +107,20 @@ def config_from_hf(path: str | Path) -> LlamaConfig:
     if path.is_dir():
         path = path / "config.json"
     try:
-        cfg = jsonsafe.loads(path.read_bytes())
-    except (OSError, jsonsafe.JsonError) as e:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: cannot read config ({e})") from None
+    return config_from_hf_text(text, str(path))
+
+
+def config_from_hf_text(text: str, where: str) -> LlamaConfig:
+    """From the text of a Hugging Face ``config.json`` (``where`` names it in errors)."""
+    try:
+        cfg = jsonsafe.loads(text, what="config.json")
+    except jsonsafe.JsonError as e:
+        raise ConfigError(f"{where}: cannot read config ({e})") from None
     if not isinstance(cfg, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    where = str(path)
+        raise ConfigError(f"{where}: expected a JSON object")
     if cfg.get("model_type", "llama") not in ("llama", "mistral", "qwen2") and "LlamaForCausalLM" not in cfg.get(
             "architectures", []):
         raise ConfigError(f"{where}: model_type {cfg.get('model_type')!r} is not Llama-style")

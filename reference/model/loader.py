@@ -8,6 +8,10 @@ layer of another architecture) means the model would compute something else, so 
 a ``ConfigError`` naming it. The q/k/v (and o) projection biases of the Qwen2 family and of Llama's
 ``attention_bias`` are read when present.
 
+An Unweight container (``python -m reference.codec compress``) loads like the checkpoint it was
+compressed from: its tensors keep their names, and its config travels inside it
+(``reference/model/carried.py``).
+
 GGUF quirk: llama.cpp's converter permutes the rows of the q and k projections so that its RoPE can
 rotate adjacent pairs. We undo that permutation here, so one RoPE (Hugging Face's, rotating the two
 halves of each head) serves every checkpoint.
@@ -21,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from reference.bf16 import bf16_to_float32
-from reference.model.config import ConfigError, LlamaConfig, config_from_gguf, config_from_hf
+from reference.model.carried import carried_entry, no_model_error
+from reference.model.config import ConfigError, LlamaConfig, config_from_gguf, config_from_hf, config_from_hf_text
 from reference.model.gguf_io import GGUFFile
 from reference.model.weights import WeightSource, open_weights
 
@@ -109,8 +114,8 @@ def _shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _load_gguf(src: WeightSource, names: set[str]) -> tuple[LlamaConfig, LlamaWeights, set[str]]:
-    gguf = next(f for f in src.files if isinstance(f, GGUFFile))
-    cfg = config_from_gguf(gguf.metadata(), str(gguf.path), has_output="output.weight" in names)
+    meta, where = gguf_metadata(src)
+    cfg = config_from_gguf(meta, where, has_output="output.weight" in names)
     shapes = _shapes(cfg)
     layers = []
     for i in range(cfg.num_layers):
@@ -126,12 +131,28 @@ def _load_gguf(src: WeightSource, names: set[str]) -> tuple[LlamaConfig, LlamaWe
     return cfg, LlamaWeights(emb, layers, _float32(src, "output_norm.weight", (cfg.hidden_size,)), head, factors), used
 
 
+def gguf_metadata(src: WeightSource) -> tuple[dict, str]:
+    """The GGUF key/value metadata of a source: its GGUF file's, or what a container carries from one."""
+    gguf = [f for f in src.files if isinstance(f, GGUFFile)]
+    if gguf:
+        return gguf[0].metadata(), str(gguf[0].path)
+    carried = carried_entry(src)
+    if carried is not None and carried[0]["kind"] == "gguf":
+        return carried[0]["gguf"], carried[1]
+    raise no_model_error(src) or ConfigError(f"{src.label}: GGUF tensor names but no GGUF metadata (config)")
+
+
 def _load_hf(src: WeightSource, names: set[str]) -> tuple[LlamaConfig, LlamaWeights, set[str]]:
-    folder = Path(src.label)
-    folder = folder if folder.is_dir() else folder.parent
-    if not (folder / "config.json").is_file():
-        raise ConfigError(f"{src.label}: a safetensors checkpoint needs its config.json beside the weights")
-    cfg = config_from_hf(folder)
+    carried = carried_entry(src)
+    if carried is not None and carried[0]["kind"] == "hf":
+        cfg = config_from_hf_text(carried[0]["files"]["config.json"], f"{carried[1]} (carried config.json)")
+    else:
+        folder = Path(src.label)
+        folder = folder if folder.is_dir() else folder.parent
+        if not (folder / "config.json").is_file():
+            raise no_model_error(src) or ConfigError(
+                f"{src.label}: a safetensors checkpoint needs its config.json beside the weights")
+        cfg = config_from_hf(folder)
     shapes = _shapes(cfg)
     used = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"} & names
     layers = []

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from reference import jsonsafe
+from reference.model.carried import carried_entry, no_model_error
 from reference.model.config import ConfigError
 from reference.model.gguf_io import GGUFFile
 from reference.model.weights import WeightSource, open_weights
@@ -70,11 +71,18 @@ class Tokenizer:
 
 
 def load_tokenizer(source: str | Path | WeightSource = "smollm2") -> Tokenizer:
-    """The tokenizer of a packaged model, a GGUF file or a Hugging Face checkpoint folder."""
+    """The tokenizer of a packaged model, a GGUF file, a Hugging Face checkpoint folder or a container."""
     src = source if isinstance(source, WeightSource) else open_weights(source)
     gguf = [f for f in src.files if isinstance(f, GGUFFile)]
     if gguf:
         return _from_gguf(gguf[0].metadata(), str(gguf[0].path))
+    carried = carried_entry(src)  # an Unweight container carries its checkpoint's tokenizer
+    if carried is not None:
+        entry, where = carried
+        return _from_gguf(entry["gguf"], where) if entry["kind"] == "gguf" else _from_hf_files(entry["files"], where)
+    missing = no_model_error(src)
+    if missing is not None:
+        raise TokenizerError(str(missing))
     folder = Path(src.label)
     return _from_hf_folder(folder if folder.is_dir() else folder.parent)
 
@@ -127,19 +135,25 @@ def _from_gguf(meta: dict[str, Any], where: str) -> Tokenizer:
 
 
 def _from_hf_folder(folder: Path) -> Tokenizer:
-    tk = _tokenizers()
-    path = folder / "tokenizer.json"
-    if not path.is_file():
+    if not (folder / "tokenizer.json").is_file():
         raise TokenizerError(f"{folder}: no tokenizer.json")
-    backend = tk.Tokenizer.from_file(str(path))
-    config: dict[str, Any] = {}
-    if (folder / "tokenizer_config.json").is_file():
-        try:
-            config = jsonsafe.loads((folder / "tokenizer_config.json").read_bytes(), what="tokenizer_config.json")
-        except jsonsafe.JsonError as e:
-            raise TokenizerError(f"{folder}: {e}") from None
-        if not isinstance(config, dict):
-            raise TokenizerError(f"{folder}: tokenizer_config.json must hold a JSON object")
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+    return _from_hf_files({n: (folder / n).read_text() for n in names if (folder / n).is_file()}, str(folder))
+
+
+def _from_hf_files(files: dict[str, str], where: str) -> Tokenizer:
+    """From the texts of a Hugging Face checkpoint's tokenizer files (a folder's, or a container's)."""
+    tk = _tokenizers()
+    if "tokenizer.json" not in files:
+        raise TokenizerError(f"{where}: no tokenizer.json")
+    try:
+        backend = tk.Tokenizer.from_str(files["tokenizer.json"])
+        config: dict[str, Any] = jsonsafe.loads(files.get("tokenizer_config.json", "{}"),
+                                                what="tokenizer_config.json")
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception on a malformed file
+        raise TokenizerError(f"{where}: unreadable tokenizer files ({e})") from None
+    if not isinstance(config, dict):
+        raise TokenizerError(f"{where}: tokenizer_config.json must hold a JSON object")
 
     def token(key: str) -> str | None:
         t = config.get(key)
@@ -148,6 +162,6 @@ def _from_hf_folder(folder: Path) -> Tokenizer:
     eos = token("eos_token")
     eos_id = backend.token_to_id(eos) if eos else None
     template = config.get("chat_template")
-    if template is None and (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text()
+    if template is None:
+        template = files.get("chat_template.jinja")
     return Tokenizer(backend, template, token("bos_token"), eos, () if eos_id is None else (eos_id,))

@@ -4,7 +4,10 @@
   * a packaged offline model by short name: ``minilm`` (all-MiniLM-L6-v2, fp32 safetensors) or
     ``smollm2`` (SmolLM2-135M-Instruct, a Q4_1 GGUF file; dequantized weights, see ``note``);
   * a ``.safetensors`` file, or a Hugging Face checkpoint directory of safetensors shards;
-  * a ``.gguf`` file.
+  * a ``.gguf`` file;
+  * an Unweight container (``python -m reference.codec compress``): a ``.safetensors`` file whose
+    tensors are compressed; each is decoded and verified when read, and the config and tokenizer
+    travel inside it (``reference/model/carried.py``).
 
 Iterating a source yields ``(name, array)`` one tensor at a time; bf16 tensors are uint16 bit
 patterns and ``source.dtype(name)`` says which dtype an array holds ("BF16", "F32", ...).
@@ -20,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from reference.model.carried import ContainerFile, is_container
 from reference.model.errors import WeightError
 from reference.model.gguf_io import GGUFFile
 from reference.model.safetensors_io import SafetensorsError, SafetensorsFile
@@ -80,10 +84,10 @@ class WeightSource:
 
     label: str  # what to print: a packaged name or the path given
     description: str
-    files: list[SafetensorsFile | GGUFFile]
+    files: list[SafetensorsFile | GGUFFile | ContainerFile]
     representative: bool = True
     note: str = ""
-    _where: dict[str, SafetensorsFile | GGUFFile] = field(default_factory=dict, repr=False)
+    _where: dict[str, SafetensorsFile | GGUFFile | ContainerFile] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         for f in self.files:
@@ -118,7 +122,7 @@ class WeightSource:
     def __len__(self) -> int:
         return len(self._where)
 
-    def _file(self, name: str) -> SafetensorsFile | GGUFFile:
+    def _file(self, name: str) -> SafetensorsFile | GGUFFile | ContainerFile:
         try:
             return self._where[name]
         except KeyError:
@@ -147,13 +151,17 @@ def iter_weights(source: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     yield from open_weights(source)
 
 
-def _open_file(path: Path) -> list[SafetensorsFile | GGUFFile]:
+def _open_file(path: Path) -> list[SafetensorsFile | GGUFFile | ContainerFile]:
     suffix = path.suffix.lower()
     try:
         if suffix == ".gguf":
             return [GGUFFile(path)]
         if suffix == ".safetensors":
-            return [SafetensorsFile(path)]
+            f = SafetensorsFile(path)
+            if not is_container(f.metadata):
+                return [f]
+            f.close()
+            return [ContainerFile(path)]
     except WeightError:
         raise
     except SafetensorsError as e:
