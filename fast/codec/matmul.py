@@ -29,7 +29,7 @@ from fast.bf16 import bf16_bits_rne
 from fast.codec.forms import PaletteForm
 from fast.codec.palette_decode import check_palette_form, kernel_arrays, palette_tile, split_vstart
 from fast.errors import KernelInputError
-from fast.triton_util import cdiv, on_interpreter
+from fast.triton_util import DeviceProps, cdiv, device_props, on_interpreter
 from fast.validate import check_tensor
 
 
@@ -104,11 +104,17 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, SP
     tl.store(out_ptr + offs, bf16_bits_rne(acc).to(tl.int16), mask=mask)
 
 
-def default_config(m: int, n: int, k: int) -> MatmulConfig:
-    """A tile shape by batch size (hand-picked, not autotuned: see experiments/gpu_bench.py)."""
-    if on_interpreter():
-        return MatmulConfig(block_m=16, block_n=32, block_k=64, split_k=1)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 132
+def default_config(m: int, n: int, k: int, props: DeviceProps | None = None, fused: bool = False) -> MatmulConfig:
+    """A tile shape by batch size (hand-picked, not autotuned: see experiments/gpu_bench.py).
+
+    A pure function of the shapes and the GPU's properties (``props``; default: this machine's GPU,
+    or H100's), so ``python -m conformance --compile`` computes the choice without a GPU. Under the
+    interpreter (and no ``props``) small tiles: it pays per operation, not per element.
+    """
+    if props is None:
+        if on_interpreter():
+            return MatmulConfig(block_m=16, block_n=32, block_k=64, split_k=1)
+        props = device_props()
     if m <= 16:
         cfg = MatmulConfig(16, 64, 128, 1, 4, 4)
     elif m <= 64:
@@ -117,7 +123,7 @@ def default_config(m: int, n: int, k: int) -> MatmulConfig:
         cfg = MatmulConfig(128, 128, 64, 1, 8, 3)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     split = 1
-    while tiles * split < 2 * sms and k // (split * 2) >= 4 * cfg.block_k:  # fill the GPU on small grids
+    while tiles * split < 2 * props.sm_count and k // (split * 2) >= 4 * cfg.block_k:  # fill the GPU on small grids
         split *= 2
     return MatmulConfig(cfg.block_m, cfg.block_n, cfg.block_k, split, cfg.num_warps, cfg.num_stages)
 
@@ -138,7 +144,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor | None, form: PaletteForm | None, n
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device) + (bias.float() if bias is not None else 0)
         out.copy_(y.to(torch.bfloat16).view(torch.int16))
         return out.view(torch.bfloat16).view(*lead, n)
-    cfg = config or default_config(m, n, k)
+    cfg = config or default_config(m, n, k, fused=form is not None)
     if cfg.block_k % 16 or cfg.split_k < 1:
         raise KernelInputError(f"matmul config: block_k must be a multiple of 16 and split_k >= 1, got {cfg}")
     k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
