@@ -91,7 +91,7 @@ def specialize(fn: Any, launch: Launch, backend: Any) -> tuple[dict, dict, dict]
     if len(fn.params) != len(launch.args):
         raise TypeError(f"{launch.kernel} takes {len(fn.params)} arguments, the launch gives {len(launch.args)}")
     signature, constexprs, attrs = {}, {}, {}
-    for i, (p, desc) in enumerate(zip(fn.params, launch.args)):
+    for i, (p, desc) in enumerate(zip(fn.params, launch.args, strict=True)):
         if p.is_constexpr or desc[0] == "const":
             signature[p.name], constexprs[p.name] = "constexpr", desc[1] if len(desc) > 1 else None
             continue
@@ -106,45 +106,47 @@ def specialize(fn: Any, launch: Launch, backend: Any) -> tuple[dict, dict, dict]
     return signature, constexprs, attrs
 
 
-def _where(exc: BaseException, fn: Any) -> str:
-    """file:line of a compile error, in the kernel (or the helper it calls) rather than in triton."""
-    node = getattr(exc, "node", None)
-    src_fn = getattr(exc, "fn", None) or fn
-    lines = []
+def _kernel_line(exc: BaseException) -> str | None:
+    """file:line in the kernel source being compiled when ``exc`` was raised, from the innermost frame
+    that visits an AST node of a jit function: triton's code generator (it knows the function's file and
+    first line) or its dependency finder (under the jit function whose source it walks)."""
+    seen: set[int] = set()
+    found = None
     e: BaseException | None = exc
-    while e is not None:  # the innermost CompilationError names the line closest to the cause
-        node = getattr(e, "node", None)
-        if node is not None and getattr(e, "src", None) is not None:
-            lines.append(getattr(node, "lineno", None))
+    while e is not None and id(e) not in seen:  # the exception, then what it was raised from
+        seen.add(id(e))
+        tb, jit_fn = e.__traceback__, None
+        while tb is not None:
+            local = tb.tb_frame.f_locals
+            obj, node = local.get("self"), local.get("node")
+            if hasattr(obj, "raw_src") and hasattr(obj, "starting_line_number"):
+                jit_fn = obj  # a JITFunction: the dependency finder below walks its source (from its def line)
+            line = getattr(node, "lineno", None)
+            if line and hasattr(obj, "begin_line") and hasattr(obj, "file_name"):
+                found = f"{obj.file_name}:{obj.begin_line + line}"
+            elif line and jit_fn is not None:
+                first = getattr(jit_fn, "def_file_line_number", None) or jit_fn.starting_line_number + 1
+                found = f"{jit_fn.fn.__code__.co_filename}:{first + line - 1}"
+            tb = tb.tb_next
         e = e.__cause__ or e.__context__
-    base = getattr(src_fn, "starting_line_number", None)
-    path = getattr(getattr(src_fn, "fn", src_fn), "__code__", None)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/triton/" not in f.filename]
-    if path is not None and base is not None and lines and lines[0]:
-        return f"{path.co_filename}:{base + lines[0] - 1}"
-    if frames:
-        return f"{frames[-1].filename}:{frames[-1].lineno}"
-    return launch_file(fn)
-
-
-def launch_file(fn: Any) -> str:
-    code = getattr(getattr(fn, "fn", fn), "__code__", None)
-    return f"{code.co_filename}:{code.co_firstlineno}" if code else "?"
+    return found
 
 
 def _error_text(exc: BaseException, fn: Any) -> str:
-    msg = str(exc).strip()
-    # a CompilationError's message starts with "at L:C:" and the source; keep the last line (the cause)
-    last = [ln for ln in msg.splitlines() if ln.strip()]
-    cause = last[-1] if last else type(exc).__name__
-    head = re.match(r"at (\d+):(\d+):", msg)
-    where = _where(exc, fn)
-    if head and ":" in where:  # the line inside the kernel's source, counted from its first line
-        file = where.rsplit(":", 1)[0]
-        base = getattr(fn, "starting_line_number", None)
-        if base is not None:
-            where = f"{file}:{base + int(head.group(1)) - 1}"
+    """One line: the error's kind, where in the kernel source it is, and its cause (the message's last line)."""
+    lines = [ln for ln in str(exc).strip().splitlines() if ln.strip()]
+    cause = lines[-1] if lines else type(exc).__name__
+    where = _kernel_line(exc)
+    if where is None:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if "/triton/" not in f.filename
+                  and "/conformance/" not in f.filename]
+        where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else _first_line(fn)
     return f"{type(exc).__name__} at {where}: {cause}"[:600]
+
+
+def _first_line(fn: Any) -> str:
+    code = getattr(getattr(fn, "fn", fn), "__code__", None)
+    return f"{code.co_filename}:{code.co_firstlineno}" if code else "?"
 
 
 def _ptxas_report(ptx: str, capability: int) -> tuple[int, int, bool]:

@@ -74,13 +74,18 @@ def kernel_name(fn: Any) -> str:
     return f"{fn.__module__}:{fn.__name__}"
 
 
-def make_launch(fn: Any, args: tuple, kwargs: dict[str, Any], origin: str = "", default: bool = False) -> Launch:
+# constexprs that exist only for the interpreter, and the value the same launch has on a GPU
+GPU_VALUES = {"DOT_F32": False}  # fast/codec/matmul.py: widen bf16 tiles to fp32 before tl.dot (interpreter only)
+
+
+def make_launch(fn: Any, args: tuple, kwargs: dict[str, Any], origin: str = "", default: bool = False,
+                on_gpu: bool = False) -> Launch:
     """The launch of Python kernel function ``fn`` (its parameters annotated as in the source) with
-    ``kernel[grid](*args, **kwargs)``."""
+    ``kernel[grid](*args, **kwargs)``; ``on_gpu``: with the GPU's value of interpreter-only constexprs."""
     params = list(inspect.signature(fn).parameters.values())
     options = {k: kwargs[k] for k in OPTION_NAMES if k in kwargs}
     kw = {k: v for k, v in kwargs.items() if k not in OPTION_NAMES}
-    bound = dict(zip([p.name for p in params], args))
+    bound = dict(zip([p.name for p in params][:len(args)], args, strict=True))
     bound.update(kw)
     descs = []
     for p in params:
@@ -88,7 +93,8 @@ def make_launch(fn: Any, args: tuple, kwargs: dict[str, Any], origin: str = "", 
             if p.default is inspect.Parameter.empty:
                 raise TypeError(f"{kernel_name(fn)}: no value for parameter {p.name}")
             bound[p.name] = p.default
-        descs.append(describe(bound[p.name], "constexpr" in str(p.annotation)))
+        value = GPU_VALUES[p.name] if on_gpu and p.name in GPU_VALUES else bound[p.name]
+        descs.append(describe(value, "constexpr" in str(p.annotation)))
     return Launch(kernel_name(fn), tuple(descs), int(options.get("num_warps", 4)), int(options.get("num_stages", 3)),
                   origin, default, (origin,) if origin else ())
 
@@ -115,14 +121,17 @@ class Recorder:
 
 @contextlib.contextmanager
 def record_launches() -> Iterator[Recorder]:
-    """While active, every launch of an interpreted Triton kernel is added to the recorder (and runs)."""
+    """While active, every launch of an interpreted Triton kernel is added to the recorder (and runs).
+
+    Interpreter-only constexprs are recorded with their GPU value (``GPU_VALUES``): the launch the same
+    call makes on a GPU."""
     from triton.runtime.interpreter import InterpretedFunction
 
     recorder = Recorder()
     original = InterpretedFunction.run
 
     def run(self, *args, grid, warmup, **kwargs):
-        recorder.add(make_launch(self.fn, args, kwargs, recorder.origin))
+        recorder.add(make_launch(self.fn, args, kwargs, recorder.origin, on_gpu=True))
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run

@@ -65,7 +65,7 @@ def matmul_launches(props) -> list[Launch]:
     for name, (n, k) in PROJECTIONS.items():
         for m in BATCHES:
             for fused in (False, True):
-                cfg = mm.default_config(m, n, k, props, fused=fused)
+                cfg = mm.default_config(m, n, k, props)
                 k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
                 split = cdiv(k, k_per_split)
                 where = f"llama8b.{name}.b{m}.{'fused' if fused else 'plain'} on {props.name}"
@@ -147,7 +147,8 @@ def kv_launches(props) -> list[Launch]:
                 per_split = -(-max_blocks // splits)
                 where = f"kv.decode {cache} cache, {q} q, batch {batch}, {splits} split(s) on {props.name}"
                 part = T("float32")  # (a 1-element dummy when unsplit)
-                out.append(_plan(ta._decode_kernel, where, True, seq_lens_ptr=T("int32"), part_m_ptr=part,
+                out.append(_plan(ta._decode_kernel, where, True, ta.decode_num_warps(4, BLOCK, HEAD_DIM), 3,
+                                 seq_lens_ptr=T("int32"), part_m_ptr=part,
                                  part_l_ptr=part, part_acc_ptr=part, blocks_per_split=per_split,
                                  SPLIT=splits > 1, NUM_SPLITS=splits, G_P2=4, D_P2=HEAD_DIM, BS_P2=BLOCK, **common))
                 if splits > 1:
@@ -196,7 +197,8 @@ def all_launches(props_list=None) -> list[Launch]:
 SUBSET = ("llama8b.gate_up.b1.", "llama8b.gate_up.b16.", "llama8b.gate_up.b256.", "llama8b.down.b4.",
           "codec ", "kv.decode bf16 cache, bfloat16 q", "kv.decode fp8 cache, bfloat16 q, batch 1",
           "kv.prefill 512-token chunk, bf16 cache, bfloat16", "kv.prefill 512-token chunk, fp8 cache, bfloat16",
-          "kv.write 512 tokens, bfloat16 into a fp8", "kv.write 512 tokens, float32 into a bf16")
+          "kv.write 512 tokens, bfloat16 into a fp8", "kv.write 512 tokens, float32 into a bf16", "bf16 rounding",
+          "fp8 encode_codes")
 
 
 def subset_launches() -> list[Launch]:

@@ -104,21 +104,27 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, SP
     tl.store(out_ptr + offs, bf16_bits_rne(acc).to(tl.int16), mask=mask)
 
 
-def default_config(m: int, n: int, k: int, props: DeviceProps | None = None, fused: bool = False) -> MatmulConfig:
+def default_config(m: int, n: int, k: int, props: DeviceProps | None = None) -> MatmulConfig:
     """A tile shape by batch size (hand-picked, not autotuned: see experiments/gpu_bench.py).
 
     A pure function of the shapes and the GPU's properties (``props``; default: this machine's GPU,
     or H100's), so ``python -m conformance --compile`` computes the choice without a GPU. Under the
-    interpreter (and no ``props``) small tiles: it pays per operation, not per element.
+    interpreter (and no ``props``) small tiles: it pays per operation, not per element. The plain
+    and the fused kernel get the same configuration (what makes them "same-kernel exact").
+
+    Register pressure (sm_90, ptxas, see fast/README.md): the fused kernel decodes a [BN x BK] tile
+    in registers, 64 weights per thread at BN=64, BK=128 and 4 warps: 250-254 registers. BK=64 and
+    8 warps halve that (117-120 registers, no spills) at batch <= 64; batch > 64 keeps 128x128x64
+    (215 registers, no spills; one block of 8 warps per SM either way).
     """
     if props is None:
         if on_interpreter():
             return MatmulConfig(block_m=16, block_n=32, block_k=64, split_k=1)
         props = device_props()
     if m <= 16:
-        cfg = MatmulConfig(16, 64, 128, 1, 4, 4)
+        cfg = MatmulConfig(16, 64, 64, 1, 8, 4)
     elif m <= 64:
-        cfg = MatmulConfig(64, 64, 128, 1, 4, 3)
+        cfg = MatmulConfig(64, 64, 64, 1, 8, 3)
     else:
         cfg = MatmulConfig(128, 128, 64, 1, 8, 3)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
@@ -144,7 +150,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor | None, form: PaletteForm | None, n
         y = torch.zeros((m, n), dtype=torch.float32, device=x.device) + (bias.float() if bias is not None else 0)
         out.copy_(y.to(torch.bfloat16).view(torch.int16))
         return out.view(torch.bfloat16).view(*lead, n)
-    cfg = config or default_config(m, n, k, fused=form is not None)
+    cfg = config or default_config(m, n, k)
     if cfg.block_k % 16 or cfg.split_k < 1:
         raise KernelInputError(f"matmul config: block_k must be a multiple of 16 and split_k >= 1, got {cfg}")
     k_per_split = cdiv(cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
