@@ -10,7 +10,8 @@ also writes every kernel launch the cases make (for the compile gate).
 compile gate (conformance/compile_gate.py), no GPU needed. It compiles with the real Triton compiler
 and ptxas the launches the conformance cases make (recorded by running them under the interpreter
 in a child process, or read from ``--launches``) and the launches the launchers pick on a GPU at
-Llama-3.1-8B shapes (conformance/real_shapes.py: a representative subset, or ``--all``). Exits 1 on
+Llama-3.1-8B shapes (conformance/real_shapes.py: a representative subset, or ``--all``; ``-k`` picks
+cases and real shapes by name). Exits 1 on
 a compile error, on spills in a default configuration, or on shared memory over the target's limit.
 """
 
@@ -61,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                        "of recording them now")
     cases.add_argument("--no-cases", action="store_true", help="--compile: only the real-shape launches")
     gate.add_argument("--no-cache", action="store_true", help="--compile: do not read or write the result cache")
+    gate.add_argument("--jobs", type=int, default=1, metavar="N", help="--compile: compile in N processes")
     return p.parse_args(argv)
 
 
@@ -249,6 +251,7 @@ def compile_main(args: argparse.Namespace) -> int:
               "run it in a fresh process", file=sys.stderr)
         return 2
     os.environ["TRITON_INTERPRET"] = "0"  # before fast is imported (it would switch the interpreter on)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
     from conformance import compile_gate, launches, real_shapes
 
     start = time.perf_counter()
@@ -265,11 +268,14 @@ def compile_main(args: argparse.Namespace) -> int:
             return 1
     print(f"{len(found)} launches from conformance cases", flush=True)
     if not args.no_shapes:
-        found += real_shapes.all_launches() if args.all else real_shapes.subset_launches()
+        planned = real_shapes.all_launches() if args.all else real_shapes.subset_launches()
+        if args.patterns:  # -k also picks real shapes, by their names
+            planned = [x for x in planned if any(p.lower() in x.origin.lower() for p in args.patterns)]
+        found += planned
     if not found:
         print("python -m conformance --compile: nothing to compile", file=sys.stderr)
         return 2
-    results = compile_gate.run_gate(found, args.compile, use_cache=not args.no_cache,
+    results = compile_gate.run_gate(found, args.compile, use_cache=not args.no_cache, jobs=max(1, args.jobs),
                                     on_result=lambda r: print(f"  {r.status:6} {r.seconds:5.1f}s  "
                                                               f"{r.kernel.split(':')[1]}  {r.origin}", flush=True))
     seconds = time.perf_counter() - start

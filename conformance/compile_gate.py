@@ -50,6 +50,7 @@ class GateResult:
     seconds: float = 0.0
     cached: bool = False
     count: int = 1  # launches with this specialization
+    origins: list | None = None  # what made each of them
 
     @property
     def failed(self) -> bool:
@@ -195,7 +196,7 @@ def compile_one(launch: Launch, target: str, cache: dict | None = None) -> GateR
     capability, smem_limit = TARGETS[target]
     result = GateResult(launch.kernel, launch.origin, launch.default, launch.num_warps, launch.num_stages,
                         ", ".join(f"{d[1]}" for d in launch.args if d[0] == "const"), "ok",
-                        count=max(1, len(launch.origins)))
+                        count=max(1, len(launch.origins)), origins=list(launch.origins))
     start = time.perf_counter()
     fn = None
     try:
@@ -259,9 +260,18 @@ def _spec_class(desc: tuple) -> tuple:
     return tuple(desc)
 
 
+def _job(item: tuple[Launch, str, dict | None]) -> tuple[GateResult, dict]:
+    """compile_one in a worker process: the result and the cache entries it added."""
+    launch, target, cache = item
+    mine = dict(cache) if cache is not None else None
+    result = compile_one(launch, target, mine)
+    added = {k: v for k, v in (mine or {}).items() if cache is None or k not in cache}
+    return result, added
+
+
 def run_gate(launches: list[Launch], target: str, use_cache: bool = True,
-             on_result: Callable[[GateResult], None] | None = None) -> list[GateResult]:
-    """Compile every distinct launch; the cache file is read before and written after."""
+             on_result: Callable[[GateResult], None] | None = None, jobs: int = 1) -> list[GateResult]:
+    """Compile every distinct launch (in ``jobs`` processes); the cache file is read before and written after."""
     if target not in TARGETS:
         raise ValueError(f"unknown compile target {target!r}: one of {sorted(TARGETS)}")
     path = _cache_path()
@@ -271,12 +281,26 @@ def run_gate(launches: list[Launch], target: str, use_cache: bool = True,
             cache = json.loads(path.read_text())
         except ValueError:
             cache = {}
+    todo = dedupe(launches)
     results = []
-    for launch in dedupe(launches):
-        r = compile_one(launch, target, cache if use_cache else None)
-        results.append(r)
-        if on_result is not None:
-            on_result(r)
+    if jobs > 1 and len(todo) > 1:
+        import concurrent.futures
+        import multiprocessing
+
+        pool = concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork"))
+        with pool:
+            items = [(x, target, cache if use_cache else None) for x in todo]
+            for r, added in pool.map(_job, items):
+                cache.update(added)
+                results.append(r)
+                if on_result is not None:
+                    on_result(r)
+    else:
+        for launch in todo:
+            r = compile_one(launch, target, cache if use_cache else None)
+            results.append(r)
+            if on_result is not None:
+                on_result(r)
     if use_cache:
         from reference.safe_write import write_text
 

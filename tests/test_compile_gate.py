@@ -126,8 +126,8 @@ def test_tile_change_that_spills_fails_the_gate(tmp_path):
     root = _mutant_tree(tmp_path, "kv/triton_attention.py",
                         "return 8 if block_m * next_pow2(head_dim) >= 2048 else 4",
                         "return 4")
-    code, out, doc = _gate(tmp_path, "--launches", str(_launches_file(tmp_path, "_prefill_kernel", extra_path=root)), "--no-cache",
-                           "--no-shapes", extra_path=root)
+    launches = _launches_file(tmp_path, "_prefill_kernel", extra_path=root)
+    code, out, doc = _gate(tmp_path, "--launches", str(launches), "--no-cache", "--no-shapes", extra_path=root)
     assert code == 1, out[-3000:]
     spills = [r for r in doc["results"] if r["status"] == "spills"]
     assert spills and all(r["spill_bytes"] > 0 and r["default"] for r in spills)
