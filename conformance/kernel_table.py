@@ -44,8 +44,9 @@ def _hw(r: dict | None) -> str:
 
 
 def matmul_rows(results: list[dict]) -> list[str]:
-    out = ["| projection [N x K] | batch | plain bf16: regs, smem, warps + occupancy | | | fused palette: regs, smem, "
-           "warps + occupancy | | | cuBLAS bf16 roofline (= plain) | fused roofline |",
+    out = ["| projection [N x K] | batch | plain: regs (spill) | plain: smem | plain: warps, occupancy | "
+           "fused: regs (spill) | fused: smem | fused: warps, occupancy | cuBLAS bf16 roofline (= plain) | "
+           "fused roofline |",
            "|---|---|---|---|---|---|---|---|---|---|"]
     for name, (n, k) in PROJECTIONS.items():
         for m in (1, 4, 16, 64, 256):
