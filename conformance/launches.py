@@ -85,7 +85,13 @@ def make_launch(fn: Any, args: tuple, kwargs: dict[str, Any], origin: str = "", 
     params = list(inspect.signature(fn).parameters.values())
     options = {k: kwargs[k] for k in OPTION_NAMES if k in kwargs}
     kw = {k: v for k, v in kwargs.items() if k not in OPTION_NAMES}
-    bound = dict(zip([p.name for p in params][:len(args)], args, strict=True))
+    names = [p.name for p in params]
+    if len(args) > len(names):
+        raise TypeError(f"{kernel_name(fn)} takes {len(names)} arguments, got {len(args)}")
+    unknown = sorted(set(kw) - set(names))
+    if unknown:
+        raise TypeError(f"{kernel_name(fn)} has no parameter named {', '.join(unknown)}")
+    bound = dict(zip(names[:len(args)], args, strict=True))
     bound.update(kw)
     descs = []
     for p in params:

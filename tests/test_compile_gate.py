@@ -63,6 +63,7 @@ def _launches_file(tmp_path: Path, *kernels: str, extra_path: Path | None = None
     return path
 
 
+@pytest.mark.slow  # the README's test command runs the gate itself; ~1 min on a loaded 2-core machine
 def test_every_subset_launch_compiles_for_sm_90(tmp_path):
     """The representative real-shape launches (every kernel at least once) compile, with no spills."""
     code, out, doc = _gate(tmp_path, "--no-cases")
@@ -78,6 +79,7 @@ def test_every_subset_launch_compiles_for_sm_90(tmp_path):
     assert "compiled cleanly, 0 failed" in out
 
 
+@pytest.mark.slow
 def test_recorded_conformance_launches_compile(tmp_path):
     """Launches recorded while conformance cases run under the interpreter compile too."""
     rec = tmp_path / "rec.json"
@@ -170,3 +172,54 @@ print("same bytes")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=_env(tmp_path), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and "same bytes" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _kinds(launch) -> tuple:
+    return tuple(d[0] for d in launch.args)
+
+
+@pytest.mark.slow
+def test_real_shape_plans_match_the_launchers_argument_lists():
+    """conformance/real_shapes.py writes each kernel's arguments by name: every kernel the conformance cases
+    launch (recorded here, under the interpreter) has a plan, with the same kinds of argument in each
+    position (tensor, int, float, constexpr), so a launcher that changes its kernel's arguments breaks this."""
+    import torch
+
+    from conformance.launches import record_launches
+    from conformance.real_shapes import all_launches
+    from conformance.registry import load_cases
+    from conformance.runner import run_cases, select
+    from fast.triton_util import H100
+
+    names = ["bf16.round_rne.special", "codec.palette_decode.random", "codec.huffman_decode.odd_1d",
+             "matmul.fused_vs_plain.synthetic_96x320.b5.split3", "kv.decode_attention.split_kv.fp8.triton",
+             "kv.prefill_attention.bf16_query.fp8.triton", "kv.fp8_write.triton", "kv.write.bfloat16.triton",
+             "kv.fp8_encode.bit_classes"]
+    cases = select(load_cases(), names, False)
+    with record_launches() as rec:
+        results = run_cases(cases, torch.device("cpu"), False, on_start=lambda c: setattr(rec, "origin", c.name))
+    assert all(not r.failed for r in results), [r.detail for r in results if r.failed]
+    planned: dict[str, set] = {}
+    for x in all_launches([H100]):
+        planned.setdefault(x.kernel, set()).add(_kinds(x))
+    recorded = rec.all()
+    assert len({x.kernel for x in recorded}) == 14  # every kernel of fast/
+    for x in recorded:
+        assert x.kernel in planned, f"{x.kernel} (launched by {x.origin}) has no real-shape plan"
+        assert _kinds(x) in planned[x.kernel], f"{x.kernel}: recorded {_kinds(x)}, planned {planned[x.kernel]}"
+
+
+def test_make_launch_rejects_unknown_and_missing_arguments():
+    import triton.language as tl
+
+    from conformance.launches import make_launch
+
+    def kernel(x_ptr, n, BLOCK: tl.constexpr):  # a kernel's parameters, as make_launch reads them
+        pass
+
+    with pytest.raises(TypeError, match="no value for parameter n"):
+        make_launch(kernel, (), {"x_ptr": None, "BLOCK": 4})
+    with pytest.raises(TypeError, match="no parameter named"):
+        make_launch(kernel, (), {"x_ptr": None, "n": 3, "BLOCK": 4, "BLOK": 8})
+    launch = make_launch(kernel, (None, 3), {"BLOCK": 4, "num_warps": 8})
+    assert launch.args == (("none",), ("int", 3), ("const", 4)) and launch.num_warps == 8
