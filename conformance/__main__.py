@@ -268,7 +268,8 @@ def compile_main(args: argparse.Namespace) -> int:
             return 1
     print(f"{len(found)} launches from conformance cases", flush=True)
     if not args.no_shapes:
-        planned = real_shapes.all_launches() if args.all else real_shapes.subset_launches()
+        gpus = real_shapes.gpus_for(args.compile)
+        planned = real_shapes.all_launches(gpus) if args.all else real_shapes.subset_launches(args.compile)
         if args.patterns:  # -k also picks real shapes, by their names
             planned = [x for x in planned if any(p.lower() in x.origin.lower() for p in args.patterns)]
         found += planned

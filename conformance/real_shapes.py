@@ -201,9 +201,14 @@ SUBSET = ("llama8b.gate_up.b1.", "llama8b.gate_up.b16.", "llama8b.gate_up.b256."
           "fp8 encode_codes")
 
 
-def subset_launches() -> list[Launch]:
-    """The representative few CI compiles: each kernel at least once, the heaviest configurations of the
-    fused matmul and prefill attention, on H100's properties."""
-    from fast.triton_util import H100
+def gpus_for(target: str) -> list:
+    """The GPUs whose launches a compile target checks: sm_90 H100 and H200, sm_80 A100."""
+    from fast.triton_util import A100, H100, H200
 
-    return [x for x in all_launches([H100]) if any(s in x.origin for s in SUBSET)]
+    return [A100] if target == "sm_80" else [H100, H200]
+
+
+def subset_launches(target: str = "sm_90") -> list[Launch]:
+    """The representative few CI compiles: each kernel at least once, the heaviest configurations of the
+    fused matmul and prefill attention, on the target's first GPU (H100 for sm_90)."""
+    return [x for x in all_launches(gpus_for(target)[:1]) if any(s in x.origin for s in SUBSET)]

@@ -88,7 +88,7 @@ def device_props(device: torch.device | str | None = None) -> DeviceProps:
     dev = torch.device(device) if device is not None else None
     if (dev is None or dev.type == "cuda") and torch.cuda.is_available() and not on_interpreter():
         p = torch.cuda.get_device_properties(dev if dev is not None else 0)
-        known = {H100.name.split()[0]: H100, H200.name.split()[0]: H200}
+        known = {g.name.split()[0]: g for g in (H100, H200, A100)}
         base = next((v for k, v in known.items() if k in p.name), H100)
         return DeviceProps(p.name, p.major * 10 + p.minor, p.multi_processor_count,
                            getattr(p, "shared_memory_per_block_optin", base.smem_per_block),

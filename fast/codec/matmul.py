@@ -125,8 +125,10 @@ def default_config(m: int, n: int, k: int, props: DeviceProps | None = None) -> 
         cfg = MatmulConfig(16, 64, 64, 1, 8, 4)
     elif m <= 64:
         cfg = MatmulConfig(64, 64, 64, 1, 8, 3)
-    else:
+    elif props.capability >= 90:
         cfg = MatmulConfig(128, 128, 64, 1, 8, 3)
+    else:  # no wgmma: the accumulator stays in registers (128x128 spills 104 bytes on sm_80, 128x64: none)
+        cfg = MatmulConfig(128, 64, 64, 1, 8, 3)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
     split = 1
     while tiles * split < 2 * props.sm_count and k // (split * 2) >= 4 * cfg.block_k:  # fill the GPU on small grids
