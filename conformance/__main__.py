@@ -3,12 +3,22 @@
 Prints one row per case (level, elements, result, time, bound), then the first difference of each
 failure, and exits 1 if any case failed or crashed (2 on a usage error, e.g. no case matched).
 With ``--device cpu`` the Triton kernels run in the interpreter: TRITON_INTERPRET=1 is set here,
-before triton is imported (an explicit TRITON_INTERPRET=0 is refused).
+before triton is imported (an explicit TRITON_INTERPRET=0 is refused). ``--record-launches FILE``
+also writes every kernel launch the cases make (for the compile gate).
+
+``python -m conformance --compile sm_90 [--all | --no-shapes] [--launches FILE | --no-cases] [--json FILE]``: the
+compile gate (conformance/compile_gate.py), no GPU needed. It compiles with the real Triton compiler
+and ptxas the launches the conformance cases make (recorded by running them under the interpreter
+in a child process, or read from ``--launches``) and the launches the launchers pick on a GPU at
+Llama-3.1-8B shapes (conformance/real_shapes.py: a representative subset, or ``--all``; ``-k`` picks
+cases and real shapes by name). Exits 1 on
+a compile error, on spills in a default configuration, or on shared memory over the target's limit.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -36,6 +46,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     size.add_argument("--small", dest="large", action="store_false", help="small shapes (the default on cpu)")
     p.add_argument("--seed", type=int, default=0, help="base seed of the input generators (default 0)")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--record-launches", type=Path, metavar="FILE",
+                   help="also write the kernel launches the cases make (JSON, for --compile --launches)")
+    gate = p.add_argument_group("compile gate")
+    gate.add_argument("--compile", metavar="TARGET", choices=["sm_90", "sm_80"],
+                      help="compile every kernel specialization for TARGET (sm_90 or sm_80) instead of running cases")
+    shapes = gate.add_mutually_exclusive_group()
+    shapes.add_argument("--all", action="store_true", help="--compile: every real-shape launch, H100 and H200 "
+                        "(default: a representative subset)")
+    shapes.add_argument("--no-shapes", action="store_true", help="--compile: no real-shape launches (only the "
+                        "conformance cases' or --launches')")
+    cases = gate.add_mutually_exclusive_group()
+    cases.add_argument("--launches", type=Path, metavar="FILE",
+                       help="--compile: the conformance launches from this file (from --record-launches) instead "
+                       "of recording them now")
+    cases.add_argument("--no-cases", action="store_true", help="--compile: only the real-shape launches")
+    gate.add_argument("--no-cache", action="store_true", help="--compile: do not read or write the result cache")
+    gate.add_argument("--jobs", type=int, default=1, metavar="N", help="--compile: compile in N processes")
     return p.parse_args(argv)
 
 
@@ -150,9 +177,16 @@ def json_problem(path: Path) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    problem = json_problem(args.json) if args.json else None
-    if problem:  # found out now, not after the whole run
-        print(f"python -m conformance: --json {args.json}: {problem}", file=sys.stderr)
+    for flag, path in (("--json", args.json), ("--record-launches", args.record_launches)):
+        problem = json_problem(path) if path else None
+        if problem:  # found out now, not after the whole run
+            print(f"python -m conformance: {flag} {path}: {problem}", file=sys.stderr)
+            return 2
+    if args.compile:
+        return compile_main(args)
+    if args.all or args.launches or args.no_cases or args.no_cache or args.no_shapes:
+        print("python -m conformance: --all, --no-shapes, --launches, --no-cases and --no-cache go with --compile",
+              file=sys.stderr)
         return 2
     try:
         device = choose_device(args.device)
@@ -175,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c.name:50} {c.level.value:18} {c.bound.text if c.bound else ''}")
         return 0
     start = time.perf_counter()
-    results = run_cases(cases, torch.device(device), large, args.seed,
-                        on_result=lambda r: print(f"  {r.status:5} {r.seconds:6.2f}s  {r.name}", flush=True))
+    with _recording(args.record_launches, device) as recorder:
+        results = run_cases(cases, torch.device(device), large, args.seed,
+                            on_result=lambda r: print(f"  {r.status:5} {r.seconds:6.2f}s  {r.name}", flush=True),
+                            on_start=lambda c: setattr(recorder, "origin", c.name) if recorder else None)
     seconds = time.perf_counter() - start
     print_results(results, device, large, seconds)
     if args.json:
@@ -186,6 +222,107 @@ def main(argv: list[str] | None = None) -> int:
             print(f"python -m conformance: --json {args.json}: {e.strerror or e}", file=sys.stderr)
             return 2
     return 1 if any(r.failed for r in results) else 0
+
+
+@contextlib.contextmanager
+def _recording(path: Path | None, device: str):
+    """Record the kernel launches into ``path`` (JSON) while the cases run; nothing without a path."""
+    if path is None:
+        yield None
+        return
+    if device != "cpu":
+        raise SystemExit("python -m conformance: --record-launches needs --device cpu (the interpreter)")
+    from conformance.launches import record_launches, save
+
+    with record_launches() as recorder:
+        yield recorder
+    save(path, recorder.all())
+    print(f"recorded {len(recorder.launches)} kernel launches into {path}")
+
+
+def compile_main(args: argparse.Namespace) -> int:
+    """The compile gate: record or read the conformance launches, add the real-shape ones, compile."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("0", ""):
+        print("python -m conformance --compile: compiles for a GPU: unset TRITON_INTERPRET or set it to 0",
+              file=sys.stderr)
+        return 2
+    if _interpreter_loaded():
+        print("python -m conformance --compile: triton was imported under the interpreter in this process; "
+              "run it in a fresh process", file=sys.stderr)
+        return 2
+    os.environ["TRITON_INTERPRET"] = "0"  # before fast is imported (it would switch the interpreter on)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9's default, stated (silences its warning)
+    from conformance import compile_gate, launches, real_shapes
+
+    start = time.perf_counter()
+    found: list = []
+    if args.launches:
+        try:
+            found = launches.load(args.launches)
+        except ValueError as e:
+            print(f"python -m conformance: --launches: {e}", file=sys.stderr)
+            return 2
+    elif not args.no_cases:
+        found = _record_in_child(args)
+        if found is None:
+            return 1
+    print(f"{len(found)} launches from conformance cases", flush=True)
+    if not args.no_shapes:
+        gpus = real_shapes.gpus_for(args.compile)
+        planned = real_shapes.all_launches(gpus) if args.all else real_shapes.subset_launches(args.compile)
+        if args.patterns:  # -k also picks real shapes, by their names
+            planned = [x for x in planned if any(p.lower() in x.origin.lower() for p in args.patterns)]
+        found += planned
+    if not found:
+        print("python -m conformance --compile: nothing to compile", file=sys.stderr)
+        return 2
+    results = compile_gate.run_gate(found, args.compile, use_cache=not args.no_cache, jobs=max(1, args.jobs),
+                                    on_result=lambda r: print(f"  {r.status:6} {r.seconds:5.1f}s  "
+                                                              f"{r.kernel.split(':')[1]}  {r.origin}", flush=True))
+    seconds = time.perf_counter() - start
+    compile_gate.print_report(results, args.compile, seconds)
+    if args.json:
+        import triton
+
+        from reference.provenance import commit
+
+        doc = {"target": args.compile, "triton": triton.__version__, "all": args.all, "seconds": seconds,
+               "commit": commit(), "passed": not any(r.failed for r in results),
+               "results": [r.to_json() for r in results]}
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(args.json) as f:
+            f.write((json.dumps(doc, indent=1) + "\n").encode())
+    return 1 if any(r.failed for r in results) else 0
+
+
+def _record_in_child(args: argparse.Namespace) -> list | None:
+    """Run the cases under the interpreter in a child process, recording their launches."""
+    import subprocess
+    import tempfile
+
+    from conformance import launches
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "launches.json"
+        cmd = [sys.executable, "-m", "conformance", "--device", "cpu", "--seed", str(args.seed),
+               "--record-launches", str(path)]
+        for pattern in args.patterns or []:
+            cmd += ["-k", pattern]
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        print(f"recording the conformance cases' launches: {' '.join(cmd[1:])}", flush=True)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not path.exists():
+            tail = (proc.stdout + proc.stderr)[-3000:]
+            print(f"python -m conformance --compile: the conformance run failed (exit {proc.returncode}); fix it "
+                  f"first, or pass --no-cases:\n{tail}", file=sys.stderr)
+            return None
+        return launches.load(path)
+
+
+def _interpreter_loaded() -> bool:
+    """True if triton was already imported in this process with the interpreter on."""
+    tl = sys.modules.get("triton.language")
+    return tl is not None and type(tl.zeros).__name__ == "InterpretedFunction"
 
 
 if __name__ == "__main__":

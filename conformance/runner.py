@@ -89,10 +89,13 @@ def run_case(case: Case, device: Any, large: bool, seed: int = 0) -> CaseResult:
     return result
 
 
-def run_cases(cases: list[Case], device: Any, large: bool, seed: int = 0, on_result: Any = None) -> list[CaseResult]:
-    """Run cases in order; ``on_result(result)`` is called after each (for live output)."""
+def run_cases(cases: list[Case], device: Any, large: bool, seed: int = 0, on_result: Any = None,
+              on_start: Any = None) -> list[CaseResult]:
+    """Run cases in order; ``on_start(case)`` is called before each and ``on_result(result)`` after it."""
     results = []
     for case in cases:
+        if on_start is not None:
+            on_start(case)
         r = run_case(case, device, large, seed)
         results.append(r)
         if on_result is not None:

@@ -1,16 +1,20 @@
-"""One command for a GPU session: the conformance suite natively on CUDA (large shapes), then the benchmarks:
-the codec kernels (``gpu_bench.py``), KV decode attention (``bench_kv.py``) and the engine (tokens/s,
-TTFT, ITL, control-plane share at batch 1..256, bf16 and compressed weights: ``gpu_engine.py``).
+"""One command for a GPU session: first the compile gate (every kernel specialization the launchers pick
+at Llama-3.1-8B shapes compiled for the GPU with ptxas: seconds, and no GPU time is spent if one does
+not compile or spills), then the conformance suite natively on CUDA (large shapes), then the
+benchmarks: the codec kernels (``gpu_bench.py``), KV decode attention (``bench_kv.py``) and the engine
+(tokens/s, TTFT, ITL, control-plane share at batch 1..256, bf16 and compressed weights: ``gpu_engine.py``).
+If the compile gate fails, nothing else runs.
 
 Each step runs in its own process with its own time limit, so a failure in one still leaves the
 others' results. Writes experiments/results/conformance_cuda.json, gpu_bench.json, bench_kv.json,
-gpu_engine.json and a summary gpu_check.json (GPU name, date, commit, pass/fail, the goals). Sized
-for one 10-minute call: conformance <= 240 s, codec benchmark <= 160 s, KV benchmark <= 90 s, engine
-<= 110 s (the benchmarks stop starting new rows at their ``--*-budget``).
+gpu_engine.json, compile_gate.json and a summary gpu_check.json (GPU name, date, commit, pass/fail,
+the goals). Sized for one 10-minute call: compile gate <= 60 s (16 processes), conformance <= 240 s,
+codec benchmark <= 160 s, KV benchmark <= 90 s, engine <= 110 s (the benchmarks stop starting new
+rows at their ``--*-budget``).
 
 ``--tiny`` runs the same steps on the CPU under TRITON_INTERPRET=1 (a few conformance cases, the
-benchmark's tiny shapes) and writes to a temporary folder: a smoke test that the script works,
-not a GPU measurement.
+benchmark's tiny shapes; the compile gate for two kernels) and writes to a temporary folder: a smoke
+test that the script works, not a GPU measurement.
 
     python -m experiments.gpu_check [--tiny] [--out DIR]
 """
@@ -51,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="CPU smoke test under the interpreter")
     p.add_argument("--out", type=Path, default=None, help="results folder (default experiments/results; "
                    "a temporary folder with --tiny)")
+    p.add_argument("--compile-timeout", type=float, default=60, help="seconds before the compile gate is stopped "
+                   "(default 60)")
     p.add_argument("--conformance-timeout", type=float, default=240, help="seconds before the conformance step is "
                    "stopped (default 240)")
     p.add_argument("--bench-timeout", type=float, default=160, help="seconds before the kernel benchmark is stopped "
@@ -67,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     py = sys.executable
+    gate_env = {k: v for k, v in env.items() if k != "TRITON_INTERPRET"}
+    gate_env["TRITON_INTERPRET"] = "0"  # the gate compiles for the GPU, with or without one
+    gate = [py, "-m", "conformance", "--compile", "sm_90", "--no-cases", "--jobs", str(min(16, os.cpu_count() or 1)),
+            "--json", str(out / "compile_gate.json")]
+    gate += ["-k", "bf16 rounding", "-k", "kv.write 512 tokens, float32 into a bf16"] if args.tiny else ["--all"]
     if args.tiny:
         env["TRITON_INTERPRET"] = "1"
         conf = [py, "-m", "conformance", "--device", "cpu", "-k", "bf16.", "-k", "codec.palette_decode.random",
@@ -94,6 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         summary["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except ImportError:
         summary["gpu"] = None
+    summary["compile_gate"] = step("compile_gate", gate, args.compile_timeout, gate_env)
+    if summary["compile_gate"]["rc"] != 0:  # never spend the GPU on a kernel that does not compile
+        summary["stopped"] = "the compile gate failed: fix it (python -m conformance --compile sm_90 --all) first"
+        write_text(out / "gpu_check.json", json.dumps(summary, indent=1) + "\n")
+        print(f"{summary['stopped']}\nwrote {out / 'gpu_check.json'}")
+        return 1
     summary["conformance"] = step("conformance", conf, args.conformance_timeout, env)
     summary["benchmark"] = step("benchmark", bench, args.bench_timeout, env)
     summary["kv_benchmark"] = step("kv_benchmark", kv, args.kv_timeout, env)
@@ -114,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                                   else "goals")
     write_text(out / "gpu_check.json", json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out / 'gpu_check.json'}")
-    ok = all(summary[k]["rc"] == 0 for k in ("conformance", "benchmark", "kv_benchmark", "engine"))
+    ok = all(summary[k]["rc"] == 0 for k in ("compile_gate", "conformance", "benchmark", "kv_benchmark", "engine"))
     return 0 if ok else 1
 
 

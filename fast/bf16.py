@@ -51,7 +51,6 @@ def to_numpy_bits(x: torch.Tensor) -> np.ndarray:
     return bf16_to_bits(x).detach().cpu().contiguous().numpy().view(np.uint16)
 
 
-@triton.jit
 def split_sm_exponent(bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(exponent, sign/mantissa byte) of int16 bf16 bit patterns, uint8 tensors, flat, C order.
 
@@ -74,6 +73,7 @@ def join_sm_exponent(sm: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
     return (((sm & 0x80) << 8) | (exponent.to(torch.int32) << 7) | (sm & 0x7F)).to(torch.int16)
 
 
+@triton.jit
 def bf16_bits_rne(x):
     """float32 values -> bf16 bit patterns (int32 holding 16 bits), round-to-nearest-even.
 

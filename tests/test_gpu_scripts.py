@@ -30,6 +30,7 @@ def test_gpu_check_tiny_runs_both_steps(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert summary["compile_gate"]["rc"] == 0  # the gate runs first, without a GPU too
     assert summary["conformance"]["passed"] is True and summary["benchmark"]["goals"]
     assert summary["engine"]["rc"] == 0 and summary["engine"]["goals"]
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from fast.codec.forms import PaletteForm
-from fast.triton_util import cdiv, check_kernel_device, on_interpreter
+from fast.triton_util import DeviceProps, cdiv, check_kernel_device, device_props, on_interpreter
 from fast.validate import check_tensor
 
 
@@ -96,6 +96,20 @@ def kernel_arrays(form: PaletteForm) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.full((1,), -1, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.uint8, device=dev)
 
 
+def _splits(rows: int, cols: int, br: int, bc: int) -> int:
+    """Column ranges per row block: enough programs (about 512) to fill a GPU when there are few rows."""
+    return max(1, min(cdiv(cols, 4 * bc), cdiv(512, cdiv(rows, br))))
+
+
+def decode_config(rows: int, cols: int, props: DeviceProps | None) -> tuple[int, int, int]:
+    """(block_rows, block_cols, splits) ``decode_palette`` picks: a pure function of the shape and the GPU
+    (``props``); None means the interpreter (few, wide steps: it pays per operation, not per element)."""
+    if props is None:
+        return min(64, triton.next_power_of_2(max(rows, 1))), 256, 1
+    br, bc = 8, 256
+    return br, bc, _splits(rows, cols, br, bc)
+
+
 def decode_palette(form: PaletteForm, block_rows: int | None = None, block_cols: int | None = None,
                    splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Decode a palette-form tensor to torch.bfloat16 (same shape), bit for bit; into ``out`` if given."""
@@ -108,12 +122,10 @@ def decode_palette(form: PaletteForm, block_rows: int | None = None, block_cols:
         out = torch.empty((g.rows, g.cols), dtype=torch.int16, device=form.device)
     if g.n == 0:
         return out.view(torch.bfloat16).view(g.shape)
-    if on_interpreter():  # few, wide steps: the interpreter pays per operation, not per element
-        br, bc = block_rows or min(64, triton.next_power_of_2(g.rows)), block_cols or 256
-    else:
-        br, bc = block_rows or 8, block_cols or 256
-    if splits is None:  # enough programs to fill a GPU when there are few rows
-        splits = 1 if on_interpreter() else max(1, min(cdiv(g.cols, 4 * bc), cdiv(512, cdiv(g.rows, br))))
+    auto = decode_config(g.rows, g.cols, None if on_interpreter() else device_props(form.device))
+    br, bc = block_rows or auto[0], block_cols or auto[1]
+    if splits is None:
+        splits = 1 if on_interpreter() else _splits(g.rows, g.cols, br, bc)
     cols_per_split = cdiv(cdiv(g.cols, splits), bc) * bc
     splits = cdiv(g.cols, cols_per_split)
     vstart = split_vstart(form, cols_per_split, splits)
