@@ -154,14 +154,22 @@ def test_prefix_cache_hits_keep_outputs():
 
 @pytest.mark.slow
 def test_fp8_kv_agreement_bound():
-    """fp8 KV cache vs float32 on five chats: the first token always agrees, most later tokens too."""
+    """fp8 KV cache vs float32 on five chats: a first token differs only where float32's top two logits are
+    a near tie (fp8 moves K and V by up to ~6%: on one chat here the top two differ by 0.18 of ~30, and which
+    side wins depends on the BLAS kernels of the machine); most later tokens agree too."""
     prompts = [chat(q) for q in QUESTIONS]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     exact = engine().generate(prompts, params)
     fp8 = engine(kv_dtype="fp8").generate(prompts, params)
     agree = []
-    for a, b in zip(exact, fp8, strict=True):
-        assert a.output_token_ids[0] == b.output_token_ids[0]
+    for prompt, a, b in zip(prompts, exact, fp8, strict=True):
+        if a.output_token_ids[0] != b.output_token_ids[0]:
+            model = smollm2_model()
+            cache = model.new_cache(num_blocks=len(prompt) // 16 + 2, block_size=16)
+            logits = model.forward([Chunk(prompt, 0, list(range(cache.num_blocks)))], cache)[0]
+            top2 = np.sort(logits)[-2:]
+            assert top2[1] - top2[0] < 0.5, f"fp8 KV changed a first token whose float32 margin is {top2}"
+            assert b.output_token_ids[0] == int(np.argsort(logits)[-2])  # it took the runner-up
         pairs = zip(a.output_token_ids, b.output_token_ids, strict=True)
         same = next((i for i, (x, y) in enumerate(pairs) if x != y), 16)
         agree.append(same)
