@@ -43,7 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="seconds requests in flight may finish after SIGTERM before they are aborted")
     p.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
     p.add_argument("--log-level", default="warning")
+    from serve import disagg
+
+    disagg.add_arguments(p)
     args = p.parse_args(argv)
+    disagg.check_arguments(p, args)
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
                 "give --api-keys KEYS.toml, or --allow-unauthenticated if that is what you want")
@@ -77,15 +81,22 @@ def main(argv: list[str] | None = None) -> int:
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(args.blas_threads, user_api="blas")
+    from serve import disagg
+
     try:
-        engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None, policy=args.policy,
-                             dtype=args.dtype, num_blocks=args.num_blocks, block_size=args.block_size,
-                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=args.max_model_len)
-    except (EngineUnavailable, ValueError, OSError) as e:
+        if disagg.wanted(args):
+            engine = disagg.build(args)
+            worker = disagg.DisaggWorker(engine)
+        else:
+            engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None,
+                                 policy=args.policy, dtype=args.dtype, num_blocks=args.num_blocks,
+                                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens,
+                                 max_model_len=args.max_model_len)
+            worker = EngineWorker(engine)
+    except (EngineUnavailable, ValueError, OSError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    worker = EngineWorker(engine)
     name = args.served_model_name or args.model
     app = create_app(worker, engine.tokenizer, model_name=name, keys=keys, max_pending=args.max_pending)
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
@@ -100,7 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
     server = draining_server(config, worker, args.shutdown_grace)
     worker.start()
-    print(f"serving {name} ({args.engine} engine, context {worker.max_model_len} tokens) on "
+    kind = f"{args.engine} engine" if not disagg.wanted(args) else \
+        f"disaggregated: {len(engine.coordinator.live('prefill'))} prefill + " \
+        f"{len(engine.coordinator.live('decode'))} decode workers, {args.kv_wire} KV wire"
+    print(f"serving {name} ({kind}, context {worker.max_model_len} tokens) on "
           f"http://{args.host}:{port}/v1" + (f" with {len(keys)} API keys" if keys else ""), flush=True)
     # uvicorn handles SIGTERM/SIGINT itself while it runs, then re-raises the signal to whatever handler
     # was there before; a handler that does nothing makes a drained shutdown exit 0
@@ -110,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         server.run(sockets=[sock])
     finally:
         worker.stop()
+        if hasattr(engine, "close"):
+            engine.close()  # the disaggregated workers: BYE, then reaped
     print("stopped", flush=True)
     return 0
 

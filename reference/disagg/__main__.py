@@ -43,8 +43,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                "processes (sockets)")
     work = sub.add_parser("worker", help="(started by the coordinator) one worker process")
     work.add_argument("--role", choices=["prefill", "decode"], required=True)
-    work.add_argument("--node", type=int, required=True)
-    work.add_argument("--port", type=int, required=True)
+    work.add_argument("--node", type=int, help="node id (with --port)")
+    work.add_argument("--port", type=int, help="the coordinator's port on 127.0.0.1 to connect to")
+    work.add_argument("--listen", metavar="HOST:PORT", help="instead: wait for coordinators to connect here "
+                      "(`python -m serve --workers HOST:PORT`); port 0 picks one, printed at start")
     work.add_argument("--model", required=True)
     work.add_argument("--kv-wire", default="fp32", choices=["fp32", "bf16", "fp8"])
     work.add_argument("--options", default="", help="WorkerOptions fields as name=value,...")
@@ -133,6 +135,11 @@ def worker_main(args: argparse.Namespace) -> int:
             return 2
         values[name] = fields[name](value)
     opts = WorkerOptions(**values)
+    if args.listen:
+        return listen_main(args, secret, opts)
+    if args.node is None or args.port is None:
+        print("worker: give --node and --port, or --listen HOST:PORT", file=sys.stderr)
+        return 2
     try:
         link = Link(connect(args.port), secret, args.node)
     except OSError as e:
@@ -143,6 +150,36 @@ def worker_main(args: argparse.Namespace) -> int:
     serve(worker, link)
     link.endpoint.close()
     return 0
+
+
+def listen_main(args: argparse.Namespace, secret: bytes, opts: object) -> int:
+    """A worker on its own host: serve one coordinator at a time, each connection a fresh life (node id)."""
+    import secrets
+    import socket
+
+    from reference.disagg.cluster import hello, make_worker, serve
+    from reference.disagg.models import digest_of, load_model
+    from reference.disagg.transport import Link, SocketEndpoint, listen
+
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"worker: --listen {args.listen!r} is not HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        server = listen(host.strip("[]"), int(port))
+    except OSError as e:
+        print(f"worker: cannot listen on {args.listen}: {e}", file=sys.stderr)
+        return 1
+    load_model(args.model), digest_of(args.model)  # load before saying we listen (both are cached)
+    print(f"listening on {host}:{server.getsockname()[1]}", flush=True)
+    while True:
+        sock, _ = server.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link = Link(SocketEndpoint(sock), secret, 1 + secrets.randbelow(65535))
+        worker = make_worker(args.role, args.model, link, opts)
+        hello(worker, link, args.model, opts)
+        serve(worker, link)
+        link.endpoint.close()
 
 
 def main(argv: list[str] | None = None) -> int:
