@@ -75,7 +75,8 @@ class Server:
             raise AssertionError("server did not stop within 60 s of SIGTERM") from None
 
 
-def stream_chat(server: Server, question: str, max_tokens: int = MAX_TOKENS) -> tuple[str, int | None, str | None]:
+def stream_chat(server: Server, question: str, max_tokens: int = MAX_TOKENS,
+                on_text=None) -> tuple[str, int | None, str | None]:
     """(text, completion tokens from usage, error message of an error event or None)."""
     text, tokens, error = [], None, None
     try:
@@ -87,6 +88,8 @@ def stream_chat(server: Server, question: str, max_tokens: int = MAX_TOKENS) -> 
                 tokens = chunk.usage.completion_tokens
             if chunk.choices:
                 text.append(chunk.choices[0].delta.content or "")
+                if on_text is not None and text[-1]:
+                    on_text()
     except openai.APIError as e:  # an error event in the stream
         error = str(e)
     return "".join(text), tokens, error
