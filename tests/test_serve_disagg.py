@@ -172,3 +172,45 @@ def test_bad_disaggregation_arguments_are_named():
                          text=True, env=dict(os.environ, PYTHONPATH=str(REPO), UNFIRE_DISAGG_SECRET="00" * 32),
                          timeout=60)
     assert run.returncode == 2 and "not HOST:PORT" in run.stderr
+
+
+class ListeningWorker:
+    """``python -m reference.disagg worker --listen 127.0.0.1:PORT``: a worker as another host runs it."""
+
+    def __init__(self, role: str, secret: str, port: int = 0) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", UNFIRE_DISAGG_SECRET=secret)
+        self.proc = subprocess.Popen([sys.executable, "-m", "reference.disagg", "worker", "--role", role, "--model",
+                                      "smollm2", "--listen", f"127.0.0.1:{port}", "--options", "num_blocks=64"],
+                                     cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        found = re.search(r"listening on (\S+)", line)
+        assert found, line
+        self.address = found.group(1)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.mark.slow
+def test_workers_on_other_hosts_authenticated_and_rejoining():
+    secret = os.urandom(32).hex()
+    prefill, decode = ListeningWorker("prefill", secret), ListeningWorker("decode", secret)
+    server = None
+    try:
+        server = Server("--workers", f"{prefill.address},{decode.address}", env={"UNFIRE_DISAGG_SECRET": secret})
+        first = stream_chat(server, QUESTIONS[0])
+        assert first[2] is None and first[1]
+        wait_idle(server, 2)
+        decode.kill()  # the host's decode worker dies, and is started again on the same port
+        decode = ListeningWorker("decode", secret, port=int(decode.address.rpartition(":")[2]))
+        end = time.monotonic() + 60
+        while len(gauges(server.metrics(), "unfire_disagg_worker_up")) < 2:  # the server reconnects to it
+            assert time.monotonic() < end, "the restarted remote worker did not rejoin"
+            time.sleep(0.25)
+        assert stream_chat(server, QUESTIONS[0]) == first
+    finally:
+        if server is not None:
+            assert server.close() == 0
+        prefill.kill()
+        decode.kill()
