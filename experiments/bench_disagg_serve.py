@@ -6,8 +6,8 @@ colocated is one engine with one BLAS thread (the same per process) and, to matc
 with ``--blas-threads 2`` (on a loaded machine a second BLAS thread spin-waits for a busy core).
 The workload is the first ``--num-prompts`` ShareGPT prompts (cut to ``--max-prompt-chars``), streamed
 chat completions, greedy, ``--max-tokens``, arriving as one seeded Poisson process at ``--request-rate``.
-The two alternate ``--repeats`` times (colocated, disaggregated, colocated, ...) so that the load of other
-jobs on a shared machine falls on both alike; TTFT / ITL / TPOT / end-to-end p50/p90/p99 and goodput at the
+The setups alternate ``--repeats`` times (colocated, disaggregated, colocated, ...; the 2-thread colocated one
+only in the first round) so that the load of other jobs on a shared machine falls on both alike; TTFT / ITL / TPOT / end-to-end p50/p90/p99 and goodput at the
 stated SLO come from ``serve/latency.py``; CPU per output token is the user+system CPU seconds of the
 server's whole process tree (server and workers) over the run, divided by the output tokens.
 
@@ -102,8 +102,8 @@ def timed(setup: str, prompts: list[str], cfg: BenchConfig) -> dict:
         cpu0 = server.cpu_s()
         result = asyncio.run(run_bench(cfg, prompts))
         cpu = server.cpu_s() - cpu0
-        worker_lines = [ln for ln in server.metrics().splitlines() if ln.startswith("unfire_disagg_worker_")
-                        and "_total" in ln and " 0" not in ln[-2:]]
+        worker_lines = [ln for ln in server.metrics().splitlines() if ln.startswith("unfire_disagg_")
+                        and "_total{" in ln and "kv_blocks" not in ln]
     finally:
         server.stop()
     s = result["summary"]
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()
     started = time.time()
     runs: list[dict] = []
-    for _ in range(a.repeats):
-        for setup in TIMED:
+    for repeat in range(a.repeats):
+        for setup in TIMED if repeat == 0 else ("colocated", "disagg_fp32"):  # the 2-thread one: once
             cfg = BenchConfig(url="", num_prompts=a.num_prompts, request_rate=a.request_rate,
                               max_tokens=a.max_tokens, max_prompt_chars=a.max_prompt_chars,
                               slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms)
