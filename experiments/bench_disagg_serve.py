@@ -9,7 +9,8 @@ chat completions, greedy, ``--max-tokens``, arriving as one seeded Poisson proce
 The setups alternate ``--repeats`` times (colocated, disaggregated, colocated, ...; the 2-thread colocated one
 only in the first round) so that the load of other jobs on a shared machine falls on both alike; TTFT / ITL /
 TPOT / end-to-end p50/p90/p99 and goodput at the stated SLO come from ``serve/latency.py``; CPU per output
-token is the user+system CPU seconds of the server's whole process tree (server and workers) over the run, divided by the output tokens.
+token is the user+system CPU seconds of the server's whole process tree (server and workers) over the run,
+divided by the output tokens.
 
 Then each KV wire dtype (fp32, bf16, fp8) is run once more without timing, and every answer's text is
 compared with the colocated endpoint's: the share of answers that are identical, and the mean share of the
