@@ -108,7 +108,9 @@ def timed(setup: str, prompts: list[str], cfg: BenchConfig) -> dict:
     finally:
         server.stop()
     s = result["summary"]
-    return {"setup": setup, "summary": s, "server_tree_cpu_s": cpu,
+    per_request = [{"ttft": r["ttft"], "tpot": r["tpot"], "output_tokens": r["output_tokens"]}
+                   for r in result["requests"]]
+    return {"setup": setup, "summary": s, "server_tree_cpu_s": cpu, "requests": per_request,
             "cpu_ms_per_output_token": 1e3 * cpu / max(1, s["output_tokens"]), "worker_metrics": worker_lines}
 
 
@@ -171,12 +173,13 @@ def figure(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
     for ax, metric in zip(axes[:3], ("ttft_ms", "itl_ms", "e2e_ms"), strict=True):
         x = np.arange(3)
-        for i, setup in enumerate(TIMED):
+        for i, setup in enumerate(s for s in TIMED if s in med):
             ax.bar(x + 0.27 * i, [med[setup][f"{metric}/{p}"] for p in ("p50", "p90", "p99")], 0.27, label=setup)
         ax.set_xticks(x + 0.27, ["p50", "p90", "p99"])
         ax.set_title(metric.replace("_ms", " (ms)"))
-    axes[3].bar(["colo 1t", "colo 2t", "disagg"], [med[s]["cpu_ms_per_output_token"] for s in TIMED],
-                color=["C0", "C1", "C2"])
+    shown = [s for s in TIMED if s in med]
+    axes[3].bar(shown, [med[s]["cpu_ms_per_output_token"] for s in shown], color=[f"C{i}" for i in range(len(shown))])
+    axes[3].tick_params(axis="x", labelsize=7)
     axes[3].set_title("CPU ms / output token")
     axes[0].legend(fontsize=8)
     fig.suptitle(f"SmolLM2, reference engine, {result['workload']['num_prompts']} ShareGPT prompts at "
@@ -193,18 +196,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-prompt-chars", type=int, default=600)
     p.add_argument("--request-rate", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--slo-ttft-ms", type=float, default=3000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=300.0)
+    p.add_argument("--slo-ttft-ms", type=float, default=10000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=1000.0)
+    p.add_argument("--setups", default=",".join(TIMED), help=f"which of {', '.join(TIMED)} to time")
     p.add_argument("--out", type=Path, default=RESULTS / "serve_disagg.json")
     a = p.parse_args(argv)
     if a.num_prompts < 1 or a.max_tokens < 1 or a.repeats < 1 or not a.request_rate > 0:
         p.error("--num-prompts, --max-tokens, --repeats and --request-rate must be > 0")
+    setups = set(a.setups.split(","))
+    if not setups <= set(TIMED) or "colocated" not in setups or "disagg_fp32" not in setups:
+        p.error(f"--setups: colocated and disagg_fp32, and optionally colocated_2threads (got {a.setups!r})")
     prompts = sharegpt_prompts(a.num_prompts, a.max_prompt_chars)
     load0 = os.getloadavg()
     started = time.time()
     runs: list[dict] = []
     for repeat in range(a.repeats):
-        for setup in TIMED if repeat == 0 else ("colocated", "disagg_fp32"):  # the 2-thread one: once
+        for setup in [t for t in TIMED if t in setups and (repeat == 0 or t != "colocated_2threads")]:
             cfg = BenchConfig(url="", num_prompts=a.num_prompts, request_rate=a.request_rate,
                               max_tokens=a.max_tokens, max_prompt_chars=a.max_prompt_chars,
                               slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms)
@@ -223,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                      "greedy": True, "model": "smollm2", "engine": "reference",
                      "setups": {k: SETUPS[k] + ENGINE for k in SETUPS}},
         "slo": {"ttft_ms": a.slo_ttft_ms, "tpot_ms": a.slo_tpot_ms},
-        "medians": {s: medians([r for r in runs if r["setup"] == s]) for s in TIMED},
+        "medians": {s: medians([r for r in runs if r["setup"] == s]) for s in TIMED if s in setups},
         "agreement_with_colocated": agree,
         "runs": runs,
     }
