@@ -224,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "what": "colocated vs 1:1 disaggregated serving (python -m serve) measured with serve.bench",
         "commit": commit(), "machine": machine(), "when": now(), "wall_s": time.time() - started,
+        "clock": "latencies: wall clock at the client (time.perf_counter, serve.bench); CPU: user+system seconds "
+                 "of the server's process tree (psutil)",
         "load_average_start": load0, "load_average_end": os.getloadavg(),
         "workload": {"dataset": "sharegpt", "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
                      "max_prompt_chars": a.max_prompt_chars, "request_rate": a.request_rate, "repeats": a.repeats,

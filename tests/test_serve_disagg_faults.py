@@ -84,6 +84,7 @@ def check_outcome(server: Server, got: list[tuple], seconds: list[float], migrat
     wait_idle(server, 3)  # the lost worker was replaced, and every block is free again
 
 
+@pytest.mark.slow  # ~1-2 min with its server (three SmolLM2 processes): rotated with the other slow tests
 def test_decode_worker_killed_during_8_streams(server):
     before = events(server)
     got, seconds = run_streams(server, lambda: os.kill(pid_of(server, "decode"), signal.SIGKILL))
