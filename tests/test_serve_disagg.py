@@ -223,3 +223,22 @@ def test_worker_addresses_are_parsed_or_refused_by_name():
     for bad in ("host", "host:", ":7001", "host:99999", "host:x"):
         with pytest.raises(ValueError, match="not HOST:PORT"):
             parse_workers(bad)
+
+
+@pytest.mark.slow
+def test_sigterm_drains_streams_in_flight_and_stops_the_workers():
+    server = Server("--prefill-workers", "1", "--decode-workers", "1", "--shutdown-grace", "60")
+    pids = [int(p) for p in re.findall(r'^unfire_disagg_worker_up{node="\d+",role="\w+",pid="(\d+)"} 1$',
+                                       server.metrics(), re.M)]
+    assert len(pids) == 2
+    first = threading.Event()
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(stream_chat, server, q, MAX_TOKENS, first.set) for q in QUESTIONS]
+        assert first.wait(120)
+        server.proc.send_signal(signal.SIGTERM)  # in flight: they may finish within the grace
+        got = [f.result(timeout=180) for f in futures]
+    assert server.close() == 0 and "stopped" in "".join(server.lines)
+    assert all(err is None and n for _, n, err in got)
+    for pid in pids:  # the workers said BYE and were reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
