@@ -2,6 +2,7 @@
 
     python -m serve --model smollm2 [--engine reference|fast] [--host 127.0.0.1] [--port 8000]
                     [--api-keys KEYS.toml] [--num-blocks 512] [--max-pending 256] [--shutdown-grace 10]
+                    [--prefill-workers P --decode-workers D | --workers HOST:PORT,...] [--kv-wire fp32]
 
 Without ``--api-keys`` every request is accepted (tenant "default"), so the server binds only to a
 loopback address unless ``--allow-unauthenticated`` is given. SIGTERM (or Ctrl-C) stops accepting
