@@ -412,6 +412,7 @@ class DisaggWorker(EngineWorker):
         self._stopping = threading.Event()
 
     def start(self) -> None:
+        self._snapshot()  # /metrics shows the workers from the first request on (the thread is not running yet)
         super().start()
         self._ticker.start()
 
