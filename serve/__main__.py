@@ -2,6 +2,7 @@
 
     python -m serve --model smollm2 [--engine auto|reference|fast] [--host 127.0.0.1] [--port 8000]
                     [--api-keys KEYS.toml] [--num-blocks 512] [--max-pending 256] [--shutdown-grace 10]
+    python -m serve ... [--prefill-workers P --decode-workers D | --workers HOST:PORT,...] [--kv-wire fp32]
     python -m serve fleet SCENARIO.toml [...]   (a simulator scenario on real servers: serve/fleet)
 
 Without ``--api-keys`` every request is accepted (tenant "default"), so the server binds only to a
@@ -60,7 +61,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=2, help="pieces a pipeline step is cut into (default 2)")
     p.add_argument("--pipeline-step-timeout", type=float, default=120.0,
                    help="seconds a pipeline step may take before its stages count as hung (default 120)")
+    from serve import disagg
+
+    disagg.add_arguments(p)
     args = p.parse_args(argv)
+    disagg.check_arguments(p, args)
+    if disagg.wanted(args) and (args.pipeline or args.compressed):
+        p.error("--pipeline and --compressed serve a colocated engine; they do not combine with disaggregated workers")
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
                 "give --api-keys KEYS.toml, or --allow-unauthenticated if that is what you want")
@@ -98,9 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from serve import disagg
     from serve.engines import parse_compressed, pick_engine
 
-    args.engine, why = pick_engine(args.engine)
+    if disagg.wanted(args) and args.engine == "auto":
+        args.engine, why = "reference", "reference engine: the disaggregated workers run the reference runner"
+    else:
+        args.engine, why = pick_engine(args.engine)
     if why:
         print(why, file=sys.stderr, flush=True)
     sock = listening_socket(args.host, args.port)  # a busy port is reported now, not after the model loaded
@@ -111,21 +122,29 @@ def main(argv: list[str] | None = None) -> int:
 
         threadpool_limits(args.blas_threads, user_api="blas")
     try:
-        engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None, policy=args.policy,
-                             dtype=args.dtype, compressed=parse_compressed(args.compressed),
-                             num_blocks=args.num_blocks, block_size=args.block_size,
-                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=args.max_model_len, pipeline=args.pipeline,
-                             micro_batches=args.micro_batches, pipeline_step_timeout_s=args.pipeline_step_timeout)
-    except (EngineUnavailable, ValueError, OSError) as e:
+        if disagg.wanted(args):
+            engine = disagg.build(args)
+            worker = disagg.DisaggWorker(engine)
+        else:
+            engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None,
+                                 policy=args.policy, dtype=args.dtype, compressed=parse_compressed(args.compressed),
+                                 num_blocks=args.num_blocks, block_size=args.block_size,
+                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 max_model_len=args.max_model_len, pipeline=args.pipeline,
+                                 micro_batches=args.micro_batches, pipeline_step_timeout_s=args.pipeline_step_timeout)
+            worker = EngineWorker(engine)
+    except (EngineUnavailable, ValueError, OSError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         sock.close()
         return 2
-    worker = EngineWorker(engine)
     name = args.served_model_name or args.model
     app = create_app(worker, engine.tokenizer, model_name=name, keys=keys, max_pending=args.max_pending)
     port = sock.getsockname()[1]
-    kind = f"pipeline {_stages(engine)}" if args.pipeline else f"{args.engine} engine"
+    if disagg.wanted(args):
+        kind = (f"disaggregated: {len(engine.coordinator.live('prefill'))} prefill + "
+                f"{len(engine.coordinator.live('decode'))} decode workers, {args.kv_wire} KV wire")
+    else:
+        kind = f"pipeline {_stages(engine)}" if args.pipeline else f"{args.engine} engine"
     banner = (f"serving {name} ({kind}, context {worker.max_model_len} tokens) on "
               f"http://{args.host}:{port}/v1" + (f" with {len(keys)} API keys" if keys else ""))
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=int(args.shutdown_grace) + 5)
@@ -139,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         server.run(sockets=[sock])
     finally:
         worker.stop()
-        getattr(engine.runner, "close", lambda: None)()  # a pipeline's stage processes
+        if hasattr(engine, "close"):
+            engine.close()  # the disaggregated workers: BYE, then reaped
+        getattr(getattr(engine, "runner", None), "close", lambda: None)()  # a pipeline's stage processes
     print("stopped", flush=True)
     return 0
 

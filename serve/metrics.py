@@ -96,6 +96,7 @@ class ServerMetrics:
         for name, help_text, label, values in counters:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
             lines += [f'{name}{{{label}="{_escape(k)}"}} {v}' for k, v in sorted(values.items())]
+        lines += getattr(stats, "extra_lines", [])  # e.g. the disaggregated workers' (serve/disagg.py)
         return "\n".join(lines) + "\n"
 
 

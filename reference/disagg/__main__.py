@@ -49,8 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                                                "processes (sockets)")
     work = sub.add_parser("worker", help="(started by the coordinator) one worker process")
     work.add_argument("--role", choices=["prefill", "decode"], required=True, help="what this worker does")
-    work.add_argument("--node", type=int, required=True, help="this worker's node id (1-65535)")
-    work.add_argument("--port", type=int, required=True, help="the coordinator's port on 127.0.0.1")
+    work.add_argument("--node", type=int, help="this worker's node id (1-65535; with --port)")
+    work.add_argument("--port", type=int, help="the coordinator's port on 127.0.0.1 to connect to")
+    work.add_argument("--listen", metavar="HOST:PORT", help="instead: wait for coordinators to connect here "
+                      "(`python -m serve --workers HOST:PORT`); port 0 picks one, printed at start")
     work.add_argument("--model", required=True, help="smollm2, tiny[:SEED], or a checkpoint path")
     work.add_argument("--kv-wire", default="fp32", choices=["fp32", "bf16", "fp8"],
                       help="how KV is sent to decode workers (default fp32)")
@@ -149,6 +151,11 @@ def worker_main(args: argparse.Namespace) -> int:
             return 2
         values[name] = fields[name](value)
     opts = WorkerOptions(**values)
+    if args.listen:
+        return listen_main(args, secret, opts)
+    if args.node is None or args.port is None:
+        print("worker: give --node and --port, or --listen HOST:PORT", file=sys.stderr)
+        return 2
     digest_of(args.model)  # load the model first (cached): the coordinator expects HELLO soon after connecting
     try:
         link = Link(connect(args.port), secret, args.node)
@@ -160,6 +167,36 @@ def worker_main(args: argparse.Namespace) -> int:
     serve(worker, link)
     link.endpoint.close()
     return 0
+
+
+def listen_main(args: argparse.Namespace, secret: bytes, opts: object) -> int:
+    """A worker on its own host: serve one coordinator at a time, each connection a fresh life (node id)."""
+    import secrets
+    import socket
+
+    from reference.disagg.cluster import hello, make_worker, serve
+    from reference.disagg.models import digest_of, load_model
+    from reference.disagg.transport import Link, SocketEndpoint, listen
+
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"worker: --listen {args.listen!r} is not HOST:PORT", file=sys.stderr)
+        return 2
+    try:
+        server = listen(host.strip("[]"), int(port))
+    except OSError as e:
+        print(f"worker: cannot listen on {args.listen}: {e}", file=sys.stderr)
+        return 1
+    load_model(args.model), digest_of(args.model)  # load before saying we listen (both are cached)
+    print(f"listening on {host}:{server.getsockname()[1]}", flush=True)
+    while True:
+        sock, _ = server.accept()
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        link = Link(SocketEndpoint(sock), secret, 1 + secrets.randbelow(65535))
+        worker = make_worker(args.role, args.model, link, opts)
+        hello(worker, link, args.model, opts)
+        serve(worker, link)
+        link.endpoint.close()
 
 
 def main(argv: list[str] | None = None) -> int:

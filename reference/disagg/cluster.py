@@ -137,11 +137,12 @@ class Cluster:
     """What both kinds share: the coordinator, node ids, process faults."""
 
     def __init__(self, model_spec: str, *, secret: bytes | None, opts: WorkerOptions, injector: FaultInjector | None,
-                 restart: bool, deadline: Callable[[int, int], float] | None) -> None:
+                 restart: bool, deadline: Callable[[int, int], float] | None,
+                 coordinator: type[Coordinator] = Coordinator) -> None:
         self.model_spec, self.opts, self.restart = model_spec, opts, restart
         self.secret = secret if secret is not None else secrets.token_bytes(32)
         kwargs: dict[str, Any] = {"deadline": deadline} if deadline is not None else {}
-        self.coordinator = Coordinator(self.secret, injector=injector, **kwargs)
+        self.coordinator = coordinator(self.secret, injector=injector, **kwargs)
         self.coordinator.on_worker_lost = self._lost
         self._nodes = iter(range(1, 65536))
         self.restarts = 0
@@ -238,8 +239,9 @@ class ProcessCluster(Cluster):
     def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
                  opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None, restart: bool = True,
                  deadline: Callable[[int, int], float] | None = None, ready_timeout: float = 120.0,
-                 log: str | None = None) -> None:
-        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline)
+                 log: str | None = None, coordinator: type[Coordinator] = Coordinator) -> None:
+        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline,
+                         coordinator=coordinator)
         self.procs: dict[int, subprocess.Popen] = {}
         self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
         self.server = listen()

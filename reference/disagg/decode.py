@@ -73,7 +73,8 @@ class DecodeWorker(WorkerBase):
         self.model, self.link, self.digest, self.clock = model, link, model_digest, clock
         c = model.config
         self.block_size, self.wires = block_size, wires
-        self.cache = model.new_cache(num_blocks, block_size, kv_dtype)
+        self.runner = model.make_runner(num_blocks, block_size, kv_dtype)  # the engines' data plane
+        self.cache = self.runner.cache  # KV lands here from the wire
         self.block_manager = BlockManager(num_blocks, block_size)
         self.max_model_len = min(c.max_position, num_blocks * block_size)
         self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_batched_tokens, max_num_seqs,

@@ -59,7 +59,8 @@ class PrefillWorker(WorkerBase):
         self.model, self.link, self.digest, self.clock = model, link, model_digest, clock
         self.layout = KVLayout(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim,
                                block_size, wire)
-        self.cache = model.new_cache(num_blocks, block_size)
+        self.runner = model.make_runner(num_blocks, block_size)  # the engines' data plane
+        self.cache = self.runner.cache  # read layer by layer for the wire
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_batched_tokens, max_num_seqs,
                                                                        model.config.max_position))

@@ -11,10 +11,12 @@ from reference.model.llama import Chunk
 
 
 class WorkerBase:
-    """A worker has ``link``, ``scheduler``, ``block_manager``, ``streams`` and ``counters``."""
+    """A worker has ``link``, ``scheduler``, ``block_manager``, ``streams`` and ``counters``, and runs its
+    steps on the model runner the engines use (``reference/model/runner.py``; its ``cache`` is the runner's)."""
 
     link: Any
     model: Any
+    runner: Any
     cache: Any
     clock: Callable[[], float]
     scheduler: Any
@@ -31,11 +33,10 @@ class WorkerBase:
         batch = self.scheduler.schedule(self.clock())
         if not batch.entries:
             return None
-        for src, dst in batch.block_copies:
-            self.cache.copy_block(src, dst)
+        self.runner.copy_blocks(batch.block_copies)
         chunks = [Chunk(e.token_ids, e.start, e.block_table, wants_logits=e.needs_sample) for e in batch.entries]
         hook = on_layer(batch) if on_layer is not None else None
-        return batch, self.model.forward(chunks, self.cache, on_layer=hook)
+        return batch, self.runner.forward(chunks, on_layer=hook)
 
     def has_work(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -14,7 +14,7 @@ runner with the same interface, so the fast engine is the same engine loop with 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -56,5 +56,8 @@ class NumpyRunner:
         for src, dst in copies:
             self.cache.copy_block(src, dst)
 
-    def forward(self, chunks: Sequence[Chunk]) -> list[np.ndarray | None]:
-        return self.model.forward(chunks, self.cache)
+    def forward(self, chunks: Sequence[Chunk],
+                on_layer: Callable[[int], None] | None = None) -> list[np.ndarray | None]:
+        """``on_layer(i)``: called once layer i's K/V of this step are in the cache (the disaggregated
+        prefill worker sends them then)."""
+        return self.model.forward(chunks, self.cache, on_layer=on_layer)
