@@ -220,13 +220,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from experiments import setup_info
     from reference.safe_write import write_text
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_compressed", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="packaged model name or checkpoint path")
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--max-prompt", type=int, default=256)
-    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--requests", type=int, default=32, help="ShareGPT requests of the throughput run (default 32)")
+    p.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept per request (default 256)")
+    p.add_argument("--max-output", type=int, default=64, help="output tokens per request at most (default 64)")
     p.add_argument("--budget-blocks", type=int, help="KV blocks the budget gives the plain model")
-    p.add_argument("--out", type=Path, default=RESULTS / "bench_compressed.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_compressed.json",
+                   help="results JSON (default experiments/results/bench_compressed.json; the figure beside it)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]

@@ -191,15 +191,16 @@ def figure(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_disagg_serve", description=__doc__.split("\n")[0])
-    p.add_argument("--num-prompts", type=int, default=16)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--max-prompt-chars", type=int, default=600)
-    p.add_argument("--request-rate", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--slo-ttft-ms", type=float, default=10000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=1000.0)
+    p.add_argument("--num-prompts", type=int, default=16, help="ShareGPT prompts per run (default 16)")
+    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    p.add_argument("--max-prompt-chars", type=int, default=600, help="prompt text cut to this length (default 600)")
+    p.add_argument("--request-rate", type=float, default=1.0, help="Poisson arrivals per second (default 1.0)")
+    p.add_argument("--repeats", type=int, default=2, help="alternating runs of every setup (default 2)")
+    p.add_argument("--slo-ttft-ms", type=float, default=10000.0, help="goodput's TTFT bound in ms (default 10000)")
+    p.add_argument("--slo-tpot-ms", type=float, default=1000.0, help="goodput's TPOT bound in ms (default 1000)")
     p.add_argument("--setups", default=",".join(TIMED), help=f"which of {', '.join(TIMED)} to time")
-    p.add_argument("--out", type=Path, default=RESULTS / "serve_disagg.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "serve_disagg.json",
+                   help="results JSON (default experiments/results/serve_disagg.json; the figure beside it)")
     a = p.parse_args(argv)
     if a.num_prompts < 1 or a.max_tokens < 1 or a.repeats < 1 or not a.request_rate > 0:
         p.error("--num-prompts, --max-tokens, --repeats and --request-rate must be > 0")
