@@ -224,6 +224,7 @@ def run_vllm(python: str, model_dir: Any, jobs: Sequence[Job], *, max_num_seqs: 
     process tree with taskset, as the other systems are pinned by the caller."""
     import json
     import os
+    import signal
     import subprocess
     import tempfile
     from pathlib import Path
@@ -243,11 +244,20 @@ def run_vllm(python: str, model_dir: Any, jobs: Sequence[Job], *, max_num_seqs: 
                             "VLLM_CPU_OMP_THREADS_BIND": cpus or "0", "OMP_NUM_THREADS": threads,
                             "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
         log = Path(tmp) / "vllm.log"
-        with log.open("w") as f:
-            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout_s).returncode
+        with log.open("w") as f:  # its own session: vLLM's engine-core and worker processes go with it
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except BaseException:  # a timeout, or this benchmark interrupted: leave no vLLM process behind
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
         if rc != 0 or not out.exists():
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-            raise RuntimeError(f"vLLM baseline failed (exit {rc}); last lines of its log:\n{tail}")
+            lines = log.read_text(errors="replace").splitlines()
+            cause = next((ln for ln in lines if "Error:" in ln), None)  # vLLM's workers log the root cause first
+            tail = "\n".join(lines[-8:])
+            raise RuntimeError(f"vLLM baseline failed (exit {rc})" + (f": {cause.strip()}" if cause else "")
+                               + f"; last lines of its log:\n{tail}")
         result = json.loads(out.read_text())
     if [len(t) for t in result["token_times"]] != [j.output_len for j in jobs]:
         raise RuntimeError("vLLM produced a different number of tokens than the workload asks")
