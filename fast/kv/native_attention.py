@@ -35,10 +35,11 @@ _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {"unf_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
-                                                       _I64, _I64, _I64, _F, _P, _P])}
+                                                       _I64, _I64, _I64, _F, _P, _P, ctypes.c_int]),
+               "unf_decode_attention_simd": (ctypes.c_int, [])}
 ERRORS = {1: "a sequence length outside [1, block table width * block_size] or past the host lengths",
           2: "a block id outside [0, num_blocks)", 3: "head sizes the C kernel does not take"}
-MAX_GROUP, MAX_HEAD_DIM = 16, 256
+MAX_HEAD_DIM = 256
 _pool: dict[int, ThreadPoolExecutor] = {}
 
 
@@ -53,8 +54,16 @@ def applies(q: torch.Tensor, cache: PagedKVCache) -> bool:
     """Whether the C kernel serves these queries and cache (CPU, bf16 both, head sizes it takes)."""
     d, kv = cache.head_dim, cache.num_kv_heads
     return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and cache.dtype == "bfloat16"
-            and d % 16 == 0 and d <= MAX_HEAD_DIM and q.shape[1] % kv == 0 and q.shape[1] // kv <= MAX_GROUP
-            and library() is not None)
+            and d % 16 == 0 and d <= MAX_HEAD_DIM and q.shape[1] % kv == 0 and _usable())
+
+
+def _usable() -> bool:
+    """Built, and with its AVX-512 loops (the plain C loops are slower than the torch path; UNFIRE_NATIVE_SIMD=0
+    forces them, for tests)."""
+    lib = library()
+    if lib is None:
+        return False
+    return os.environ.get("UNFIRE_NATIVE_SIMD", "1") == "0" or bool(lib.unf_decode_attention_simd())
 
 
 def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, chunks: torch.Tensor,
@@ -70,12 +79,13 @@ def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, 
     lens = step.seq_lens
     n = chunks.numel()
     heads, d = q.shape[1], q.shape[2]
-    group = heads // cache.num_kv_heads
     max_len = max((step.starts[c] + 1 for c in chunks.tolist()), default=1)
     threads = max(1, min(torch.get_num_threads(), n // 8))
-    scratch = _scratch(cache, threads * group * max_len)
+    per_thread = heads * (max_len + 2 * d)  # scores, then the query and the sums
+    scratch = _scratch(cache, threads * per_thread)
     k, v = cache.k[layer], cache.v[layer]
     share = -(-n // threads)
+    simd = int(os.environ.get("UNFIRE_NATIVE_SIMD", "1") != "0")  # 0: the plain C loops (tests)
 
     def run(t: int) -> int:
         lo, hi = t * share, min(n, (t + 1) * share)
@@ -85,7 +95,7 @@ def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, 
             q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lens.data_ptr(),
             chunks.data_ptr() + lo * 8, rows.data_ptr() + lo * 8, hi - lo, heads, cache.num_kv_heads, d,
             cache.block_size, cache.num_blocks, tables.shape[1], max_len, scale,
-            scratch.data_ptr() + t * group * max_len * 4, out_c.data_ptr())
+            scratch.data_ptr() + t * per_thread * 4, out_c.data_ptr(), simd)
 
     if threads == 1:
         codes = [run(0)]
