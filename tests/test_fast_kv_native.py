@@ -111,3 +111,18 @@ def test_not_taken_for_other_dtypes() -> None:
     assert not native_attention.applies(q, fp32)
     odd = PagedKVCache(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=24, dtype="bfloat16")
     assert not native_attention.applies(torch.zeros((1, 2, 24), dtype=torch.bfloat16), odd)
+
+
+def test_rows_split_between_threads_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two torch threads the rows are shared by two calls (the GIL released); each row is computed alike."""
+    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
+    cache, step, q, scale, _ = _setup([(i * 37) % 90 + 1 for i in range(24)], 2, 2, 16, 4, 5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(cache, step, q, scale)
+        torch.set_num_threads(2)
+        two = _run(cache, step, q, scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
