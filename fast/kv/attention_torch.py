@@ -6,7 +6,11 @@ codes dequantized (times their block's power-of-two scale: exact), and positions
 chunk's length are zeroed, so unused cache slots (which may hold anything, NaN included) never
 reach a result.
 
-* Chunks of one token (a decode step, and the decoding sequences of a mixed step) run in batches:
+* Chunks of one token (a decode step, and the decoding sequences of a mixed step), bf16 queries on a
+  bf16 cache, on a CPU with AVX-512: the C kernel of ``fast/kv/native_attention.py``, which reads
+  each sequence's blocks in place (no gather, no padding); ~2x faster than what follows, which
+  remains the path for every other case (and with ``UNFIRE_NATIVE_ATTENTION=0``).
+* Otherwise chunks of one token run in batches:
   sequences of similar length together (``length_groups``), so little is padded. With bf16
   queries a batch is two batched bf16 matrix products straight over the gathered blocks (see
   ``_decode_bf16``); with float32 queries, float32 SDPA. Decode is memory-bound: what matters is

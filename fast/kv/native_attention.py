@@ -7,7 +7,8 @@ gather into padded scratch copies (the torch path's largest cost at decode), no 
 slots (they are never read), and grouped-query heads read their kv head once. Products and the
 softmax are float32 (the torch path rounds scores and weights to bf16), the output is rounded to
 bf16 once, so it meets the tighter of the two attention bounds of ``conformance/cases/kv_cases.py``
-(level *bounded*; cases ``kv.decode.*.native``).
+(level *bounded*: bound B1 of ``kv.decode_attention.bf16_query.bfloat16.native``; the prefill case's
+one-token rows too, its longer chunks still being the torch path's bf16 products).
 
 Built on first use by ``fast.codec.native_build`` with the system compiler; no compiler, a failed
 build, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_ATTENTION=0``: ``decode_rows`` returns False and the
