@@ -257,18 +257,24 @@ def _attention_fast(kind: str, backend: str):
 def _native_fast(kind: str, native: bool):
     """The CPU torch path with the C decode kernel (``fast/kv/native_attention.py``) on, or forced off."""
     def run(inputs: dict[str, Any]) -> Any:
-        from fast.kv import ops
+        from fast.kv import native_attention, ops
 
-        old = os.environ.get("UNFIRE_NATIVE_ATTENTION")
-        os.environ["UNFIRE_NATIVE_ATTENTION"] = "1" if native else "0"
+        # without AVX-512 the engine never takes the kernel; the case then checks its plain C loops
+        want = {"UNFIRE_NATIVE_ATTENTION": "1" if native else "0",
+                "UNFIRE_NATIVE_SIMD": "1" if not native or native_attention.has_simd() else "0"}
+        old = {name: os.environ.get(name) for name in want}
+        os.environ.update(want)
         try:
+            if native and not native_attention.applies(inputs["qt"], inputs["cache"]):
+                raise RuntimeError("the C decode attention does not take these inputs")
             fn = ops.decode_attention if kind == "decode" else ops.prefill_attention
             return fn(inputs["qt"], inputs["cache"], 0, inputs["step"], scale=inputs["scale"], backend="torch")
         finally:
-            if old is None:
-                del os.environ["UNFIRE_NATIVE_ATTENTION"]
-            else:
-                os.environ["UNFIRE_NATIVE_ATTENTION"] = old
+            for name, value in old.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
 
     return run
 

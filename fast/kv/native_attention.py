@@ -58,13 +58,18 @@ def applies(q: torch.Tensor, cache: PagedKVCache) -> bool:
             and d % 16 == 0 and d <= MAX_HEAD_DIM and q.shape[1] % kv == 0 and _usable())
 
 
+def has_simd() -> bool:
+    """Whether the kernel is built and this CPU runs its AVX-512 loops."""
+    lib = library()
+    return lib is not None and bool(lib.unf_decode_attention_simd())
+
+
 def _usable() -> bool:
     """Built, and with its AVX-512 loops (the plain C loops are slower than the torch path; UNFIRE_NATIVE_SIMD=0
     forces them, for tests)."""
-    lib = library()
-    if lib is None:
+    if library() is None:
         return False
-    return os.environ.get("UNFIRE_NATIVE_SIMD", "1") == "0" or bool(lib.unf_decode_attention_simd())
+    return os.environ.get("UNFIRE_NATIVE_SIMD", "1") == "0" or has_simd()
 
 
 def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, chunks: torch.Tensor,
