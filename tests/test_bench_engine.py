@@ -83,3 +83,41 @@ def test_llama_cpp_baseline_batches_and_greedy_decodes() -> None:
     assert [len(t) for t in times] == [6, 3, 6] and [len(t) for t in tokens] == [6, 3, 6]
     assert all(a <= b for t in times for a, b in zip(t, t[1:], strict=False))
     assert tokens[0] == tokens[2] and "Paris" in tok.decode(tokens[0])  # same prompt, other slot: same answer
+
+
+def test_repeats_alternate_and_report_every_run(tmp_path: Path) -> None:
+    out = tmp_path / "bench_engine.json"
+    bench_engine.main(["--tiny", "--threads", "1", "--systems", "fast_bf16", "reference", "--repeats", "2",
+                       "--warmup", "--out", str(out)])
+    m = json.loads(out.read_text())["measured"]
+    assert {k: len(v) for k, v in m["runs"].items()} == {"fast_bf16": 2, "reference": 2}
+    assert m["useful_tok_s"]["fast_bf16"] in m["runs"]["fast_bf16"]  # the median run, not an average
+    assert all(c > 0 for c in m["cpu_s_per_token"].values())
+
+
+def test_vllm_ratio_verdict_uses_the_spread_of_the_repeats() -> None:
+    from experiments.bench_engine_report import vs_vllm
+
+    tok = {"fast_bf16": 120.0, "vllm_bf16": 100.0}
+    cpu = {"fast_bf16": 0.004, "vllm_bf16": 0.008}
+    met = vs_vllm({"fast_over_vllm_runs": [1.25, 1.3, 1.21]}, tok, cpu)
+    assert met["verdict"] == "goal met" and met["median"] == 1.25 and met["cpu_over_vllm"] == 0.5
+    assert vs_vllm({"fast_over_vllm_runs": [0.9, 1.0, 1.1]}, tok, cpu)["verdict"] == "goal missed"
+    straddles = vs_vllm({"fast_over_vllm_runs": [1.1, 1.3, 1.25]}, tok, cpu)
+    assert straddles["verdict"] == "inconclusive (spread 1.10-1.30)"
+    assert vs_vllm({"fast_over_vllm_runs": [1.3, 1.1, 1.25]}, tok, cpu) == straddles  # order does not matter
+
+
+def test_vllm_baseline_without_vllm_fails_with_its_reason(tmp_path: Path) -> None:
+    """The runner process in an environment without vLLM (this one): a clear error, not a hang or a traceback."""
+    import importlib.util
+    import sys
+
+    from experiments.engine_baselines import run_vllm
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 128}))
+    with pytest.raises(RuntimeError, match="vLLM does not import"):
+        run_vllm(sys.executable, tmp_path, [Job([1, 2, 3], 2)], max_num_seqs=1, max_num_batched_tokens=64,
+                 timeout_s=120)

@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import zlib
 from typing import Any
 
@@ -253,6 +254,39 @@ def _attention_fast(kind: str, backend: str):
     return run
 
 
+def _native_fast(kind: str, native: bool):
+    """The CPU torch path with the C decode kernel (``fast/kv/native_attention.py``) on, or forced off."""
+    def run(inputs: dict[str, Any]) -> Any:
+        from fast.kv import native_attention, ops
+
+        # without AVX-512 the engine never takes the kernel; the case then checks its plain C loops
+        want = {"UNFIRE_NATIVE_ATTENTION": "1" if native else "0",
+                "UNFIRE_NATIVE_SIMD": "1" if not native or native_attention.has_simd() else "0"}
+        old = {name: os.environ.get(name) for name in want}
+        os.environ.update(want)
+        try:
+            if native and not native_attention.applies(inputs["qt"], inputs["cache"]):
+                raise RuntimeError("the C decode attention does not take these inputs")
+            fn = ops.decode_attention if kind == "decode" else ops.prefill_attention
+            return fn(inputs["qt"], inputs["cache"], 0, inputs["step"], scale=inputs["scale"], backend="torch")
+        finally:
+            for name, value in old.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
+
+    return run
+
+
+def _requires_native() -> str | None:
+    from fast.kv import native_attention
+
+    if native_attention.library() is None:
+        return "no C compiler (or UNFIRE_NATIVE=0): the C decode attention is not built"
+    return None
+
+
 def _split_decode(inputs: dict[str, Any]) -> Any:
     """The Triton decode kernel with each sequence's blocks cut into 3 parts merged by the combine kernel."""
     from fast.kv import triton_attention
@@ -299,5 +333,13 @@ def _register_all() -> None:
                               _attention_reference, _attention_fast(kind, backend),
                               bound=bf16_bound if products else bound, large_only=long,
                               about=about))
+            if bf16_query and dtype == "bfloat16":  # the CPU path's two ways for one-token rows
+                register(Case(f"kv.{kind}_attention.{label}{dtype}.native", Level.BOUNDED, make,
+                              _attention_reference, _native_fast(kind, True),
+                              bound=bound if kind == "decode" else bf16_bound,  # prefill chunks: bf16 products
+                              requires=_requires_native, about=about + "; one-token rows by the C kernel (CPU)"))
+                register(Case(f"kv.{kind}_attention.{label}{dtype}.torch_gather", Level.BOUNDED, make,
+                              _attention_reference, _native_fast(kind, False), bound=bf16_bound,
+                              about=about + "; the C kernel off (gather + bf16 products)"))
 
 _register_all()

@@ -56,7 +56,8 @@ def run(ctx: Context) -> Result:
         b = json.loads(bench.read_text())
         measured["bench_engine"] = {"useful_tok_s": b["measured"]["useful_tok_s"],
                                     "fast_over_transformers": b["measured"].get("fast_over_transformers"),
-                                    "commit": b["setup"]["commit"]}
+                                    "vs_vllm": b.get("vs_vllm"), "commit": b["setup"]["commit"],
+                                    "date": b["setup"].get("date"), "cpus": b["setup"].get("cpus")}
     share64 = rows["64"]["control_share"]
     gpu64 = (measured.get("gpu") or {}).get("64", {}).get("control_share")
     def control_ms(r: dict[str, Any]) -> float:
@@ -66,12 +67,27 @@ def run(ctx: Context) -> Result:
         f"{n} seqs {r['control_share'] * 100:.1f}% ({control_ms(r):.1f} ms)" for n, r in rows.items())
     if gpu64 is not None:
         summary += f"; GPU at 64 seqs {gpu64 * 100:.1f}%"
+    vllm = (measured.get("bench_engine") or {}).get("vs_vllm") or {}
+    if "median" in vllm:
+        summary += (f"; fast engine / vLLM {vllm['median']:.2f}x useful tok/s (spread {vllm['spread'][0]:.2f}-"
+                    f"{vllm['spread'][1]:.2f}; article +20%)")
     verdict = "partly matches" if gpu64 is None else ("matches" if gpu64 < 0.05 else "differs")
+    if vllm.get("verdict") == "goal missed":
+        verdict = "differs"
+    elif "median" in vllm and vllm["verdict"] != "goal met" and verdict == "matches":
+        verdict = "partly matches"
     why = (f"On this CPU the control plane is {share64 * 100:.1f}% of a decode step at 64 sequences: the model "
            "dominates. The claim is about a GPU server, where the goal is < 5% at 64 sequences; "
            + ("no GPU measurement yet (run experiments.gpu_check on one)." if gpu64 is None else
               f"measured there: {gpu64 * 100:.1f}%.")
-           + " Its cost grows with the number of sequences (Python work per sequence), see the figure.")
+           + " Its cost grows with the number of sequences (Python work per sequence), see the figure."
+           + ("" if "median" not in vllm else
+              f" Against vLLM's CPU build (bench_engine.json, commit {measured['bench_engine']['commit']}, cores "
+              f"{measured['bench_engine']['cpus']}): our fast engine made {vllm['median']:.2f}x vLLM's useful "
+              f"tokens/s (median of {vllm['repeats']} alternating repeats, spread {vllm['spread'][0]:.2f}-"
+              f"{vllm['spread'][1]:.2f}) against the article's 1.2x ({vllm['verdict']})"
+              + (f", at {vllm['cpu_over_vllm']:.2f}x vLLM's CPU seconds per output token (its whole process "
+                 "tree)." if "cpu_over_vllm" in vllm else ".")))
     figure = plot(rows, measured.get("gpu"), ctx)
     return Result(
         measured=measured, summary=summary, verdict=verdict, why=why, clock="cpu-process",

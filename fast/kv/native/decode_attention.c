@@ -1,0 +1,287 @@
+/* Paged decode attention on a CPU, bf16 cache and queries, straight over the block tables.
+ *
+ * One query token per sequence (a decode row). For sequence i and kv head g, the GROUP query heads
+ * sharing g read that head's keys and values in place, block by block through the block table, up
+ * to the sequence's length: no gather into padded copies, no padding, and no slot past the length is
+ * ever read (whatever it holds). Per head: scores s_j = (q . k_j) * scale, summed in float32 (16
+ * partial sums over d, then added together); softmax in float32 (the maximum subtracted; exp by
+ * ``exp_f32`` below, within 2 ulp of expf); o = sum_j p_j v_j / sum_j p_j in float32, rounded once to
+ * bf16 (nearest even). Every bf16 input is widened exactly to float32.
+ *
+ * Built by fast/codec/native_build.py (-O3 -std=c99); on x86-64 with GCC or Clang the hot loops also exist in
+ * AVX-512 (target attributes), taken when the CPU has it; otherwise plain C loops that the compiler vectorises
+ * (UNFIRE_NATIVE_SIMD=0 takes those everywhere).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#define LANES 16
+
+static inline float bf16_to_f32(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even; NaN stays a (quiet) NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* e^x for x <= 0 (the softmax's shifted scores): 2^n * e^r, |r| <= ln2/2, r by a two-part ln2 (Cody-Waite),
+ * e^r by a degree-6 polynomial (Cephes' expf coefficients); below -87.3 the result is 0. Branch-free so that
+ * loops over it vectorise. */
+static inline float exp_f32(float x) {
+    float xc = x < -87.3f ? -87.3f : x;
+    float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, 4);
+    return x < -87.3f ? 0.0f : p * scale;
+}
+
+/* The K or V row of position p: [kv * d] bf16, in the block the table names. */
+static inline const uint16_t *row_at(const uint16_t *store, const int32_t *table, int64_t p, int64_t block_size,
+                                     int64_t width) {
+    return store + ((int64_t)table[p / block_size] * block_size + p % block_size) * width;
+}
+
+/* Hint the cache to load block ``table[b]`` (rows of ``width`` bf16) ahead of use: the tables scatter blocks,
+ * so the hardware prefetcher only follows a block once it is being read. */
+static inline void prefetch_block(const uint16_t *store, const int32_t *table, int64_t b, int64_t nblocks,
+                                  int64_t block_size, int64_t width) {
+    if (b >= nblocks)
+        return;
+    const char *start = (const char *)(store + (int64_t)table[b] * block_size * width);
+    for (int64_t off = 0; off < block_size * width * 2; off += 64)
+        __builtin_prefetch(start + off, 0, 3);
+}
+
+/* s[h * len + p] = (q_h . k_p[g(h)]) * scale for every head h (qf: float32 [heads][d]), positions [0, len). */
+static void scores_plain(const float *qf, int64_t heads, int64_t group, int64_t d, const uint16_t *k,
+                         const int32_t *table, int64_t len, int64_t block_size, int64_t kv, float scale, float *s) {
+    const int64_t nblocks = (len + block_size - 1) / block_size;
+    for (int64_t p = 0; p < len; p++) {
+        if (p % block_size == 0)
+            prefetch_block(k, table, p / block_size + 1, nblocks, block_size, kv * d);
+        const uint16_t *kp = row_at(k, table, p, block_size, kv * d);
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *kh = kp + (h / group) * d;
+            float part[LANES] = {0};
+            for (int64_t j = 0; j < d; j += LANES)
+                for (int l = 0; l < LANES; l++)
+                    part[l] += qf[h * d + j + l] * bf16_to_f32(kh[j + l]);
+            float dot = 0.0f;
+            for (int l = 0; l < LANES; l++)
+                dot += part[l];
+            s[h * len + p] = dot * scale;
+        }
+    }
+}
+
+/* acc[h][:] = sum_p w[h * len + p] v_p[g(h)] (acc: float32 [heads][d], zeroed first). */
+static void values_plain(const float *w, int64_t heads, int64_t group, int64_t d, const uint16_t *v,
+                         const int32_t *table, int64_t len, int64_t block_size, int64_t kv, float *acc) {
+    const int64_t nblocks = (len + block_size - 1) / block_size;
+    for (int64_t i = 0; i < heads * d; i++)
+        acc[i] = 0.0f;
+    for (int64_t p = 0; p < len; p++) {
+        if (p % block_size == 0)
+            prefetch_block(v, table, p / block_size + 1, nblocks, block_size, kv * d);
+        const uint16_t *vp = row_at(v, table, p, block_size, kv * d);
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *vh = vp + (h / group) * d;
+            const float wh = w[h * len + p];
+            for (int64_t j = 0; j < d; j++)
+                acc[h * d + j] += wh * bf16_to_f32(vh[j]);
+        }
+    }
+}
+
+/* e^(sh[p] - m) in place for p < len (exp_f32); returns their sum. */
+static float softmax_exp_plain(float *sh, int64_t len, float m) {
+    float part[LANES] = {0}, sum = 0.0f;
+    const int64_t whole = len - len % LANES;
+    for (int64_t p = 0; p < len; p++)
+        sh[p] = exp_f32(sh[p] - m);  /* a NaN score stays NaN */
+    for (int64_t p = 0; p < whole; p += LANES)
+        for (int l = 0; l < LANES; l++)
+            part[l] += sh[p + l];
+    for (int l = 0; l < LANES; l++)
+        sum += part[l];
+    for (int64_t p = whole; p < len; p++)
+        sum += sh[p];
+    return sum;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_AVX512_PATH 1
+
+__attribute__((target("avx512f")))
+static inline __m512 load_bf16x16(const uint16_t *x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)x)), 16));
+}
+
+/* scores_plain with AVX-512: 16 lanes over d, the lanes of each dot product summed as a tree. */
+__attribute__((target("avx512f")))
+static void scores_avx512(const float *qf, int64_t group, int64_t d, const uint16_t *k,
+                          const int32_t *table, int64_t len, int64_t block_size, int64_t kv, float scale, float *s) {
+    const int64_t nblocks = (len + block_size - 1) / block_size, vecs = d / 16;
+    for (int64_t p = 0; p < len; p++) {
+        if (p % block_size == 0)
+            prefetch_block(k, table, p / block_size + 1, nblocks, block_size, kv * d);
+        const uint16_t *kp = row_at(k, table, p, block_size, kv * d);
+        for (int64_t g = 0; g < kv; g++) {
+            __m512 kf[16];
+            for (int64_t j = 0; j < vecs; j++)
+                kf[j] = load_bf16x16(kp + g * d + 16 * j);
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qf + h * d), kf[0]);
+                for (int64_t j = 1; j < vecs; j++)
+                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qf + h * d + 16 * j), kf[j], acc);
+                s[h * len + p] = _mm512_reduce_add_ps(acc) * scale;
+            }
+        }
+    }
+}
+
+/* values_plain with AVX-512. */
+__attribute__((target("avx512f")))
+static void values_avx512(const float *w, int64_t heads, int64_t group, int64_t d, const uint16_t *v,
+                          const int32_t *table, int64_t len, int64_t block_size, int64_t kv, float *acc) {
+    const int64_t nblocks = (len + block_size - 1) / block_size, vecs = d / 16;
+    for (int64_t i = 0; i < heads * d; i++)
+        acc[i] = 0.0f;
+    for (int64_t p = 0; p < len; p++) {
+        if (p % block_size == 0)
+            prefetch_block(v, table, p / block_size + 1, nblocks, block_size, kv * d);
+        const uint16_t *vp = row_at(v, table, p, block_size, kv * d);
+        for (int64_t g = 0; g < kv; g++) {
+            __m512 vf[16];
+            for (int64_t j = 0; j < vecs; j++)
+                vf[j] = load_bf16x16(vp + g * d + 16 * j);
+            for (int64_t h = g * group; h < (g + 1) * group; h++) {
+                const __m512 wh = _mm512_set1_ps(w[h * len + p]);
+                for (int64_t j = 0; j < vecs; j++) {
+                    float *a = acc + h * d + 16 * j;
+                    _mm512_storeu_ps(a, _mm512_fmadd_ps(wh, vf[j], _mm512_loadu_ps(a)));
+                }
+            }
+        }
+    }
+}
+
+/* sh[p] = e^(sh[p] - m) for p < len (exp_f32's rule, 16 lanes at a time); returns their sum (a tree of lanes). */
+__attribute__((target("avx512f")))
+static float softmax_exp_avx512(float *sh, int64_t len, float m) {
+    const __m512 shift = _mm512_set1_ps(m), low = _mm512_set1_ps(-87.3f), log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.0f);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t p = 0; p < len; p += 16) {
+        const __mmask16 live = len - p >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - p)) - 1);
+        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + p), shift);
+        __m512 xc = _mm512_max_ps(low, x);  /* a NaN x stays NaN */
+        __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512 r = _mm512_fnmadd_ps(n, c2, _mm512_fnmadd_ps(n, c1, xc));
+        __m512 q = _mm512_set1_ps(1.9875691500e-4f);
+        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
+        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+        q = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), one);
+        __m512 e = _mm512_scalef_ps(q, n);
+        e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ), _mm512_setzero_ps());
+        e = _mm512_maskz_mov_ps(live, e);
+        _mm512_mask_storeu_ps(sh + p, live, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    return _mm512_reduce_add_ps(sum);
+}
+#endif
+
+/* 1 where the AVX-512 loops run (without them the torch path is faster: fast/kv/native_attention.py). */
+int unf_decode_attention_simd(void) {
+#ifdef HAVE_AVX512_PATH
+    return __builtin_cpu_supports("avx512f") != 0;
+#else
+    return 0;
+#endif
+}
+
+/* q: bf16 [*, heads, D] (row rows[i] for sequence i); k, v: bf16 [num_blocks, block_size, kv, D];
+ * tables: int32 [B, table_width]; seq_lens: int32 [B]; chunks[i]: sequence i's row in tables/seq_lens;
+ * out: bf16 [*, heads, D] (row rows[i]). scratch: float32 of heads * (max_len + 2 D) entries.
+ * Returns 0; 1: a length outside [1, min(max_len, table_width * block_size)]; 2: a block id outside
+ * [0, num_blocks); 3: head sizes this kernel does not take (D not a multiple of 16 or above 256).
+ * simd 0: the plain loops even where AVX-512 is there (tests compare the two). */
+int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
+                         const int32_t *seq_lens, const int64_t *chunks, const int64_t *rows, int64_t n,
+                         int64_t heads, int64_t kv, int64_t d, int64_t block_size, int64_t num_blocks,
+                         int64_t table_width, int64_t max_len, float scale, float *scratch, uint16_t *out, int simd) {
+    if (d % LANES != 0 || d > 256 || kv <= 0 || heads % kv != 0 || block_size <= 0)
+        return 3;
+    const int64_t group = heads / kv;
+#ifdef HAVE_AVX512_PATH
+    const int avx512 = simd && __builtin_cpu_supports("avx512f");
+#endif
+    float *s = scratch, *qf = scratch + heads * max_len, *acc = qf + heads * d;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t c = chunks[i], len = seq_lens[c];
+        if (len < 1 || len > max_len || len > table_width * block_size)
+            return 1;
+        const int32_t *table = tables + c * table_width;
+        for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
+            if (table[b] < 0 || table[b] >= num_blocks)
+                return 2;
+        const uint16_t *qrow = q + rows[i] * heads * d;
+        for (int64_t j = 0; j < heads * d; j++)
+            qf[j] = bf16_to_f32(qrow[j]);
+#ifdef HAVE_AVX512_PATH
+        if (avx512)
+            scores_avx512(qf, group, d, k, table, len, block_size, kv, scale, s);
+        else
+#endif
+            scores_plain(qf, heads, group, d, k, table, len, block_size, kv, scale, s);
+        for (int64_t h = 0; h < heads; h++) {  /* softmax numerators in place; acc[h * d] keeps the sums */
+            float *sh = s + h * len, m = sh[0];
+            for (int64_t p = 1; p < len; p++)
+                m = sh[p] > m ? sh[p] : m;
+            if (!(m > -INFINITY && m < INFINITY))  /* inf among the scores: no shift (the result is NaN) */
+                m = 0.0f;
+#ifdef HAVE_AVX512_PATH
+            if (avx512)
+                qf[h] = softmax_exp_avx512(sh, len, m);  /* qf is no longer needed: it holds the sums */
+            else
+#endif
+                qf[h] = softmax_exp_plain(sh, len, m);
+        }
+#ifdef HAVE_AVX512_PATH
+        if (avx512)
+            values_avx512(s, heads, group, d, v, table, len, block_size, kv, acc);
+        else
+#endif
+            values_plain(s, heads, group, d, v, table, len, block_size, kv, acc);
+        uint16_t *orow = out + rows[i] * heads * d;
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t j = 0; j < d; j++)
+                orow[h * d + j] = f32_to_bf16(acc[h * d + j] / qf[h]);
+    }
+    return 0;
+}

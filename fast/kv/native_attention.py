@@ -1,0 +1,124 @@
+"""Decode attention in C on a CPU (``native/decode_attention.c``): bf16 cache, bf16 queries, one token per row.
+
+    ok = decode_rows(q, cache, layer, step, chunks, rows, scale, out)   # False: not applicable, use torch
+
+Each sequence's keys and values are read in place through its block table, up to its length: no
+gather into padded scratch copies (the torch path's largest cost at decode), no zeroing of unused
+slots (they are never read), and grouped-query heads read their kv head once. Products and the
+softmax are float32 (the torch path rounds scores and weights to bf16), the output is rounded to
+bf16 once, so it meets the tighter of the two attention bounds of ``conformance/cases/kv_cases.py``
+(level *bounded*: bound B1 of ``kv.decode_attention.bf16_query.bfloat16.native``; the prefill case's
+one-token rows too, its longer chunks still being the torch path's bf16 products).
+
+Built on first use by ``fast.codec.native_build`` with the system compiler; no compiler, a failed
+build, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_ATTENTION=0``: ``decode_rows`` returns False and the
+torch path runs. Single-threaded (the engine's benchmark runs one thread; with more threads the rows
+are split between them, each call releasing the GIL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from fast.codec import native_build
+from fast.errors import KernelInputError
+from fast.kv.cache import PagedKVCache
+from fast.kv.step import KVStep
+
+SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
+_lock = threading.Lock()
+_state: dict[str, ctypes.CDLL | None] = {}
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {"unf_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
+                                                       _I64, _I64, _I64, _F, _P, _P, ctypes.c_int]),
+               "unf_decode_attention_simd": (ctypes.c_int, [])}
+ERRORS = {1: "a sequence length outside [1, block table width * block_size] or past the host lengths",
+          2: "a block id outside [0, num_blocks)", 3: "head sizes the C kernel does not take"}
+MAX_HEAD_DIM = 256
+_pool: dict[int, ThreadPoolExecutor] = {}
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None if it cannot be (or native code is switched off)."""
+    if os.environ.get("UNFIRE_NATIVE_ATTENTION", "1") == "0":
+        return None
+    return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the C decode attention", "the torch path")
+
+
+def applies(q: torch.Tensor, cache: PagedKVCache) -> bool:
+    """Whether the C kernel serves these queries and cache (CPU, bf16 both, head sizes it takes)."""
+    d, kv = cache.head_dim, cache.num_kv_heads
+    return (q.device.type == "cpu" and q.dtype == torch.bfloat16 and cache.dtype == "bfloat16"
+            and d % 16 == 0 and d <= MAX_HEAD_DIM and q.shape[1] % kv == 0 and _usable())
+
+
+def has_simd() -> bool:
+    """Whether the kernel is built and this CPU runs its AVX-512 loops."""
+    lib = library()
+    return lib is not None and bool(lib.unf_decode_attention_simd())
+
+
+def _usable() -> bool:
+    """Built, and with its AVX-512 loops (the plain C loops are slower than the torch path; UNFIRE_NATIVE_SIMD=0
+    forces them, for tests)."""
+    if library() is None:
+        return False
+    return os.environ.get("UNFIRE_NATIVE_SIMD", "1") == "0" or has_simd()
+
+
+def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, chunks: torch.Tensor,
+                rows: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
+    """Attention of one-token ``chunks`` (int64 chunk ids of ``step``) whose queries are rows ``rows`` (int64)
+    of q [T, H, D], written into those rows of ``out`` [T, H, D]. False (nothing written) where the kernel does
+    not apply; raises KernelInputError where the step's lengths or block ids are out of range."""
+    if not applies(q, cache):
+        return False
+    lib = _state["lib"]
+    q, out_c = q.contiguous(), out if out.is_contiguous() else torch.empty_like(out)
+    tables = step.block_tables if step.block_tables.is_contiguous() else step.block_tables.contiguous()
+    lens = step.seq_lens
+    n = chunks.numel()
+    heads, d = q.shape[1], q.shape[2]
+    max_len = max((step.starts[c] + 1 for c in chunks.tolist()), default=1)
+    threads = max(1, min(torch.get_num_threads(), n // 8))
+    per_thread = heads * (max_len + 2 * d)  # scores, then the query and the sums
+    scratch = _scratch(cache, threads * per_thread)
+    k, v = cache.k[layer], cache.v[layer]
+    share = -(-n // threads)
+    simd = int(os.environ.get("UNFIRE_NATIVE_SIMD", "1") != "0")  # 0: the plain C loops (tests)
+
+    def run(t: int) -> int:
+        lo, hi = t * share, min(n, (t + 1) * share)
+        if lo >= hi:
+            return 0
+        return lib.unf_decode_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+            chunks.data_ptr() + lo * 8, rows.data_ptr() + lo * 8, hi - lo, heads, cache.num_kv_heads, d,
+            cache.block_size, cache.num_blocks, tables.shape[1], max_len, scale,
+            scratch.data_ptr() + t * per_thread * 4, out_c.data_ptr(), simd)
+
+    if threads == 1:
+        codes = [run(0)]
+    else:
+        pool = _pool.get(threads) or _pool.setdefault(threads, ThreadPoolExecutor(threads - 1))
+        rest = [pool.submit(run, t) for t in range(1, threads)]
+        codes = [run(0)] + [f.result() for f in rest]
+    bad = next((c for c in codes if c), 0)
+    if bad:
+        raise KernelInputError(f"decode attention (C): {ERRORS.get(bad, f'error {bad}')}")
+    if out_c is not out:
+        out.copy_(out_c)
+    return True
+
+
+def _scratch(cache: PagedKVCache, n: int) -> torch.Tensor:
+    buf = cache.scratch.get("native.scores")
+    if buf is None or buf.numel() < n:
+        buf = cache.scratch["native.scores"] = torch.empty(max(n, 4096), dtype=torch.float32)
+    return buf

@@ -1,0 +1,158 @@
+"""The C decode attention (fast/kv/native_attention.py): float64 agreement, both loop sets, bad steps, fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fast.errors import KernelInputError
+from fast.kv import KVStep, PagedKVCache, native_attention
+from fast.kv import attention_torch as at
+
+pytestmark = pytest.mark.skipif(native_attention.library() is None, reason="no C compiler: kernel not built")
+
+
+def _setup(lengths: list[int], kv: int, group: int, d: int, block_size: int, seed: int):
+    """A bf16 cache whose unused slots hold NaN, shuffled block tables, bf16 queries, and the float64 answer."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(need) + 2
+    cache = PagedKVCache(num_layers=1, num_blocks=num_blocks, block_size=block_size, num_kv_heads=kv, head_dim=d,
+                         dtype="bfloat16")
+    cache.k[0].fill_(float("nan"))
+    cache.v[0].fill_(float("nan"))
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, at_id = [], 0
+    for n in need:
+        tables.append(ids[at_id:at_id + n])
+        at_id += n
+    q = torch.randn((len(lengths), kv * group, d), generator=gen).bfloat16()
+    scale = d ** -0.5
+    want = []
+    for i, (n, table) in enumerate(zip(lengths, tables, strict=True)):
+        k = torch.randn((n, kv, d), generator=gen).bfloat16()
+        v = torch.randn((n, kv, d), generator=gen).bfloat16()
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n)])
+        cache.write(0, slots, k, v)
+        qi = q[i].double().view(kv, group, d)
+        s = torch.einsum("kgd,lkd->kgl", qi, k.double()) * scale
+        p = torch.softmax(s, dim=-1)
+        want.append(torch.einsum("kgl,lkd->kgd", p, v.double()).reshape(kv * group, d))
+    step = KVStep.build(query_lens=[1] * len(lengths), starts=[n - 1 for n in lengths], block_tables=tables,
+                        block_size=block_size, num_blocks=num_blocks)
+    return cache, step, q, scale, torch.stack(want)
+
+
+def _run(cache: PagedKVCache, step: KVStep, q: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)
+    every = torch.arange(step.num_chunks)
+    assert native_attention.decode_rows(q, cache, 0, step, every, every, scale, out)
+    return out
+
+
+@pytest.mark.parametrize("simd", ["1", "0"])
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=6), shape=st.sampled_from(
+    [(1, 1, 16), (2, 2, 16), (3, 3, 64), (2, 5, 32), (1, 17, 16)]), block_size=st.sampled_from([1, 4, 16]),
+    seed=st.integers(0, 2**16))
+def test_matches_float64(simd: str, lengths: list[int], shape: tuple[int, int, int], block_size: int,
+                         seed: int) -> None:
+    """Within one bf16 rounding (2^-8 relative) plus float32 summation of the float64 result, NaN slots unread."""
+    kv, group, d = shape
+    cache, step, q, scale, want = _setup(lengths, kv, group, d, block_size, seed)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UNFIRE_NATIVE_SIMD", simd)
+        got = _run(cache, step, q, scale).double()
+    assert torch.isfinite(got).all()
+    assert ((got - want).abs() <= 2.0**-8 * want.abs() + 1e-5).all(), float((got - want).abs().max())
+
+
+def test_simd_and_plain_loops_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache, step, q, scale, _ = _setup([200, 33, 1, 129], 3, 3, 64, 16, 7)
+    outs = []
+    for simd in ("1", "0"):
+        monkeypatch.setenv("UNFIRE_NATIVE_SIMD", simd)
+        outs.append(_run(cache, step, q, scale).float())
+    assert ((outs[0] - outs[1]).abs() <= 2.0**-7 * outs[1].abs() + 1e-6).all()  # one bf16 step at most
+
+
+def test_decode_attention_uses_it_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch path's entry point takes the kernel for bf16 on a CPU; switched off, the gather path answers
+    within the looser bf16-products tolerance."""
+    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")  # usable on any CPU
+    cache, step, q, scale, want = _setup([50, 7, 120], 2, 4, 32, 16, 3)
+    native = at.decode_attention(q, cache, 0, step, scale)
+    assert torch.equal(native, _run(cache, step, q, scale))
+    monkeypatch.setenv("UNFIRE_NATIVE_ATTENTION", "0")
+    assert not native_attention.applies(q, cache)
+    gathered = at.decode_attention(q, cache, 0, step, scale).double()
+    assert ((gathered - want).abs() <= 2.0**-6 * (want.abs() + 1)).all()
+
+
+def test_bad_steps_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block id outside the cache or a length past the table is an error naming it, not a read out of bounds."""
+    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
+    cache, step, q, scale, _ = _setup([20, 5], 1, 2, 16, 4, 1)
+    step.block_tables[0, 1] = cache.num_blocks + 5
+    with pytest.raises(KernelInputError, match="block id"):
+        _run(cache, step, q, scale)
+    cache, step, q, scale, _ = _setup([20, 5], 1, 2, 16, 4, 1)
+    step.seq_lens[1] = 10_000
+    with pytest.raises(KernelInputError, match="length"):
+        _run(cache, step, q, scale)
+
+
+def test_not_taken_for_other_dtypes() -> None:
+    cache, _, q, _, _ = _setup([3], 1, 2, 16, 4, 0)
+    assert not native_attention.applies(q.float(), cache)
+    fp32 = PagedKVCache(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=16, dtype="float32")
+    assert not native_attention.applies(q, fp32)
+    odd = PagedKVCache(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=24, dtype="bfloat16")
+    assert not native_attention.applies(torch.zeros((1, 2, 24), dtype=torch.bfloat16), odd)
+
+
+def test_rows_split_between_threads_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With two torch threads the rows are shared by two calls (the GIL released); each row is computed alike."""
+    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
+    cache, step, q, scale, _ = _setup([(i * 37) % 90 + 1 for i in range(24)], 2, 2, 16, 4, 5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(cache, step, q, scale)
+        torch.set_num_threads(2)
+        two = _run(cache, step, q, scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_bf16_engine_decodes_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast engine's bf16 decode steps take the kernel, and generate what the gather path generates."""
+    from fast.engine import Engine, FastModel, TorchLlama
+    from reference.engine import SamplingParams
+    from tests.tiny_llama import CONFIG, tiny_weights
+
+    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
+    calls = []
+    real = native_attention.decode_rows
+
+    def counted(*args: object, **kwargs: object) -> bool:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(native_attention, "decode_rows", counted)
+    prompts = [list(range(1, 30)), [7] * 5, list(range(40, 80))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    options = dict(num_blocks=40, block_size=4, max_num_batched_tokens=64, max_num_seqs=3)
+    outputs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("UNFIRE_NATIVE_ATTENTION", flag)
+        engine = Engine(FastModel(TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16")), **options)
+        outputs[flag] = [o.output_token_ids for o in engine.generate(prompts, params)]
+        if flag == "1":
+            assert len(calls) >= 2 * 11  # every decode step, both layers
+    assert all(len(o) == 12 for o in outputs["1"])
+    same = sum(a == b for x, y in zip(outputs["1"], outputs["0"], strict=True) for a, b in zip(x, y, strict=True))
+    assert same >= 30  # of 36: float32 vs bf16-rounded scores may flip a near tie on random weights
