@@ -63,6 +63,8 @@ def result_json(measured: dict[str, Any], setup: dict[str, Any]) -> dict[str, An
         out["why"] = (f"the fast engine made {ratio:.2f}x the useful tokens/s of transformers bf16 at its best "
                       f"batch size (goal 2x{short}) and {vs_llama}; {timing}. Where the time went: "
                       f"{where_time_went(systems)}")
+    elif "median" in out.get("vs_vllm", {}):
+        out["verdict"], out["why"] = vllm_verdict(out["vs_vllm"])
     else:
         out["verdict"], out["why"] = "not compared", "run fast and transformers_bf16 together to compare them"
     return out
@@ -142,3 +144,12 @@ def vs_vllm(measured: dict[str, Any], tok_s: dict[str, float], cpu: dict[str, fl
         out["cpu_s_per_token"] = {"fast_bf16": cpu["fast_bf16"], "vllm_bf16": cpu["vllm_bf16"]}
         out["cpu_over_vllm"] = round(cpu["fast_bf16"] / cpu["vllm_bf16"], 3)
     return out
+
+
+def vllm_verdict(v: dict[str, Any]) -> tuple[str, str]:
+    """The verdict and its reason for a run that compared the fast engine with vLLM only."""
+    cpu = (f"; CPU seconds per output token {v['cpu_over_vllm']:.2f}x those of vLLM's process tree"
+           if "cpu_over_vllm" in v else "")
+    return (f"vs vLLM: {v['verdict']}",
+            f"the fast engine made {v['median']:.2f}x vLLM's useful tokens/s (median of {v['repeats']} alternating "
+            f"repeats, spread {v['spread'][0]:.2f}-{v['spread'][1]:.2f}; the article's goal {v['goal']}x){cpu}")
