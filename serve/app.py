@@ -52,6 +52,10 @@ class ServeState:
         self.created = int(time.time())
         self._max_token_bytes: int | None = None
 
+    def context_limit(self) -> int | None:
+        """The longest prompt + output the engine takes, in tokens (None: no limit known here)."""
+        return self.worker.max_model_len
+
     def max_token_bytes(self) -> int:
         """The most UTF-8 bytes one token of the vocabulary stands for (computed once, when first needed)."""
         if self._max_token_bytes is None:
@@ -208,7 +212,7 @@ def _surely_too_long(state: ServeState, parsed: Parsed, text_bytes: int) -> None
     """Refuse a prompt whose text is so long that it cannot fit the context whatever its tokens, before
     tokenizing it (a 4 MB prompt takes seconds): no token stands for more than ``max_token_bytes``
     bytes, so the prompt has at least ``text_bytes / max_token_bytes`` tokens (halved, to be safe)."""
-    limit = state.worker.max_model_len
+    limit = state.context_limit()
     if limit is None or text_bytes <= OFF_LOOP_BYTES:
         return
     at_least = text_bytes // (2 * state.max_token_bytes())

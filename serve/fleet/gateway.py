@@ -77,6 +77,10 @@ class Gateway:
         self.models = list(s.models)
         self.http: httpx.AsyncClient | None = None
 
+    def context_limit(self) -> int | None:
+        """None: each site checks a prompt against its own context (serve.app's early refusal needs it)."""
+        return None
+
     def now(self) -> float:
         return time.monotonic() - self.t0
 
