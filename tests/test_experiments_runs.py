@@ -75,22 +75,23 @@ def _git_status() -> str:
 
 
 def test_two_reruns_leave_stored_results_alone_and_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # R4: a simulated claim (deterministic, seconds); R2 now also times a real pipeline, so its headline moves
     before, status = _fingerprint(), _git_status()
     for k in (1, 2):
-        assert main(["reproduce", "--only", "R2", "--out", str(tmp_path / f"run{k}")]) == 0
+        assert main(["reproduce", "--only", "R4", "--out", str(tmp_path / f"run{k}")]) == 0
         out = capsys.readouterr().out
         assert "This run vs the results stored before it" in out and "1 of 1 agree" in out
-        assert (tmp_path / f"run{k}" / "R2.json").is_file() and (tmp_path / f"run{k}" / "report.md").is_file()
+        assert (tmp_path / f"run{k}" / "R4.json").is_file() and (tmp_path / f"run{k}" / "report.md").is_file()
     report_md = (tmp_path / "run1" / "report.md").read_text()
-    assert "## R2" in report_md and "](./R2.png)" in report_md  # the run's own figure, linked beside it
+    assert "## R4" in report_md and "](./R4.png)" in report_md  # the run's own figure, linked beside it
     assert _fingerprint() == before and _git_status() == status
-    r1, r2 = (json.loads((tmp_path / f"run{k}" / "R2.json").read_text()) for k in (1, 2))
+    r1, r2 = (json.loads((tmp_path / f"run{k}" / "R4.json").read_text()) for k in (1, 2))
     assert r1["verdict"] == r2["verdict"]
     assert main(["compare", str(tmp_path / "run2"), "--against", str(tmp_path / "run1")]) == 0
     out = capsys.readouterr().out
-    assert "R2" in out and "1 of 1 agree" in out and "the same headline" in out
+    assert "R4" in out and "1 of 1 agree" in out and "the same headline" in out
     with pytest.raises(SystemExit):  # a rerun never overwrites another
-        main(["reproduce", "--only", "R2", "--out", str(tmp_path / "run1")])
+        main(["reproduce", "--only", "R4", "--out", str(tmp_path / "run1")])
     assert main(["compare", str(tmp_path / "empty")]) == 2
 
 
