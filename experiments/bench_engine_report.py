@@ -132,13 +132,13 @@ def vs_vllm(measured: dict[str, Any], tok_s: dict[str, float], cpu: dict[str, fl
                                                      if "fast_bf16" in tok_s else [])
     if not ratios:
         return {"verdict": "not compared", "why": "run fast_bf16 and vllm_bf16 together to compare them"}
-    ordered = sorted(ratios)
-    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1]
-                                                                   + ordered[len(ordered) // 2]) / 2
-    lo, hi = ordered[0], ordered[-1]
-    verdict = ("goal met" if lo >= VLLM_GOAL else "goal missed" if hi < VLLM_GOAL
-               else f"inconclusive (spread {lo:.2f}-{hi:.2f})")
-    out = {"median": round(median, 3), "spread": [round(lo, 3), round(hi, 3)], "repeats": len(ratios),
+    from experiments.engine_bench import against, spread
+
+    sp = spread(ratios)
+    side = against(sp, VLLM_GOAL)
+    verdict = {"clears": "goal met", "fails": "goal missed"}.get(
+        side, f"inconclusive (spread {sp['min']:.2f}-{sp['max']:.2f})")
+    out = {"median": sp["median"], "spread": [sp["min"], sp["max"]], "runs": sp["runs"], "repeats": len(ratios),
            "goal": VLLM_GOAL, "verdict": verdict}
     if "fast_bf16" in cpu and "vllm_bf16" in cpu:
         out["cpu_s_per_token"] = {"fast_bf16": cpu["fast_bf16"], "vllm_bf16": cpu["vllm_bf16"]}
