@@ -138,7 +138,7 @@ def vs_vllm(measured: dict[str, Any], tok_s: dict[str, float], cpu: dict[str, fl
     side = against(sp, VLLM_GOAL)
     verdict = {"clears": "goal met", "fails": "goal missed"}.get(
         side, f"inconclusive (spread {sp['min']:.2f}-{sp['max']:.2f})")
-    out = {"median": sp["median"], "spread": [sp["min"], sp["max"]], "runs": sp["runs"], "repeats": len(ratios),
+    out = {"median": sp["median"], "spread": [sp["min"], sp["max"]], "repeats": len(ratios),
            "goal": VLLM_GOAL, "verdict": verdict}
     if "fast_bf16" in cpu and "vllm_bf16" in cpu:
         out["cpu_s_per_token"] = {"fast_bf16": cpu["fast_bf16"], "vllm_bf16": cpu["vllm_bf16"]}
