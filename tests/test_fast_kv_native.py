@@ -52,7 +52,7 @@ def _run(cache: PagedKVCache, step: KVStep, q: torch.Tensor, scale: float) -> to
     return out
 
 
-@pytest.mark.parametrize("simd", ["1", "0"])
+@pytest.mark.parametrize("simd", ["1", "2", "0"])
 @settings(max_examples=15, deadline=None)
 @given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=6), shape=st.sampled_from(
     [(1, 1, 16), (2, 2, 16), (3, 3, 64), (2, 5, 32), (1, 17, 16)]), block_size=st.sampled_from([1, 4, 16]),
@@ -69,13 +69,16 @@ def test_matches_float64(simd: str, lengths: list[int], shape: tuple[int, int, i
     assert ((got - want).abs() <= 2.0**-8 * want.abs() + 1e-5).all(), float((got - want).abs().max())
 
 
-def test_simd_and_plain_loops_agree(monkeypatch: pytest.MonkeyPatch) -> None:
-    cache, step, q, scale, _ = _setup([200, 33, 1, 129], 3, 3, 64, 16, 7)
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 48])
+def test_simd_and_plain_loops_agree(monkeypatch: pytest.MonkeyPatch, d: int) -> None:
+    """The three loop sets (AVX-512 BF16, AVX-512 float32, plain C) give one answer within one bf16 step."""
+    cache, step, q, scale, _ = _setup([200, 33, 1, 129, 17], 3, 3, d, 16, 7)
     outs = []
-    for simd in ("1", "0"):
+    for simd in ("1", "2", "0"):
         monkeypatch.setenv("UNFIRE_NATIVE_SIMD", simd)
         outs.append(_run(cache, step, q, scale).float())
-    assert ((outs[0] - outs[1]).abs() <= 2.0**-7 * outs[1].abs() + 1e-6).all()  # one bf16 step at most
+    for other in outs[:2]:
+        assert ((other - outs[2]).abs() <= 2.0**-7 * outs[2].abs() + 1e-6).all()  # one bf16 step at most
 
 
 def test_decode_attention_uses_it_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,3 +159,51 @@ def test_bf16_engine_decodes_through_the_kernel(monkeypatch: pytest.MonkeyPatch)
     assert all(len(o) == 12 for o in outputs["1"])
     same = sum(a == b for x, y in zip(outputs["1"], outputs["0"], strict=True) for a, b in zip(x, y, strict=True))
     assert same >= 30  # of 36: float32 vs bf16-rounded scores may flip a near tie on random weights
+
+
+@pytest.mark.parametrize("simd", ["1", "2", "0"])
+@settings(max_examples=10, deadline=None)
+@given(chunks=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=4),
+       shape=st.sampled_from([(1, 2, 16), (3, 3, 64), (2, 2, 32)]), block_size=st.sampled_from([1, 16]),
+       seed=st.integers(0, 2**16))
+def test_prefill_rows_are_causal(simd: str, chunks: list[tuple[int, int]], shape: tuple[int, int, int],
+                                 block_size: int, seed: int) -> None:
+    """Prefill chunks (a cached prefix of ``start`` tokens, then ``n`` new ones) through the kernel, each row up to
+    its own position: the float64 causal answer within the decode rows' bound; slots past each length hold NaN."""
+    kv, group, d = shape
+    lengths = [start + n for start, n in chunks]
+    cache, whole, _, scale, _ = _setup(lengths, kv, group, d, block_size, seed)
+    tables = whole.block_tables.tolist()
+    gen = torch.Generator().manual_seed(seed + 1)
+    step = KVStep.build(query_lens=[n for _, n in chunks], starts=[s for s, _ in chunks], block_tables=tables,
+                        block_size=block_size, num_blocks=cache.num_blocks)
+    q = torch.randn((step.num_tokens, kv * group, d), generator=gen).bfloat16()
+    want, row = [], 0
+    for (start, n), table in zip(chunks, tables, strict=True):
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(start + n)])
+        k = cache.k[0].view(-1, kv, d)[slots].double()
+        v = cache.v[0].view(-1, kv, d)[slots].double()
+        for j in range(n):
+            qi = q[row + j].double().view(kv, group, d)
+            s = torch.einsum("kgd,lkd->kgl", qi, k[:start + j + 1]) * scale
+            want.append(torch.einsum("kgl,lkd->kgd", torch.softmax(s, -1), v[:start + j + 1]).reshape(kv * group, d))
+        row += n
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UNFIRE_NATIVE_SIMD", simd)
+        got = at.prefill_attention(q, cache, 0, step, scale).double()
+    want_t = torch.stack(want)
+    assert torch.isfinite(got).all()
+    assert ((got - want_t).abs() <= 2.0**-8 * want_t.abs() + 1e-5).all(), float((got - want_t).abs().max())
+
+
+def test_row_lengths_past_the_sequence_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-row length beyond its sequence's (or a malformed lengths tensor) is refused, never read past."""
+    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
+    cache, step, q, scale, _ = _setup([20, 5], 1, 2, 16, 4, 1)
+    every = torch.arange(2)
+    out = torch.empty_like(q)
+    with pytest.raises(KernelInputError, match="length"):
+        native_attention.decode_rows(q, cache, 0, step, every, every, scale, out,
+                                     torch.tensor([20, 6], dtype=torch.int32))
+    with pytest.raises(KernelInputError, match="int32"):
+        native_attention.decode_rows(q, cache, 0, step, every, every, scale, out, torch.tensor([20, 5]))

@@ -6,9 +6,9 @@ codes dequantized (times their block's power-of-two scale: exact), and positions
 chunk's length are zeroed, so unused cache slots (which may hold anything, NaN included) never
 reach a result.
 
-* Chunks of one token (a decode step, and the decoding sequences of a mixed step), bf16 queries on a
-  bf16 cache, on a CPU with AVX-512: the C kernel of ``fast/kv/native_attention.py``, which reads
-  each sequence's blocks in place (no gather, no padding); ~2x faster than what follows, which
+* bf16 queries on a bf16 cache, on a CPU with AVX-512: the C kernel of ``fast/kv/native_attention.py``,
+  for every row of a step (decode rows, and each row of a prefill chunk up to its own position), which
+  reads each sequence's blocks in place (no gather, no padding); 2-6x faster than what follows, which
   remains the path for every other case (and with ``UNFIRE_NATIVE_ATTENTION=0``).
 * Otherwise chunks of one token run in batches:
   sequences of similar length together (``length_groups``), so little is padded. With bf16
@@ -270,9 +270,19 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVS
 
 def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, scale: float) -> torch.Tensor:
     """q [T, H, D] for the step's chunks concatenated -> [T, H, D] in q's dtype."""
-    native = native_attention.applies(q, cache)  # one-token rows by the C kernel (bf16 on a CPU)
-    key = "prefill.native" if native else "prefill"
-    if key not in step.memo:
+    if native_attention.applies(q, cache):  # bf16 on a CPU: every row by the C kernel, each up to its position
+        if "prefill.native" not in step.memo:
+            chunk = torch.repeat_interleave(torch.arange(step.num_chunks, dtype=torch.int64),
+                                            torch.tensor(step.query_lens, dtype=torch.int64))
+            lengths = torch.tensor([s + j + 1 for s, n in zip(step.starts, step.query_lens, strict=True)
+                                    for j in range(n)], dtype=torch.int32)
+            step.memo["prefill.native"] = (chunk, torch.arange(len(chunk), dtype=torch.int64), lengths,
+                                           step.max_seq_len)
+        chunk, rows, lengths, longest = step.memo["prefill.native"]
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        native_attention.decode_rows(q, cache, layer, step, chunk, rows, scale, out, lengths, longest)
+        return out
+    if "prefill" not in step.memo:
         offsets = [0]
         for n in step.query_lens:
             offsets.append(offsets[-1] + n)
@@ -285,16 +295,10 @@ def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KV
                 query_pos = step.starts[i] + torch.arange(n, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]  # also excludes every position past the chunk
                 longer.append((offsets[i], n, batch, mask[None], _bias(mask)[:, 0]))
-        rows = [offsets[i] for i in single]
-        singles = ((torch.tensor(single, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64)) if native
-                   else _batches(step, single, rows, q.device))
-        step.memo[key] = (singles, longer)
-    singles, longer = step.memo[key]
+        step.memo["prefill"] = (_batches(step, single, [offsets[i] for i in single], q.device), longer)
+    singles, longer = step.memo["prefill"]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if not native:
-        _one_token_rows(q, cache, layer, singles, scale, out)
-    elif singles[0].numel():
-        native_attention.decode_rows(q, cache, layer, step, singles[0], singles[1], scale, out)
+    _one_token_rows(q, cache, layer, singles, scale, out)
     for row, n, batch, mask, bias in longer:
         if q.dtype == torch.bfloat16:
             _chunk_bf16(q[row:row + n], cache, layer, batch, bias, scale, out[row:row + n])

@@ -35,10 +35,10 @@ SOURCE = Path(__file__).with_name("native") / "decode_attention.c"
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {"unf_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
+_SIGNATURES = {"unf_decode_attention": (ctypes.c_int, [_P, _P, _P, _P, _P, _P, _P, _P, _I64, _I64, _I64, _I64, _I64,
                                                        _I64, _I64, _I64, _F, _P, _P, ctypes.c_int]),
                "unf_decode_attention_simd": (ctypes.c_int, [])}
-ERRORS = {1: "a sequence length outside [1, block table width * block_size] or past the host lengths",
+ERRORS = {1: "a length outside [1, block table width * block_size], past the host lengths or past its sequence's",
           2: "a block id outside [0, num_blocks)", 3: "head sizes the C kernel does not take"}
 MAX_HEAD_DIM = 256
 _pool: dict[int, ThreadPoolExecutor] = {}
@@ -73,10 +73,14 @@ def _usable() -> bool:
 
 
 def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, chunks: torch.Tensor,
-                rows: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
-    """Attention of one-token ``chunks`` (int64 chunk ids of ``step``) whose queries are rows ``rows`` (int64)
-    of q [T, H, D], written into those rows of ``out`` [T, H, D]. False (nothing written) where the kernel does
-    not apply; raises KernelInputError where the step's lengths or block ids are out of range."""
+                rows: torch.Tensor, scale: float, out: torch.Tensor, lengths: torch.Tensor | None = None,
+                max_len: int | None = None) -> bool:
+    """Attention of query rows ``rows`` (int64) of q [T, H, D], row i belonging to chunk ``chunks[i]`` (int64
+    chunk ids of ``step``), written into those rows of ``out`` [T, H, D]. Row i attends to the first
+    ``lengths[i]`` positions of its sequence (int32; a prefill chunk's rows: causal), or with ``lengths`` None to
+    all of them (one-token chunks: decode rows); ``max_len``: the largest length (computed if None). False
+    (nothing written) where the kernel does not apply; raises KernelInputError where the lengths or block ids
+    are out of range."""
     if not applies(q, cache):
         return False
     lib = _state["lib"]
@@ -85,13 +89,19 @@ def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, 
     lens = step.seq_lens
     n = chunks.numel()
     heads, d = q.shape[1], q.shape[2]
-    max_len = max((step.starts[c] + 1 for c in chunks.tolist()), default=1)
+    if lengths is not None and (lengths.dtype != torch.int32 or lengths.shape != chunks.shape
+                                or not lengths.is_contiguous()):
+        raise KernelInputError(f"lengths must be contiguous int32 of shape {tuple(chunks.shape)}")
+    if max_len is None:
+        max_len = (int(lengths.max()) if n else 1) if lengths is not None else max(
+            (step.starts[c] + step.query_lens[c] for c in chunks.tolist()), default=1)
     threads = max(1, min(torch.get_num_threads(), n // 8))
     per_thread = heads * (max_len + 2 * d)  # scores, then the query and the sums
     scratch = _scratch(cache, threads * per_thread)
     k, v = cache.k[layer], cache.v[layer]
     share = -(-n // threads)
-    simd = int(os.environ.get("UNFIRE_NATIVE_SIMD", "1") != "0")  # 0: the plain C loops (tests)
+    simd = {"0": 0, "2": 2}.get(os.environ.get("UNFIRE_NATIVE_SIMD", "1"), 1)  # 0: plain C loops; 2: AVX-512
+    # without its BF16 instructions (tests; 1 takes them where the CPU has them)
 
     def run(t: int) -> int:
         lo, hi = t * share, min(n, (t + 1) * share)
@@ -99,7 +109,8 @@ def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, 
             return 0
         return lib.unf_decode_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-            chunks.data_ptr() + lo * 8, rows.data_ptr() + lo * 8, hi - lo, heads, cache.num_kv_heads, d,
+            chunks.data_ptr() + lo * 8, rows.data_ptr() + lo * 8, 0 if lengths is None else lengths.data_ptr() + lo * 4,
+            hi - lo, heads, cache.num_kv_heads, d,
             cache.block_size, cache.num_blocks, tables.shape[1], max_len, scale,
             scratch.data_ptr() + t * per_thread * 4, out_c.data_ptr(), simd)
 

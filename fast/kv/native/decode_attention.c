@@ -1,6 +1,7 @@
 /* Paged decode attention on a CPU, bf16 cache and queries, straight over the block tables.
  *
- * One query token per sequence (a decode row). For sequence i and kv head g, the GROUP query heads
+ * One query token per row: a decode row, or one row of a prefill chunk (attending to the positions up to its
+ * own, given per row). For sequence i and kv head g, the GROUP query heads
  * sharing g read that head's keys and values in place, block by block through the block table, up
  * to the sequence's length: no gather into padded copies, no padding, and no slot past the length is
  * ever read (whatever it holds). Per head: scores s_j = (q . k_j) * scale, summed in float32 (16
@@ -214,6 +215,144 @@ static float softmax_exp_avx512(float *sh, int64_t len, float m) {
     }
     return _mm512_reduce_add_ps(sum);
 }
+
+/* The AVX-512 BF16 path, one sequence at a time, for head sizes of 16, 32, 64 and 128 (NV = D / 16 vectors
+ * of 16 floats). It computes what the loops above compute, arranged for this CPU:
+ * - scores 16 positions at a time: for each head, the 16 dot products are formed by VDPBF16PS straight on the
+ *   bf16 query and key (products of two bf16 are exact in float32; the sums are float32) and their lanes summed
+ *   by one transpose-and-add tree, so no horizontal sum per position;
+ * - the 16 key rows of a tile are read once per tile and stay in L1 while every head of the group uses them;
+ * - values: the group's heads accumulate o += p_j v_j in registers (HC heads x NV vectors), no stores per
+ *   position;
+ * - positions are walked block by block (no division per position).
+ * Float32 throughout, the output rounded once to bf16 (nearest even), so the bound is the loops' bound. */
+#define TILE 16
+
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+static inline __m512 sum_lanes16(__m512 *P) {  /* lane t of the result = sum of the 16 lanes of P[t] */
+    __m512 Q[8], R[4], S[2];
+    for (int i = 0; i < 8; i++)
+        Q[i] = _mm512_add_ps(_mm512_unpacklo_ps(P[2 * i], P[2 * i + 1]), _mm512_unpackhi_ps(P[2 * i], P[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        R[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(Q[2 * i]), _mm512_castps_pd(Q[2 * i + 1]))),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(Q[2 * i]), _mm512_castps_pd(Q[2 * i + 1]))));
+    for (int i = 0; i < 2; i++)
+        S[i] = _mm512_add_ps(_mm512_shuffle_f32x4(R[2 * i], R[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(R[2 * i], R[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(S[0], S[1], 0x88), _mm512_shuffle_f32x4(S[0], S[1], 0xDD));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+static inline __m256i round_bf16x16(__m512 x) {  /* f32_to_bf16 on 16 lanes: nearest even, NaN stays quiet NaN */
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000), _MM_CMPINT_NLE);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+static inline float max_avx512(const float *x, int64_t len) {  /* NaNs skipped, as the scalar loop's compare */
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int64_t p = 0; p < len; p += 16) {
+        const __mmask16 live = len - p >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - p)) - 1);
+        m = _mm512_mask_max_ps(m, live, _mm512_maskz_loadu_ps(live, x + p), m);
+    }
+    return _mm512_reduce_max_ps(m);
+}
+
+/* Hint the cache to load the rows [``lo``, ``hi``) of a sequence (each ``width`` bf16), ahead of their use. */
+static inline void prefetch_rows(const uint16_t *store, const int32_t *table, int64_t lo, int64_t hi,
+                                 int64_t block_size, int64_t width) {
+    for (int64_t p = lo; p < hi; p++) {
+        const char *row = (const char *)(store + ((int64_t)table[p / block_size] * block_size + p % block_size) * width);
+        for (int64_t off = 0; off < width * 2; off += 64)
+            __builtin_prefetch(row + off, 0, 3);
+    }
+}
+
+#define DEFINE_SEQ_KERNEL(NV, HC)                                                                               \
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))                                                 \
+static void seq_bf16_##NV(const uint16_t *qrow, const uint16_t *k, const uint16_t *v, const int32_t *table,     \
+                          int64_t len, int64_t heads, int64_t kv, int64_t block_size, float scale, float *s,     \
+                          float *sums, uint16_t *orow) {                                                         \
+    enum { D = NV * 16, NC = (NV + 1) / 2 };                                                                      \
+    const int64_t width = kv * D, group = heads / kv;                                                            \
+    const __mmask32 cmask = (NV % 2) ? (__mmask32)0xFFFF : (__mmask32)0xFFFFFFFF; /* last 32-wide chunk */       \
+    int64_t blk = 0, off = 0;                                                                                     \
+    for (int64_t p0 = 0; p0 < len; p0 += TILE) {  /* scores, 16 positions at a time, every head */              \
+        const int64_t n = len - p0 < TILE ? len - p0 : TILE;                                                      \
+        const uint16_t *rows[TILE];                                                                               \
+        for (int64_t t = 0; t < n; t++) {                                                                         \
+            rows[t] = k + ((int64_t)table[blk] * block_size + off) * width;                                      \
+            if (++off == block_size) { off = 0; blk++; }                                                         \
+        }                                                                                                         \
+        prefetch_rows(k, table, p0 + TILE, p0 + 2 * TILE < len ? p0 + 2 * TILE : len, block_size, width);        \
+        const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);                       \
+        for (int64_t h = 0; h < heads; h++) {                                                                     \
+            const int64_t g = h / group;                                                                          \
+            __m512i qv[NC];                                                                                       \
+            for (int j = 0; j < NC; j++)                                                                          \
+                qv[j] = _mm512_maskz_loadu_epi16(j == NC - 1 ? cmask : 0xFFFFFFFF, qrow + h * D + 32 * j);        \
+            __m512 P[TILE];                                                                                       \
+            for (int64_t t = 0; t < TILE; t++) {                                                                  \
+                __m512 a = _mm512_setzero_ps();                                                                   \
+                if (t < n)                                                                                        \
+                    for (int j = 0; j < NC; j++)                                                                  \
+                        a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(                               \
+                            j == NC - 1 ? cmask : 0xFFFFFFFF, rows[t] + g * D + 32 * j), (__m512bh)qv[j]);       \
+                P[t] = a;                                                                                         \
+            }                                                                                                     \
+            _mm512_mask_storeu_ps(s + h * len + p0, live, _mm512_mul_ps(sum_lanes16(P), _mm512_set1_ps(scale)));  \
+        }                                                                                                         \
+    }                                                                                                             \
+    prefetch_rows(v, table, 0, len < TILE ? len : TILE, block_size, width);                                      \
+    for (int64_t h = 0; h < heads; h++) {  /* softmax numerators in place, their sums kept */                    \
+        float m = max_avx512(s + h * len, len);                                                                   \
+        if (!(m > -INFINITY && m < INFINITY))                                                                     \
+            m = 0.0f;                                                                                             \
+        sums[h] = softmax_exp_avx512(s + h * len, len, m);                                                        \
+    }                                                                                                             \
+    for (int64_t g = 0; g < kv; g++) {  /* values: HC heads of the group at a time, sums in registers */        \
+        const uint16_t *vg = v + g * D;                                                                           \
+        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HC) {                                           \
+            const int64_t hc = (g + 1) * group - h0 < HC ? (g + 1) * group - h0 : HC;                             \
+            __m512 acc[HC][NV];                                                                                   \
+            for (int i = 0; i < HC; i++)                                                                          \
+                for (int j = 0; j < NV; j++)                                                                      \
+                    acc[i][j] = _mm512_setzero_ps();                                                              \
+            blk = 0, off = 0;                                                                                     \
+            for (int64_t p = 0; p < len; p++) {                                                                   \
+                const uint16_t *row = vg + ((int64_t)table[blk] * block_size + off) * width;                     \
+                if (++off == block_size) { off = 0; blk++; }                                                     \
+                if (g == 0 && h0 == 0 && p % TILE == 0)                                                          \
+                    prefetch_rows(v, table, p + TILE, p + 2 * TILE < len ? p + 2 * TILE : len, block_size, width); \
+                __m512 vf[NV];                                                                                    \
+                for (int j = 0; j < NV; j++)                                                                      \
+                    vf[j] = load_bf16x16(row + 16 * j);                                                           \
+                for (int i = 0; i < HC; i++)                                                                      \
+                    if (i < hc) {                                                                                 \
+                        const __m512 w = _mm512_set1_ps(s[(h0 + i) * len + p]);                                   \
+                        for (int j = 0; j < NV; j++)                                                              \
+                            acc[i][j] = _mm512_fmadd_ps(w, vf[j], acc[i][j]);                                     \
+                    }                                                                                             \
+            }                                                                                                     \
+            for (int i = 0; i < hc; i++) {                                                                        \
+                const __m512 sum = _mm512_set1_ps(sums[h0 + i]);                                                  \
+                for (int j = 0; j < NV; j++)                                                                      \
+                    _mm256_storeu_si256((__m256i *)(orow + (h0 + i) * D + 16 * j),                                \
+                                        round_bf16x16(_mm512_div_ps(acc[i][j], sum)));                            \
+            }                                                                                                     \
+        }                                                                                                         \
+    }                                                                                                             \
+}
+
+DEFINE_SEQ_KERNEL(1, 16)
+DEFINE_SEQ_KERNEL(2, 8)
+DEFINE_SEQ_KERNEL(4, 4)
+DEFINE_SEQ_KERNEL(8, 2)
 #endif
 
 /* 1 where the AVX-512 loops run (without them the torch path is faster: fast/kv/native_attention.py). */
@@ -228,11 +367,15 @@ int unf_decode_attention_simd(void) {
 /* q: bf16 [*, heads, D] (row rows[i] for sequence i); k, v: bf16 [num_blocks, block_size, kv, D];
  * tables: int32 [B, table_width]; seq_lens: int32 [B]; chunks[i]: sequence i's row in tables/seq_lens;
  * out: bf16 [*, heads, D] (row rows[i]). scratch: float32 of heads * (max_len + 2 D) entries.
- * Returns 0; 1: a length outside [1, min(max_len, table_width * block_size)]; 2: a block id outside
+ * row_lens: NULL (row i attends to its sequence's seq_lens[chunks[i]] positions, a decode row) or int32 [n],
+ * the positions row i attends to (a prefill chunk's rows: start + 1, start + 2, ...; causal), at most its
+ * sequence's length.
+ * Returns 0; 1: a length outside [1, min(seq_lens[c], max_len, table_width * block_size)]; 2: a block id outside
  * [0, num_blocks); 3: head sizes this kernel does not take (D not a multiple of 16 or above 256).
  * simd 0: the plain loops even where AVX-512 is there (tests compare the two). */
 int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
-                         const int32_t *seq_lens, const int64_t *chunks, const int64_t *rows, int64_t n,
+                         const int32_t *seq_lens, const int64_t *chunks, const int64_t *rows,
+                         const int32_t *row_lens, int64_t n,
                          int64_t heads, int64_t kv, int64_t d, int64_t block_size, int64_t num_blocks,
                          int64_t table_width, int64_t max_len, float scale, float *scratch, uint16_t *out, int simd) {
     if (d % LANES != 0 || d > 256 || kv <= 0 || heads % kv != 0 || block_size <= 0)
@@ -240,17 +383,31 @@ int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v
     const int64_t group = heads / kv;
 #ifdef HAVE_AVX512_PATH
     const int avx512 = simd && __builtin_cpu_supports("avx512f");
+    const int bf16_path = avx512 && simd != 2 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
+                          && (d == 16 || d == 32 || d == 64 || d == 128);
 #endif
     float *s = scratch, *qf = scratch + heads * max_len, *acc = qf + heads * d;
     for (int64_t i = 0; i < n; i++) {
-        const int64_t c = chunks[i], len = seq_lens[c];
-        if (len < 1 || len > max_len || len > table_width * block_size)
+        const int64_t c = chunks[i], len = row_lens ? row_lens[i] : seq_lens[c];
+        if (len < 1 || len > seq_lens[c] || len > max_len || len > table_width * block_size)
             return 1;
         const int32_t *table = tables + c * table_width;
         for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
             if (table[b] < 0 || table[b] >= num_blocks)
                 return 2;
         const uint16_t *qrow = q + rows[i] * heads * d;
+#ifdef HAVE_AVX512_PATH
+        if (bf16_path) {
+            uint16_t *orow = out + rows[i] * heads * d;
+            switch (d) {
+            case 16: seq_bf16_1(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow); break;
+            case 32: seq_bf16_2(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow); break;
+            case 64: seq_bf16_4(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow); break;
+            default: seq_bf16_8(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow); break;
+            }
+            continue;
+        }
+#endif
         for (int64_t j = 0; j < heads * d; j++)
             qf[j] = bf16_to_f32(qrow[j]);
 #ifdef HAVE_AVX512_PATH
