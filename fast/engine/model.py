@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from fast.engine import fused
 from fast.engine.linear import CompressedLinear, DenseLinear, Linear, compress
 from fast.errors import KernelInputError
 from fast.kv import KVStep, PagedKVCache, paged_attention
@@ -191,6 +192,8 @@ class TorchLlama:
         A pipeline stage is a model holding a range of a checkpoint's layers (``fast/pipeline``)."""
         c = self.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        if self._fused(cache):
+            return self._run_layers_fused(x, positions, step, cache)
         n = x.shape[0]
         cos, sin = self.cos[positions], self.signed_sin[positions]
         for i, layer in enumerate(self.layers):
@@ -206,6 +209,30 @@ class TorchLlama:
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps).to(self.dtype)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up).float()
+        return x
+
+    def _fused(self, cache: PagedKVCache) -> bool:
+        """Whether this step runs the fused C element-wise ops (bf16 on a CPU; no projection biases)."""
+        return (self.dtype == torch.bfloat16 and self.device.type == "cpu" and fused.applies(self.dtype, self.device,
+                cache) and all(la.qkv_bias is None and la.o_bias is None for la in self.layers))
+
+    def _run_layers_fused(self, x: torch.Tensor, positions: torch.Tensor, step: KVStep,
+                          cache: PagedKVCache) -> torch.Tensor:
+        """``run_layers`` with the element-wise steps between the products fused (``fast/engine/fused.py``): the
+        same operations, with each norm's sum of squares in another order; x is updated in a copy of its own."""
+        c = self.config
+        heads, d, eps = c.num_heads, c.head_dim, c.rms_norm_eps
+        n = x.shape[0]
+        x = x.to(torch.float32).clone(memory_format=torch.contiguous_format)
+        positions = positions.contiguous()
+        h = fused.rms_norm(x, self.layers[0].attn_norm, eps) if self.layers else None
+        for i, layer in enumerate(self.layers):
+            q = fused.rope_write(layer.qkv(h), self.cos, self.signed_sin, positions, step.slots, cache, i, heads)
+            out = paged_attention(q, cache, i, step)
+            h = fused.add_rms_norm(x, layer.o(out.reshape(n, heads * d)), layer.mlp_norm, eps)
+            after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            h = fused.add_rms_norm(x, layer.down(F.silu(gate) * up), after, eps)
         return x
 
     @torch.inference_mode()
