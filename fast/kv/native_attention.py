@@ -1,14 +1,21 @@
-"""Decode attention in C on a CPU (``native/decode_attention.c``): bf16 cache, bf16 queries, one token per row.
+"""Paged attention in C on a CPU (``native/decode_attention.c``): bf16 cache, bf16 queries, one query per row.
 
-    ok = decode_rows(q, cache, layer, step, chunks, rows, scale, out)   # False: not applicable, use torch
+    ok = decode_rows(q, cache, layer, step, chunks, rows, scale, out)            # decode rows
+    ok = decode_rows(q, cache, layer, step, chunks, rows, scale, out, lengths)   # prefill rows, causal
+    # False: not applicable, use torch
 
-Each sequence's keys and values are read in place through its block table, up to its length: no
-gather into padded scratch copies (the torch path's largest cost at decode), no zeroing of unused
-slots (they are never read), and grouped-query heads read their kv head once. Products and the
-softmax are float32 (the torch path rounds scores and weights to bf16), the output is rounded to
-bf16 once, so it meets the tighter of the two attention bounds of ``conformance/cases/kv_cases.py``
-(level *bounded*: bound B1 of ``kv.decode_attention.bf16_query.bfloat16.native``; the prefill case's
-one-token rows too, its longer chunks still being the torch path's bf16 products).
+Each sequence's keys and values are read in place through its block table, up to the row's length
+(a decode row: the whole sequence; a prefill chunk's row: the positions up to its own): no gather
+into padded scratch copies (the torch path's largest cost), no zeroing of unused slots (they are
+never read), and grouped-query heads read their kv head once. Products and the softmax are float32
+(the torch path rounds scores and weights to bf16), the output is rounded to bf16 once, so it meets
+the tighter of the two attention bounds of ``conformance/cases/kv_cases.py`` (level *bounded*:
+bound B1 of ``kv.decode_attention.bf16_query.bfloat16.native`` and of the prefill case's rows).
+
+Three loop sets, one answer within one bf16 step (``UNFIRE_NATIVE_SIMD`` picks for tests): on a CPU
+with AVX-512 BF16 (Zen 4/5, Sapphire Rapids) and head sizes 16/32/64/128, VDPBF16PS scores of 16
+positions at a time (exact bf16 products, float32 sums; 2.2x the float32 AVX-512 loops on SmolLM2's
+decode, where it then runs at the memory's speed); AVX-512 float32 loops (``=2``); plain C (``=0``).
 
 Built on first use by ``fast.codec.native_build`` with the system compiler; no compiler, a failed
 build, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_ATTENTION=0``: ``decode_rows`` returns False and the
