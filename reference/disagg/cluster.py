@@ -208,8 +208,9 @@ class InProcessCluster(Cluster):
 
     def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
                  opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None, restart: bool = True,
-                 deadline: Callable[[int, int], float] | None = None) -> None:
-        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline)
+                 deadline: Callable[[int, int], float] | None = None, lease_s: float | None = 15.0) -> None:
+        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline,
+                         lease_s=lease_s)
         self.workers: dict[int, tuple[PrefillWorker | DecodeWorker, Link]] = {}
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):
             for _ in range(n):
