@@ -5,6 +5,7 @@ already streamed, and the output is the colocated engine's, with no token twice 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -89,3 +90,18 @@ def test_a_stopped_decode_worker_process_loses_its_lease_is_killed_and_its_reque
         check_migrated(cluster, requests, results)
         cluster.shutdown()
     assert all(b["free_blocks"] == b["total_blocks"] and b["live_streams"] == 0 for b in cluster.byes)
+
+
+def test_batch_command_migrates_off_a_killed_decode_worker_and_checks_its_lease(tmp_path):
+    from tests.test_disagg_processes import run_cli
+
+    lines = [json.dumps(r) for r in workload(3, seed=10)]
+    code, disagg, err = run_cli(tmp_path, lines, "--prefill", "1", "--decode", "2", "--inject", "kill-decode",
+                                "--worker-lease", "5")
+    assert code == 0, err
+    code, coloc, err = run_cli(tmp_path, lines, "--prefill", "0", "--decode", "0")
+    assert code == 0, err
+    assert [r["output_token_ids"] for r in disagg] == [r["output_token_ids"] for r in coloc]
+    assert all(len(r["output_token_ids"]) == 12 for r in disagg)
+    code, _, err = run_cli(tmp_path, lines, "--worker-lease", "0")
+    assert code == 2 and "--worker-lease must be > 0" in err
