@@ -8,6 +8,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -19,6 +24,7 @@ from reference.engine.engine import Engine
 from reference.engine.params import SamplingParams
 
 OPTS = WorkerOptions(num_blocks=128, block_size=8, **FAST_FAULTS)
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def workload(n: int, seed: int, max_tokens: int = 12) -> list[dict]:
@@ -105,3 +111,51 @@ def test_batch_command_migrates_off_a_killed_decode_worker_and_checks_its_lease(
     assert all(len(r["output_token_ids"]) == 12 for r in disagg)
     code, _, err = run_cli(tmp_path, lines, "--worker-lease", "0")
     assert code == 2 and "--worker-lease must be > 0" in err
+
+
+class Listening:
+    """``python -m reference.disagg worker --listen 127.0.0.1:PORT`` on the tiny model: a worker on another host."""
+
+    def __init__(self, role: str, secret: bytes, port: int = 0) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", UNFIRE_DISAGG_SECRET=secret.hex())
+        self.proc = subprocess.Popen([sys.executable, "-m", "reference.disagg", "worker", "--role", role, "--model",
+                                      "tiny", "--listen", f"127.0.0.1:{port}", "--options",
+                                      "num_blocks=128,block_size=8"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        self.port = int(line.rsplit(":", 1)[1])
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+
+def test_remote_workers_serve_the_batch_and_a_lost_one_rejoins_even_after_a_link_without_hello():
+    """The cluster's remote workers (the endpoint's ``--workers``): a batch runs on them; the decode worker's
+    host dies; while its port first answers without HELLO (the link is dropped at the HELLO timeout), then
+    serves a fresh worker, the cluster keeps reconnecting until the new worker rejoins."""
+    secret = os.urandom(32)
+    requests = workload(3, seed=11)
+    prefill, decode = Listening("prefill", secret), Listening("decode", secret)
+    try:
+        with ProcessCluster("tiny", 0, 0, remote=[("127.0.0.1", prefill.port), ("127.0.0.1", decode.port)],
+                            secret=secret, opts=OPTS, ready_timeout=60) as cluster:
+            coord = cluster.coordinator
+            assert [r["output_token_ids"] for r in run_requests(cluster, requests)] == colocated(requests)
+            coord.hello_timeout = 1.0
+            decode.kill()
+            mute = socket.create_server(("127.0.0.1", decode.port))  # accepts (in its backlog), never says HELLO
+            try:
+                end = time.monotonic() + 30
+                while coord.counters.get("links_idle", 0) == 0:
+                    assert time.monotonic() < end, "the link without HELLO was not dropped"
+                    cluster.pump()
+            finally:
+                mute.close()
+            decode = Listening("decode", secret, port=decode.port)
+            cluster.wait_ready(1, 1, timeout=30)
+            assert [r["output_token_ids"] for r in run_requests(cluster, [dict(r, id="again-" + r["id"])
+                                                                          for r in requests])] == colocated(requests)
+    finally:
+        prefill.kill()
+        decode.kill()

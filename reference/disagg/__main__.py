@@ -181,26 +181,31 @@ def listen_main(args: argparse.Namespace, secret: bytes, opts: object) -> int:
 
     from reference.disagg.cluster import hello, make_worker, serve
     from reference.disagg.models import digest_of, load_model
-    from reference.disagg.transport import Link, SocketEndpoint, listen
+    from reference.disagg.transport import Link, LinkClosed, SocketEndpoint, listen
 
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         print(f"worker: --listen {args.listen!r} is not HOST:PORT", file=sys.stderr)
         return 2
+    # load before listening (both are cached): a coordinator that connected while the model loads would
+    # wait in the backlog past its HELLO timeout and hang up; refused instead, it tries again
+    load_model(args.model), digest_of(args.model)
     try:
         server = listen(host.strip("[]"), int(port))
     except OSError as e:
         print(f"worker: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 1
-    load_model(args.model), digest_of(args.model)  # load before saying we listen (both are cached)
     print(f"listening on {host}:{server.getsockname()[1]}", flush=True)
     while True:
         sock, _ = server.accept()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = Link(SocketEndpoint(sock), secret, 1 + secrets.randbelow(65535))
         worker = make_worker(args.role, args.model, link, opts)
-        hello(worker, link, args.model, opts)
-        serve(worker, link)
+        try:
+            hello(worker, link, args.model, opts)
+            serve(worker, link)
+        except LinkClosed:  # the coordinator hung up: wait for the next one
+            pass
         link.endpoint.close()
 
 

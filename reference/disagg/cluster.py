@@ -302,8 +302,13 @@ class ProcessCluster(Cluster):
         return True
 
     def housekeeping(self) -> None:
-        """Reconnect to lost remote workers whose time has come."""
+        """Reconnect to lost remote workers whose time has come (and to those whose link was closed before
+        their HELLO came, e.g. for the HELLO timeout)."""
         now = time.monotonic()
+        for endpoint, addr in list(self.remote_addr.items()):
+            if endpoint not in self.coordinator.links:
+                del self.remote_addr[endpoint]
+                self.reconnect.setdefault(addr, now + 1.0)
         for addr, when in list(self.reconnect.items()):
             if now >= when:
                 self._connect(addr)
