@@ -2,7 +2,8 @@
 
 The OpenAI-compatible server (``serve/app.py``, ``serve/worker.py``) fronts ``DisaggEngine`` instead of one
 engine. ``DisaggEngine`` has the engine's interface (``add_request``, ``step``, ``abort``, ``output``,
-``release``) over the coordinator of ``reference/disagg``: P prefill and D decode worker processes, each the
+``release``) over the coordinator and cluster of ``reference/disagg``, the same machinery that the batch
+command (``python -m reference.disagg run``) runs on: P prefill and D decode worker processes, each the
 engine's control plane (scheduler, block manager, prefix cache) over a model runner, with KV going from
 prefill to decode layer by layer as ``reference/disagg/PROTOCOL.md`` specifies (authenticated frames,
 ``--kv-wire fp32|bf16|fp8``). Tokens come from the decode worker, through the coordinator, to the client.
@@ -11,7 +12,8 @@ Workers are started here (``--prefill-workers``/``--decode-workers``, on 127.0.0
 hosts (``--workers HOST:PORT,...``, each started with ``python -m reference.disagg worker --listen
 HOST:PORT``); all share the secret in ``UNFIRE_DISAGG_SECRET``.
 
-Faults (tested with real processes in ``tests/test_serve_disagg_faults.py``):
+Faults (``reference/disagg/coordinator.py`` and ``cluster.py`` handle them, for the batch command too;
+tested at the endpoint with real processes in ``tests/test_serve_disagg_faults.py``):
   * a prefill worker killed: its decode worker computes the prompt itself (PROTOCOL.md section 6);
   * a decode worker killed: the request *migrates* (as Dynamo's request migration does): a live decode
     worker gets the prompt plus the tokens already streamed as its prompt, and the tokens it produces are
@@ -32,183 +34,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from reference.disagg import messages
+from reference.disagg.accounting import NodeStats
 from reference.disagg.cluster import SECRET_ENV, ProcessCluster, WorkerOptions
 from reference.disagg.coordinator import Coordinator, CoordinatorError, RequestState
-from reference.disagg.frames import Frame, Kind
-from reference.disagg.routing import Worker
-from reference.disagg.transport import Endpoint, Link, SocketEndpoint
 from reference.engine.params import RequestRejected, SamplingParams
 from reference.engine.request import RequestMetrics, RequestOutput, TokenEvent
 from serve.worker import EngineWorker, Failed, Finished, Stats, _forget, _post
-
-
-@dataclass
-class NodeStats:
-    """What the coordinator saw of one worker (all counted at the coordinator, per worker node)."""
-
-    role: str
-    pid: int = 0
-    kv_bytes_sent: int = 0  # KV payload bytes a prefill worker sent
-    kv_bytes_received: int = 0  # KV payload bytes forwarded to a decode worker
-    handoffs: int = 0  # prefill: DONE frames sent; decode: requests finished on received KV
-    recomputes: int = 0  # decode: requests whose prompt (or part of it) it computed itself
-    exposed_transfer_s: float = 0.0  # decode: DONE forwarded -> first token back, summed
-    exposed_transfers: int = 0
-
-
-@dataclass
-class Migration:
-    """A request as the client asked it; after a decode worker is lost it goes on from ``delivered``."""
-
-    prompt: list[int]
-    max_tokens: int
-    delivered: list[int] = field(default_factory=list)  # tokens already sent to the client
-    offset: int = 0  # tokens of ``delivered`` that the current attempt was given as prompt
-
-
-class ServeCoordinator(Coordinator):
-    """The batch coordinator plus per-worker accounting, request migration and worker leases."""
-
-    lease_s = 15.0
-
-    def __init__(self, secret: bytes, **kwargs: Any) -> None:
-        super().__init__(secret, **kwargs)
-        self.stats: dict[int, NodeStats] = {}
-        self.migrations: dict[str, Migration] = {}
-        self.last_seen: dict[Endpoint, float] = {}
-        self._done_at: dict[int, float] = {}  # stream -> when its DONE was forwarded
-        self.on_lease_expired: Any = None  # the cluster kills the process
-
-    def _handle(self, endpoint: Endpoint, data: bytes | None) -> None:
-        if data is not None:
-            self.last_seen[endpoint] = self.clock()
-        super()._handle(endpoint, data)
-
-    def _hello(self, link: Link, frame: Frame) -> None:
-        known = frame.src in self.workers
-        super()._hello(link, frame)
-        if not known and frame.src in self.workers:
-            body = messages.load(Kind.HELLO, frame.payload)
-            self.stats[frame.src] = NodeStats(body["role"], body["pid"])
-
-    def _stream_frame(self, w: Worker, frame: Frame) -> None:
-        req = self.by_stream.get(frame.stream)
-        if req is not None and req.result is None:
-            mine = self.stats.get(w.node)
-            peer = self.stats.get(req.decode) if req.decode is not None else None
-            if w.role == "prefill" and frame.kind is Kind.KV and mine and peer:
-                mine.kv_bytes_sent += len(frame.payload)
-                peer.kv_bytes_received += len(frame.payload)
-            elif w.role == "prefill" and frame.kind is Kind.DONE and mine:
-                mine.handoffs += 1
-                self._done_at.setdefault(frame.stream, self.clock())
-            elif w.role == "decode" and frame.kind is Kind.TOKEN and mine and frame.stream in self._done_at:
-                mine.exposed_transfer_s += self.clock() - self._done_at.pop(frame.stream)
-                mine.exposed_transfers += 1
-            elif w.role == "decode" and frame.kind is Kind.FINISH and mine:
-                self._done_at.pop(frame.stream, None)
-                body = messages.load(Kind.FINISH, frame.payload)
-                if body["recomputed"]:
-                    mine.recomputes += 1
-                elif body["finish_reason"] != "error":
-                    mine.handoffs += 1
-        super()._stream_frame(w, frame)
-
-    def _route(self, req: RequestState) -> None:
-        m = self.migrations.get(req.id)
-        if m is not None and req.attempts > 0 and req.result is None:  # a retry: go on from what the client has
-            done = m.delivered
-            if len(done) >= m.max_tokens or (done and done[-1] in self.eos):
-                return self._end(req, done, "length" if len(done) >= m.max_tokens else "stop", None)
-            req.prompt, req.max_tokens, m.offset = m.prompt + done, m.max_tokens - len(done), len(done)
-            self.counters["requests_migrated"] = self.counters.get("requests_migrated", 0) + 1
-        super()._route(req)
-
-    def poll(self, timeout: float = 0.05) -> None:
-        super().poll(timeout)
-        now = self.clock()
-        for w in list(self.workers.values()):
-            seen = self.last_seen.get(w.link.endpoint)
-            if w.alive and w.bye is None and seen is not None and now - seen > self.lease_s:
-                self.counters["worker_leases_expired"] = self.counters.get("worker_leases_expired", 0) + 1
-                if self.on_lease_expired is not None:
-                    self.on_lease_expired(w)
-                self._lost(w)
-        if len(self._done_at) > 65536:  # streams whose first token never came: forget the oldest
-            for stream in list(self._done_at)[:32768]:
-                del self._done_at[stream]
-
-
-class ServeCluster(ProcessCluster):
-    """Local worker processes (restarted when lost) and remote ones (reconnected to when lost)."""
-
-    def __init__(self, model_spec: str, num_prefill: int, num_decode: int, remote: list[tuple[str, int]], *,
-                 secret: bytes | None, opts: WorkerOptions, lease_s: float = 15.0,
-                 ready_timeout: float = 300.0, log: str | None = None) -> None:
-        self.remote_addr: dict[Endpoint, tuple[str, int]] = {}
-        self.reconnect: dict[tuple[str, int], float] = {}  # address -> when to try next
-        self.restart_times: list[float] = []
-        super().__init__(model_spec, num_prefill, num_decode, secret=secret, opts=opts, restart=True,
-                         deadline=lambda p, o: 120.0 + 0.5 * o, ready_timeout=ready_timeout, log=log,
-                         coordinator=ServeCoordinator)
-        coord = self.coordinator
-        assert isinstance(coord, ServeCoordinator)
-        coord.lease_s, coord.on_lease_expired = lease_s, self._expired
-        for addr in remote:
-            self._connect(addr)
-        want = num_prefill + num_decode + len(remote)
-        end = time.monotonic() + ready_timeout
-        while len(coord.live("prefill")) + len(coord.live("decode")) < want or not coord.live("decode"):
-            if time.monotonic() > end:
-                self.close()
-                raise TimeoutError(f"{want} workers did not all say HELLO within {ready_timeout} s")
-            self.pump()
-
-    def _connect(self, addr: tuple[str, int]) -> bool:
-        try:
-            sock = socket.create_connection(addr, timeout=5.0)
-        except OSError:
-            self.reconnect[addr] = time.monotonic() + 1.0
-            return False
-        sock.settimeout(None)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        endpoint = SocketEndpoint(sock, self.coordinator.inbox, start=False)
-        self.coordinator.attach(endpoint)
-        self.remote_addr[endpoint] = addr
-        self.reconnect.pop(addr, None)
-        endpoint.start()
-        return True
-
-    def housekeeping(self) -> None:
-        """Reconnect to lost remote workers whose time has come."""
-        now = time.monotonic()
-        for addr, when in list(self.reconnect.items()):
-            if now >= when:
-                self._connect(addr)
-
-    def _expired(self, w: Worker) -> None:
-        if w.node in self.procs:
-            self.kill(w.node)
-
-    def _lost(self, w: Worker) -> None:
-        addr = self.remote_addr.pop(w.link.endpoint, None)
-        if addr is not None:
-            self.reconnect[addr] = time.monotonic() + 1.0
-            return
-        now = time.monotonic()
-        self.restart_times = [t for t in self.restart_times if now - t < 60.0]
-        if len(self.restart_times) < 8:  # a worker that dies at once, again and again, is not restarted forever
-            self.restart_times.append(now)
-            self.restarts += 1
-            self.procs = {n: p for n, p in self.procs.items() if p.poll() is None}  # reap the dead
-            self.spawn(w.role)
 
 
 @dataclass(frozen=True)
@@ -225,7 +61,7 @@ class _Entry:
     params: SamplingParams
     tenant: str
     metrics: RequestMetrics
-    migration: Migration
+    delivered: list[int] = field(default_factory=list)  # tokens already sent to the client
     finish_reason: str | None = None
     error: str | None = None
 
@@ -239,9 +75,10 @@ class DisaggEngine:
                  log: str | None = None) -> None:
         self.tokenizer = tokenizer
         opts = opts or WorkerOptions()
-        self.cluster = ServeCluster(model_spec, num_prefill, num_decode, remote or [], secret=secret, opts=opts,
-                                    lease_s=lease_s, log=log)
-        self.coordinator: ServeCoordinator = self.cluster.coordinator  # type: ignore[assignment]
+        self.cluster = ProcessCluster(model_spec, num_prefill, num_decode, remote=remote or [], secret=secret,
+                                      opts=opts, restart=True, deadline=lambda p, o: 120.0 + 0.5 * o,
+                                      ready_timeout=300.0, log=log, lease_s=lease_s)
+        self.coordinator: Coordinator = self.cluster.coordinator
         context = self.coordinator.max_context
         self.max_model_len = min(context, max_model_len) if max_model_len else context
         self.eos_token_ids = tuple(self.coordinator.eos)
@@ -263,9 +100,7 @@ class DisaggEngine:
             self.coordinator.submit(rid, list(prompt), max_tokens)
         except CoordinatorError as e:
             raise RequestRejected(str(e)) from None
-        self.coordinator.migrations[rid] = Migration(list(prompt), max_tokens)
-        self.entries[rid] = _Entry(list(prompt), params, tenant, RequestMetrics(time.monotonic()),
-                                   self.coordinator.migrations[rid])
+        self.entries[rid] = _Entry(list(prompt), params, tenant, RequestMetrics(time.monotonic()))
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -281,8 +116,7 @@ class DisaggEngine:
 
     def step(self) -> list[TokenEvent | Ended]:
         """Handle what the workers sent (waiting up to 20 ms), and return the new tokens and endings."""
-        self.cluster.pump()
-        self.cluster.housekeeping()
+        self.cluster.pump()  # reconnects to lost remote workers too
         events: list[TokenEvent | Ended] = []
         for rid, e in self.entries.items():
             if e.finish_reason is None:
@@ -293,23 +127,22 @@ class DisaggEngine:
         req = self.coordinator.requests.get(rid)
         if req is None:
             return []
-        m, out = e.migration, []
-        tokens = req.tokens
-        if req.result is not None and req.result["finish_reason"] in ("stop", "length"):
-            tokens = req.result["output_token_ids"]
-        for i in range(len(m.delivered) - m.offset, len(tokens)):
+        out: list[TokenEvent | Ended] = []
+        whole = req.result is not None and req.result["finish_reason"] in ("stop", "length")
+        tokens = req.result["output_token_ids"] if whole else req.tokens  # over all attempts (migrations)
+        for i in range(len(e.delivered), len(tokens)):
             token, now = tokens[i], time.monotonic()
-            m.delivered.append(token)
+            e.delivered.append(token)
             e.metrics.token_times.append(now)
             stop = token in e.params.stop_token_ids
-            last = req.result is not None and i == len(tokens) - 1 and req.result["finish_reason"] in ("stop", "length")
+            last = whole and i == len(tokens) - 1
             if stop or last:
                 e.finish_reason = "stop" if stop else req.result["finish_reason"]  # type: ignore[index]
                 e.metrics.finish_time = now
                 if stop:
                     self.coordinator.cancel(rid, "stop token")
             text = self.tokenizer.decode([token], skip_special=True) if self.tokenizer is not None else ""
-            out.append(TokenEvent(rid, token, len(m.delivered) - 1, now, e.finish_reason is not None,
+            out.append(TokenEvent(rid, token, len(e.delivered) - 1, now, e.finish_reason is not None,
                                   e.finish_reason, text))
             if e.finish_reason is not None:
                 return out
@@ -326,14 +159,13 @@ class DisaggEngine:
 
     def output(self, request_id: str) -> RequestOutput:
         e = self.entries[request_id]
-        toks = list(e.migration.delivered)
+        toks = list(e.delivered)
         text = self.tokenizer.decode(toks, skip_special=True) if self.tokenizer is not None else ""
         return RequestOutput(request_id, e.prompt, toks, text, e.finish_reason, e.tenant, e.metrics, 0)
 
     def release(self, request_id: str) -> RequestOutput:
         out = self.output(request_id)
         del self.entries[request_id]
-        self.coordinator.migrations.pop(request_id, None)
         self.coordinator.requests.pop(request_id, None)
         return out
 
@@ -382,7 +214,7 @@ class DisaggEngine:
         for name, kind, help_text, value in rows:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
             for w in live:
-                s = c.stats.get(w.node) or NodeStats(w.role)
+                s = c.accounting.stats.get(w.node) or NodeStats(w.role)
                 lines.append(f'{name}{{node="{w.node}",role="{w.role}",pid="{s.pid}"}} {value(w, s)}')
         lines += ["# HELP unfire_disagg_events_total Coordinator events (workers lost, requests migrated, ...).",
                   "# TYPE unfire_disagg_events_total counter"]
@@ -393,7 +225,7 @@ class DisaggEngine:
 
 
 def _done(req: RequestState) -> bool:
-    return bool(req.tokens)  # the first token came: the prefill side is done with it
+    return len(req.tokens) > req.offset  # the attempt's first token came: the prefill side is done with it
 
 
 @dataclass

@@ -9,7 +9,9 @@ worker, over a written, checked protocol (``PROTOCOL.md``).
 Files: ``frames.py`` (header, tag, checks), ``messages.py`` (control payload schemas), ``wire.py`` (KV
 payload in fp32 / bf16 / fp8, model and KV digests), ``transport.py`` (in-process queues, sockets,
 ``Link``), ``prefill.py`` and ``decode.py`` (the workers), ``coordinator.py`` (routing, relaying,
-every request ends once), ``faults.py`` (seeded injector), ``cluster.py`` (in one process or as
-processes), ``__main__.py`` (the batch command). ``fast/disagg`` carries the same frames over
-torch.distributed.
+request migration, worker leases, every request ends once), ``accounting.py`` (per-worker counts),
+``faults.py`` (seeded injector), ``cluster.py`` (in one process or as processes, local or remote;
+restarts), ``batch.py`` and ``__main__.py`` (the batch command). The endpoint ``python -m serve
+--prefill-workers P --decode-workers D`` (``serve/disagg.py``) runs on the same coordinator and cluster.
+``fast/disagg`` carries the same frames over torch.distributed.
 """

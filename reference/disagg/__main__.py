@@ -6,6 +6,8 @@
 IN: one JSON object per line, ``{"id": str, "prompt_token_ids": [int], "max_tokens": int}`` (greedy).
 OUT: one line per input line, in order, whatever happens: ``{"id", "output_token_ids", "finish_reason",
 "error"}`` (if the cluster itself fails, every request not yet answered gets that failure as its error).
+The coordinator and cluster are those of the endpoint (``python -m serve --prefill-workers P --decode-workers
+D``): the same routing, faults, request migration, worker leases and restarts (``PROTOCOL.md`` section 6).
 ``--prefill 0 --decode 0`` runs the same prompts colocated, in one engine in this process. At the end
 one line says what was written: how many requests finished and failed, and the first error.
 Exit status: 0 when every request ended without error, 1 otherwise, 2 for bad arguments or input.
@@ -45,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     run.add_argument("--deadline", type=float, default=None,
                      help="seconds a request may take before it fails with an error (default: 120 s plus 50 ms per "
                           "token of the whole batch, since a request may queue behind all the others)")
+    run.add_argument("--worker-lease", type=float, default=15.0,
+                     help="seconds a worker may send nothing (not even a heartbeat) before it is treated as lost: "
+                          "killed, restarted, its requests migrated (default 15)")
     run.add_argument("--in-process", action="store_true", help="workers in this process (queues) instead of OS "
                                                                "processes (sockets)")
     work = sub.add_parser("worker", help="(started by the coordinator) one worker process")
@@ -117,8 +122,8 @@ def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: li
     total = sum(len(r.get("prompt_token_ids") or []) + (r.get("max_tokens") or 0) for r in good
                 if isinstance(r.get("max_tokens"), int) and isinstance(r.get("prompt_token_ids"), list))
     seconds = args.deadline if args.deadline is not None else 120.0 + 0.05 * total
-    with kind(args.model, args.prefill, args.decode, opts=opts, injector=injector,
-              deadline=lambda p, o: seconds) as cluster:
+    with kind(args.model, args.prefill, args.decode, opts=opts, injector=injector, deadline=lambda p, o: seconds,
+              lease_s=args.worker_lease) as cluster:
         ProcessFaults(cluster, faults, args.seed, len(good))
         with Progress(transient=True) as progress:
             task = progress.add_task("requests", total=len(good))
@@ -176,26 +181,31 @@ def listen_main(args: argparse.Namespace, secret: bytes, opts: object) -> int:
 
     from reference.disagg.cluster import hello, make_worker, serve
     from reference.disagg.models import digest_of, load_model
-    from reference.disagg.transport import Link, SocketEndpoint, listen
+    from reference.disagg.transport import Link, LinkClosed, SocketEndpoint, listen
 
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         print(f"worker: --listen {args.listen!r} is not HOST:PORT", file=sys.stderr)
         return 2
+    # load before listening (both are cached): a coordinator that connected while the model loads would
+    # wait in the backlog past its HELLO timeout and hang up; refused instead, it tries again
+    load_model(args.model), digest_of(args.model)
     try:
         server = listen(host.strip("[]"), int(port))
     except OSError as e:
         print(f"worker: cannot listen on {args.listen}: {e}", file=sys.stderr)
         return 1
-    load_model(args.model), digest_of(args.model)  # load before saying we listen (both are cached)
     print(f"listening on {host}:{server.getsockname()[1]}", flush=True)
     while True:
         sock, _ = server.accept()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = Link(SocketEndpoint(sock), secret, 1 + secrets.randbelow(65535))
         worker = make_worker(args.role, args.model, link, opts)
-        hello(worker, link, args.model, opts)
-        serve(worker, link)
+        try:
+            hello(worker, link, args.model, opts)
+            serve(worker, link)
+        except LinkClosed:  # the coordinator hung up: wait for the next one
+            pass
         link.endpoint.close()
 
 
@@ -212,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if (args.prefill == 0) != (args.decode == 0) or args.prefill < 0 or args.decode < 0:
         print("error: --prefill and --decode must both be 0 (colocated) or both >= 1", file=sys.stderr)
+        return 2
+    if args.worker_lease <= 0:
+        print("error: --worker-lease must be > 0", file=sys.stderr)
         return 2
     if not args.prompts.is_file():
         print(f"error: no such prompts file: {args.prompts}", file=sys.stderr)

@@ -3,12 +3,17 @@
     with ProcessCluster("smollm2", num_prefill=1, num_decode=1) as cluster:   # run_requests: batch.py
         results = run_requests(cluster, [{"id": "a", "prompt_token_ids": [...], "max_tokens": 16}])
 
-Both kinds have ``coordinator``, ``pump()`` (one round of work), ``kill(node)`` and ``close()``. Worker
-processes are started with ``python -m reference.disagg worker --secret-stdin ...``, read the shared
-secret from a pipe on their stdin (never the command line, nor the environment, which other users'
-tools read in ``/proc/PID/environ``), load their model, connect to 127.0.0.1, and exit when the link
-closes, so none outlives its coordinator. ``close()`` asks each to stop, then kills and reaps what is
-left. The listener refuses a connection (logged) while ``max_pending_links`` links have not said HELLO.
+Both kinds have ``coordinator``, ``pump()`` (one round of work), ``kill(node)`` and ``close()``. A lost
+worker (its link closed, or its lease ran out: then it is killed first) is restarted, at most 8 times a
+minute, and rejoins with a fresh node id; ``ProcessCluster`` also serves workers already running on other
+hosts (``remote``: ``python -m reference.disagg worker --listen HOST:PORT``), reconnecting to a lost one
+every second until it answers. The batch command and the endpoint (``serve/disagg.py``) both run on
+``ProcessCluster``. Worker processes are started with ``python -m reference.disagg worker --secret-stdin
+...``, read the shared secret from a pipe on their stdin (never the command line, nor the environment,
+which other users' tools read in ``/proc/PID/environ``), load their model, connect to 127.0.0.1, and exit
+when the link closes, so none outlives its coordinator. ``close()`` asks each to stop, then kills and
+reaps what is left. The listener refuses a connection (logged) while ``max_pending_links`` links have not
+said HELLO.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -134,22 +140,29 @@ def serve(worker: PrefillWorker | DecodeWorker, link: Link, heartbeat_s: float =
 
 
 class Cluster:
-    """What both kinds share: the coordinator, node ids, process faults."""
+    """What both kinds share: the coordinator, node ids, restarts, process faults."""
+
+    max_restarts_per_minute = 8  # a worker that dies at once, again and again, is not restarted forever
 
     def __init__(self, model_spec: str, *, secret: bytes | None, opts: WorkerOptions, injector: FaultInjector | None,
                  restart: bool, deadline: Callable[[int, int], float] | None,
-                 coordinator: type[Coordinator] = Coordinator) -> None:
+                 coordinator: type[Coordinator] = Coordinator, lease_s: float | None = 15.0) -> None:
         self.model_spec, self.opts, self.restart = model_spec, opts, restart
         self.secret = secret if secret is not None else secrets.token_bytes(32)
         kwargs: dict[str, Any] = {"deadline": deadline} if deadline is not None else {}
-        self.coordinator = coordinator(self.secret, injector=injector, **kwargs)
+        self.coordinator = coordinator(self.secret, injector=injector, lease_s=lease_s, **kwargs)
         self.coordinator.on_worker_lost = self._lost
+        self.coordinator.on_lease_expired = lambda w: self.kill(w.node)
         self._nodes = iter(range(1, 65536))
         self.restarts = 0
+        self.restart_times: list[float] = []
         self.byes: list[dict] = []
 
     def _lost(self, w: Worker) -> None:
-        if self.restart and self.restarts < 8:
+        now = time.monotonic()
+        self.restart_times = [t for t in self.restart_times if now - t < 60.0]
+        if self.restart and len(self.restart_times) < self.max_restarts_per_minute:
+            self.restart_times.append(now)
             self.restarts += 1
             self.spawn(w.role)
 
@@ -159,11 +172,17 @@ class Cluster:
     def kill(self, node: int) -> None:
         raise NotImplementedError
 
-    def wait_ready(self, num_prefill: int, num_decode: int, timeout: float) -> None:
+    def wait_ready(self, num_prefill: int, num_decode: int, timeout: float, others: int = 0) -> None:
+        """Until that many workers of each role (and ``others`` more, of any role; one decode worker at
+        least) have said HELLO. Raises TimeoutError."""
         end = time.monotonic() + timeout
-        while len(self.coordinator.live("prefill")) < num_prefill or len(self.coordinator.live("decode")) < num_decode:
+        while True:
+            p, d = len(self.coordinator.live("prefill")), len(self.coordinator.live("decode"))
+            if p >= num_prefill and d >= max(num_decode, 1) and p + d >= num_prefill + num_decode + others:
+                return
             if time.monotonic() > end:
-                raise TimeoutError(f"workers did not say HELLO within {timeout} s")
+                raise TimeoutError(f"{num_prefill + num_decode + others} workers did not all say HELLO "
+                                   f"within {timeout} s")
             self.pump()
 
     def pump(self) -> None:
@@ -189,8 +208,9 @@ class InProcessCluster(Cluster):
 
     def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
                  opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None, restart: bool = True,
-                 deadline: Callable[[int, int], float] | None = None) -> None:
-        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline)
+                 deadline: Callable[[int, int], float] | None = None, lease_s: float | None = 15.0) -> None:
+        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline,
+                         lease_s=lease_s)
         self.workers: dict[int, tuple[PrefillWorker | DecodeWorker, Link]] = {}
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):
             for _ in range(n):
@@ -208,8 +228,9 @@ class InProcessCluster(Cluster):
         return node
 
     def kill(self, node: int) -> None:
-        worker, link = self.workers.pop(node)
-        link.endpoint.close()
+        worker, link = self.workers.pop(node, (None, None))
+        if link is not None:
+            link.endpoint.close()
 
     def pump(self) -> None:
         self.coordinator.poll(0)
@@ -234,15 +255,19 @@ class InProcessCluster(Cluster):
 
 
 class ProcessCluster(Cluster):
-    """Workers as OS processes over TCP on 127.0.0.1; the coordinator runs in this process."""
+    """Workers as OS processes over TCP on 127.0.0.1 (and ``remote`` ones, already running elsewhere);
+    the coordinator runs in this process."""
 
     def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
                  opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None, restart: bool = True,
                  deadline: Callable[[int, int], float] | None = None, ready_timeout: float = 120.0,
-                 log: str | None = None, coordinator: type[Coordinator] = Coordinator) -> None:
+                 log: str | None = None, coordinator: type[Coordinator] = Coordinator,
+                 remote: list[tuple[str, int]] | None = None, lease_s: float | None = 15.0) -> None:
         super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline,
-                         coordinator=coordinator)
+                         coordinator=coordinator, lease_s=lease_s)
         self.procs: dict[int, subprocess.Popen] = {}
+        self.remote_addr: dict[Any, tuple[str, int]] = {}  # endpoint -> the address of the worker behind it
+        self.reconnect: dict[tuple[str, int], float] = {}  # address of a lost remote worker -> when to try next
         self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
         self.server = listen()
         self.port = self.server.getsockname()[1]
@@ -253,10 +278,52 @@ class ProcessCluster(Cluster):
             for role, n in (("prefill", num_prefill), ("decode", num_decode)):
                 for _ in range(n):
                     self.spawn(role)
-            self.wait_ready(num_prefill, num_decode, ready_timeout)
+            for addr in remote or []:
+                self._connect(addr)
+            self.wait_ready(num_prefill, num_decode, ready_timeout, others=len(remote or []))
         except BaseException:
             self.close()
             raise
+
+    def _connect(self, addr: tuple[str, int]) -> bool:
+        """Open a link to a remote worker (its HELLO names it); if it does not answer, try again in 1 s."""
+        try:
+            sock = socket.create_connection(addr, timeout=5.0)
+        except OSError:
+            self.reconnect[addr] = time.monotonic() + 1.0
+            return False
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        endpoint = SocketEndpoint(sock, self.coordinator.inbox, start=False)
+        self.coordinator.attach(endpoint)
+        self.remote_addr[endpoint] = addr
+        self.reconnect.pop(addr, None)
+        endpoint.start()
+        return True
+
+    def housekeeping(self) -> None:
+        """Reconnect to lost remote workers whose time has come (and to those whose link was closed before
+        their HELLO came, e.g. for the HELLO timeout)."""
+        now = time.monotonic()
+        for endpoint, addr in list(self.remote_addr.items()):
+            if endpoint not in self.coordinator.links:
+                del self.remote_addr[endpoint]
+                self.reconnect.setdefault(addr, now + 1.0)
+        for addr, when in list(self.reconnect.items()):
+            if now >= when:
+                self._connect(addr)
+
+    def pump(self) -> None:
+        self.coordinator.poll(0.02)
+        self.housekeeping()
+
+    def _lost(self, w: Worker) -> None:
+        addr = self.remote_addr.pop(w.link.endpoint, None)
+        if addr is not None:  # not ours to start: connect to it again once it is back
+            self.reconnect[addr] = time.monotonic() + 1.0
+            return
+        self.procs = {n: p for n, p in self.procs.items() if p.poll() is None}  # reap the dead
+        super()._lost(w)
 
     def _accept_loop(self) -> None:
         while not self._closing:

@@ -10,10 +10,14 @@ Routing (``routing.py``): prefill by prefix affinity, then fewest in-flight pref
 fewest in-flight decode tokens, then most free blocks.
 
 Faults and their outcomes (``PROTOCOL.md`` section 6): a prefill worker lost -> its decode workers
-are told to compute those prompts themselves; a decode worker lost -> its requests start again
-(new stream) on a live decode worker, up to ``max_attempts``, else they fail with an error; a
-request past its deadline -> aborted everywhere and answered with an error. A FINISH for an ended
-request or an old attempt is ignored (counted), so nothing is answered twice.
+are told to compute those prompts themselves; a decode worker lost -> its requests *migrate* (as
+Dynamo's request migration does): a new attempt (new stream) on a live decode worker gets the prompt
+plus the tokens already streamed as its prompt, and its tokens are appended to those, so none is
+counted twice; up to ``max_attempts``, else they fail with an error. A worker that sends nothing, not
+even a heartbeat, for ``lease_s`` seconds (stopped, hung) is lost the same way (``on_lease_expired``
+first: the cluster kills its process). A request past its deadline -> aborted everywhere and
+answered with an error. A FINISH for an ended request or an old attempt is ignored (counted), so
+nothing is answered twice. Per worker, ``accounting`` counts KV bytes, handoffs and recomputes.
 
 A peer's bad input never escapes the loop: a frame that fails its checks is refused (counted, logged
 with the reason); a correctly signed frame whose payload breaks its schema drops the peer that sent
@@ -35,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reference.disagg import messages
+from reference.disagg.accounting import Accounting
 from reference.disagg.frames import MAX_PAYLOAD, STREAM_KINDS, Frame, Kind
 from reference.disagg.messages import MessageError
 from reference.disagg.routing import Worker, choose_decode, choose_prefill
@@ -59,19 +64,27 @@ class RequestState:
     prefill: int | None = None
     decode: int | None = None
     attempts: int = 0
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # every token streamed so far, over all attempts
     token_times: list[float] = field(default_factory=list)
     token_cpu: list[float] = field(default_factory=list)  # the decode worker's CPU seconds at each token
+    offset: int = 0  # tokens of ``tokens`` that the current attempt was given as part of its prompt
     result: dict | None = None  # {"id", "output_token_ids", "finish_reason", "error"} once ended
     recomputed: bool = False
     first_kv_seen: bool = False
+
+    def attempt_prompt(self) -> list[int]:
+        """The current attempt's prompt: the client's, then the tokens streamed before this attempt."""
+        return self.prompt + self.tokens[:self.offset]
 
 
 class Coordinator:
     def __init__(self, secret: bytes, *, deadline: Callable[[int, int], float] = lambda p, o: 60.0 + 0.5 * o,
                  max_attempts: int = 2, injector: Any = None, clock: Callable[[], float] = time.monotonic,
-                 hello_timeout: float = 10.0, max_pending_links: int = 16) -> None:
+                 hello_timeout: float = 10.0, max_pending_links: int = 16, lease_s: float | None = 15.0) -> None:
         self.secret = secret
+        self.lease_s = lease_s  # None: no lease (a silent worker is lost only when its link closes)
+        self.last_seen: dict[Endpoint, float] = {}  # when each link last sent a frame
+        self.accounting = Accounting()
         self.hello_timeout, self.max_pending_links = hello_timeout, max_pending_links
         self.opened: dict[Endpoint, float] = {}  # when each link that has not said HELLO yet was attached
         self.vocab_size, self.eos, self.max_context = 0, (), 0  # the model's, from the workers' HELLO
@@ -85,6 +98,7 @@ class Coordinator:
         self.counters: dict[str, int] = {}
         self._streams = itertools.count(1)
         self.on_worker_lost: Callable[[Worker], None] | None = None  # the cluster restarts it
+        self.on_lease_expired: Callable[[Worker], None] | None = None  # the cluster kills its process
         self.shutting_down = False
         self.on_stream_frame: Callable[[RequestState, Frame], None] | None = None  # fault hooks (kill, abort)
 
@@ -116,6 +130,7 @@ class Coordinator:
     def _forget(self, endpoint: Endpoint) -> None:
         self.links.pop(endpoint, None)
         self.opened.pop(endpoint, None)
+        self.last_seen.pop(endpoint, None)
 
     def live(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.alive and w.role == role]
@@ -158,12 +173,17 @@ class Coordinator:
             if req not in self.waiting:
                 self.waiting.append(req)
             return
+        done = req.tokens
+        if req.attempts:  # a retry (migration): it goes on from the tokens already streamed
+            if len(done) >= req.max_tokens or (done and done[-1] in self.eos):
+                return self._end(req, done, "length" if len(done) >= req.max_tokens else "stop", None)
+            self.counters["requests_migrated"] = self.counters.get("requests_migrated", 0) + 1
         d = choose_decode(decoders)
-        req.stream, req.attempts, req.decode = next(self._streams), req.attempts + 1, d.node
-        req.tokens, req.token_times, req.token_cpu = [], [], []
+        req.stream, req.attempts, req.decode, req.offset = next(self._streams), req.attempts + 1, d.node, len(done)
         self.by_stream[req.stream] = req
         d.inflight_tokens += len(req.prompt) + req.max_tokens
-        body = messages.dump(Kind.REQUEST, {"id": req.id, "prompt": req.prompt, "max_tokens": req.max_tokens,
+        prompt = req.attempt_prompt()
+        body = messages.dump(Kind.REQUEST, {"id": req.id, "prompt": prompt, "max_tokens": req.max_tokens - req.offset,
                                             "eos_token_ids": list(self.eos)})
         if not self._send(d, Kind.REQUEST, req.stream, body):
             return
@@ -173,9 +193,9 @@ class Coordinator:
             self._send(d, Kind.ABORT, req.stream, messages.dump(Kind.ABORT, {
                 "reason": "no prefill worker alive", "action": "recompute"}))
             return
-        p = choose_prefill(prefillers, prefix_keys(req.prompt, prefillers[0].block_size))
+        p = choose_prefill(prefillers, prefix_keys(prompt, prefillers[0].block_size))
         req.prefill = p.node
-        p.inflight_tokens += len(req.prompt)
+        p.inflight_tokens += len(prompt)
         self._send(p, Kind.REQUEST, req.stream, body)
 
     def _end(self, req: RequestState, output: list[int], reason: str, error: str | None) -> None:
@@ -192,7 +212,8 @@ class Coordinator:
 
     def _release(self, req: RequestState) -> None:
         """Forget the current attempt's load on its workers."""
-        for node, tokens in ((req.prefill, len(req.prompt)), (req.decode, len(req.prompt) + req.max_tokens)):
+        prompt_len = len(req.prompt) + req.offset
+        for node, tokens in ((req.prefill, prompt_len), (req.decode, len(req.prompt) + req.max_tokens)):
             w = self.workers.get(node) if node is not None else None
             if w is not None:
                 w.inflight_tokens = max(0, w.inflight_tokens - tokens)
@@ -230,6 +251,14 @@ class Coordinator:
                 self.drop(self.links[endpoint], "links_idle", f"no HELLO within {self.hello_timeout:.0f} s")
         if self.injector is not None:
             self.injector.pump(now)
+        for w in list(self.workers.values()):
+            seen = self.last_seen.get(w.link.endpoint)
+            if self.lease_s and w.alive and w.bye is None and seen is not None and now - seen > self.lease_s:
+                self.counters["worker_leases_expired"] = self.counters.get("worker_leases_expired", 0) + 1
+                log.warning("node %d (%s) sent nothing for %.0f s: treated as lost", w.node, w.role, self.lease_s)
+                if self.on_lease_expired is not None:
+                    self.on_lease_expired(w)
+                self._lost(w)
         for req in list(self.requests.values()):
             if req.result is None and now > req.deadline:
                 self.counters["deadline_exceeded"] = self.counters.get("deadline_exceeded", 0) + 1
@@ -244,6 +273,8 @@ class Coordinator:
         link = self.links.get(endpoint)
         if link is None:
             return
+        if data is not None:
+            self.last_seen[endpoint] = self.clock()
         if data is None:
             w = link.peer
             if isinstance(w, Worker):
@@ -293,6 +324,7 @@ class Coordinator:
                    free_blocks=body["num_blocks"])
         link.peer = w
         self.workers[w.node] = w
+        self.accounting.joined(w.node, w.role, body["pid"])
         self.opened.pop(link.endpoint, None)
         if hasattr(link.endpoint, "max_payload"):
             link.endpoint.max_payload = MAX_PAYLOAD  # authenticated: KV frames may come now
@@ -302,18 +334,19 @@ class Coordinator:
         if req is None or req.result is not None:
             self.counters["frames_for_old_streams"] = self.counters.get("frames_for_old_streams", 0) + 1
             return
+        self.accounting.count(w, req.decode, frame, self.clock())
         if w.role == "prefill" and frame.kind in (Kind.MANIFEST, Kind.KV, Kind.DONE, Kind.ABORT):
             if frame.kind is Kind.KV and not req.first_kv_seen:
                 req.first_kv_seen = True
             if frame.kind is Kind.DONE and req.prefill in self.workers:
                 p = self.workers[req.prefill]
-                p.inflight_tokens = max(0, p.inflight_tokens - len(req.prompt))
+                p.inflight_tokens = max(0, p.inflight_tokens - len(req.prompt) - req.offset)
             self._forward(req.decode, frame)
         elif w.role == "decode" and frame.kind in (Kind.ACK, Kind.ABORT):
             self._forward(req.prefill, frame)
         elif w.role == "decode" and frame.kind is Kind.TOKEN:
             body = messages.load(Kind.TOKEN, frame.payload)
-            if body["index"] == len(req.tokens):
+            if body["index"] == len(req.tokens) - req.offset:  # the attempt counts from its own first token
                 req.tokens.append(body["token"])
                 req.token_times.append(self.clock())
                 req.token_cpu.append(body["cpu_us"] / 1e6)
@@ -322,7 +355,7 @@ class Coordinator:
             req.recomputed = bool(body["recomputed"])
             if body["finish_reason"] == "error":
                 self._abort_stream(req, "cancel", "decode worker failed the request")
-            self._end(req, body["output"], body["finish_reason"], body["error"])
+            self._end(req, req.tokens[:req.offset] + body["output"], body["finish_reason"], body["error"])
         if self.on_stream_frame is not None and req.result is None:
             self.on_stream_frame(req, frame)
 

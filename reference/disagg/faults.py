@@ -23,8 +23,9 @@ FAULTS: dict[str, str] = {
              "worker computes the prompt itself",
     "kill-prefill": "a prefill worker is killed (SIGKILL) mid-transfer and restarted -> its requests are "
                     "computed by their decode workers",
-    "kill-decode": "a decode worker is killed (SIGKILL) while decoding and restarted -> its requests start "
-                   "again on a live decode worker (2 attempts), else fail with an error",
+    "kill-decode": "a decode worker is killed (SIGKILL) while decoding and restarted -> its requests migrate "
+                   "to a live decode worker, going on from the tokens already streamed (2 attempts), else fail "
+                   "with an error",
     "abort": "a request is cancelled after its transfer started -> it ends with finish_reason 'abort'; "
              "every worker frees its blocks",
 }
