@@ -63,7 +63,9 @@ class SiteReplica:
         return wait
 
     def view(self) -> dict:
+        w = self.worker
         return {"index": self.index, "site": self.site, "model": self.model, "tier": self.tier,
+                "disaggregated": f"{w.prefill_workers}:{w.decode_workers}" if w.disaggregated else None,
                 "jurisdiction": self.jurisdiction, "address": self.worker.address,
                 "pid": self.worker.proc.pid if self.worker.proc is not None else None, "alive": self.alive,
                 "live": self.live, "remote_live": self.remote_live, "pending_prefill": self.pending_prefill,
