@@ -47,18 +47,24 @@ SETUPS = ("plain", "compressed", "container", "container_compressed")
 DEFAULT_SETUPS = ("plain", "compressed", "container")
 
 
-def setup_args(setup: str, container: Path) -> tuple[str, list[str]]:
-    """(``--model``, the other arguments) of ``python -m serve`` for ``setup``."""
-    model = str(container) if setup.startswith("container") else "smollm2"
+def setup_args(setup: str, container: Path, model: str = "smollm2") -> tuple[str, list[str]]:
+    """(``--model``, the other arguments) of ``python -m serve`` for ``setup`` (served as "smollm2")."""
+    model = str(container) if setup.startswith("container") else model
     return model, ["--engine", "fast", "--served-model-name", "smollm2",
                    *(["--compressed", "all"] if setup.endswith("compressed") else [])]
 
 
-def write_container(path: Path) -> float:
-    """``python -m reference.codec compress smollm2 PATH --to-bf16``; returns the seconds it took."""
+def command_line(setup: str, model: str) -> list[str]:
+    """``python -m serve``'s arguments of ``setup`` (the container as FILE), for the results."""
+    served, args = setup_args(setup, Path("FILE"), model)
+    return ["--model", served, *args, *ENGINE]
+
+
+def write_container(model: str, path: Path, options: list[str]) -> float:
+    """``python -m reference.codec compress MODEL PATH --to-bf16 [options]``; returns the seconds it took."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "reference.codec", "compress", "smollm2", str(path), "--to-bf16"],
+    subprocess.run([sys.executable, "-m", "reference.codec", "compress", model, str(path), "--to-bf16", *options],
                    check=True, env=env, stdout=subprocess.DEVNULL)
     return time.perf_counter() - t
 
@@ -100,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ttft-ms", type=float, default=10000.0, help="goodput's TTFT bound in ms (default 10000)")
     p.add_argument("--slo-tpot-ms", type=float, default=1000.0, help="goodput's TPOT bound in ms (default 1000)")
     p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"which of {', '.join(SETUPS)} (plain first)")
-    p.add_argument("--container", type=Path, help="a container of smollm2 (default: one written by "
-                                                  "`python -m reference.codec compress smollm2 FILE --to-bf16`)")
+    p.add_argument("--model", default="smollm2", help="packaged model name or checkpoint path (default smollm2)")
+    p.add_argument("--container", type=Path, help="a container of --model (default: one written by "
+                                                  "`python -m reference.codec compress MODEL FILE --to-bf16`)")
+    p.add_argument("--min-elements", type=int, help="the codec's --min-elements for that container")
     p.add_argument("--no-agreement", action="store_true", help="skip the untimed run that compares the answers")
     p.add_argument("--out", type=Path, default=RESULTS / "serve_compressed.json",
                    help="results JSON (default experiments/results/serve_compressed.json; the figure beside it)")
@@ -118,12 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="unfire-serve-compressed-") as tmp:
         container, compress_s = a.container, None
         if container is None and any(s.startswith("container") for s in setups):
-            container = Path(tmp) / "smollm2.unweight.safetensors"
-            compress_s = write_container(container)
+            container = Path(tmp) / "model.unweight.safetensors"
+            options = ["--min-elements", str(a.min_elements)] if a.min_elements is not None else []
+            compress_s = write_container(a.model, container, options)
+        container_bytes = container.stat().st_size if container is not None else None
         runs: list[dict[str, Any]] = []
         for repeat in range(a.repeats):
             for setup in setups:
-                model, args = setup_args(setup, container)  # type: ignore[arg-type]
+                model, args = setup_args(setup, container, a.model)  # type: ignore[arg-type]
                 cfg = BenchConfig(url="", num_prompts=a.num_prompts, request_rate=a.request_rate,
                                   max_tokens=a.max_tokens, max_prompt_chars=a.max_prompt_chars,
                                   slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms)
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         if not a.no_agreement:
             got = {}
             for s in setups:
-                model, args = setup_args(s, container)  # type: ignore[arg-type]
+                model, args = setup_args(s, container, a.model)  # type: ignore[arg-type]
                 got[s] = answers(s, prompts, a.max_tokens, args, model)
             agree = {s: agreement(got["plain"], got[s]) for s in setups[1:]}
             print(json.dumps(agree), flush=True)
@@ -148,14 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         "clock": "latencies: wall clock at the client (time.perf_counter, serve.bench); CPU: user+system seconds "
                  "of the server's process tree during the run (psutil)",
         "load_average_range": [min(loads), max(loads)],
-        "container": {"written_by": "python -m reference.codec compress smollm2 FILE --to-bf16" if compress_s
+        "container": {"written_by": f"python -m reference.codec compress {a.model} FILE --to-bf16" if compress_s
                       else str(a.container), "seconds": compress_s,
-                      "bytes": container.stat().st_size if container is not None and container.exists() else None},
+                      "bytes": container_bytes},
         "workload": {"dataset": "sharegpt", "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
                      "max_prompt_chars": a.max_prompt_chars, "request_rate": a.request_rate, "repeats": a.repeats,
-                     "greedy": True, "model": "smollm2", "engine": "fast (torch, 1 thread)",
-                     "setups": {s: ["--model", "FILE" if s.startswith("container") else "smollm2",
-                                    *setup_args(s, Path("FILE"))[1], *ENGINE] for s in setups}},
+                     "greedy": True, "model": a.model, "engine": "fast (torch, 1 thread)",
+                     "setups": {s: command_line(s, a.model) for s in setups}},
         "slo": {"ttft_ms": a.slo_ttft_ms, "tpot_ms": a.slo_tpot_ms},
         "setups": list(setups),
         "medians": {s: medians([r for r in runs if r["setup"] == s]) for s in setups},
@@ -169,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                           for s in setups[1:]}
     write_text(a.out, json.dumps(result, indent=2) + "\n")
     figure(result, a.out.with_suffix(".png"), setups,
-           f"SmolLM2, fast engine on a CPU, {a.num_prompts} ShareGPT prompts at {a.request_rate} req/s "
+           f"{a.model}, fast engine on a CPU, {a.num_prompts} ShareGPT prompts at {a.request_rate} req/s "
            f"(medians of {a.repeats} runs; load average {min(loads):.1f}-{max(loads):.1f})")
     print(table(result))
     print(json.dumps(result["vs_plain"], indent=1))
