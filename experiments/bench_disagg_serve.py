@@ -178,13 +178,14 @@ def figure(result: dict, path: Path, setups: tuple[str, ...] = TIMED, title: str
 
     med = result["medians"]
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
+    shown = [s for s in setups if s in med]
+    width = 0.81 / len(shown)
     for ax, metric in zip(axes[:3], ("ttft_ms", "itl_ms", "e2e_ms"), strict=True):
         x = np.arange(3)
-        for i, setup in enumerate(s for s in setups if s in med):
-            ax.bar(x + 0.27 * i, [med[setup][f"{metric}/{p}"] for p in ("p50", "p90", "p99")], 0.27, label=setup)
-        ax.set_xticks(x + 0.27, ["p50", "p90", "p99"])
+        for i, setup in enumerate(shown):
+            ax.bar(x + width * i, [med[setup][f"{metric}/{p}"] for p in ("p50", "p90", "p99")], width, label=setup)
+        ax.set_xticks(x + width * (len(shown) - 1) / 2, ["p50", "p90", "p99"])
         ax.set_title(metric.replace("_ms", " (ms)"))
-    shown = [s for s in setups if s in med]
     axes[3].bar(shown, [med[s]["cpu_ms_per_output_token"] for s in shown], color=[f"C{i}" for i in range(len(shown))])
     axes[3].tick_params(axis="x", labelsize=7)
     axes[3].set_title("CPU ms / output token")
