@@ -56,6 +56,12 @@ def test_a_disaggregated_site_is_one_endpoint_with_the_scenarios_split(tmp_path:
     cmd = Sites(s, workers, tmp_path, None, []).command(core[0])
     assert cmd[cmd.index("--prefill-workers") + 1] == "2" and cmd[cmd.index("--decode-workers") + 1] == "2"
     assert cmd[cmd.index("--engine") + 1] == "reference"
+    from serve.fleet.view import site_replicas
+
+    rep = next(r for r in site_replicas(s, workers) if r.site == "fra-core")
+    assert rep.role == "colocated" and rep.max_num_seqs == 2 * s.max_num_seqs and rep.prefill_lanes == 2
+    rep.tok_s, rep.pending_prefill = 0.001, 100
+    assert rep.est_wait_s() == pytest.approx(0.05)  # 100 prompt tokens over its 2 prefill workers
     colocated = plan_workers(s, colocate=True)  # the option as it was: a server per replica
     assert [w.site for w in colocated].count("fra-core") == 4 and not any(w.disaggregated for w in colocated)
 
