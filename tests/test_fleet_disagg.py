@@ -180,6 +180,8 @@ def test_a_killed_decode_worker_of_the_site_ends_the_stream_whole_or_with_an_err
     text, events = stream(fleet.url, 1500, kill_the_serving_decode_worker)
     assert killed and time.monotonic() - started < 90 and events[-1] == {"done": True}
     errors = [e for e in events if "error" in e]
+    print(f"decode worker {killed[0]} killed at event 3: {'an error event' if errors else 'the whole answer'}, "
+          f"{len(events) - 1} events")
     if errors:  # ended early with the endpoint's reason; what came is the start of the answer
         assert whole.startswith(text) and len(errors) == 1
     else:  # migrated to the other decode worker: the whole answer, no token twice
