@@ -54,8 +54,10 @@ SETUPS = {"colocated": ["--blas-threads", "1"],
 
 
 class Served:
-    def __init__(self, args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "serve", "--model", "smollm2", "--port", "0", "--log-level", "error", *ENGINE,
+    """``python -m serve --model MODEL`` with the common engine settings and ``args``, on a free port."""
+
+    def __init__(self, args: list[str], model: str = "smollm2") -> None:
+        cmd = [sys.executable, "-m", "serve", "--model", model, "--port", "0", "--log-level", "error", *ENGINE,
                *args]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -96,8 +98,10 @@ class Served:
             self.proc.wait(10)
 
 
-def timed(setup: str, prompts: list[str], cfg: BenchConfig) -> dict:
-    server = Served(SETUPS[setup])
+def timed(setup: str, prompts: list[str], cfg: BenchConfig, args: list[str] | None = None,
+          model: str = "smollm2") -> dict:
+    """One ``serve.bench`` run against a fresh server of ``setup`` (its arguments: ``args``, or ``SETUPS``)."""
+    server = Served(SETUPS[setup] if args is None else args, model)
     try:
         cfg.url = server.url
         cpu0 = server.cpu_s()
@@ -114,10 +118,12 @@ def timed(setup: str, prompts: list[str], cfg: BenchConfig) -> dict:
             "cpu_ms_per_output_token": 1e3 * cpu / max(1, s["output_tokens"]), "worker_metrics": worker_lines}
 
 
-def answers(setup: str, prompts: list[str], max_tokens: int) -> list[str]:
+def answers(setup: str, prompts: list[str], max_tokens: int, args: list[str] | None = None,
+            model: str = "smollm2") -> list[str]:
+    """Every prompt's greedy chat answer from a fresh server of ``setup`` (8 at a time)."""
     import httpx
 
-    server = Served(SETUPS[setup])
+    server = Served(SETUPS[setup] if args is None else args, model)
     try:
         def one(p: str) -> str:
             r = httpx.post(server.url + "/v1/chat/completions", timeout=600, json={
@@ -163,7 +169,8 @@ def medians(runs: list[dict]) -> dict:
     return out
 
 
-def figure(result: dict, path: Path) -> None:
+def figure(result: dict, path: Path, setups: tuple[str, ...] = TIMED, title: str | None = None) -> None:
+    """TTFT / ITL / e2e percentiles and CPU per token of every setup's medians (``result["medians"]``)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,18 +178,19 @@ def figure(result: dict, path: Path) -> None:
 
     med = result["medians"]
     fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
+    shown = [s for s in setups if s in med]
+    width = 0.81 / len(shown)
     for ax, metric in zip(axes[:3], ("ttft_ms", "itl_ms", "e2e_ms"), strict=True):
         x = np.arange(3)
-        for i, setup in enumerate(s for s in TIMED if s in med):
-            ax.bar(x + 0.27 * i, [med[setup][f"{metric}/{p}"] for p in ("p50", "p90", "p99")], 0.27, label=setup)
-        ax.set_xticks(x + 0.27, ["p50", "p90", "p99"])
+        for i, setup in enumerate(shown):
+            ax.bar(x + width * i, [med[setup][f"{metric}/{p}"] for p in ("p50", "p90", "p99")], width, label=setup)
+        ax.set_xticks(x + width * (len(shown) - 1) / 2, ["p50", "p90", "p99"])
         ax.set_title(metric.replace("_ms", " (ms)"))
-    shown = [s for s in TIMED if s in med]
     axes[3].bar(shown, [med[s]["cpu_ms_per_output_token"] for s in shown], color=[f"C{i}" for i in range(len(shown))])
     axes[3].tick_params(axis="x", labelsize=7)
     axes[3].set_title("CPU ms / output token")
     axes[0].legend(fontsize=8)
-    fig.suptitle(f"SmolLM2, reference engine, {result['workload']['num_prompts']} ShareGPT prompts at "
+    fig.suptitle(title or f"SmolLM2, reference engine, {result['workload']['num_prompts']} ShareGPT prompts at "
                  f"{result['workload']['request_rate']} req/s (medians of {result['workload']['repeats']} runs)",
                  fontsize=9)
     fig.tight_layout()

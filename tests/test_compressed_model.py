@@ -256,3 +256,33 @@ def test_bench_compressed_runs_end_to_end(tiny, tmp_path):
     assert e["blocks_compressed"] > e["blocks_plain"] and s["resident_weights_ratio"] < 1
     assert e["budget_bytes"] >= e["weights_compressed_bytes"] + e["blocks_compressed"] * e["kv_block_bytes"]
     assert all(v > 0 for v in s["useful_tok_s"].values())
+
+
+@pytest.mark.slow
+def test_bench_compressed_serve_runs_end_to_end(tiny, tmp_path):
+    """Plain vs --compressed vs a container through real servers (serve.bench), on the tiny checkpoint: the
+    answers are the plain endpoint's (lossless), the table and the figure are written."""
+    pytest.importorskip("torch")
+    pytest.importorskip("httpx")
+    from experiments.bench_compressed_serve import main, table
+
+    out = tmp_path / "serve_compressed.json"
+    assert main(["--model", str(tiny["folder"]), "--min-elements", "1024", "--num-prompts", "2", "--max-tokens", "4",
+                 "--request-rate", "20", "--repeats", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["setups"] == ["plain", "compressed", "container"] and out.with_suffix(".png").is_file()
+    assert all(r["summary"]["completed"] == 2 and r["cpu_ms_per_output_token"] > 0 for r in result["runs"])
+    assert {s: a["identical_answers"] for s, a in result["agreement_with_plain"].items()} == {"compressed": 2,
+                                                                                             "container": 2}
+    assert result["container"]["bytes"] > 0 and "--compressed" in result["workload"]["setups"]["compressed"]
+    assert table(result).count("\n") == 4 and "| container |" in table(result)
+
+
+def test_bench_compressed_serve_checks_its_arguments(capsys):
+    from experiments.bench_compressed_serve import main
+
+    for bad, needle in [(["--setups", "compressed,plain"], "plain first"), (["--repeats", "0"], "must be > 0"),
+                        (["--container", "/nonexistent.safetensors"], "no such file")]:
+        with pytest.raises(SystemExit):
+            main(bad)
+        assert needle in capsys.readouterr().err

@@ -47,7 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--site-keys", help="keys file the servers run with (default: one written for local servers)")
     p.add_argument("--trace", help="write one JSON line per request here (the simulator's trace format, extended)")
     p.add_argument("--delays", action="store_true", help="add the scenario's network delays (access + path)")
-    p.add_argument("--colocate", action="store_true", help="run disaggregated sites' workers colocated")
+    p.add_argument("--colocate", action="store_true",
+                   help="run disaggregated sites colocated, one server per replica (default: one disaggregated "
+                        "endpoint per model, P:D from the site's prefill/decode replicas)")
     p.add_argument("--workdir", help="where server logs, keys and the tiny checkpoint go (default: a temp dir)")
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks of each server")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between health/load polls of each server")
@@ -88,12 +90,14 @@ def warm_up(reps: list[SiteReplica], keys: dict[str, str], s: Scenario) -> None:
     """One streamed request per server: it proves the server answers and measures its prefill time per
     prompt token (a prompt of one whole step budget, as the simulated replica's estimate prices it) and its
     decode step time, which the router's wait estimate uses. It is sent as the
-    ``WARMUP`` tenant, or (servers with a keys file of their own) as a tenant allowed at the server."""
+    ``WARMUP`` tenant, or (servers with a keys file of their own) as a tenant allowed at the server. A
+    disaggregated endpoint does not take ``ignore_eos``: its warm-up may stop early at an end token."""
     n = max(1, min(s.max_num_batched_tokens, 2000))
-    body = {"prompt": [100 + i % 1000 for i in range(n)], "max_tokens": WARMUP_OUTPUT, "ignore_eos": True,
-            "stream": True, "temperature": 0}
+    prompt = {"prompt": [100 + i % 1000 for i in range(n)], "max_tokens": WARMUP_OUTPUT, "stream": True,
+              "temperature": 0}
     with httpx.Client(timeout=60) as client:
         for rep in reps:
+            body = prompt if rep.worker.disaggregated else {**prompt, "ignore_eos": True}
             allowed = [t.name for t in s.traffic if rep.jurisdiction in t.allowed and t.name in keys]
             key = keys.get(WARMUP) or (keys[allowed[0]] if allowed else None)
             headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -237,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         url = fleet.bind(args.host, args.port)
         fleet.start_sites()
         for w in fleet.workers:
-            print(f"  {w.site:12s} worker {w.index}: {w.model} ({w.serve_model}) at http://{w.address}", flush=True)
+            kind = f", disaggregated {w.prefill_workers}:{w.decode_workers}" if w.disaggregated else ""
+            print(f"  {w.site:12s} worker {w.index}: {w.model} ({w.serve_model}{kind}) at http://{w.address}",
+                  flush=True)
         n_sites = len({w.site for w in fleet.workers})
         print(f"fleet: {len(fleet.workers)} servers at {n_sites} sites; gateway on {url}/v1 "
               f"(routing with reference.cluster.router)", flush=True)

@@ -124,6 +124,7 @@ class Gateway:
             rec.update(tenant=tenant.name, plan=tenant.plan, arrival_s=round(r.arrival, 6), status=status,
                        tier=d.prefill.tier if d is not None and d.prefill is not None else None,
                        worker=d.prefill.index if d is not None and d.prefill is not None else None,
+                       disaggregated=_split(d.prefill) if d is not None and d.prefill is not None else None,
                        visited=list(r.visited),
                        token_times_ms=[round((t - r.arrival) * 1e3, 3) for t in token_times])
             if outcome != "done" and r.first_token is not None:
@@ -294,6 +295,7 @@ async def forward(g: Gateway, r: Trip, tenant: Tenant, body: dict[str, Any], str
         try:
             first = await relay.first_event()
         except httpx.HTTPError:
+            await resp.aclose()
             relay.failed_before_answer()
             continue
         return StreamingResponse(relay.events(first), media_type="text/event-stream",
@@ -334,6 +336,7 @@ class Relay:
         self.g, self.r, self.tenant, self.rep, self.resp, self.counted = g, r, tenant, rep, resp, counted
         self.lines = resp.aiter_lines()
         self.times: list[float] = []
+        self.error: str | None = None  # the server's own error event (e.g. a disaggregated worker lost)
         self.back_s = (r.access_s + r.decision.path_in.one_way_s) if g.delays else 0.0  # type: ignore[union-attr]
 
     def failed_before_answer(self) -> None:
@@ -355,6 +358,8 @@ class Relay:
                 t = self.g.now()
                 self._saw(line, t)
                 seen.append((t, line))
+                if self.error is not None and not self.times:  # failed before its first token: try again
+                    raise httpx.RemoteProtocolError(f"the server failed before its first token: {self.error}")
                 if self.times or line.strip() == "data: [DONE]":
                     return seen
         raise httpx.RemoteProtocolError("the server's stream ended before its first token")
@@ -366,6 +371,9 @@ class Relay:
         try:
             chunk = json.loads(payload)
         except json.JSONDecodeError:
+            return
+        if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
+            self.error = str(chunk["error"].get("message", "error"))[:200]
             return
         choices = chunk.get("choices") or [{}]
         piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
@@ -421,11 +429,17 @@ class Relay:
             await self.resp.aclose()
             self.counted.settle()
             if done:
-                outcome = "done"
+                outcome = "done" if self.error is None else "failed"  # ended by the server's error event
                 self.r.finish = self.r.last_token if self.r.last_token is not None else self.g.now()
                 if self.r.first_token is None:
                     self.r.first_token = self.r.finish
             self.g.record(self.r, outcome, status, self.tenant, self.times)
+
+
+def _split(rep: Any) -> str | None:
+    """"P:D" of a disaggregated endpoint, None for a colocated server."""
+    w = rep.worker
+    return f"{w.prefill_workers}:{w.decode_workers}" if w.disaggregated else None
 
 
 def load_site_keys(path: Path) -> dict[str, str]:

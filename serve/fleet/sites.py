@@ -4,6 +4,13 @@
 ``Sites`` starts the local ones in parallel, waits until each prints its address, and can kill and
 restart a site (the failure experiments do that). A site with ``address`` set is remote: nothing is
 started, the gateway reaches its servers over HTTP.
+
+A disaggregated site (replicas with ``role = "prefill"`` / ``"decode"``) runs one disaggregated endpoint
+per model: ``python -m serve --prefill-workers P --decode-workers D`` with P and D the counts of that
+model's prefill and decode replicas, so the site's P:D is the scenario's. From the gateway it is one
+server (the router sees one colocated replica: the endpoint hands prompts to its decode workers itself);
+its worker processes belong to the server's process group, so killing the site kills them too.
+``colocate`` runs such a site the old way instead, one colocated server per replica.
 """
 
 from __future__ import annotations
@@ -38,6 +45,12 @@ class Worker:
     serve_model: str  # what the server loads
     address: str = ""  # host:port, known once started (or given, for a remote site)
     proc: subprocess.Popen | None = None
+    prefill_workers: int = 0  # a disaggregated endpoint: its prefill and decode worker processes (P:D)
+    decode_workers: int = 0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.decode_workers > 0
 
 
 def site_workers(site: Site) -> list[str]:
@@ -50,20 +63,52 @@ def site_workers(site: Site) -> list[str]:
 
 
 def plan_workers(s: Scenario, colocate: bool = False) -> list[Worker]:
-    """Every worker of the fleet, site by site in file order. Disaggregated sites (prefill/decode
-    replicas) are refused unless ``colocate``: then each serves prompts and decoding itself."""
+    """Every worker of the fleet, site by site in file order. A disaggregated site (prefill/decode
+    replicas) is one disaggregated endpoint per model (see the module docstring), or, with ``colocate``,
+    one colocated server per replica. A remote disaggregated site's ``address`` entries are its
+    endpoints, as they were started there."""
     workers: list[Worker] = []
     for site in s.sites.values():
-        roles = {r.role for r in site.replicas}
-        if roles - {"colocated"} and not colocate:
-            raise FleetError(f"sites[{site.name}]: prefill/decode replicas (a disaggregated site) are not served by "
-                             "the fleet yet; give --colocate to run each of its workers colocated")
-        for i, model in enumerate(site_workers(site)):
-            address = site.address[i] if site.address else ""
-            workers.append(Worker(len(workers), site.name, model, site.serve_model, address))
+        split = [r for r in site.replicas if r.role != "colocated"]
+        if not split or colocate:
+            for i, model in enumerate(site_workers(site)):
+                address = site.address[i] if site.address else ""
+                workers.append(Worker(len(workers), site.name, model, site.serve_model, address))
+            continue
+        endpoints = disaggregated_endpoints(site)
+        if site.address:
+            for i, address in enumerate(site.address):
+                model, p, d = endpoints[i % len(endpoints)]
+                workers.append(Worker(len(workers), site.name, model, site.serve_model, address,
+                                      prefill_workers=p, decode_workers=d))
+            continue
+        for model in (r.model for r in site.replicas if r.role == "colocated" for _ in range(r.count)):
+            workers.append(Worker(len(workers), site.name, model, site.serve_model))
+        for model, p, d in endpoints:
+            workers.append(Worker(len(workers), site.name, model, site.serve_model, prefill_workers=p,
+                                  decode_workers=d))
     if not workers:
         raise FleetError("the scenario has no replicas to serve")
     return workers
+
+
+def disaggregated_endpoints(site: Site) -> list[tuple[str, int, int]]:
+    """(model, P, D) of every disaggregated endpoint of ``site``: one per model of its prefill/decode
+    replicas, P and D their counts. A model with prefill but no decode replicas (or the other way round),
+    or a ``workers`` count for the site, is refused: the endpoint's shape is the replicas'."""
+    counts: dict[str, list[int]] = {}
+    for r in site.replicas:
+        if r.role in ("prefill", "decode"):
+            counts.setdefault(r.model, [0, 0])[r.role == "decode"] += r.count
+    for model, (p, d) in counts.items():
+        if not p or not d:
+            raise FleetError(f"sites[{site.name}]: model {model} has {p} prefill and {d} decode replicas; a "
+                             "disaggregated endpoint needs both (or give --colocate)")
+    if site.workers and not site.address:
+        raise FleetError(f"sites[{site.name}]: workers = {site.workers} with prefill/decode replicas: a "
+                         "disaggregated site runs one endpoint per model, P:D from its replicas; leave workers "
+                         "out (or give --colocate)")
+    return [(model, p, d) for model, (p, d) in counts.items()]
 
 
 class Sites:
@@ -84,7 +129,11 @@ class Sites:
         cmd = [sys.executable, "-m", "serve", "--model", model, "--served-model-name", w.model, "--host", "127.0.0.1",
                "--port", "0", "--block-size", str(self.s.block_size), "--max-num-seqs", str(self.s.max_num_seqs),
                "--max-num-batched-tokens", str(self.s.max_num_batched_tokens), "--policy", self.s.policy,
-               "--shutdown-grace", "0", *self.engine_args]
+               "--shutdown-grace", "0"]
+        if w.disaggregated:  # the endpoint's workers run the reference runner
+            cmd += ["--engine", "reference", "--prefill-workers", str(w.prefill_workers),
+                    "--decode-workers", str(w.decode_workers)]
+        cmd += self.engine_args
         return cmd + (["--api-keys", str(self.keys_file)] if self.keys_file else [])
 
     def start(self, only: list[Worker] | None = None) -> None:

@@ -30,8 +30,9 @@ class SiteReplica:
     worker: Worker
     jurisdiction: str
     tier: str
-    max_num_seqs: int
+    max_num_seqs: int  # sequences it runs at once (a disaggregated endpoint: per decode worker, times D)
     role: str = "colocated"
+    prefill_lanes: int = 1  # prompts computed side by side (a disaggregated endpoint: its P prefill workers)
     alive: bool = False  # set by the first health check
     tok_s: float = 1e-3  # seconds of prefill per prompt token (measured at start)
     decode_s: float = 5e-3  # seconds per decode step (measured at start)
@@ -54,16 +55,19 @@ class SiteReplica:
         return self.worker.model
 
     def est_wait_s(self, now: float = 0.0) -> float:
-        """``reference.cluster.replica.Replica.est_wait_s`` over this server's counters."""
+        """``reference.cluster.replica.Replica.est_wait_s`` over this server's counters (the prompt tokens
+        shared by a disaggregated endpoint's prefill workers, as the simulator's P prefill replicas)."""
         cap = self.max_num_seqs
         n = max(self.live, self.remote_live)
-        wait = self.pending_prefill * self.tok_s
+        wait = self.pending_prefill * self.tok_s / self.prefill_lanes
         if n + 1 > cap:
             wait += (n + 1 - cap) / cap * (self.pending_decode / max(n, 1)) * self.decode_s
         return wait
 
     def view(self) -> dict:
+        w = self.worker
         return {"index": self.index, "site": self.site, "model": self.model, "tier": self.tier,
+                "disaggregated": f"{w.prefill_workers}:{w.decode_workers}" if w.disaggregated else None,
                 "jurisdiction": self.jurisdiction, "address": self.worker.address,
                 "pid": self.worker.proc.pid if self.worker.proc is not None else None, "alive": self.alive,
                 "live": self.live, "remote_live": self.remote_live, "pending_prefill": self.pending_prefill,
@@ -72,7 +76,9 @@ class SiteReplica:
 
 
 def site_replicas(s: Scenario, workers: list[Worker]) -> list[SiteReplica]:
-    return [SiteReplica(w, s.sites[w.site].jurisdiction, s.sites[w.site].tier, s.max_num_seqs) for w in workers]
+    return [SiteReplica(w, s.sites[w.site].jurisdiction, s.sites[w.site].tier,
+                        s.max_num_seqs * max(1, w.decode_workers), prefill_lanes=max(1, w.prefill_workers))
+            for w in workers]
 
 
 async def check(client: httpx.AsyncClient, rep: SiteReplica, timeout: float = 2.0) -> None:
