@@ -268,7 +268,8 @@ def agreement(ours: dict, peer: dict) -> dict[str, float]:
 
 # -- the run -----------------------------------------------------------------------------------------
 
-def run(a: argparse.Namespace) -> dict[str, Any]:
+def run(a: argparse.Namespace, on_entry: Any = None) -> dict[str, Any]:
+    """Every server at every round; ``on_entry(runs)`` after each server's passes (to save as it goes)."""
     from reference.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(MODEL)
@@ -285,17 +286,20 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             for kind, setting in order:
                 name = f"{kind}@{setting}"
                 print(f"round {rnd + 1}/{a.repeats}: {name} starting", flush=True)
+                tag = f"{kind}-{setting.replace('/', '_')}-{rnd}"  # a file name
                 with server(kind, setting, a, model_dir, workdir) as srv:
-                    run_ours_client(srv["url"], files[0], a, workdir / "warmup.json")
-                    passes = [measured_pass(srv, "serve.bench", files[1], a, model_dir, workdir, f"{name}-{rnd}-ours")]
+                    run_ours_client(srv["url"], files[0], a, workdir / f"{tag}-warmup.json")
+                    passes = [measured_pass(srv, "serve.bench", files[1], a, model_dir, workdir, f"{tag}-ours")]
                     if a.vllm_python:
                         passes.append(measured_pass(srv, "vllm bench serve", files[2], a, model_dir, workdir,
-                                                    f"{name}-{rnd}-vllm"))
+                                                    f"{tag}-vllm"))
                     entry = {"round": rnd, "startup_s": srv["startup_s"], "passes": passes}
                     if len(passes) == 2:
                         entry["vllm_bench_over_serve_bench"] = agreement(passes[0]["summary"], passes[1]["summary"])
                     runs[name].append(entry)
                     print(f"  {name}: " + "; ".join(_line(p) for p in passes), flush=True)
+                if on_entry is not None:
+                    on_entry(runs)
     return {"runs": runs, "load_average_before": [round(x, 2) for x in load_before],
             "load_average_after": [round(x, 2) for x in os.getloadavg()]}
 
@@ -406,7 +410,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    measured = run(a)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def partial(runs: dict[str, list[dict]]) -> None:  # a crash later keeps what was measured
+        write_text(a.out.with_suffix(".partial.json"), json.dumps({"setup": setup, "runs": runs}, indent=1) + "\n")
+
     setup = {"weights": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized; bf16 in both servers)",
              "workload": (f"{a.num_prompts} prompts of {a.input_len} random token ids, {a.max_tokens} output tokens "
                           "each (ignore_eos, greedy), all at once, /v1/completions, streamed"),
@@ -417,10 +425,11 @@ def main(argv: list[str] | None = None) -> int:
              "vllm": {"max_num_batched_tokens": a.vllm_budget, "python": a.vllm_python} if a.vllm_python else None,
              "max_num_seqs": a.max_num_seqs, "repeats": a.repeats, "machine": setup_info.machine(),
              "commit": setup_info.commit(), "date": setup_info.now()}
+    measured = run(a, partial)
     result = {"experiment": "bench_serve_vllm", "setup": setup, **measured, "median": medians(measured["runs"])}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
     result["figures"] = [figure(result, a.out.with_suffix(".png")).name]
     write_text(a.out, json.dumps(result, indent=1) + "\n")
+    a.out.with_suffix(".partial.json").unlink(missing_ok=True)
     print(json.dumps(result["median"], indent=1))
     return 0
 
