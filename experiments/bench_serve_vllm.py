@@ -10,8 +10,9 @@ random token ids (seeded, decoded to text, as vLLM's own ``random`` dataset make
 once, ``/v1/completions``, greedy, exactly ``--max-tokens`` output tokens each (``ignore_eos``). The
 load generators run on other cores (``--client-cpus``).
 
-Every server start gets a warm-up pass, then two measured passes, each on fresh prompts of the same
-shape (another seed: no prefix-cache hit on a pass before it), the same seeds on every server:
+Every server start gets a warm-up pass, then measured passes (``--passes`` of each client, taking
+turns), each on fresh prompts of the same shape (another seed: no prefix-cache hit on a pass before
+it), the same seeds on every server:
 
 1. ``python -m serve.bench`` (this project's load generator);
 2. ``vllm bench serve`` (vLLM's own client), fed the same prompt file (``--dataset-name sharegpt
@@ -273,13 +274,14 @@ def run(a: argparse.Namespace, on_entry: Any = None) -> dict[str, Any]:
     from reference.model.tokenizer import load_tokenizer
 
     tok = load_tokenizer(MODEL)
-    servers = [("ours", s) for s in a.ours] + ([("vllm", str(a.vllm_budget))] if a.vllm_python else [])
+    with_vllm_server = a.vllm_python and not a.no_vllm_server
+    servers = [("ours", s) for s in a.ours] + ([("vllm", str(a.vllm_budget))] if with_vllm_server else [])
     runs: dict[str, list[dict]] = {f"{k}@{s}": [] for k, s in servers}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="unfire-serve-vllm-") as tmp:
         workdir = Path(tmp)
         files = [write_prompt_file(random_prompts(tok, a.num_prompts, a.input_len, a.seed + k), workdir / f"p{k}.json")
-                 for k in range(3)]  # warm-up, serve.bench pass, vllm bench serve pass
+                 for k in range(1 + 2 * a.passes)]  # warm-up, then serve.bench and vllm bench serve passes in turn
         model_dir = write_model_folder(workdir / "hf") if a.vllm_python else None
         for rnd in range(a.repeats):
             order = servers if rnd % 2 == 0 else servers[::-1]
@@ -289,13 +291,17 @@ def run(a: argparse.Namespace, on_entry: Any = None) -> dict[str, Any]:
                 tag = f"{kind}-{setting.replace('/', '_')}-{rnd}"  # a file name
                 with server(kind, setting, a, model_dir, workdir) as srv:
                     run_ours_client(srv["url"], files[0], a, workdir / f"{tag}-warmup.json")
-                    passes = [measured_pass(srv, "serve.bench", files[1], a, model_dir, workdir, f"{tag}-ours")]
-                    if a.vllm_python:
-                        passes.append(measured_pass(srv, "vllm bench serve", files[2], a, model_dir, workdir,
-                                                    f"{tag}-vllm"))
+                    passes = []
+                    for j in range(a.passes):
+                        passes.append(measured_pass(srv, "serve.bench", files[1 + 2 * j], a, model_dir, workdir,
+                                                    f"{tag}-{j}-ours"))
+                        if a.vllm_python:
+                            passes.append(measured_pass(srv, "vllm bench serve", files[2 + 2 * j], a, model_dir,
+                                                        workdir, f"{tag}-{j}-vllm"))
                     entry = {"round": rnd, "startup_s": srv["startup_s"], "passes": passes}
-                    if len(passes) == 2:
-                        entry["vllm_bench_over_serve_bench"] = agreement(passes[0]["summary"], passes[1]["summary"])
+                    if a.vllm_python:
+                        entry["vllm_bench_over_serve_bench"] = [
+                            agreement(passes[i]["summary"], passes[i + 1]["summary"]) for i in range(0, len(passes), 2)]
                     runs[name].append(entry)
                     print(f"  {name}: " + "; ".join(_line(p) for p in passes), flush=True)
                 if on_entry is not None:
@@ -378,6 +384,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="output tokens per request, end token ignored (default 32)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts (passes use seed, seed+1, seed+2)")
     p.add_argument("--repeats", type=int, default=1, help="rounds over every server, alternating order (default 1)")
+    p.add_argument("--passes", type=int, default=1,
+                   help="measured passes of each client per server start, the clients taking turns (default 1)")
+    p.add_argument("--no-vllm-server", action="store_true",
+                   help="with --vllm-python: run vLLM's client against our server only, not vLLM's server")
     p.add_argument("--nice", type=int, default=10, help="niceness of both servers (default 10: a shared machine)")
     p.add_argument("--startup-timeout", type=float, default=900.0,
                    help="seconds a server may take to start (default 900: vLLM compiles at start-up)")
@@ -393,7 +403,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     except ValueError:
         p.error(f"--ours {a.ours!r}: settings are B or B/C with integers >= 1, comma-separated")
     a.ours = settings
-    for name in ("num_prompts", "input_len", "max_tokens", "repeats", "max_num_seqs", "vllm_budget"):
+    for name in ("num_prompts", "input_len", "max_tokens", "repeats", "passes", "max_num_seqs", "vllm_budget"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     try:
@@ -422,8 +432,9 @@ def main(argv: list[str] | None = None) -> int:
              "ours": {s: {"max_num_batched_tokens": int(s.partition("/")[0]),
                           "max_prefill_tokens_with_decodes": int(s.partition("/")[2]) if "/" in s else None}
                       for s in a.ours},
-             "vllm": {"max_num_batched_tokens": a.vllm_budget, "python": a.vllm_python} if a.vllm_python else None,
-             "max_num_seqs": a.max_num_seqs, "repeats": a.repeats, "machine": setup_info.machine(),
+             "vllm": {"max_num_batched_tokens": a.vllm_budget, "python": a.vllm_python,
+                      "server": not a.no_vllm_server} if a.vllm_python else None,
+             "max_num_seqs": a.max_num_seqs, "repeats": a.repeats, "passes": a.passes, "machine": setup_info.machine(),
              "commit": setup_info.commit(), "date": setup_info.now()}
     measured = run(a, partial)
     result = {"experiment": "bench_serve_vllm", "setup": setup, **measured, "median": medians(measured["runs"])}

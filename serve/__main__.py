@@ -23,6 +23,11 @@ import sys
 from types import FrameType
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+# the colocated engine's step: a burst into an idle engine is prefilled in few large steps, while a step
+# that carries decodes takes at most PREFILL_CAP prompt tokens (README, "The step budget"; chosen with
+# experiments/bench_serve_vllm.py). --pipeline and disaggregated workers keep the earlier 256, and a
+# budget given on the command line gets no cap unless one is given too (the scheduler as before).
+BUDGET, PREFILL_CAP, OTHER_BUDGET = 2048, 256, 256
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,13 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in one engine step (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="tokens in one engine step, prefill chunks included (default 256); see "
-                        "--max-prefill-tokens-with-decodes")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help=f"tokens in one engine step, prefill chunks included (default {BUDGET}; 256 with "
+                        "--pipeline or disaggregated workers)")
     p.add_argument("--max-prefill-tokens-with-decodes", type=int, metavar="N",
-                   help="prompt tokens a step may take when it also carries decodes (bounds the inter-token "
-                        "latency a new prompt adds to running streams; a step without decodes still takes "
-                        "prompts up to --max-num-batched-tokens). Default: the whole budget, as vLLM")
+                   help=f"prompt tokens a step may take when it also carries decodes: bounds the inter-token "
+                        f"latency a new prompt adds to running streams, while a step without decodes still takes "
+                        f"prompts up to the whole budget (default {PREFILL_CAP} with the default budget; none "
+                        "with a --max-num-batched-tokens of your own, --pipeline or disaggregated workers)")
     p.add_argument("--max-model-len", type=int,
                    help="context length in tokens (default: the model's, capped by the KV cache)")
     p.add_argument("--max-pending", type=int, default=256,
@@ -73,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     disagg.add_arguments(p)
     args = p.parse_args(argv)
     disagg.check_arguments(p, args)
+    if args.max_num_batched_tokens is None:  # the defaults come as a pair: a budget given alone gets no cap
+        colocated = not (disagg.wanted(args) or args.pipeline)
+        args.max_num_batched_tokens = BUDGET if colocated else OTHER_BUDGET
+        if args.max_prefill_tokens_with_decodes is None and colocated:
+            args.max_prefill_tokens_with_decodes = PREFILL_CAP
     if disagg.wanted(args) and (args.pipeline or args.compressed):
         p.error("--pipeline and --compressed serve a colocated engine; they do not combine with disaggregated workers")
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:

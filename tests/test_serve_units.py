@@ -142,7 +142,12 @@ def test_cli_step_budget_options(capsys):
     args = parse_args(["--max-num-batched-tokens", "2048", "--max-prefill-tokens-with-decodes", "256",
                        "--threads", "1"])
     assert (args.max_num_batched_tokens, args.max_prefill_tokens_with_decodes, args.threads) == (2048, 256, 1)
-    assert parse_args([]).max_prefill_tokens_with_decodes is None and parse_args([]).threads is None
+    default = parse_args([])  # the pair bench_serve_vllm chose; a budget of one's own gets no cap
+    d = default
+    assert (d.max_num_batched_tokens, d.max_prefill_tokens_with_decodes, d.threads) == (2048, 256, None)
+    assert parse_args(["--max-num-batched-tokens", "512"]).max_prefill_tokens_with_decodes is None
+    assert (parse_args(["--pipeline", "2"]).max_num_batched_tokens,
+            parse_args(["--pipeline", "2"]).max_prefill_tokens_with_decodes) == (256, None)
     for bad in (["--max-prefill-tokens-with-decodes", "0"], ["--threads", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
