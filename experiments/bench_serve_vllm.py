@@ -355,7 +355,9 @@ def figure(result: dict, path: Path) -> Path:
                       ha="right", fontsize=8)
         ax.set_title(label, fontsize=9)
     axes[0].legend(fontsize=7)
-    fig.suptitle(result["setup"]["workload"], fontsize=8)
+    loads = [x for es in result["runs"].values() for e in es for p in e["passes"] for x in p["load_average"]]
+    fig.suptitle(f"{result['setup']['workload']}; servers on cores {result['setup']['servers_on_cpus']}; medians of "
+                 f"{result['setup']['repeats']} rounds; load average {min(loads):.0f}-{max(loads):.0f}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
