@@ -23,6 +23,11 @@ import sys
 from types import FrameType
 
 LOOPBACK = {"127.0.0.1", "::1", "localhost"}
+# the colocated engine's step: a burst into an idle engine is prefilled in few large steps, while a step
+# that carries decodes takes at most PREFILL_CAP prompt tokens (README, "The step budget"; chosen with
+# experiments/bench_serve_vllm.py). --pipeline and disaggregated workers keep the earlier 256, and a
+# budget given on the command line gets no cap unless one is given too (the scheduler as before).
+BUDGET, PREFILL_CAP, OTHER_BUDGET = 2048, 256, 256
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -44,8 +49,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in one engine step (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=256,
-                   help="tokens in one engine step, prefill chunks included (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help=f"tokens in one engine step, prefill chunks included (default {BUDGET}; 256 with "
+                        "--pipeline or disaggregated workers)")
+    p.add_argument("--max-prefill-tokens-with-decodes", type=int, metavar="N",
+                   help=f"prompt tokens a step may take when it also carries decodes: bounds the inter-token "
+                        f"latency a new prompt adds to running streams, while a step without decodes still takes "
+                        f"prompts up to the whole budget (default {PREFILL_CAP} with the default budget; none "
+                        "with a --max-num-batched-tokens of your own, --pipeline or disaggregated workers)")
     p.add_argument("--max-model-len", type=int,
                    help="context length in tokens (default: the model's, capped by the KV cache)")
     p.add_argument("--max-pending", type=int, default=256,
@@ -53,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds requests in flight may finish after SIGTERM before they are aborted")
     p.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
+    p.add_argument("--threads", type=int,
+                   help="torch threads of the fast engine (default: the cores this process may run on)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
                    help="uvicorn's and the server's log level (default warning)")
     p.add_argument("--pipeline", metavar="STAGES",
@@ -66,13 +79,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     disagg.add_arguments(p)
     args = p.parse_args(argv)
     disagg.check_arguments(p, args)
+    if args.max_num_batched_tokens is None:  # the defaults come as a pair: a budget given alone gets no cap
+        colocated = not (disagg.wanted(args) or args.pipeline)
+        args.max_num_batched_tokens = BUDGET if colocated else OTHER_BUDGET
+        if args.max_prefill_tokens_with_decodes is None and colocated:
+            args.max_prefill_tokens_with_decodes = PREFILL_CAP
     if disagg.wanted(args) and (args.pipeline or args.compressed):
         p.error("--pipeline and --compressed serve a colocated engine; they do not combine with disaggregated workers")
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
                 "give --api-keys KEYS.toml, or --allow-unauthenticated if that is what you want")
-    for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending", "micro_batches"):
-        if getattr(args, name) < 1:
+    for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending", "micro_batches",
+                 "max_prefill_tokens_with_decodes", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.shutdown_grace < 0:
         p.error("--shutdown-grace must be >= 0")
@@ -130,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                                  policy=args.policy, dtype=args.dtype, compressed=parse_compressed(args.compressed),
                                  num_blocks=args.num_blocks, block_size=args.block_size,
                                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 max_model_len=args.max_model_len, pipeline=args.pipeline,
+                                 max_model_len=args.max_model_len, pipeline=args.pipeline, threads=args.threads,
+                                 max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
                                  micro_batches=args.micro_batches, pipeline_step_timeout_s=args.pipeline_step_timeout)
             worker = EngineWorker(engine)
     except (EngineUnavailable, ValueError, OSError, TimeoutError) as e:

@@ -3,7 +3,9 @@
     python -m serve.bench --url http://127.0.0.1:8000 --dataset sharegpt --num-prompts 100 \\
         --request-rate 4 [--burst] [--max-tokens 64] [--slo-ttft-ms 500 --slo-tpot-ms 100] [--out run.json]
 
-Prompts are ShareGPT first turns (``reference/workload.py``), cut to ``--max-prompt-chars``. Requests
+Prompts are ShareGPT first turns (``reference/workload.py``), cut to ``--max-prompt-chars``, or the first
+turns of a ShareGPT-format JSON file (``--dataset-path``: the file vLLM's ``bench serve --dataset-name
+sharegpt`` reads, so both load generators can send the very same prompts), in file order. Requests
 arrive as a Poisson process at ``--request-rate`` per second (``--burst``: all at once), each a
 streaming chat completion (or completion) with greedy sampling and ``--max-tokens``. The server's
 stream is read as server-sent events: TTFT is send to the first piece of text, ITL the gaps between
@@ -54,6 +56,25 @@ def sharegpt_prompts(n: int, max_chars: int) -> list[str]:
     if len(prompts) < n:
         raise SystemExit(f"error: ShareGPT has only {len(prompts)} usable prompts, asked for {n}")
     return prompts
+
+
+def file_prompts(path: str | Path, n: int, max_chars: int) -> list[str]:
+    """The first ``n`` first turns of a ShareGPT-format JSON file: ``[{"conversations": [{"value": ...}, ...]}]``."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SystemExit(f"error: --dataset-path {path}: {e}") from None
+    prompts = []
+    for i, entry in enumerate(data if isinstance(data, list) else []):
+        turns = entry.get("conversations") if isinstance(entry, dict) else None
+        if not (isinstance(turns, list) and turns and isinstance(turns[0], dict)
+                and isinstance(turns[0].get("value"), str)):
+            raise SystemExit(f"error: --dataset-path {path}: entry {i} has no conversations[0].value string")
+        prompts.append(turns[0]["value"][:max_chars])
+    if not isinstance(data, list) or len(prompts) < n:
+        raise SystemExit(f"error: --dataset-path {path}: {len(prompts)} prompts (a JSON list of ShareGPT "
+                         f"conversations), asked for {n}")
+    return prompts[:n]
 
 
 def arrival_times(n: int, rate: float, burst: bool, seed: int) -> list[float]:
@@ -172,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="default: $OPENAI_API_KEY")
     p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
-    p.add_argument("--dataset", choices=["sharegpt"], default="sharegpt")
+    p.add_argument("--dataset", choices=["sharegpt"], default="sharegpt",
+                   help="the packaged ShareGPT sample (default), unless --dataset-path is given")
+    p.add_argument("--dataset-path", help="a ShareGPT-format JSON file whose first turns are the prompts, in order")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests per second (Poisson)")
     p.add_argument("--burst", action="store_true", help="send every request at once")
@@ -191,7 +214,10 @@ def main(argv: list[str] | None = None) -> int:
                       request_rate=a.request_rate, burst=a.burst, max_tokens=a.max_tokens,
                       max_prompt_chars=a.max_prompt_chars, ignore_eos=a.ignore_eos, seed=a.seed,
                       slo_ttft_ms=a.slo_ttft_ms, slo_tpot_ms=a.slo_tpot_ms, timeout_s=a.timeout)
-    prompts = sharegpt_prompts(a.num_prompts, a.max_prompt_chars)
+    if a.dataset_path:
+        prompts = file_prompts(a.dataset_path, a.num_prompts, a.max_prompt_chars)
+    else:
+        prompts = sharegpt_prompts(a.num_prompts, a.max_prompt_chars)
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:

@@ -51,9 +51,11 @@ def parse_compressed(value: str | None) -> tuple[str, ...]:
 
 def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None = None, policy: str = "sjf+wfq",
                 dtype: str = "bfloat16", compressed: tuple[str, ...] = (), pipeline: str | None = None,
-                micro_batches: int = 2, pipeline_step_timeout_s: float = 120.0, **engine_kwargs: Any) -> Any:
+                micro_batches: int = 2, pipeline_step_timeout_s: float = 120.0, threads: int | None = None,
+                **engine_kwargs: Any) -> Any:
     """An engine over ``model`` (a packaged model name, a checkpoint path or a container) with its tokenizer.
 
+    ``threads``: torch threads of the fast engine (None: the cores this process may run on).
     ``pipeline``: a chain of stages (``"2"``, ``"cpu:2,cpu:1x2"``): the torch engine split over stage
     processes by the placement's best split (``fast.pipeline``), whatever ``kind`` says."""
     if compressed and pipeline:
@@ -88,5 +90,6 @@ def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None 
             raise EngineUnavailable(f"--engine fast needs the fast engine (fast.engine), which cannot be imported "
                                     f"here: {e}. Install the fast extra (pip install -e '.[fast]') on a checkout "
                                     "that has fast/engine, or use --engine reference") from None
-        return fast_engine.Engine.load(model=model, dtype=dtype, compressed=tuple(compressed), **options)
+        return fast_engine.Engine.load(model=model, dtype=dtype, compressed=tuple(compressed), threads=threads,
+                                       **options)
     raise EngineUnavailable(f"unknown engine {kind!r}: use 'reference' or 'fast'")

@@ -53,6 +53,21 @@ def test_continuous_batching_equals_one_at_a_time_greedy():
     check_block_manager(eng.block_manager, [])
 
 
+def test_prefill_cap_beside_decodes_changes_the_steps_not_the_tokens():
+    """max_prefill_tokens_with_decodes: steps that carry decodes take at most that many prompt tokens;
+    greedy outputs are those of the uncapped engine."""
+    prompts = [chat(q) for q in QUESTIONS[:3]]
+    plain = engine().generate(prompts, SamplingParams(max_tokens=6))
+    eng = engine(max_prefill_tokens_with_decodes=6)
+    capped = eng.generate(prompts, SamplingParams(max_tokens=6))
+    assert [o.output_token_ids for o in capped] == [o.output_token_ids for o in plain]
+    mixed = [r for r in eng.step_log if not all(r.is_prefill)]
+    prefill = [sum(n for n, p in zip(r.new_tokens, r.is_prefill, strict=True) if p) for r in mixed]
+    assert max(prefill) == 6 and max(sum(r.new_tokens) for r in eng.step_log) > 6  # capped; idle steps are not
+    with pytest.raises(EngineError, match="max_prefill_tokens_with_decodes"):
+        engine(max_prefill_tokens_with_decodes=0)
+
+
 @pytest.mark.slow
 def test_preemption_by_recompute_keeps_greedy_outputs():
     """So few blocks that running sequences must be preempted and recomputed."""

@@ -1,6 +1,7 @@
 """Stateful property test of the batcher under random arrivals, aborts and policies, with a fake model.
 
-Properties, checked after every step: no step exceeds its token budget or sequence limit; every
+Properties, checked after every step: no step exceeds its token budget or sequence limit (nor, when the
+step carries decodes, its cap on prompt tokens, ``max_prefill_tokens_with_decodes``); every
 entry reads back the right cached context from the fake plane (so preemption, prefix sharing and
 copy-on-write never lose or mix tokens); the block-manager audit passes; waiting requests hold no
 blocks. At the end, with arrivals stopped: every admitted request finishes (or was aborted) within a
@@ -25,10 +26,10 @@ POLICIES = ["fcfs", "sjf", "wfq", "sjf+wfq", "static"]
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 30), block_size=st.integers(1, 4), budget=st.integers(1, 12),
                 max_seqs=st.integers(1, 6), prefix=st.booleans(), policy=st.sampled_from(POLICIES),
-                max_model_len=st.sampled_from([None, 12, 24]))
-    def setup(self, num_blocks, block_size, budget, max_seqs, prefix, policy, max_model_len):
+                max_model_len=st.sampled_from([None, 12, 24]), cap=st.none() | st.integers(1, 12))
+    def setup(self, num_blocks, block_size, budget, max_seqs, prefix, policy, max_model_len, cap):
         max_seqs = min(max_seqs, budget)
-        self.config = SchedulerConfig(budget, max_seqs, max_model_len)
+        self.config = SchedulerConfig(budget, max_seqs, max_model_len, max_prefill_tokens_with_decodes=cap)
         bm = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix)
         self.sched = Scheduler(bm, self.config, make_policy(policy, TENANTS, aging=0.5))
         self.kv = FakeKV(num_blocks, block_size)
@@ -68,6 +69,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(self.sched.running) <= self.config.max_num_seqs
         assert len({id(e.seq) for e in batch.entries}) == len(batch)
         assert not set(map(id, batch.preempted)) & {id(e.seq) for e in batch.entries}
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap is not None and not all(e.is_prefill for e in batch.entries):
+            assert batch.num_prefill_tokens <= cap  # a step with decodes takes at most the cap in prompt tokens
+            event("prefill capped by decodes" if batch.num_prefill_tokens == cap else "decodes under the cap")
         for what, happened in [("preemption", batch.preempted), ("block copy", batch.block_copies),
                                ("prefix hit", any(e.seq.num_cached_tokens for e in batch.entries))]:
             if happened:

@@ -86,6 +86,28 @@ def test_decodes_go_before_prefill_chunks():
     assert [(e.seq, e.num_new_tokens, e.is_prefill) for e in batch.entries] == [(a, 1, False), (b, 3, True)]
 
 
+def test_prompt_tokens_beside_decodes_are_capped_but_an_idle_step_takes_the_budget():
+    sched, kv = make(budget=16, max_seqs=4, max_prefill_tokens_with_decodes=3)
+    a = Sequence(list(range(1, 11)), max_tokens=6, arrival_time=0.0)
+    sched.add(a)
+    first, _ = run_step(sched, kv, 1.0)  # no decodes yet: the whole 10-token prompt in one step
+    assert [(e.seq, e.num_new_tokens) for e in first.entries] == [(a, 10)]
+    b, c = (Sequence(list(range(20 + 10 * i, 27 + 10 * i)), max_tokens=2, arrival_time=1.0) for i in range(2))
+    sched.add(b)
+    sched.add(c)
+    second, _ = run_step(sched, kv, 2.0)  # a decodes: the new prompts share 3 tokens (b first, FCFS)
+    assert [(e.seq, e.num_new_tokens, e.is_prefill) for e in second.entries] == [(a, 1, False), (b, 3, True)]
+    third, _ = run_step(sched, kv, 3.0)
+    assert [(e.seq, e.num_new_tokens) for e in third.entries] == [(a, 1), (b, 3)]
+    fourth, _ = run_step(sched, kv, 4.0)  # b's last prompt token is one uncomputed token: a decode's share
+    assert [(e.seq, e.num_new_tokens, e.is_prefill) for e in fourth.entries] == [(a, 1, False), (b, 1, False),
+                                                                                 (c, 3, True)]
+    drain(sched, kv)
+    assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == s.max_tokens for s in (a, b, c))
+    with pytest.raises(ConfigError, match="max_prefill_tokens_with_decodes"):
+        SchedulerConfig(16, 4, max_prefill_tokens_with_decodes=0)
+
+
 def test_outputs_follow_the_model_and_stop_ids_finish():
     sched, kv = make()
     seq = Sequence([5, 6, 7], max_tokens=50, arrival_time=0.0)

@@ -270,7 +270,8 @@ def test_metrics_report_latency_queue_blocks_and_tenant_tokens(served):
 def server_process():
     """A real server process for the SIGTERM test, started first so that it loads while the others run."""
     cmd = [sys.executable, "-m", "serve", "--model", "smollm2", "--engine", "reference", "--port", "0",
-           "--num-blocks", "32", "--shutdown-grace", "1", "--log-level", "error"]
+           "--num-blocks", "32", "--shutdown-grace", "1", "--log-level", "error",
+           "--max-prefill-tokens-with-decodes", "16"]  # the step cap, taken by a real server process
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     yield proc

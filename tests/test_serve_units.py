@@ -138,6 +138,22 @@ def test_cli_refuses_a_public_address_without_keys(capsys):
         parse_args(["--num-blocks", "0"])
 
 
+def test_cli_step_budget_options(capsys):
+    args = parse_args(["--max-num-batched-tokens", "2048", "--max-prefill-tokens-with-decodes", "256",
+                       "--threads", "1"])
+    assert (args.max_num_batched_tokens, args.max_prefill_tokens_with_decodes, args.threads) == (2048, 256, 1)
+    default = parse_args([])  # the pair bench_serve_vllm chose; a budget of one's own gets no cap
+    d = default
+    assert (d.max_num_batched_tokens, d.max_prefill_tokens_with_decodes, d.threads) == (2048, 256, None)
+    assert parse_args(["--max-num-batched-tokens", "512"]).max_prefill_tokens_with_decodes is None
+    assert (parse_args(["--pipeline", "2"]).max_num_batched_tokens,
+            parse_args(["--pipeline", "2"]).max_prefill_tokens_with_decodes) == (256, None)
+    for bad in (["--max-prefill-tokens-with-decodes", "0"], ["--threads", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+        assert "must be >= 1" in capsys.readouterr().err
+
+
 def test_fast_engine_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "fast.engine", None)  # import fails as if it were not there
     with pytest.raises(EngineUnavailable, match="fast.engine"):

@@ -23,6 +23,13 @@ from reference.model.tokenizer import load_tokenizer
 from reference.model.weights import WeightSource
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one, else every core)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 class FastModel:
     """What the engine is given: the torch model, and how to make its runner (``make_runner``)."""
 
@@ -47,10 +54,11 @@ class Engine(ReferenceEngine):
 
         dtype: "bfloat16" or "float32". compressed: True serves every projection matrix from the
         palette form (``UnweightLinear``), or name some of ("qkv", "o", "gate_up", "down").
-        device: None picks CUDA when present. threads: torch CPU threads (None: every core).
+        device: None picks CUDA when present. threads: torch CPU threads (None: every core this process
+        may run on, so a process pinned with taskset does not run more threads than its cores).
         Other keywords are the reference ``Engine``'s (num_blocks, max_num_seqs, policy, ...).
         """
-        torch.set_num_threads(threads or os.cpu_count() or 1)
+        torch.set_num_threads(threads or usable_cores())
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         torch_model = TorchLlama.load(model, dtype=dtype, device=device, compressed=compressed)
         tok = load_tokenizer(model) if tokenizer else None

@@ -71,9 +71,13 @@ class Engine:
                  kv_dtype: str = "float32", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
                  max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
                  aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0, seed: int = 0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_prefill_tokens_with_decodes: int | None = None):
         check_engine_args(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed)
+        if max_prefill_tokens_with_decodes is not None and (type(max_prefill_tokens_with_decodes) is not int
+                                                            or max_prefill_tokens_with_decodes < 1):
+            raise EngineError(f"max_prefill_tokens_with_decodes={max_prefill_tokens_with_decodes!r}: must be None "
+                              "(the whole step budget) or an integer >= 1")
         self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
         # the context: the checkpoint's, or less if asked, and never more than the whole KV cache holds
         limits = [model.config.max_position, num_blocks * block_size] + ([max_model_len] if max_model_len else [])
@@ -83,7 +87,8 @@ class Engine:
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
         if isinstance(policy, str):
             policy = make_policy(policy, tenants, aging)
-        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len, watermark)
+        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len, watermark,
+                                 max_prefill_tokens_with_decodes)
         self.scheduler = Scheduler(self.block_manager, config, policy, tenants)
         self.requests: dict[str, Request] = {}
         self.step_log: list[StepRecord] = []

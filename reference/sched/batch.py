@@ -19,19 +19,24 @@ class SchedulerConfig:
         when it reaches it. None: limited by max_tokens and the cache only.
     watermark: share of the KV blocks that admission leaves free, as room for running sequences to
         grow (fewer preemptions; vLLM uses 0.01). 0: admit while the blocks fit.
+    max_prefill_tokens_with_decodes: most prompt tokens a step computes when it also carries decodes.
+        Every running stream waits for the whole step, so this bounds the gap a new prompt adds to their
+        inter-token latency; a step without decodes (new prompts into an idle engine) still takes
+        prompt chunks up to the whole budget. None (default): the whole budget, as vLLM's scheduler.
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_model_len: int | None = None
     watermark: float = 0.0
+    max_prefill_tokens_with_decodes: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_prefill_tokens_with_decodes"):
             value = getattr(self, name)
-            if value is None and name == "max_model_len":
+            if value is None and name in ("max_model_len", "max_prefill_tokens_with_decodes"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")

@@ -14,6 +14,9 @@ Each step has a token budget (``max_num_batched_tokens``) and a sequence limit (
    nothing is admitted in a step that preempted. An admitted sequence gets blocks for all its
    tokens at once (reusing its cached prefix) and a first prefill chunk as large as the remaining
    budget allows.
+4. Optionally (``SchedulerConfig.max_prefill_tokens_with_decodes``), a step that carries decodes
+   takes at most that many prompt tokens in all (steps 1 and 3), so that a new prompt delays the
+   running streams by a bounded amount; a step without decodes uses the whole budget for prompts.
 
 Use: ``add(seq)``; loop ``batch = schedule(now)``; run the model on ``batch``; ``postprocess(batch,
 token_ids, now)``. ``abort(seq_id)`` frees everything of a request at any time between steps.
@@ -116,8 +119,10 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
             uncomputed = seq.num_uncomputed_tokens
-            n = min(uncomputed, budget)
             is_prefill = uncomputed > 1
+            n = min(uncomputed, self._prefill_room(batch, budget) if is_prefill else budget)
+            if n == 0:
+                break  # decodes come first: every sequence left is a prefill, and the cap is reached
             while not bm.can_append(seq, n):
                 victim = max(unscheduled, key=lambda s: key(s, now))
                 self._preempt(victim, batch)
@@ -131,7 +136,8 @@ class Scheduler:
         # none in a step that had to preempt: memory is short, and a victim must not come straight back
         admit = (self.policy.admit_while_running or not self.running) and not batch.preempted
         while admit and self.waiting and len(self.running) < self.config.max_num_seqs:
-            if budget == 0 and self.policy.admit_while_running:
+            room = self._prefill_room(batch, budget)
+            if room == 0 and self.policy.admit_while_running:
                 break
             seq = self.policy.pick(self.waiting, now)
             keep_free = int(self.config.watermark * self.block_manager.num_blocks) if self.running else 0
@@ -142,8 +148,8 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.waiting.remove(seq)
             self.running.append(seq)
-            if budget > 0:
-                budget -= self._schedule_one(seq, min(seq.num_uncomputed_tokens, budget), True, batch)
+            if room > 0:
+                budget -= self._schedule_one(seq, min(seq.num_uncomputed_tokens, room), True, batch)
         if batch.entries:
             self._in_flight = batch
         return batch
@@ -201,6 +207,14 @@ class Scheduler:
         self._finish(seq, SequenceStatus.FINISHED, reason, now)
 
     # ---- internals --------------------------------------------------------------------------------
+
+    def _prefill_room(self, batch: Batch, budget: int) -> int:
+        """Prompt tokens this step may still take: the budget left, and once the step carries a decode, no
+        more than ``max_prefill_tokens_with_decodes`` in all."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap is None or all(e.is_prefill for e in batch.entries):
+            return budget
+        return max(0, min(budget, cap - batch.num_prefill_tokens))
 
     def _schedule_one(self, seq: Sequence, n: int, is_prefill: bool, batch: Batch) -> int:
         batch.block_copies += self.block_manager.may_append(seq, n)
