@@ -42,6 +42,16 @@ def test_a_spread_that_straddles_its_threshold_is_inconclusive() -> None:
     assert verdict_of(ratios) == "differs"
 
 
+def test_r2_executed_ratio_straddling_1_is_inconclusive() -> None:
+    from experiments.claims.r2_pipeline_placement import verdict_of as r2_verdict
+
+    run = {"throughput_ratio": spread([0.95, 1.3, 1.2])}
+    assert r2_verdict(True, against(run["throughput_ratio"], 1.0, strict=True), run).startswith(
+        "inconclusive (executed optimal/uniform tokens/s spread 0.95-1.30 straddles 1)")
+    assert r2_verdict(True, "clears", run) == "matches"
+    assert r2_verdict(True, "fails", run) == r2_verdict(False, "clears", run) == "partly matches"
+
+
 @given(st.lists(st.floats(0.1, 10, allow_nan=False), min_size=1, max_size=6), st.floats(0.1, 10))
 def test_against_depends_on_the_spread_only(values: list[float], threshold: float) -> None:
     assert against(spread(values), threshold) == against(spread(values[::-1]), threshold)
@@ -87,6 +97,10 @@ def test_two_reruns_leave_stored_results_alone_and_agree(tmp_path: Path, capsys:
     assert _fingerprint() == before and _git_status() == status
     r1, r2 = (json.loads((tmp_path / f"run{k}" / "R4.json").read_text()) for k in (1, 2))
     assert r1["verdict"] == r2["verdict"]
+    # what each tracked part cost, so a quick size's time can be read per part
+    assert [p["phase"] for p in r1["setup"]["phases"]] == ["R4 infrastructures"]
+    assert 0 <= r1["setup"]["phases"][0]["cpu_seconds"] and 0 <= r1["setup"]["phases"][0]["seconds"] <= \
+        r1["setup"]["seconds"]
     assert main(["compare", str(tmp_path / "run2"), "--against", str(tmp_path / "run1")]) == 0
     out = capsys.readouterr().out
     assert "R4" in out and "1 of 1 agree" in out and "the same headline" in out
