@@ -51,7 +51,7 @@ def measure(policy: str, jobs: list, max_seqs: int, budget: int) -> dict[str, An
 
 
 def run(ctx: Context) -> Result:
-    n, max_prompt, max_output, scale = (64, 256, 256, 0.25) if ctx.full else (12, 96, 32, 0.125)
+    n, max_prompt, max_output, scale = (64, 256, 256, 0.25) if ctx.full else (16, 96, 32, 0.125)
     repeats = 5 if ctx.full else 3
     max_seqs, budget = 8, 128
     _, tok = smollm2()
