@@ -32,7 +32,9 @@ def test_a_spread_that_straddles_its_threshold_is_inconclusive() -> None:
     assert against(spread([0.7, 0.9]), 1.0) == "fails"
     assert against(spread([0.95, 1.05]), 1.0) == "straddles"
     assert against(spread([1.0, 1.1]), 1.0) == "clears" and against(spread([1.0, 1.1]), 1.0, strict=True) == "straddles"
-    ratios = ratios_of(E1_REPEATS)
+    ratios = ratios_of(E1_REPEATS)  # TTFT cleared, whatever the stored repeats say
+    ratios["ttft_p50_static_over_continuous"] = spread([2.0, 2.5])
+    ratios["ttft_p90_static_over_continuous"] = spread([1.5, 1.6])
     ratios["itl_p50_static_over_continuous"] = spread([0.98, 1.03])
     ratios["itl_p99_static_over_continuous"] = spread([1.1, 1.2])
     assert verdict_of(ratios).startswith("inconclusive (ITL p50 ratio spread 0.98-1.03 straddles 1)")
