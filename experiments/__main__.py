@@ -18,7 +18,7 @@ from pathlib import Path
 
 from experiments.agreement import agreement_rows, compare, new_run_dir, print_agreement
 from experiments.claims import CLAIM_IDS
-from experiments.registry import RESULTS_DIR, Context, discover
+from experiments.registry import RESULTS_DIR, Context, cpu_seconds, discover
 from experiments.report import build_paper, load_results, print_table, table_rows, write_result
 
 
@@ -94,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
     for exp in to_run:
         print(f"== {exp.claim}: {exp.title}", flush=True)
         start, cpu_start = time.perf_counter(), cpu_seconds()
+        ctx.phases.clear()
         try:
             result = exp.run(ctx)
             path = write_result(exp, result, args.full, time.perf_counter() - start, out_dir,
-                                cpu_seconds() - cpu_start)
+                                cpu_seconds() - cpu_start, phases=list(ctx.phases))
         except Exception:  # report, keep going with the other claims, exit non-zero at the end
             traceback.print_exc()
             failed.append(exp.claim)
             continue
-        print(f"   {result.summary}  ->  {path}  ({time.perf_counter() - start:.0f} s)", flush=True)
+        print(f"   {result.summary}  ->  {path}  ({time.perf_counter() - start:.0f} s wall, "
+              f"{cpu_seconds() - cpu_start:.0f} s CPU, load average {os.getloadavg()[0]:.1f})", flush=True)
         ran.add(exp.claim)
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     print(f"ran {len(ran)} claim(s) in {time.perf_counter() - run_start:.0f} s wall, {cpu_seconds() - run_cpu:.0f} s "
@@ -122,14 +124,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
-
-
-def cpu_seconds() -> float:
-    """CPU seconds of this process and of its children that have ended (worker processes included)."""
-    import resource
-
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def weights_problem(source: str) -> str | None:

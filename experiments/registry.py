@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import re
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -93,6 +94,9 @@ class Context:
     weights: list[str] = field(default_factory=list)  # extra checkpoints given with --weights
     results_dir: Path = RESULTS_DIR
     progress_factory: Callable[[], Any] | None = None  # returns a rich Progress, or None
+    # every track()ed phase of the claim being run: description, wall and CPU seconds (the runner clears
+    # it before each claim and stores it in the result's setup, so a quick size's cost can be read per part)
+    phases: list[dict[str, Any]] = field(default_factory=list)
 
     @contextmanager
     def progress(self) -> Iterator[Any]:
@@ -107,11 +111,24 @@ class Context:
         """Iterate with a progress bar."""
         items = list(items) if total is None else items
         total = len(items) if total is None else total  # type: ignore[arg-type]
-        with self.progress() as p:
-            task = p.add_task(description, total=total)
-            for item in items:
-                yield item
-                p.advance(task)
+        start, cpu_start = time.perf_counter(), cpu_seconds()
+        try:
+            with self.progress() as p:
+                task = p.add_task(description, total=total)
+                for item in items:
+                    yield item
+                    p.advance(task)
+        finally:
+            self.phases.append({"phase": description, "seconds": round(time.perf_counter() - start, 1),
+                                "cpu_seconds": round(cpu_seconds() - cpu_start, 1)})
+
+
+def cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have ended (worker processes included)."""
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 class _SilentProgress:

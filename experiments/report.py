@@ -21,10 +21,11 @@ PAPER = REPO / "paper" / "report.md"
 
 
 def write_result(exp: Experiment, result: Result, full: bool, seconds: float, results_dir: Path,
-                 cpu_seconds: float | None = None) -> Path:
+                 cpu_seconds: float | None = None, phases: list[dict[str, Any]] | None = None) -> Path:
     """Write one claim's result JSON, with the setup every number needs next to it (and its clock).
     ``seconds``: the run's wall time; ``cpu_seconds``: its CPU time, worker processes included (less
-    exposed than wall time to other load on a shared machine)."""
+    exposed than wall time to other load on a shared machine); ``phases``: the wall and CPU seconds of
+    each part the experiment tracked (``Context.track``)."""
     problem = clock_problem(result.clock, result.measured)
     if problem:
         raise ValueError(f"experiment {exp.claim}: {problem}")
@@ -36,6 +37,7 @@ def write_result(exp: Experiment, result: Result, full: bool, seconds: float, re
         "size": "full" if full else "quick",
         "seconds": round(seconds, 1),
         **({"cpu_seconds": round(cpu_seconds, 1)} if cpu_seconds is not None else {}),
+        **({"phases": phases} if phases else {}),
     }
     record = {
         "claim": exp.claim,

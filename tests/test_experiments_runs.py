@@ -32,7 +32,9 @@ def test_a_spread_that_straddles_its_threshold_is_inconclusive() -> None:
     assert against(spread([0.7, 0.9]), 1.0) == "fails"
     assert against(spread([0.95, 1.05]), 1.0) == "straddles"
     assert against(spread([1.0, 1.1]), 1.0) == "clears" and against(spread([1.0, 1.1]), 1.0, strict=True) == "straddles"
-    ratios = ratios_of(E1_REPEATS)
+    ratios = ratios_of(E1_REPEATS)  # TTFT cleared, whatever the stored repeats say
+    ratios["ttft_p50_static_over_continuous"] = spread([2.0, 2.5])
+    ratios["ttft_p90_static_over_continuous"] = spread([1.5, 1.6])
     ratios["itl_p50_static_over_continuous"] = spread([0.98, 1.03])
     ratios["itl_p99_static_over_continuous"] = spread([1.1, 1.2])
     assert verdict_of(ratios).startswith("inconclusive (ITL p50 ratio spread 0.98-1.03 straddles 1)")
@@ -40,6 +42,16 @@ def test_a_spread_that_straddles_its_threshold_is_inconclusive() -> None:
     assert verdict_of(ratios) == "matches"
     ratios["ttft_p50_static_over_continuous"] = spread([0.5, 0.9])
     assert verdict_of(ratios) == "differs"
+
+
+def test_r2_executed_ratio_straddling_1_is_inconclusive() -> None:
+    from experiments.claims.r2_pipeline_placement import verdict_of as r2_verdict
+
+    run = {"throughput_ratio": spread([0.95, 1.3, 1.2])}
+    assert r2_verdict(True, against(run["throughput_ratio"], 1.0, strict=True), run).startswith(
+        "inconclusive (executed optimal/uniform tokens/s spread 0.95-1.30 straddles 1)")
+    assert r2_verdict(True, "clears", run) == "matches"
+    assert r2_verdict(True, "fails", run) == r2_verdict(False, "clears", run) == "partly matches"
 
 
 @given(st.lists(st.floats(0.1, 10, allow_nan=False), min_size=1, max_size=6), st.floats(0.1, 10))
@@ -87,6 +99,10 @@ def test_two_reruns_leave_stored_results_alone_and_agree(tmp_path: Path, capsys:
     assert _fingerprint() == before and _git_status() == status
     r1, r2 = (json.loads((tmp_path / f"run{k}" / "R4.json").read_text()) for k in (1, 2))
     assert r1["verdict"] == r2["verdict"]
+    # what each tracked part cost, so a quick size's time can be read per part
+    assert [p["phase"] for p in r1["setup"]["phases"]] == ["R4 infrastructures"]
+    assert 0 <= r1["setup"]["phases"][0]["cpu_seconds"] and 0 <= r1["setup"]["phases"][0]["seconds"] <= \
+        r1["setup"]["seconds"]
     assert main(["compare", str(tmp_path / "run2"), "--against", str(tmp_path / "run1")]) == 0
     out = capsys.readouterr().out
     assert "R4" in out and "1 of 1 agree" in out and "the same headline" in out

@@ -51,7 +51,7 @@ def measure(policy: str, jobs: list, max_seqs: int, budget: int) -> dict[str, An
 
 
 def run(ctx: Context) -> Result:
-    n, max_prompt, max_output, scale = (64, 256, 256, 0.25) if ctx.full else (16, 96, 48, 0.125)
+    n, max_prompt, max_output, scale = (64, 256, 256, 0.25) if ctx.full else (16, 96, 32, 0.125)
     repeats = 5 if ctx.full else 3
     max_seqs, budget = 8, 128
     _, tok = smollm2()
@@ -167,4 +167,4 @@ def plot(runs: dict[str, dict[str, Any]], ctx: Context) -> str:
     return save_figure(fig, ctx, "E1.png")
 
 
-EXPERIMENT = Experiment(claim="E1", title="Continuous batching vs static batching", run=run, quick_minutes=1.5)
+EXPERIMENT = Experiment(claim="E1", title="Continuous batching vs static batching", run=run, quick_minutes=0.75)

@@ -99,7 +99,7 @@ def run(ctx: Context) -> Result:
         n_sim, n_cpu, max_output, repeats = 300, 12, 16, 3
     else:  # quick: 2 GPUs over the whole grid at 3 loads, 8 GPUs on 8K prompts only, no 4 GPUs; fewer requests
         grid = [(regimes.WORKLOADS, [0.5, 1.0, 2.0], [2]), (["rag 8k"], [1.0, 2.0], [8])]
-        n_sim, n_cpu, max_output, repeats = 100, 6, 12, 2
+        n_sim, n_cpu, max_output, repeats = 60, 6, 12, 2
     points = [p for workloads, loads, gpus in grid
               for p in regimes.sweep(gpus, workloads, loads, n_sim, lambda items, d: ctx.track(list(items), d))]
     _, tok = smollm2()
@@ -234,4 +234,4 @@ def plot(points: list[dict[str, Any]], ctx: Context) -> str:
 
 
 EXPERIMENT = Experiment(claim="E4", title="Prefill/decode disaggregation: where the p90 ITL cut holds", run=run,
-                        quick_minutes=3)
+                        quick_minutes=2.25)
