@@ -111,6 +111,13 @@ def test_tenants_keep_their_own_prefix_caches_on_the_workers(models, tmp_path):
         assert server.close() == 0
 
 
+def test_compressed_workers_need_the_fast_runner():
+    run = subprocess.run([sys.executable, "-m", "serve", "--port", "0", "--engine", "reference", "--compressed",
+                          "--prefill-workers", "1", "--decode-workers", "1"], capture_output=True, text=True, env=ENV,
+                         timeout=60)
+    assert run.returncode == 2 and "--compressed qkv,o,gate_up,down needs the fast engine" in run.stderr
+
+
 def test_reference_worker_command_points_to_the_fast_one():
     run = subprocess.run([sys.executable, "-m", "reference.disagg", "worker", "--role", "decode", "--model", "tiny",
                           "--engine", "fast", "--listen", "127.0.0.1:0"], capture_output=True, text=True, env=ENV,
