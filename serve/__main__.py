@@ -84,8 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.max_num_batched_tokens = BUDGET if colocated else OTHER_BUDGET
         if args.max_prefill_tokens_with_decodes is None and colocated:
             args.max_prefill_tokens_with_decodes = PREFILL_CAP
-    if disagg.wanted(args) and (args.pipeline or args.compressed):
-        p.error("--pipeline and --compressed serve a colocated engine; they do not combine with disaggregated workers")
+    if disagg.wanted(args) and args.pipeline:
+        p.error("--pipeline serves a colocated engine; it does not combine with disaggregated workers")
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
                 "give --api-keys KEYS.toml, or --allow-unauthenticated if that is what you want")
@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from serve import disagg
     from serve.engines import parse_compressed, pick_engine
 
-    if disagg.wanted(args) and args.engine == "auto":
-        args.engine, why = "reference", "reference engine: the disaggregated workers run the reference runner"
-    else:
-        args.engine, why = pick_engine(args.engine)
+    args.engine, why = pick_engine(args.engine)  # the disaggregated workers' runner too
     if why:
         print(why, file=sys.stderr, flush=True)
     sock = listening_socket(args.host, args.port)  # a busy port is reported now, not after the model loaded
@@ -142,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         threadpool_limits(args.blas_threads, user_api="blas")
     try:
         if disagg.wanted(args):
-            engine = disagg.build(args)
+            engine = disagg.build(args, tenants=keys.tenants if keys else None)
             worker = disagg.DisaggWorker(engine)
         else:
             engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None,
@@ -162,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
     if disagg.wanted(args):
         kind = (f"disaggregated: {len(engine.coordinator.live('prefill'))} prefill + "
-                f"{len(engine.coordinator.live('decode'))} decode workers, {args.kv_wire} KV wire")
+                f"{len(engine.coordinator.live('decode'))} decode workers on the {args.engine} runner, "
+                f"{args.kv_wire} KV wire")
     else:
         kind = f"pipeline {_stages(engine)}" if args.pipeline else f"{args.engine} engine"
     banner = (f"serving {name} ({kind}, context {worker.max_model_len} tokens) on "

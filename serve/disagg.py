@@ -24,16 +24,22 @@ tested at the endpoint with real processes in ``tests/test_serve_disagg_faults.p
     its handshake lease ends (``handshake_timeout`` x retries);
   * a lost worker is restarted (ours) or reconnected to (``--workers``) and rejoins the pool.
 
+The workers step on the fast engine's runner (``python -m fast.disagg.worker``: torch, ``--dtype``,
+``--compressed``, a container as ``--model``) when the server's engine is fast (``--engine auto`` with
+torch), else on the reference runner (``python -m reference.disagg worker``). Each request's tenant, cache
+salt and weight travel in its REQUEST (revision 1, PROTOCOL.md section 3.1): the workers' prefix caches
+are salted per tenant, and their schedulers queue tenants fairly by weight.
+
 Greedy only: the prefill worker samples the first token by argmax, so a request with temperature > 0
-is refused (400) rather than silently decoded otherwise. Tenants' cache salts and scheduling policies are
-not carried to the workers (the REQUEST frame has no field for them): requests of every tenant may share
-the workers' prefix caches.
+is refused (400) rather than silently decoded otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -44,6 +50,7 @@ from reference.disagg.cluster import SECRET_ENV, ProcessCluster, WorkerOptions
 from reference.disagg.coordinator import Coordinator, CoordinatorError, RequestState
 from reference.engine.params import RequestRejected, SamplingParams
 from reference.engine.request import RequestMetrics, RequestOutput, TokenEvent
+from reference.sched import Tenants, UnknownTenantError
 from serve.worker import EngineWorker, Failed, Finished, Stats, _forget, _post
 
 
@@ -72,12 +79,16 @@ class DisaggEngine:
     def __init__(self, model_spec: str, tokenizer: Any, *, num_prefill: int = 1, num_decode: int = 1,
                  remote: list[tuple[str, int]] | None = None, opts: WorkerOptions | None = None,
                  secret: bytes | None = None, lease_s: float = 15.0, max_model_len: int | None = None,
-                 log: str | None = None) -> None:
+                 log: str | None = None, worker_command: list[str] | None = None,
+                 tenants: Tenants | None = None) -> None:
+        """``worker_command``: the program each local worker runs (default the reference worker);
+        ``tenants``: the tenants' weights, carried to the workers with each request."""
         self.tokenizer = tokenizer
+        self.tenants = tenants
         opts = opts or WorkerOptions()
         self.cluster = ProcessCluster(model_spec, num_prefill, num_decode, remote=remote or [], secret=secret,
                                       opts=opts, restart=True, deadline=lambda p, o: 120.0 + 0.5 * o,
-                                      ready_timeout=300.0, log=log, lease_s=lease_s)
+                                      ready_timeout=300.0, log=log, lease_s=lease_s, worker_command=worker_command)
         self.coordinator: Coordinator = self.cluster.coordinator
         context = self.coordinator.max_context
         self.max_model_len = min(context, max_model_len) if max_model_len else context
@@ -97,8 +108,10 @@ class DisaggEngine:
             raise RequestRejected(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_model_len}")
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
         try:
-            self.coordinator.submit(rid, list(prompt), max_tokens)
-        except CoordinatorError as e:
+            weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
+            self.coordinator.submit(rid, list(prompt), max_tokens, tenant=tenant, cache_salt=cache_salt,
+                                    weight=weight)
+        except (CoordinatorError, UnknownTenantError) as e:
             raise RequestRejected(str(e)) from None
         self.entries[rid] = _Entry(list(prompt), params, tenant, RequestMetrics(time.monotonic()))
         return rid
@@ -325,19 +338,36 @@ def parse_workers(text: str) -> list[tuple[str, int]]:
     return out
 
 
-def build(args: argparse.Namespace) -> DisaggEngine:
+def worker_program(args: argparse.Namespace) -> tuple[list[str], str]:
+    """The command line that starts a local worker for ``args.engine`` ("fast" or "reference"), and the
+    decode workers' KV cache dtype (the colocated engine's: the model's dtype on the fast runner)."""
+    from serve.engines import parse_compressed
+
+    compressed = parse_compressed(args.compressed)
+    if args.engine == "reference":
+        if compressed:
+            raise ValueError(f"--compressed {','.join(compressed)} needs the fast engine (the reference runner "
+                             "decodes a container to float32 and serves it plain)")
+        return [sys.executable, "-m", "reference.disagg", "worker"], "float32"
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("fast.disagg") is None:
+        raise ValueError("--engine fast needs torch and fast/ for the disaggregated workers; use --engine reference")
+    command = [sys.executable, "-m", "fast.disagg.worker", "--dtype", args.dtype]
+    return command + (["--compressed", ",".join(compressed)] if compressed else []), args.dtype
+
+
+def build(args: argparse.Namespace, tenants: Tenants | None = None) -> DisaggEngine:
     """The engine of ``python -m serve`` with the disaggregation options. Raises ValueError on bad input."""
     from reference.model.tokenizer import load_tokenizer
 
-    if args.engine != "reference":
-        raise ValueError("the disaggregated workers run the reference runner; use --engine reference")
+    command, kv_dtype = worker_program(args)
     secret_hex = os.environ.get(SECRET_ENV, "")
     try:
         secret = bytes.fromhex(secret_hex) if secret_hex else None
     except ValueError:
         raise ValueError(f"${SECRET_ENV} must be hex digits") from None
-    opts = WorkerOptions(num_blocks=args.num_blocks, block_size=args.block_size, wire=args.kv_wire,
+    opts = WorkerOptions(num_blocks=args.num_blocks, block_size=args.block_size, wire=args.kv_wire, kv_dtype=kv_dtype,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     return DisaggEngine(args.model, load_tokenizer(args.model), num_prefill=args.prefill_workers,
                         num_decode=args.decode_workers, remote=parse_workers(args.workers), opts=opts,
-                        secret=secret, lease_s=args.worker_lease, max_model_len=args.max_model_len)
+                        secret=secret, lease_s=args.worker_lease, max_model_len=args.max_model_len,
+                        worker_command=command, tenants=tenants)

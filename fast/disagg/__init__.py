@@ -8,6 +8,10 @@ is the coordinator, ranks 1..P prefill workers, the rest decode workers:
         --prompts IN.jsonl --out OUT.jsonl
 
 Past one machine, use torchrun's rendezvous (``--nnodes``, ``--rdzv-endpoint``) the same way.
+
+``python -m fast.disagg.worker`` is one worker process of ``python -m serve --prefill-workers P
+--decode-workers D`` (or started by hand, ``--listen HOST:PORT``) stepping on the fast engine's runner
+(``runner.py``): the reference's workers and frames over the torch model and its paged cache.
 Conformance level: bit-exact (the same frame bytes as the socket transport).
 """
 

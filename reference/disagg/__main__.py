@@ -20,6 +20,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from reference import jsonsafe
 from reference.disagg.faults import FAULTS
@@ -52,7 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           "killed, restarted, its requests migrated (default 15)")
     run.add_argument("--in-process", action="store_true", help="workers in this process (queues) instead of OS "
                                                                "processes (sockets)")
-    work = sub.add_parser("worker", help="(started by the coordinator) one worker process")
+    add_worker_arguments(sub.add_parser("worker", help="(started by the coordinator) one worker process"))
+    return parser.parse_args(argv)
+
+
+def add_worker_arguments(work: argparse.ArgumentParser) -> None:
+    """The options of one worker process (``python -m fast.disagg.worker`` takes them too)."""
     work.add_argument("--role", choices=["prefill", "decode"], required=True, help="what this worker does")
     work.add_argument("--node", type=int, help="this worker's node id (1-65535; with --port)")
     work.add_argument("--port", type=int, help="the coordinator's port on 127.0.0.1 to connect to")
@@ -65,7 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                       help=f"read the shared secret (hex) from stdin, as the coordinator sends it; without it, "
                            f"from ${SECRET_ENV}")
     work.add_argument("--options", default="", help="WorkerOptions fields as name=value,...")
-    return parser.parse_args(argv)
+    work.add_argument("--engine", choices=["reference", "fast"], default="reference",
+                      help="the model runner the worker steps on: reference (NumPy, this command) or fast (torch: "
+                           "started as `python -m fast.disagg.worker` with the same options)")
 
 
 def read_prompts(path: Path) -> list[dict]:
@@ -133,11 +141,17 @@ def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: li
             if "_error" in r else next(by_index) for r in requests]
 
 
-def worker_main(args: argparse.Namespace) -> int:
+def worker_main(args: argparse.Namespace, load: Any = None) -> int:
+    """One worker process. ``load(options) -> (model, digest)`` loads another engine's model (the fast
+    worker's); without it the worker steps on the NumPy runner."""
     from reference.disagg.cluster import WorkerOptions, hello, make_worker, read_secret, serve
-    from reference.disagg.models import digest_of
+    from reference.disagg.models import digest_of, load_model
     from reference.disagg.transport import Link, connect
 
+    if args.engine != "reference" and load is None:
+        print("worker: --engine fast is the torch runner: start the worker as `python -m fast.disagg.worker` "
+              "(same options); this command runs the NumPy runner", file=sys.stderr)
+        return 2
     try:
         secret = read_secret(sys.stdin) if args.secret_stdin else bytes.fromhex(os.environ.get(SECRET_ENV, ""))
     except ValueError as e:
@@ -156,40 +170,38 @@ def worker_main(args: argparse.Namespace) -> int:
             return 2
         values[name] = fields[name](value)
     opts = WorkerOptions(**values)
-    if args.listen:
-        return listen_main(args, secret, opts)
-    if args.node is None or args.port is None:
+    if not args.listen and (args.node is None or args.port is None):
         print("worker: give --node and --port, or --listen HOST:PORT", file=sys.stderr)
         return 2
-    digest_of(args.model)  # load the model first (cached): the coordinator expects HELLO soon after connecting
+    host, _, port = (args.listen or "").rpartition(":")
+    if args.listen and (not host or not port.isdigit()):
+        print(f"worker: --listen {args.listen!r} is not HOST:PORT", file=sys.stderr)
+        return 2
+    # load the model first: the coordinator expects HELLO soon after connecting
+    loaded = load(opts) if load is not None else (load_model(args.model), digest_of(args.model))
+    if args.listen:
+        return listen_main(args, secret, opts, loaded)
     try:
         link = Link(connect(args.port), secret, args.node)
     except OSError as e:
         print(f"worker: cannot connect to the coordinator on 127.0.0.1:{args.port}: {e}", file=sys.stderr)
         return 1
-    worker = make_worker(args.role, args.model, link, opts)
+    worker = make_worker(args.role, args.model, link, opts, loaded)
     hello(worker, link, args.model, opts)
     serve(worker, link)
     link.endpoint.close()
     return 0
 
 
-def listen_main(args: argparse.Namespace, secret: bytes, opts: object) -> int:
+def listen_main(args: argparse.Namespace, secret: bytes, opts: Any, loaded: tuple[Any, str]) -> int:
     """A worker on its own host: serve one coordinator at a time, each connection a fresh life (node id)."""
     import secrets
     import socket
 
     from reference.disagg.cluster import hello, make_worker, serve
-    from reference.disagg.models import digest_of, load_model
     from reference.disagg.transport import Link, LinkClosed, SocketEndpoint, listen
 
-    host, _, port = args.listen.rpartition(":")
-    if not host or not port.isdigit():
-        print(f"worker: --listen {args.listen!r} is not HOST:PORT", file=sys.stderr)
-        return 2
-    # load before listening (both are cached): a coordinator that connected while the model loads would
-    # wait in the backlog past its HELLO timeout and hang up; refused instead, it tries again
-    load_model(args.model), digest_of(args.model)
+    host, _, port = args.listen.rpartition(":")  # checked by worker_main
     try:
         server = listen(host.strip("[]"), int(port))
     except OSError as e:
@@ -200,7 +212,7 @@ def listen_main(args: argparse.Namespace, secret: bytes, opts: object) -> int:
         sock, _ = server.accept()
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         link = Link(SocketEndpoint(sock), secret, 1 + secrets.randbelow(65535))
-        worker = make_worker(args.role, args.model, link, opts)
+        worker = make_worker(args.role, args.model, link, opts, loaded)
         try:
             hello(worker, link, args.model, opts)
             serve(worker, link)

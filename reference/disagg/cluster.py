@@ -83,8 +83,11 @@ class WorkerOptions:
 FAST_FAULTS = {"handshake_timeout": 0.5, "handshake_retries": 2, "stream_timeout": 3.0}
 
 
-def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions) -> PrefillWorker | DecodeWorker:
-    model, digest = load_model(model_spec), digest_of(model_spec)
+def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions,
+                loaded: tuple[Any, str] | None = None) -> PrefillWorker | DecodeWorker:
+    """A worker stepping on ``model_spec``'s NumPy runner, or on ``loaded`` = (a model that makes runners,
+    its digest): the fast engine's (``fast/disagg/runner.py``), which reference/ never imports."""
+    model, digest = loaded if loaded is not None else (load_model(model_spec), digest_of(model_spec))
     common = {"model_digest": digest, "num_blocks": opts.num_blocks, "block_size": opts.block_size,
               "max_num_batched_tokens": opts.max_num_batched_tokens, "max_num_seqs": opts.max_num_seqs}
     if role == "prefill":
@@ -100,9 +103,10 @@ def hello(worker: PrefillWorker | DecodeWorker, link: Link, model_spec: str, opt
               "block_size": opts.block_size, "wire": opts.wire, "scale_rule": "pow2-per-block-head"
               if opts.wire == "fp8" else "none"}
     link.send(Kind.HELLO, 0, messages.dump(Kind.HELLO, {
-        "role": worker.role, "node": link.node, "model_digest": digest_of(model_spec), "layout": layout,
+        "role": worker.role, "node": link.node, "model_digest": worker.digest, "layout": layout,
         "num_blocks": opts.num_blocks, "pid": os.getpid(), "vocab_size": c.vocab_size,
-        "max_context": min(c.max_position, opts.num_blocks * opts.block_size), "eos_token_ids": list(c.eos_token_ids)}))
+        "max_context": min(c.max_position, opts.num_blocks * opts.block_size), "eos_token_ids": list(c.eos_token_ids),
+        "revision": messages.REVISION}))
 
 
 def handle(worker: PrefillWorker | DecodeWorker, link: Link, data: bytes) -> bool:
@@ -262,12 +266,19 @@ class ProcessCluster(Cluster):
                  opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None, restart: bool = True,
                  deadline: Callable[[int, int], float] | None = None, ready_timeout: float = 120.0,
                  log: str | None = None, coordinator: type[Coordinator] = Coordinator,
-                 remote: list[tuple[str, int]] | None = None, lease_s: float | None = 15.0) -> None:
+                 remote: list[tuple[str, int]] | None = None, lease_s: float | None = 15.0,
+                 worker_command: list[str] | None = None) -> None:
+        """``worker_command``: the program each local worker runs with the worker options (default the reference
+        worker, ``python -m reference.disagg worker``; the fast runner's is ``python -m fast.disagg.worker``)."""
         super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline,
                          coordinator=coordinator, lease_s=lease_s)
         self.procs: dict[int, subprocess.Popen] = {}
+        if worker_command is not None:
+            self.worker_command = worker_command
         self.remote_addr: dict[Any, tuple[str, int]] = {}  # endpoint -> the address of the worker behind it
         self.reconnect: dict[tuple[str, int], float] = {}  # address of a lost remote worker -> when to try next
+        if not hasattr(self, "worker_command"):  # a subclass may start another worker program with these options
+            self.worker_command = [sys.executable, "-m", "reference.disagg", "worker"]
         self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
         self.server = listen()
         self.port = self.server.getsockname()[1]
@@ -346,7 +357,7 @@ class ProcessCluster(Cluster):
         env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
         env.update({"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
         o = self.opts
-        cmd = [sys.executable, "-m", "reference.disagg", "worker", "--secret-stdin", "--role", role, "--node",
+        cmd = [*self.worker_command, "--secret-stdin", "--role", role, "--node",
                str(node), "--port", str(self.port), "--model", self.model_spec, "--kv-wire", o.wire,
                "--options", ",".join(f"{k}={v}" for k, v in asdict(o).items() if k != "wire")]
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=self.log, stderr=self.log)

@@ -71,6 +71,9 @@ class RequestState:
     result: dict | None = None  # {"id", "output_token_ids", "finish_reason", "error"} once ended
     recomputed: bool = False
     first_kv_seen: bool = False
+    tenant: str = "default"  # carried to the workers (REQUEST, revision 1): their schedulers' weight
+    cache_salt: str | None = None  # and their prefix caches' salt
+    weight: float = 1.0
 
     def attempt_prompt(self) -> list[int]:
         """The current attempt's prompt: the client's, then the tokens streamed before this attempt."""
@@ -136,8 +139,11 @@ class Coordinator:
         return [w for w in self.workers.values() if w.alive and w.role == role]
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: list[int], max_tokens: int) -> None:
-        """Accept a request (greedy). Raises CoordinatorError, changing nothing, on bad input."""
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int, *, tenant: str = "default",
+               cache_salt: str | None = None, weight: float = 1.0) -> None:
+        """Accept a request (greedy). Raises CoordinatorError, changing nothing, on bad input.
+        ``tenant``, ``cache_salt`` and ``weight`` go to the workers: sequences with other salts never share
+        prefix-cached blocks there, and the workers' fair queuing gives the tenant ``weight``."""
         if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
             raise CoordinatorError("request id must be a non-empty string of at most 256 characters")
         if not self.workers:
@@ -151,8 +157,15 @@ class Coordinator:
             raise CoordinatorError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         if len(prompt) >= self.max_context:
             raise CoordinatorError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_context}")
+        tenant_fields = {"tenant": tenant, "cache_salt": cache_salt, "weight": weight}
+        try:
+            messages.check(Kind.REQUEST, {"id": "", "prompt": [], "max_tokens": 1, "eos_token_ids": [],
+                                          **tenant_fields})
+        except MessageError as e:
+            raise CoordinatorError(f"tenant, cache salt or weight: {e}") from None
         now = self.clock()
-        req = RequestState(request_id, prompt, max_tokens, now, now + self.deadline_for(len(prompt), max_tokens))
+        req = RequestState(request_id, prompt, max_tokens, now, now + self.deadline_for(len(prompt), max_tokens),
+                           **tenant_fields)
         self.requests[request_id] = req
         self._route(req)
 
@@ -183,9 +196,8 @@ class Coordinator:
         self.by_stream[req.stream] = req
         d.inflight_tokens += len(req.prompt) + req.max_tokens
         prompt = req.attempt_prompt()
-        body = messages.dump(Kind.REQUEST, {"id": req.id, "prompt": prompt, "max_tokens": req.max_tokens - req.offset,
-                                            "eos_token_ids": list(self.eos)})
-        if not self._send(d, Kind.REQUEST, req.stream, body):
+        body = self._request_body(req)
+        if not self._send(d, Kind.REQUEST, req.stream, body(d)):
             return
         prefillers = self.live("prefill")
         if not prefillers:  # no prefill worker: the decode worker computes the prompt itself
@@ -193,10 +205,22 @@ class Coordinator:
             self._send(d, Kind.ABORT, req.stream, messages.dump(Kind.ABORT, {
                 "reason": "no prefill worker alive", "action": "recompute"}))
             return
-        p = choose_prefill(prefillers, prefix_keys(prompt, prefillers[0].block_size))
+        p = choose_prefill(prefillers, prefix_keys(prompt, prefillers[0].block_size, req.cache_salt))
         req.prefill = p.node
         p.inflight_tokens += len(prompt)
-        self._send(p, Kind.REQUEST, req.stream, body)
+        self._send(p, Kind.REQUEST, req.stream, body(p))
+
+    def _request_body(self, req: RequestState) -> Callable[[Worker], bytes]:
+        """The REQUEST payload of the current attempt (the client's prompt plus the tokens streamed before it),
+        per worker: with the tenant's fields for a worker of revision >= 1 (a revision-0 worker refuses fields it
+        does not know, so it gets the old REQUEST; it then shares its prefix cache across tenants: logged when it
+        says HELLO)."""
+        body = {"id": req.id, "prompt": req.attempt_prompt(), "max_tokens": req.max_tokens - req.offset,
+                "eos_token_ids": list(self.eos)}
+        plain = messages.dump(Kind.REQUEST, body)
+        tenant = messages.dump(Kind.REQUEST, body | {"tenant": req.tenant, "cache_salt": req.cache_salt,
+                                                     "weight": req.weight})
+        return lambda w: tenant if w.revision >= 1 else plain
 
     def _end(self, req: RequestState, output: list[int], reason: str, error: str | None) -> None:
         if req.result is not None:
@@ -321,7 +345,10 @@ class Coordinator:
         self.vocab_size, self.eos = body["vocab_size"], tuple(body["eos_token_ids"])
         self.max_context = min(body["max_context"], self.max_context or body["max_context"])
         w = Worker(frame.src, body["role"], link, body["layout"]["block_size"], body["num_blocks"],
-                   free_blocks=body["num_blocks"])
+                   free_blocks=body["num_blocks"], revision=body.get("revision", 0))
+        if w.revision < 1:
+            log.warning("worker %d speaks revision %d of the control payloads: it is not told requests' tenants, "
+                        "so tenants share its prefix cache and its scheduler weighs them alike", w.node, w.revision)
         link.peer = w
         self.workers[w.node] = w
         self.accounting.joined(w.node, w.role, body["pid"])

@@ -78,7 +78,7 @@ class DecodeWorker(WorkerBase):
         self.block_manager = BlockManager(num_blocks, block_size)
         self.max_model_len = min(c.max_position, num_blocks * block_size)
         self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_batched_tokens, max_num_seqs,
-                                                                       self.max_model_len))
+                                                                       self.max_model_len), self.fair_queuing())
         self.streams: dict[int, DecodeStream] = {}
         self.stream_timeout = stream_timeout
         self.counters = link.counters
@@ -120,7 +120,8 @@ class DecodeWorker(WorkerBase):
         eos = body["eos_token_ids"]
         try:
             seq = SchedSequence(prompt_token_ids=body["prompt"], max_tokens=body["max_tokens"],
-                                eos_token_id=eos[0] if eos else None, stop_token_ids=tuple(eos[1:]))
+                                eos_token_id=eos[0] if eos else None, stop_token_ids=tuple(eos[1:]),
+                                **self.tenant_of(body))
             if max(seq.prompt_token_ids) >= self.model.config.vocab_size or \
                     seq.num_prompt_tokens >= self.max_model_len:
                 raise RequestError(f"prompt ids must be < {self.model.config.vocab_size} and the prompt shorter "
@@ -174,7 +175,7 @@ class DecodeWorker(WorkerBase):
             return f"scale rule {lay['scale_rule']!r} does not go with wire dtype {lay['wire']!r}"
         if body["id"] != st.request_id or body["prompt_len"] != st.seq.num_prompt_tokens:
             return "manifest does not describe the request this stream carries (id or prompt length)"
-        keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.block_size)]
+        keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.block_size, st.seq.cache_salt)]
         if body["prefix_keys"] != keys:
             return "prefix-block keys disagree with the keys computed here from the prompt"
         return None

@@ -4,17 +4,23 @@ A peer's JSON is parsed with ``jsonsafe.loads`` (no pickle, no object hooks, at 
 deep) and then every field is checked: present, of the right type, in range, and no field that
 the schema does not name. What fails raises ``MessageError`` naming the frame kind and the field.
 The KV payload is binary (``wire.py``).
+
+Revision 1 of the protocol (``REVISION``, PROTOCOL.md section 3.1) added fields that a message may
+leave out (``OPTIONAL``): a REQUEST's tenant, cache salt and scheduling weight, and a HELLO's
+revision. Absent, they mean what revision 0 meant (tenant "default", no salt, weight 1; revision 0).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
 from reference import jsonsafe
 from reference.disagg.frames import Kind
 
+REVISION = 1  # the control payloads' revision this side speaks (PROTOCOL.md section 3.1)
 MAX_TOKENS_IN_MESSAGE = 1 << 20
 U32 = (1 << 32) - 1
 
@@ -32,6 +38,11 @@ def integer(lo: int = 0, hi: int = U32) -> Check:
 
 def text(max_len: int = 256) -> Check:
     return lambda v: isinstance(v, str) and len(v) <= max_len
+
+
+def number(lo: float, hi: float) -> Check:
+    """A finite int or float in (lo, hi]."""
+    return lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and lo < v <= hi
 
 
 def integers(lo: int = 0, hi: int = U32, max_len: int = MAX_TOKENS_IN_MESSAGE) -> Check:
@@ -71,9 +82,11 @@ def layout_check(v: Any) -> bool:
 SCHEMAS: dict[Kind, dict[str, Check]] = {
     Kind.HELLO: {"role": one_of("prefill", "decode"), "node": integer(1, 65535), "model_digest": text(64),
                  "layout": layout_check, "num_blocks": integer(1, U32), "pid": integer(0, U32),
-                 "vocab_size": integer(1, U32), "max_context": integer(1, U32), "eos_token_ids": integers(max_len=64)},
+                 "vocab_size": integer(1, U32), "max_context": integer(1, U32), "eos_token_ids": integers(max_len=64),
+                 "revision": integer(0, 255)},
     Kind.REQUEST: {"id": text(), "prompt": integers(), "max_tokens": integer(1, U32),
-                   "eos_token_ids": integers(max_len=64)},
+                   "eos_token_ids": integers(max_len=64), "tenant": text(), "cache_salt": optional(text()),
+                   "weight": number(0.0, 1e6)},
     Kind.MANIFEST: {"id": text(), "prompt_len": integer(1, U32), "prefix_keys": hex_keys(),
                     "model_digest": text(64), "layout": layout_check},
     Kind.DONE: {"first_token": integer(), "kv_frames": integer(), "kv_digest": text(64)},
@@ -87,6 +100,10 @@ SCHEMAS: dict[Kind, dict[str, Check]] = {
     Kind.BYE: {"free_blocks": integer(), "total_blocks": integer(), "live_streams": integer(),
                "live_sequences": integer(), "counters": counters},
 }
+
+# fields of revision 1 that a payload may leave out (a revision-0 peer never sends them)
+OPTIONAL: dict[Kind, frozenset[str]] = {Kind.HELLO: frozenset({"revision"}),
+                                        Kind.REQUEST: frozenset({"tenant", "cache_salt", "weight"})}
 
 
 def dump(kind: Kind, body: dict[str, Any]) -> bytes:
@@ -111,9 +128,9 @@ def check(kind: Kind, body: Any) -> None:
         raise MessageError(f"{kind.name} frames carry no JSON payload")
     if not isinstance(body, dict):
         raise MessageError(f"{kind.name} payload must be a JSON object")
-    extra, missing = set(body) - set(schema), set(schema) - set(body)
+    extra, missing = set(body) - set(schema), set(schema) - set(body) - OPTIONAL.get(kind, frozenset())
     if extra or missing:
         raise MessageError(f"{kind.name} payload: unexpected fields {sorted(extra)}, missing {sorted(missing)}")
     for name, ok in schema.items():
-        if not ok(body[name]):
+        if name in body and not ok(body[name]):
             raise MessageError(f"{kind.name} payload: field {name!r} has a bad value {str(body[name])[:80]!r}")

@@ -63,7 +63,8 @@ class PrefillWorker(WorkerBase):
         self.cache = self.runner.cache  # read layer by layer for the wire
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_batched_tokens, max_num_seqs,
-                                                                       model.config.max_position))
+                                                                       model.config.max_position),
+                                   self.fair_queuing())
         self.streams: dict[int, PrefillStream] = {}
         self.handshake_timeout, self.retries = handshake_timeout, retries
         self.counters = link.counters
@@ -98,7 +99,7 @@ class PrefillWorker(WorkerBase):
         if frame.stream in self.streams:
             return
         try:
-            seq = SchedSequence(prompt_token_ids=body["prompt"], max_tokens=1, request=None)
+            seq = SchedSequence(prompt_token_ids=body["prompt"], max_tokens=1, request=None, **self.tenant_of(body))
             self.scheduler.add(seq, self.clock())
         except (RequestError, SchedulerError) as e:
             self.link.send(Kind.ABORT, frame.stream, messages.dump(Kind.ABORT, {
@@ -111,7 +112,7 @@ class PrefillWorker(WorkerBase):
 
     # -- frames out -----------------------------------------------------------------------
     def _send_manifest(self, st: PrefillStream) -> None:
-        keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.layout.block_size)]
+        keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.layout.block_size, st.seq.cache_salt)]
         self.link.send(Kind.MANIFEST, st.stream, messages.dump(Kind.MANIFEST, {
             "id": st.request_id, "prompt_len": st.seq.num_prompt_tokens, "prefix_keys": keys,
             "model_digest": self.digest, "layout": self.layout.as_message()}))

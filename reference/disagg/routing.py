@@ -28,6 +28,7 @@ class Worker:
     inflight_tokens: int = 0
     recent_keys: OrderedDict = field(default_factory=OrderedDict)  # prefix keys routed here, oldest first
     bye: dict | None = None
+    revision: int = 0  # of the control payloads, from its HELLO (PROTOCOL.md section 3.1)
 
 
 def affinity(worker: Worker, keys: Sequence[bytes]) -> int:

@@ -8,6 +8,7 @@ from typing import Any
 from reference.disagg import messages
 from reference.disagg.frames import Kind
 from reference.model.llama import Chunk
+from reference.sched import WFQ, Tenants
 
 
 class WorkerBase:
@@ -26,6 +27,21 @@ class WorkerBase:
 
     def inflight_tokens(self) -> int:
         raise NotImplementedError
+
+    @staticmethod
+    def fair_queuing() -> WFQ:
+        """The workers' policy: weighted fair queuing across tenants, each tenant weighted as its REQUESTs
+        say (``tenant_of``), first come first served inside a tenant (with one tenant: plain FCFS)."""
+        return WFQ(Tenants({}, {}))
+
+    def tenant_of(self, body: dict) -> dict:
+        """A REQUEST's tenant fields as ``Sequence`` arguments (revision 0 REQUESTs have none: the default
+        tenant, no salt), the tenant's weight noted for the scheduler's fair queuing."""
+        tenant = body.get("tenant", "default")
+        tenants = self.scheduler.policy.tenants
+        tenants.plan_of[tenant] = tenant  # one plan per tenant, of the tenant's weight
+        tenants.plan_weights[tenant] = float(body.get("weight", 1.0))
+        return {"tenant": tenant, "cache_salt": body.get("cache_salt")}
 
     def run_step(self, on_layer: Callable[[Any], Callable[[int], None]] | None = None) -> tuple[Any, list] | None:
         """The engine loop's step up to the logits: schedule, copy-on-write copies, one forward pass.
