@@ -236,11 +236,12 @@ class DisaggEngine:
     def __init__(self, model_spec: str, tokenizer: Any, *, num_prefill: int = 1, num_decode: int = 1,
                  remote: list[tuple[str, int]] | None = None, opts: WorkerOptions | None = None,
                  secret: bytes | None = None, lease_s: float = 15.0, max_model_len: int | None = None,
-                 log: str | None = None) -> None:
+                 log: str | None = None, cluster: Any = None) -> None:
         self.tokenizer = tokenizer
         opts = opts or WorkerOptions()
-        self.cluster = ServeCluster(model_spec, num_prefill, num_decode, remote or [], secret=secret, opts=opts,
-                                    lease_s=lease_s, log=log)
+        # cluster: one already running (torchrun's ranks: serve/disagg_dist.py); else our processes + remote ones
+        self.cluster = cluster or ServeCluster(model_spec, num_prefill, num_decode, remote or [], secret=secret,
+                                               opts=opts, lease_s=lease_s, log=log)
         self.coordinator: ServeCoordinator = self.cluster.coordinator  # type: ignore[assignment]
         context = self.coordinator.max_context
         self.max_model_len = min(context, max_model_len) if max_model_len else context
