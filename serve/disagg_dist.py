@@ -59,7 +59,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, others
         p.error("--pipeline and --compressed serve a colocated engine; they do not combine with --dist-workers")
     world = os.environ.get("WORLD_SIZE", "")
     if not world.isdigit() or "RANK" not in os.environ:
-        p.error("--dist-workers runs under torchrun (RANK and WORLD_SIZE unset): torchrun --nproc-per-node N -m serve ...")
+        p.error("--dist-workers runs under torchrun (RANK and WORLD_SIZE unset): "
+                "torchrun --nproc-per-node N -m serve ...")
     if args.dist_workers < 1 or int(world) < args.dist_workers + 2:
         p.error(f"--dist-workers {args.dist_workers} with {world} ranks: need rank 0 (the server), >= 1 prefill "
                 "and >= 1 decode rank, so 1 <= P <= WORLD_SIZE - 2")
@@ -69,7 +70,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, others
     except ValueError:
         ok = False
     if not ok:
-        p.error(f"--dist-workers needs the shared secret (at least 32 hex digits, the same on every rank) in ${SECRET_ENV}")
+        p.error(f"--dist-workers needs the shared secret (at least 32 hex digits, the same on every rank) "
+                f"in ${SECRET_ENV}")
 
 
 def join_group() -> int:
