@@ -2,11 +2,13 @@
 rank 0 the OpenAI-compatible server, rank 1 a prefill worker, rank 2 a decode worker, linked by
 torch.distributed (gloo) instead of TCP sockets. Greedy chat streamed with the ``openai`` client gets exactly
 the colocated endpoint's text and token counts; /metrics shows both ranks' handoffs and every block free
-afterwards; SIGTERM to torchrun stops every rank."""
+afterwards; SIGTERM to torchrun stops every rank. A decode rank killed (SIGKILL) during 8 streams: every stream
+ends in time, whole or with an error event, and torchrun's teardown of the group leaves no rank behind."""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 import time
@@ -15,6 +17,7 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 from tests.test_serve_disagg import QUESTIONS, Server, all_streams, gauges, wait_idle  # noqa: E402
+from tests.test_serve_disagg_faults import BOUND_S, pid_of, run_streams  # noqa: E402
 
 SECRET = {"UNFIRE_DISAGG_SECRET": "5e" * 32}
 
@@ -65,6 +68,29 @@ def test_torchrun_endpoint_streams_the_colocated_tokens():
     while any(alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.2)
     assert not any(alive(p) for p in pids), "a worker rank outlived the server"
+
+
+def worker_pids(server: Server) -> list[int]:
+    return [int(line.split('pid="')[1].split('"')[0]) for line in server.metrics().splitlines()
+            if line.startswith("unfire_disagg_worker_up{")]
+
+
+@pytest.mark.slow
+def test_a_dead_decode_rank_ends_every_stream_and_the_group():
+    server = Server("--dist-workers", "1", "--max-num-seqs", "8", launcher=torchrun(3), env=SECRET, timeout=300)
+    try:
+        pids = worker_pids(server)
+        got, seconds = run_streams(server, lambda: os.kill(pid_of(server, "decode"), signal.SIGKILL))
+        assert max(seconds) < BOUND_S
+        assert all(error is not None or tokens for _, tokens, error in got)
+        errors = [error for _, _, error in got if error is not None]
+        assert errors, "the killed decode rank held streams: they end with an error event"
+        code = server.proc.wait(120)  # torchrun stops the rest of the group by itself
+        assert code != 0
+    finally:
+        server.close()
+    assert any(line.strip() == "stopped" for line in server.lines), "".join(server.lines)
+    assert not any(alive(p) for p in pids), "a rank outlived the group"
 
 
 @pytest.mark.parametrize("argv, env, message", [
