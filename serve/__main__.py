@@ -3,6 +3,7 @@
     python -m serve --model smollm2 [--engine auto|reference|fast] [--host 127.0.0.1] [--port 8000]
                     [--api-keys KEYS.toml] [--num-blocks 512] [--max-pending 256] [--shutdown-grace 10]
     python -m serve ... [--prefill-workers P --decode-workers D | --workers HOST:PORT,...] [--kv-wire fp32]
+    torchrun --nproc-per-node N ... -m serve ... --dist-workers P   (workers are ranks 1..N-1: serve/disagg_dist.py)
     python -m serve fleet SCENARIO.toml [...]   (a simulator scenario on real servers: serve/fleet)
 
 Without ``--api-keys`` every request is accepted (tenant "default"), so the server binds only to a
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -74,9 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=2, help="pieces a pipeline step is cut into (default 2)")
     p.add_argument("--pipeline-step-timeout", type=float, default=120.0,
                    help="seconds a pipeline step may take before its stages count as hung (default 120)")
-    from serve import disagg
+    from serve import disagg, disagg_dist
 
     disagg.add_arguments(p)
+    disagg_dist.add_arguments(p)
     args = p.parse_args(argv)
     disagg.check_arguments(p, args)
     if args.max_num_batched_tokens is None:  # the defaults come as a pair: a budget given alone gets no cap
@@ -86,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             args.max_prefill_tokens_with_decodes = PREFILL_CAP
     if disagg.wanted(args) and args.pipeline:
         p.error("--pipeline serves a colocated engine; it does not combine with disaggregated workers")
+    disagg_dist.check_arguments(p, args, others=disagg.wanted(args))
     if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
                 "give --api-keys KEYS.toml, or --allow-unauthenticated if that is what you want")
@@ -108,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         return fleet_main(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    from serve import disagg, disagg_dist
+
+    ranks = args.dist_workers is not None  # under torchrun: rank 0 serves, the other ranks are its workers
+    if ranks and disagg_dist.join_group() != 0:
+        return disagg_dist.run_worker(args, int(os.environ["RANK"]))
     try:
         import uvicorn
     except ImportError:
@@ -124,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from serve import disagg
     from serve.engines import parse_compressed, pick_engine
 
-    args.engine, why = pick_engine(args.engine)  # the disaggregated workers' runner too
+    split = disagg.wanted(args) or ranks
+    if ranks and args.engine == "auto":  # the torchrun ranks' workers: the reference runner only (so far)
+        args.engine, why = "reference", "reference engine: the torchrun worker ranks run the reference runner"
+    else:
+        args.engine, why = pick_engine(args.engine)  # the disaggregated workers' runner too
     if why:
         print(why, file=sys.stderr, flush=True)
     sock = listening_socket(args.host, args.port)  # a busy port is reported now, not after the model loaded
@@ -138,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
 
         threadpool_limits(args.blas_threads, user_api="blas")
     try:
-        if disagg.wanted(args):
-            engine = disagg.build(args, tenants=keys.tenants if keys else None)
+        if split:
+            engine = disagg_dist.build(args) if ranks else disagg.build(args, tenants=keys.tenants if keys else None)
             worker = disagg.DisaggWorker(engine)
         else:
             engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None,
@@ -157,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or args.model
     app = create_app(worker, engine.tokenizer, model_name=name, keys=keys, max_pending=args.max_pending)
     port = sock.getsockname()[1]
-    if disagg.wanted(args):
+    if split:
         kind = (f"disaggregated: {len(engine.coordinator.live('prefill'))} prefill + "
                 f"{len(engine.coordinator.live('decode'))} decode workers on the {args.engine} runner, "
                 f"{args.kv_wire} KV wire")

@@ -80,15 +80,17 @@ class DisaggEngine:
                  remote: list[tuple[str, int]] | None = None, opts: WorkerOptions | None = None,
                  secret: bytes | None = None, lease_s: float = 15.0, max_model_len: int | None = None,
                  log: str | None = None, worker_command: list[str] | None = None,
-                 tenants: Tenants | None = None) -> None:
+                 tenants: Tenants | None = None, cluster: Any = None) -> None:
         """``worker_command``: the program each local worker runs (default the reference worker);
-        ``tenants``: the tenants' weights, carried to the workers with each request."""
+        ``tenants``: the tenants' weights, carried to the workers with each request; ``cluster``: one already
+        running (torchrun's ranks: ``serve/disagg_dist.py``), else our processes and the remote ones."""
         self.tokenizer = tokenizer
         self.tenants = tenants
         opts = opts or WorkerOptions()
-        self.cluster = ProcessCluster(model_spec, num_prefill, num_decode, remote=remote or [], secret=secret,
-                                      opts=opts, restart=True, deadline=lambda p, o: 120.0 + 0.5 * o,
-                                      ready_timeout=300.0, log=log, lease_s=lease_s, worker_command=worker_command)
+        self.cluster = cluster or ProcessCluster(
+            model_spec, num_prefill, num_decode, remote=remote or [], secret=secret, opts=opts, restart=True,
+            deadline=lambda p, o: 120.0 + 0.5 * o, ready_timeout=300.0, log=log, lease_s=lease_s,
+            worker_command=worker_command)
         self.coordinator: Coordinator = self.cluster.coordinator
         context = self.coordinator.max_context
         self.max_model_len = min(context, max_model_len) if max_model_len else context

@@ -34,8 +34,9 @@ NEW_QUESTION = "Tell me about the history of the bicycle, from the first designs
 class Server:
     """``python -m serve ...`` on a free loopback port; its stdout is drained on a thread."""
 
-    def __init__(self, *args: str, env: dict | None = None, timeout: float = 180.0) -> None:
-        cmd = [sys.executable, "-m", "serve", "--port", "0", "--num-blocks", "64", *args]
+    def __init__(self, *args: str, env: dict | None = None, timeout: float = 180.0,
+                 launcher: list[str] | None = None) -> None:
+        cmd = [*(launcher or [sys.executable]), "-m", "serve", "--port", "0", "--num-blocks", "64", *args]
         full_env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1",
                         **(env or {}))
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
