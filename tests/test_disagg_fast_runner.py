@@ -15,7 +15,7 @@ from reference.disagg import cluster as cluster_mod
 from reference.disagg import messages
 from reference.disagg.batch import run_requests
 from reference.disagg.cluster import FAST_FAULTS, InProcessCluster, WorkerOptions
-from reference.disagg.coordinator import Coordinator
+from reference.disagg.coordinator import Coordinator, RequestState
 from reference.disagg.decode import DecodeWorker
 from reference.disagg.frames import Kind
 from reference.disagg.models import load_model
@@ -146,8 +146,7 @@ def test_revision_0_peers_interoperate():
     # a worker whose HELLO said no revision is sent REQUESTs without the fields it would refuse
     coord = Coordinator(b"k" * 32)
     coord.eos = (0,)
-    req = type("R", (), {"id": "x", "prompt": [1, 2], "max_tokens": 3, "tenant": "a", "cache_salt": "a",
-                         "weight": 2.0})()
+    req = RequestState("x", [1, 2], 3, 0.0, 1.0, tenant="a", cache_salt="a", weight=2.0)
     old, new = (Worker(1, "decode", None, 8, 8, revision=r) for r in (0, 1))
     assert "tenant" not in messages.load(Kind.REQUEST, coord._request_body(req, old))
     assert messages.load(Kind.REQUEST, coord._request_body(req, new))["weight"] == 2.0

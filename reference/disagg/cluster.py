@@ -268,17 +268,13 @@ class ProcessCluster(Cluster):
                  log: str | None = None, coordinator: type[Coordinator] = Coordinator,
                  remote: list[tuple[str, int]] | None = None, lease_s: float | None = 15.0,
                  worker_command: list[str] | None = None) -> None:
-        """``worker_command``: the program each local worker runs with the worker options (default the reference
-        worker, ``python -m reference.disagg worker``; the fast runner's is ``python -m fast.disagg.worker``)."""
         super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline,
                          coordinator=coordinator, lease_s=lease_s)
         self.procs: dict[int, subprocess.Popen] = {}
-        if worker_command is not None:
-            self.worker_command = worker_command
         self.remote_addr: dict[Any, tuple[str, int]] = {}  # endpoint -> the address of the worker behind it
         self.reconnect: dict[tuple[str, int], float] = {}  # address of a lost remote worker -> when to try next
-        if not hasattr(self, "worker_command"):  # a subclass may start another worker program with these options
-            self.worker_command = [sys.executable, "-m", "reference.disagg", "worker"]
+        # the program each local worker runs, with the options below (the fast runner's: fast.disagg.worker)
+        self.worker_command = worker_command or [sys.executable, "-m", "reference.disagg", "worker"]
         self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
         self.server = listen()
         self.port = self.server.getsockname()[1]

@@ -195,9 +195,7 @@ class Coordinator:
         req.stream, req.attempts, req.decode, req.offset = next(self._streams), req.attempts + 1, d.node, len(done)
         self.by_stream[req.stream] = req
         d.inflight_tokens += len(req.prompt) + req.max_tokens
-        prompt = req.attempt_prompt()
-        body = self._request_body(req)
-        if not self._send(d, Kind.REQUEST, req.stream, body(d)):
+        if not self._send(d, Kind.REQUEST, req.stream, self._request_body(req, d)):
             return
         prefillers = self.live("prefill")
         if not prefillers:  # no prefill worker: the decode worker computes the prompt itself
@@ -205,22 +203,22 @@ class Coordinator:
             self._send(d, Kind.ABORT, req.stream, messages.dump(Kind.ABORT, {
                 "reason": "no prefill worker alive", "action": "recompute"}))
             return
+        prompt = req.attempt_prompt()
         p = choose_prefill(prefillers, prefix_keys(prompt, prefillers[0].block_size, req.cache_salt))
         req.prefill = p.node
         p.inflight_tokens += len(prompt)
-        self._send(p, Kind.REQUEST, req.stream, body(p))
+        self._send(p, Kind.REQUEST, req.stream, self._request_body(req, p))
 
-    def _request_body(self, req: RequestState) -> Callable[[Worker], bytes]:
-        """The REQUEST payload of the current attempt (the client's prompt plus the tokens streamed before it),
-        per worker: with the tenant's fields for a worker of revision >= 1 (a revision-0 worker refuses fields it
-        does not know, so it gets the old REQUEST; it then shares its prefix cache across tenants: logged when it
-        says HELLO)."""
+    def _request_body(self, req: RequestState, w: Worker) -> bytes:
+        """The REQUEST payload for ``w``: the attempt's prompt and token budget (after a migration, the prompt
+        goes on with the tokens already streamed), with the tenant's fields for a worker of revision >= 1 (a
+        revision-0 worker refuses fields it does not know, so it gets the old REQUEST; it then shares its
+        prefix cache across tenants: logged when it says HELLO)."""
         body = {"id": req.id, "prompt": req.attempt_prompt(), "max_tokens": req.max_tokens - req.offset,
                 "eos_token_ids": list(self.eos)}
-        plain = messages.dump(Kind.REQUEST, body)
-        tenant = messages.dump(Kind.REQUEST, body | {"tenant": req.tenant, "cache_salt": req.cache_salt,
-                                                     "weight": req.weight})
-        return lambda w: tenant if w.revision >= 1 else plain
+        if w.revision >= 1:
+            body.update(tenant=req.tenant, cache_salt=req.cache_salt, weight=req.weight)
+        return messages.dump(Kind.REQUEST, body)
 
     def _end(self, req: RequestState, output: list[int], reason: str, error: str | None) -> None:
         if req.result is not None:
