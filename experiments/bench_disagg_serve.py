@@ -45,7 +45,10 @@ from serve.bench import BenchConfig, run_bench, sharegpt_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-ENGINE = ["--num-blocks", "512", "--block-size", "16", "--max-num-seqs", "32", "--max-num-batched-tokens", "256"]
+# the reference engine, colocated and in the workers (the stored results ran it; --engine auto now picks the fast
+# runner for the workers too); bench_compressed_serve passes --engine fast after these
+ENGINE = ["--engine", "reference", "--num-blocks", "512", "--block-size", "16", "--max-num-seqs", "32",
+          "--max-num-batched-tokens", "256"]
 SETUPS = {"colocated": ["--blas-threads", "1"],
           "colocated_2threads": ["--blas-threads", "2"],
           "disagg_fp32": ["--prefill-workers", "1", "--decode-workers", "1", "--kv-wire", "fp32"],
