@@ -9,8 +9,9 @@ runner the colocated fast engine steps on) with what the workers add to it:
   out, the slot rule of ``reference/kv/cache.py``), so the wire code is the reference's, byte for byte;
 * ``forward(chunks, on_layer=hook)``: ``hook(i)`` runs as soon as layer i's K/V of the step are written
   (the prefill worker sends them then, while layer i + 1 computes). The torch model has no hook of its
-  own, so the runner's cache announces its writes for the length of that one step (steps with a hook run
-  eagerly, never as a replayed CUDA graph, which would write without telling).
+  own, so the runner's cache announces its writes (``PagedKVCache.on_write``, also called by the fused CPU
+  RoPE write) for the length of that one step (steps with a hook run eagerly, never as a replayed CUDA graph,
+  which would write without telling).
 
 ``load_worker_model`` loads a checkpoint (a container too; ``compressed`` as ``fast.engine.Engine.load``)
 and names it by a digest that folds in the runner and dtype, so a decode worker refuses KV from a prefill
@@ -95,18 +96,11 @@ class WorkerRunner:
         if on_layer is None:
             return self.runner.forward(chunks)
         cache, graphs = self.runner.cache, self.runner.graphs
-        plain_write = cache.write
-
-        def write(layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  backend: str | None = None) -> None:
-            plain_write(layer, slots, k, v, backend)
-            on_layer(layer)
-
-        cache.write, self.runner.graphs = write, None  # this step only: the instance's write announces itself
+        cache.on_write, self.runner.graphs = on_layer, None  # this step only: every K/V write announces itself
         try:
             return self.runner.forward(chunks)
         finally:
-            del cache.write
+            cache.on_write = None
             self.runner.graphs = graphs
 
 

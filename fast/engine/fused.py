@@ -151,4 +151,6 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, p
     bad = next((c for c in codes if c), 0)
     if bad:
         raise KernelInputError(f"rope_write (C): {ROPE_ERRORS.get(bad, f'error {bad}')}")
+    if cache.on_write is not None:  # as PagedKVCache.write does
+        cache.on_write(layer)
     return q

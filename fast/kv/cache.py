@@ -10,7 +10,7 @@ codes once; new values are encoded with the new scale), so the stored bytes equa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -37,6 +37,9 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=DTYPES[dtype], device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=DTYPES[dtype], device=self.device) for _ in range(num_layers)]
         self.scratch: dict[str, torch.Tensor] = {}  # reusable buffers of the torch attention path
+        # called with the layer after each write of new tokens' K/V (by ``write`` or the fused RoPE write of
+        # fast/engine/fused.py): a disaggregated prefill worker sends that layer's KV then
+        self.on_write: Callable[[int], None] | None = None
         self.k_exp: list[torch.Tensor] = []
         self.v_exp: list[torch.Tensor] = []
         if dtype == "fp8":
@@ -64,14 +67,15 @@ class PagedKVCache:
             from fast.kv import triton_write
 
             triton_write.write(self, layer, slots, k, v)
-            return
-        if not self.is_fp8:
+        elif not self.is_fp8:
             flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
             self.k[layer].view(flat)[slots] = to_store(k, self.k[layer].dtype)
             self.v[layer].view(flat)[slots] = to_store(v, self.v[layer].dtype)
-            return
-        write_fp8(self.k[layer], self.k_exp[layer], slots, k)
-        write_fp8(self.v[layer], self.v_exp[layer], slots, v)
+        else:
+            write_fp8(self.k[layer], self.k_exp[layer], slots, k)
+            write_fp8(self.v[layer], self.v_exp[layer], slots, v)
+        if self.on_write is not None:
+            self.on_write(layer)
 
     def _check_write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if not 0 <= layer < self.num_layers:
