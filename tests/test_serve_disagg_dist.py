@@ -43,7 +43,7 @@ def alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_torchrun_endpoint_streams_the_colocated_tokens():
-    colocated = Server()  # the colocated endpoint as a user starts it
+    colocated = Server("--engine", "reference")  # the torchrun ranks run the reference runner
     try:
         want = all_streams(colocated, QUESTIONS)
     finally:

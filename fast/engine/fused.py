@@ -1,20 +1,18 @@
-"""Fused element-wise steps of the bf16 model on a CPU, in C (``native/fused_ops.c``).
+"""The RoPE rotation and the KV cache write of the bf16 model on a CPU, in one C pass (``native/fused_ops.c``).
 
-    h = rms_norm(x, w, eps)                   # bf16(x / sqrt(mean(x^2) + eps) * w), x float32 [n, hidden]
-    h = add_rms_norm(x, delta, w, eps)        # x += delta (bf16, in place), then the norm; w None: the add alone
-    q = rope_write(qkv, model, positions, slots, cache, layer)   # RoPE on q and k; k, v into the cache
+    q = rope_write(qkv, cos, signed_sin, positions, slots, cache, layer, heads)   # q, k rotated; k, v stored
 
-Between two matrix products torch runs 4-8 small calls (the norm alone is seven), each reading and writing
-the whole activation and paying its dispatch cost; each group here is one pass. What they compute is what the
-torch lines of ``fast/engine/model.py`` compute: RoPE, the adds, the products and every bf16 rounding are the
-same operations in the same order (bit for bit); only the norm's sum of squares is added in another order
-(float32, before the bf16 rounding).
-Conformance: *bounded*, as the bf16 model it belongs to (the engine cases compare the float32 model with the
-reference; in bf16 compressed and plain weights run this same code, so their tokens stay equal).
+Torch needs about ten calls for this per layer (widen q and k, roll, two products, a sum, two roundings, two
+indexed stores, a copy of q), each reading and writing the activation and paying its dispatch cost. The C
+pass performs the very same float32 operations in the same order with the same roundings, so the model's
+outputs are bit for bit those of its torch lines (``fast/engine/model.py``; the tests compare). Fusing the
+residual add with the next RMSNorm was tried too and dropped: its sum of squares, added in another order than
+torch's, flipped bf16 roundings that SmolLM2 in bf16 amplified into another greedy answer (README's example).
 
 Built on first use like the C attention; no compiler, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_FUSED=0``:
 ``applies`` is False and the model runs its torch lines. ``UNFIRE_NATIVE_SIMD=0`` forces the plain C loops
-(the AVX-512 ones give the same bits; the tests compare them). Rows are split between torch's threads.
+(the AVX-512 ones give the same bits). Rows are split between torch's threads. Conformance: *exact* with the
+torch lines it replaces.
 """
 
 from __future__ import annotations
@@ -35,10 +33,8 @@ from fast.kv.cache import PagedKVCache
 SOURCE = Path(__file__).with_name("native") / "fused_ops.c"
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
-_P, _I64, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "unf_rms_norm_bf16": (None, [_P, _P, _I64, _I64, _F, _P, _INT]),
-    "unf_add_rms_norm_bf16": (None, [_P, _P, _P, _I64, _I64, _F, _P, _INT]),
     "unf_rope_write_bf16": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, _P, _P, _INT]),
     "unf_fused_simd": (_INT, []),
 }
@@ -82,41 +78,6 @@ def _rows(x: torch.Tensor, dtype: torch.dtype, name: str) -> None:
     if x.dtype != dtype or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
         raise KernelInputError(f"{name} must be a contiguous 2-D {dtype} CPU tensor, got {x.dtype} "
                                f"{tuple(x.shape)}")
-
-
-def _vector(w: torch.Tensor, h: int, name: str) -> None:
-    if w.dtype != torch.float32 or tuple(w.shape) != (h,) or not w.is_contiguous():
-        raise KernelInputError(f"{name} must be contiguous float32 of shape ({h},), got {w.dtype} {tuple(w.shape)}")
-
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """bf16(x / sqrt(mean(x^2) + eps) * w) per row of x (float32 [n, h])."""
-    _rows(x, torch.float32, "x")
-    n, h = x.shape
-    _vector(w, h, "the norm weight")
-    out = torch.empty((n, h), dtype=torch.bfloat16)
-    lib, simd = _state["lib"], _simd()
-    _split(n, lambda lo, hi: lib.unf_rms_norm_bf16(x.data_ptr() + lo * h * 4, w.data_ptr(), hi - lo, h, eps,
-                                                   out.data_ptr() + lo * h * 2, simd))
-    return out
-
-
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor | None:
-    """x += delta in place (delta bf16 [n, h], widened exactly), then ``rms_norm(x, w, eps)``; None if w is None."""
-    _rows(x, torch.float32, "x")
-    delta = delta.contiguous()
-    _rows(delta, torch.bfloat16, "delta")
-    if delta.shape != x.shape:
-        raise KernelInputError(f"delta has shape {tuple(delta.shape)}, x {tuple(x.shape)}")
-    n, h = x.shape
-    if w is not None:
-        _vector(w, h, "the norm weight")
-    out = None if w is None else torch.empty((n, h), dtype=torch.bfloat16)
-    lib, simd = _state["lib"], _simd()
-    _split(n, lambda lo, hi: lib.unf_add_rms_norm_bf16(
-        x.data_ptr() + lo * h * 4, delta.data_ptr() + lo * h * 2, None if w is None else w.data_ptr(), hi - lo, h,
-        eps, None if out is None else out.data_ptr() + lo * h * 2, simd))
-    return out
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor,

@@ -192,18 +192,22 @@ class TorchLlama:
         A pipeline stage is a model holding a range of a checkpoint's layers (``fast/pipeline``)."""
         c = self.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
-        if self._fused(cache):
-            return self._run_layers_fused(x, positions, step, cache)
         n = x.shape[0]
-        cos, sin = self.cos[positions], self.signed_sin[positions]
+        fused_rope = self._fused(cache)  # the same bits as the three torch lines below, in one pass
+        positions = positions.contiguous()
+        cos, sin = (None, None) if fused_rope else (self.cos[positions], self.signed_sin[positions])
         for i, layer in enumerate(self.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps).to(self.dtype)
             qkv = layer.qkv(h)
             if layer.qkv_bias is not None:
                 qkv = (qkv.float() + layer.qkv_bias).to(self.dtype)
-            qk = apply_rope(qkv[:, :(heads + kv) * d].reshape(n, heads + kv, d).float(), cos, sin)  # q and k at once
-            cache.write(i, step.slots, qk[:, heads:], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
-            out = paged_attention(qk[:, :heads].to(self.dtype).contiguous(), cache, i, step)
+            if fused_rope:
+                q = fused.rope_write(qkv, self.cos, self.signed_sin, positions, step.slots, cache, i, heads)
+            else:
+                qk = apply_rope(qkv[:, :(heads + kv) * d].reshape(n, heads + kv, d).float(), cos, sin)  # q, k at once
+                cache.write(i, step.slots, qk[:, heads:], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
+                q = qk[:, :heads].to(self.dtype).contiguous()
+            out = paged_attention(q, cache, i, step)
             attn = layer.o(out.reshape(n, heads * d)).float()
             x = x + (attn if layer.o_bias is None else attn + layer.o_bias)
             h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps).to(self.dtype)
@@ -212,28 +216,9 @@ class TorchLlama:
         return x
 
     def _fused(self, cache: PagedKVCache) -> bool:
-        """Whether this step runs the fused C element-wise ops (bf16 on a CPU; no projection biases)."""
-        return (self.dtype == torch.bfloat16 and self.device.type == "cpu" and fused.applies(self.dtype, self.device,
-                cache) and all(la.qkv_bias is None and la.o_bias is None for la in self.layers))
-
-    def _run_layers_fused(self, x: torch.Tensor, positions: torch.Tensor, step: KVStep,
-                          cache: PagedKVCache) -> torch.Tensor:
-        """``run_layers`` with the element-wise steps between the products fused (``fast/engine/fused.py``): the
-        same operations, with each norm's sum of squares in another order; x is updated in a copy of its own."""
-        c = self.config
-        heads, d, eps = c.num_heads, c.head_dim, c.rms_norm_eps
-        n = x.shape[0]
-        x = x.to(torch.float32).clone(memory_format=torch.contiguous_format)
-        positions = positions.contiguous()
-        h = fused.rms_norm(x, self.layers[0].attn_norm, eps) if self.layers else None
-        for i, layer in enumerate(self.layers):
-            q = fused.rope_write(layer.qkv(h), self.cos, self.signed_sin, positions, step.slots, cache, i, heads)
-            out = paged_attention(q, cache, i, step)
-            h = fused.add_rms_norm(x, layer.o(out.reshape(n, heads * d)), layer.mlp_norm, eps)
-            after = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            h = fused.add_rms_norm(x, layer.down(F.silu(gate) * up), after, eps)
-        return x
+        """Whether this step's RoPE and cache write run as one C pass (bf16 on a CPU, no q/k/v bias)."""
+        return (self.dtype == torch.bfloat16 and self.device.type == "cpu"
+                and fused.applies(self.dtype, self.device, cache))
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
