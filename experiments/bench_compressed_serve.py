@@ -38,7 +38,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.bench_disagg_serve import ENGINE, KEYS, REPO, RESULTS, _get, agreement, answers, figure, medians, timed
+from experiments.bench_disagg_serve import (
+    ENGINE,
+    KEYS,
+    REPO,
+    RESULTS,
+    _get,
+    add_workload_arguments,
+    agreement,
+    answers,
+    figure,
+    medians,
+    timed,
+)
 from reference.provenance import commit, machine, now
 from reference.safe_write import write_text
 from serve.bench import BenchConfig, sharegpt_prompts
@@ -98,13 +110,7 @@ def table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_compressed_serve", description=__doc__.split("\n")[0])
-    p.add_argument("--num-prompts", type=int, default=16, help="ShareGPT prompts per run (default 16)")
-    p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
-    p.add_argument("--max-prompt-chars", type=int, default=600, help="prompt text cut to this length (default 600)")
-    p.add_argument("--request-rate", type=float, default=1.0, help="Poisson arrivals per second (default 1.0)")
-    p.add_argument("--repeats", type=int, default=2, help="alternating runs of every setup (default 2)")
-    p.add_argument("--slo-ttft-ms", type=float, default=10000.0, help="goodput's TTFT bound in ms (default 10000)")
-    p.add_argument("--slo-tpot-ms", type=float, default=1000.0, help="goodput's TPOT bound in ms (default 1000)")
+    add_workload_arguments(p)
     p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"which of {', '.join(SETUPS)} (plain first)")
     p.add_argument("--model", default="smollm2", help="packaged model name or checkpoint path (default smollm2)")
     p.add_argument("--container", type=Path, help="a container of --model (default: one written by "

@@ -200,8 +200,8 @@ def figure(result: dict, path: Path, setups: tuple[str, ...] = TIMED, title: str
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_disagg_serve", description=__doc__.split("\n")[0])
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload and SLO options this benchmark and ``bench_compressed_serve`` share."""
     p.add_argument("--num-prompts", type=int, default=16, help="ShareGPT prompts per run (default 16)")
     p.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
     p.add_argument("--max-prompt-chars", type=int, default=600, help="prompt text cut to this length (default 600)")
@@ -209,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="alternating runs of every setup (default 2)")
     p.add_argument("--slo-ttft-ms", type=float, default=10000.0, help="goodput's TTFT bound in ms (default 10000)")
     p.add_argument("--slo-tpot-ms", type=float, default=1000.0, help="goodput's TPOT bound in ms (default 1000)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench_disagg_serve", description=__doc__.split("\n")[0])
+    add_workload_arguments(p)
     p.add_argument("--setups", default=",".join(TIMED), help=f"which of {', '.join(TIMED)} to time")
     p.add_argument("--out", type=Path, default=RESULTS / "serve_disagg.json",
                    help="results JSON (default experiments/results/serve_disagg.json; the figure beside it)")

@@ -31,9 +31,8 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 static void rope_write_plain(const uint16_t *qkv, int64_t n, int64_t heads, int64_t kv, int64_t d,
-                        const float *cos, const float *ssin, int64_t num_positions, const int64_t *positions,
-                        const int64_t *slots, int64_t num_slots, uint16_t *k, uint16_t *v, uint16_t *q_out) {
-    (void)num_positions, (void)num_slots;
+                             const float *cos, const float *ssin, const int64_t *positions, const int64_t *slots,
+                             uint16_t *k, uint16_t *v, uint16_t *q_out) {
     const int64_t half = d / 2, width = (heads + 2 * kv) * d;
     for (int64_t i = 0; i < n; i++) {
         const uint16_t *row = qkv + i * width;
@@ -127,6 +126,6 @@ int unf_rope_write_bf16(const uint16_t *qkv, int64_t n, int64_t heads, int64_t k
         return 0;
     }
 #endif
-    rope_write_plain(qkv, n, heads, kv, d, cos, ssin, num_positions, positions, slots, num_slots, k, v, q_out);
+    rope_write_plain(qkv, n, heads, kv, d, cos, ssin, positions, slots, k, v, q_out);
     return 0;
 }
