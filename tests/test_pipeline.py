@@ -116,7 +116,10 @@ def test_a_killed_stage_ends_every_request_in_flight_with_a_clear_error():
 
     from serve.worker import EngineWorker, Failed, Finished, Rejected, Submission
 
-    engine = load_engine("tiny", "3", dtype="float32", micro_batches=2, **OPTS)
+    # a cache that holds every request whole (6 x (40 + 400) tokens): none can end at the cache's length
+    # before the kill, which comes right after the first streamed token (a sleep raced a fast machine)
+    opts = {**OPTS, "num_blocks": 700}
+    engine = load_engine("tiny", "3", dtype="float32", micro_batches=2, **opts)
     worker = EngineWorker(engine)
     worker.start()
     victim = engine.runner.procs[0]  # stage 1, the middle one
@@ -124,13 +127,17 @@ def test_a_killed_stage_ends_every_request_in_flight_with_a_clear_error():
     async def run() -> tuple[list[object], float]:
         subs = [Submission(p, SamplingParams(max_tokens=400, ignore_eos=True)) for p in workload()]
         tickets = [await worker.submit(s) for s in subs]
+        first_token = asyncio.Event()
 
         async def last(t):
-            items = [item async for item in t]
+            items = []
+            async for item in t:
+                items.append(item)
+                first_token.set()
             return items[-1]
 
         tasks = [asyncio.create_task(last(t)) for t in tickets]
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(first_token.wait(), timeout=30)
         os.kill(victim.pid, signal.SIGKILL)
         killed = time.monotonic()
         ends = await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
