@@ -62,7 +62,7 @@ DEFAULT_SETUPS = ("plain", "compressed", "container")
 def setup_args(setup: str, container: Path, model: str = "smollm2") -> tuple[str, list[str]]:
     """(``--model``, the other arguments) of ``python -m serve`` for ``setup`` (served as "smollm2")."""
     model = str(container) if setup.startswith("container") else model
-    return model, ["--engine", "fast", "--served-model-name", "smollm2",
+    return model, ["--engine", "fast", "--threads", "1", "--served-model-name", "smollm2",
                    *(["--compressed", "all"] if setup.endswith("compressed") else [])]
 
 

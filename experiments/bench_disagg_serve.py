@@ -1,9 +1,11 @@
 """Colocated vs 1:1 disaggregated serving, measured the same way: ``serve.bench`` against ``python -m serve``.
 
-Both endpoints run the reference (NumPy) engine on SmolLM2 with the same scheduler settings. Disaggregated is
-one prefill and one decode worker process (``--prefill-workers 1 --decode-workers 1``), one BLAS thread each;
-colocated is one engine with one BLAS thread (the same per process) and, to match the two threads in all,
-with ``--blas-threads 2`` (on a loaded machine a second BLAS thread spin-waits for a busy core).
+Both endpoints run the same engine on SmolLM2 with the same scheduler settings: ``--engine reference`` (the
+NumPy engine; what the stored ``serve_disagg.json`` ran) or ``--engine fast`` (the torch runner in bf16, the
+server's default and its disaggregated workers' runner). Disaggregated is one prefill and one decode worker
+process (``--prefill-workers 1 --decode-workers 1``), one thread each; colocated is one engine with one thread
+(the same per process) and, to match the two threads in all, with two (on a loaded machine a second thread
+spin-waits for a busy core).
 The workload is the first ``--num-prompts`` ShareGPT prompts (cut to ``--max-prompt-chars``), streamed
 chat completions, greedy, ``--max-tokens``, arriving as one seeded Poisson process at ``--request-rate``.
 The setups alternate ``--repeats`` times (colocated, disaggregated, colocated, ...; the 2-thread colocated one
@@ -45,12 +47,13 @@ from serve.bench import BenchConfig, run_bench, sharegpt_prompts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
-# the reference engine, colocated and in the workers (the stored results ran it; --engine auto now picks the fast
-# runner for the workers too); bench_compressed_serve passes --engine fast after these
-ENGINE = ["--engine", "reference", "--num-blocks", "512", "--block-size", "16", "--max-num-seqs", "32",
-          "--max-num-batched-tokens", "256"]
-SETUPS = {"colocated": ["--blas-threads", "1"],
-          "colocated_2threads": ["--blas-threads", "2"],
+# the reference engine, colocated and in the workers, unless --engine says otherwise (``Served.engine``, set by
+# main); bench_compressed_serve passes --engine fast after these
+ENGINE = ["--num-blocks", "512", "--block-size", "16", "--max-num-seqs", "32", "--max-num-batched-tokens", "256"]
+# one thread per process: the reference engine's BLAS threads, the fast engine's torch threads (its workers take
+# OMP_NUM_THREADS, set to 1 for every server below)
+SETUPS = {"colocated": ["--blas-threads", "1", "--threads", "1"],
+          "colocated_2threads": ["--blas-threads", "2", "--threads", "2"],
           "disagg_fp32": ["--prefill-workers", "1", "--decode-workers", "1", "--kv-wire", "fp32"],
           "disagg_bf16": ["--prefill-workers", "1", "--decode-workers", "1", "--kv-wire", "bf16"],
           "disagg_fp8": ["--prefill-workers", "1", "--decode-workers", "1", "--kv-wire", "fp8"]}
@@ -59,9 +62,11 @@ SETUPS = {"colocated": ["--blas-threads", "1"],
 class Served:
     """``python -m serve --model MODEL`` with the common engine settings and ``args``, on a free port."""
 
+    engine = "reference"  # which engine every server of this run serves with (``--engine``; args may override)
+
     def __init__(self, args: list[str], model: str = "smollm2") -> None:
-        cmd = [sys.executable, "-m", "serve", "--model", model, "--port", "0", "--log-level", "error", *ENGINE,
-               *args]
+        cmd = [sys.executable, "-m", "serve", "--model", model, "--port", "0", "--log-level", "error",
+               "--engine", Served.engine, *ENGINE, *args]
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         if not select.select([self.proc.stdout], [], [], 300)[0]:
@@ -193,7 +198,8 @@ def figure(result: dict, path: Path, setups: tuple[str, ...] = TIMED, title: str
     axes[3].tick_params(axis="x", labelsize=7)
     axes[3].set_title("CPU ms / output token")
     axes[0].legend(fontsize=8)
-    fig.suptitle(title or f"SmolLM2, reference engine, {result['workload']['num_prompts']} ShareGPT prompts at "
+    engine = result.get("engine", "reference")
+    fig.suptitle(title or f"SmolLM2, {engine} engine, {result['workload']['num_prompts']} ShareGPT prompts at "
                  f"{result['workload']['request_rate']} req/s (medians of {result['workload']['repeats']} runs)",
                  fontsize=9)
     fig.tight_layout()
@@ -215,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.bench_disagg_serve", description=__doc__.split("\n")[0])
     add_workload_arguments(p)
     p.add_argument("--setups", default=",".join(TIMED), help=f"which of {', '.join(TIMED)} to time")
+    p.add_argument("--engine", choices=("reference", "fast"), default="fast",
+                   help="the engine of every endpoint, colocated and in the workers (default fast: the server's)")
     p.add_argument("--out", type=Path, default=RESULTS / "serve_disagg.json",
                    help="results JSON (default experiments/results/serve_disagg.json; the figure beside it)")
     a = p.parse_args(argv)
@@ -223,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     setups = set(a.setups.split(","))
     if not setups <= set(TIMED) or "colocated" not in setups or "disagg_fp32" not in setups:
         p.error(f"--setups: colocated and disagg_fp32, and optionally colocated_2threads (got {a.setups!r})")
+    Served.engine = a.engine
     prompts = sharegpt_prompts(a.num_prompts, a.max_prompt_chars)
     load0 = os.getloadavg()
     started = time.time()
@@ -240,14 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(agree), flush=True)
     result = {
         "what": "colocated vs 1:1 disaggregated serving (python -m serve) measured with serve.bench",
-        "commit": commit(), "machine": machine(), "when": now(), "wall_s": time.time() - started,
+        "engine": a.engine, "commit": commit(), "machine": machine(), "when": now(),
+        "wall_s": time.time() - started,
         "clock": "latencies: wall clock at the client (time.perf_counter, serve.bench); CPU: user+system seconds "
                  "of the server's process tree (psutil)",
         "load_average_start": load0, "load_average_end": os.getloadavg(),
         "workload": {"dataset": "sharegpt", "num_prompts": a.num_prompts, "max_tokens": a.max_tokens,
                      "max_prompt_chars": a.max_prompt_chars, "request_rate": a.request_rate, "repeats": a.repeats,
-                     "greedy": True, "model": "smollm2", "engine": "reference",
-                     "setups": {k: SETUPS[k] + ENGINE for k in SETUPS}},
+                     "greedy": True, "model": "smollm2", "engine": a.engine,
+                     "setups": {k: ["--engine", a.engine, *SETUPS[k], *ENGINE] for k in SETUPS}},
         "slo": {"ttft_ms": a.slo_ttft_ms, "tpot_ms": a.slo_tpot_ms},
         "medians": {s: medians([r for r in runs if r["setup"] == s]) for s in TIMED if s in setups},
         "agreement_with_colocated": agree,
