@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "compare":
         try:
-            compare(args.run_dir, args.against)
+            compare(args.run_dir, args.against, experiments)
         except FileNotFoundError as e:
             print(f"compare: {e}", file=sys.stderr)
             return 2
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r for r in table_rows(experiments, load_results(out_dir), ran) if r[0] in wanted]
     print_table(rows)
     rerun = {k: v for k, v in load_results(out_dir).items() if k in ran}
-    print_agreement(agreement_rows(rerun, stored), "This run vs the results stored before it")
+    print_agreement(agreement_rows(rerun, stored, experiments), "This run vs the results stored before it")
     try:
         paper = build_paper(experiments, out_dir) if args.store else \
             build_paper(experiments, out_dir, out_dir / "report.md")
