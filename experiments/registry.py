@@ -153,6 +153,12 @@ class Experiment:
     # (which figure is comparable with the article's, which code produced a speed) reaches them without a
     # rerun; every number still comes from the record. None: the stored summary is the cell.
     summarize: Callable[[dict[str, Any]], str] | None = None
+    # False: no number of the result depends on a clock (counts, sizes, simulated time from fixed inputs), so
+    # it is the same however loaded the machine is; ``reproduce --jobs 2`` runs these in a second process
+    timed: bool = True
+    # True: it times worker processes of its own (their wall clocks matter); under ``--jobs 2`` it starts only
+    # once the second process has ended, so they do not share the cores with it
+    workers: bool = False
 
 
 def discover() -> dict[str, Experiment]:

@@ -162,3 +162,26 @@ def test_the_paper_and_the_agreement_table_use_todays_wording_of_stored_numbers(
     old = {**record, "measured": {k: v for k, v in record["measured"].items() if k != "rans_mode"}}
     assert report.summary_of(exps["U3"], {**old, "summary": "as stored"}) == "as stored"
     assert report.summary_of(exps["U1"], {**record, "summary": "as stored"}) == "as stored"  # U1: no summarize
+
+
+def test_jobs_2_puts_the_claims_no_clock_enters_in_a_second_process() -> None:
+    from experiments.__main__ import split_claims
+
+    exps = discover()
+    claims = [exps[c] for c in exps]
+    mine, theirs = split_claims(claims, 2)
+    assert {e.claim for e in theirs} == {"U1", "U2", "U4", "E2", "E7", "R1", "R3", "R4"}
+    assert all(e.timed for e in mine) and [e.claim for e in mine] == [e.claim for e in claims if e.timed]
+    assert {e.claim for e in mine if e.workers} == {"E4", "R2"}  # they wait for the second process
+    assert split_claims(claims, 1) == (claims, [])
+    assert split_claims([exps["R4"], exps["R1"]], 2) == ([exps["R4"], exps["R1"]], [])  # one kind: no second process
+
+
+def test_a_second_process_writes_the_same_numbers_into_the_same_run(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reproduce", "--only", "R4,E6", "--jobs", "2", "--out", str(tmp_path / "two")]) == 0
+    out = capsys.readouterr().out
+    assert "second process: R4" in out and "[second process] == R4" in out and "2 of 2 agree" in out
+    assert main(["reproduce", "--only", "R4", "--jobs", "1", "--out", str(tmp_path / "one")]) == 0
+    two, one = (json.loads((tmp_path / d / "R4.json").read_text()) for d in ("two", "one"))
+    assert two["measured"] == one["measured"] and (tmp_path / "two" / "E6.json").is_file()
