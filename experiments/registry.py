@@ -147,7 +147,7 @@ class Experiment:
     claim: str  # the claim id in CLAIMS.md, e.g. "U1"
     title: str
     run: Callable[[Context], Result]
-    quick_minutes: float = 1.0  # the quick run on an idle 2-core machine, rounded up (each result records its seconds)
+    quick_minutes: float = 1.0  # the quick run in one process on a 2-core machine, rounded up to 1/4 min (as measured)
     # the table cell ("ours") from a result record as stored (its "measured" and "setup"): run() builds its
     # Result.summary with it, and the table and the paper call it on stored results, so a wording change
     # (which figure is comparable with the article's, which code produced a speed) reaches them without a

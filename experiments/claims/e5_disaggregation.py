@@ -193,4 +193,4 @@ def plot(runs: dict[str, list[dict[str, Any]]], ctx: Context) -> str:
 
 
 EXPERIMENT = Experiment(claim="E5", title="Disaggregation: utilization at the same GPU count; simulator fidelity",
-                        run=run, quick_minutes=2.0, summarize=summarize)
+                        run=run, quick_minutes=1.75, summarize=summarize)

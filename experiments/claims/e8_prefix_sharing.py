@@ -166,5 +166,5 @@ def plot(runs: dict[str, dict[str, Any]], ctx: Context) -> str:
     return save_figure(fig, ctx, "E8.png")
 
 
-EXPERIMENT = Experiment(claim="E8", title="Prefix sharing of a common system prompt", run=run, quick_minutes=1.25,
+EXPERIMENT = Experiment(claim="E8", title="Prefix sharing of a common system prompt", run=run, quick_minutes=1,
                         summarize=summarize)

@@ -111,4 +111,4 @@ def plot(cost: dict[str, dict[str, Any]], ctx: Context) -> str:
 
 
 EXPERIMENT = Experiment(claim="R3", title="Data residency as a hard routing constraint", run=run, summarize=summarize,
-                        quick_minutes=0.5, timed=False)
+                        quick_minutes=0.75, timed=False)

@@ -238,4 +238,4 @@ def rans_summary(models: list[dict[str, Any]], ablation: dict[str, Any]) -> dict
 
 
 EXPERIMENT = Experiment(claim="U3", title="Compression ratio per tensor kind and whole model vs bound and peers",
-                        run=run, quick_minutes=2, summarize=summarize)
+                        run=run, quick_minutes=1.5, summarize=summarize)
