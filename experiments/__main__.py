@@ -130,11 +130,13 @@ def main(argv: list[str] | None = None) -> int:
 def split_claims(claims: list[Experiment], jobs: int) -> tuple[list[Experiment], list[Experiment]]:
     """(this process's claims, the second process's): with ``jobs`` 2, the claims no clock enters
     (``Experiment.timed`` False: their numbers are the same however loaded the machine is) go to a second
-    process and the timed ones stay here, in order; with 1, or when only one kind is asked for, all stay."""
+    process and the timed ones stay here, in order, but those that time worker processes of their own last
+    (they wait for the second process: by then it has most likely ended); with 1, or when only one kind is
+    asked for, all stay, in order."""
     theirs = [e for e in claims if not e.timed] if jobs >= 2 else []
     if len(theirs) in (0, len(claims)):
         return list(claims), []
-    return [e for e in claims if e.timed], theirs
+    return [e for e in claims if e.timed and not e.workers] + [e for e in claims if e.workers], theirs
 
 
 def run_claims(claims: list[Experiment], ctx: Context, full: bool, out_dir: Path,
