@@ -130,24 +130,24 @@ def main(argv: list[str] | None = None) -> int:
 def split_claims(claims: list[Experiment], jobs: int) -> tuple[list[Experiment], list[Experiment]]:
     """(this process's claims, the second process's): with ``jobs`` 2, the claims no clock enters
     (``Experiment.timed`` False: their numbers are the same however loaded the machine is) go to a second
-    process and the timed ones stay here, in order, but those that time worker processes of their own last
-    (they wait for the second process: by then it has most likely ended); with 1, or when only one kind is
-    asked for, all stay, in order."""
+    process and the timed ones stay here, in order, but those that run alone (``Experiment.alone``) last: they
+    wait for the second process, which by then has most likely ended; with 1, or when only one kind is asked
+    for, all stay, in order."""
     theirs = [e for e in claims if not e.timed] if jobs >= 2 else []
     if len(theirs) in (0, len(claims)):
         return list(claims), []
-    return [e for e in claims if e.timed and not e.workers] + [e for e in claims if e.workers], theirs
+    return [e for e in claims if e.timed and not e.alone] + [e for e in claims if e.alone], theirs
 
 
 def run_claims(claims: list[Experiment], ctx: Context, full: bool, out_dir: Path,
                before: SecondProcess | None = None) -> tuple[set[str], list[str]]:
     """Run each claim, write its result, print a line; (claims that ran, claims that failed). ``before``: the
-    second process of --jobs 2, waited for before a claim that times worker processes of its own."""
+    second process of --jobs 2, waited for before a claim that runs alone (``Experiment.alone``)."""
     ran: set[str] = set()
     failed: list[str] = []
     for exp in claims:
-        if before is not None and exp.workers and before.running():
-            print(f"== {exp.claim} times worker processes: waiting for the second process first", flush=True)
+        if before is not None and exp.alone and before.running():
+            print(f"== {exp.claim} runs alone: waiting for the second process first", flush=True)
             before.wait()
         print(f"== {exp.claim}: {exp.title}", flush=True)
         start, cpu_start = time.perf_counter(), cpu_seconds()
@@ -169,8 +169,8 @@ def run_claims(claims: list[Experiment], ctx: Context, full: bool, out_dir: Path
 class SecondProcess:
     """``--jobs 2``: the untimed claims in a second ``python -m experiments reproduce`` of this checkout,
     writing into the same run folder; its output is kept and printed when it ends. It is waited for (and so
-    reaped, its CPU seconds counted among this process's finished children) before a claim that times worker
-    processes, or at the end: never while a claim of this process is timing."""
+    reaped, its CPU seconds counted among this process's finished children) before a claim that runs alone, or
+    at the end: never while a claim of this process is timing."""
 
     def __init__(self, claims: list[Experiment], args: argparse.Namespace, out_dir: Path) -> None:
         self.claims = [e.claim for e in claims]

@@ -156,9 +156,10 @@ class Experiment:
     # False: no number of the result depends on a clock (counts, sizes, simulated time from fixed inputs), so
     # it is the same however loaded the machine is; ``reproduce --jobs 2`` runs these in a second process
     timed: bool = True
-    # True: it times worker processes of its own (their wall clocks matter); under ``--jobs 2`` it starts only
-    # once the second process has ended, so they do not share the cores with it
-    workers: bool = False
+    # True: under ``--jobs 2`` it starts only once the second process has ended, with the cores to itself as in a
+    # one-process run: it times worker processes of its own, whose wall clocks matter (E4, R2), or its verdict
+    # rests on CPU-time ratios near their threshold, which a neighbour's changing work blurs (E1)
+    alone: bool = False
 
 
 def discover() -> dict[str, Experiment]:

@@ -249,4 +249,4 @@ def plot(points: list[dict[str, Any]], ctx: Context) -> str:
 
 
 EXPERIMENT = Experiment(claim="E4", title="Prefill/decode disaggregation: where the p90 ITL cut holds", run=run,
-                        quick_minutes=2.5, summarize=summarize, workers=True)
+                        quick_minutes=2.5, summarize=summarize, alone=True)

@@ -251,4 +251,4 @@ def plot(rows: list[dict[str, Any]], ctx: Context) -> str:
 
 
 EXPERIMENT = Experiment(claim="R2", title="Non-uniform pipeline placement over unlike GPUs", run=run,
-                        quick_minutes=0.5, summarize=summarize, workers=True)
+                        quick_minutes=0.5, summarize=summarize, alone=True)
