@@ -102,7 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(full=args.full, weights=args.weights, results_dir=out_dir, progress_factory=_progress_factory())
     run_start, run_cpu = time.perf_counter(), cpu_seconds()
     second = SecondProcess(theirs, args, out_dir) if theirs else None
-    ran, failed = run_claims(mine, ctx, args.full, out_dir, before=second)
+    try:
+        ran, failed = run_claims(mine, ctx, args.full, out_dir, before=second)
+    except BaseException:  # interrupted: do not leave the second process running
+        if second is not None:
+            second.proc.kill()
+            second.proc.wait()
+        raise
     if second is not None:
         done, lost = second.finish()
         ran |= done
