@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
 
 from experiments.agreement import agreement_rows, compare, new_run_dir, print_agreement
 from experiments.claims import CLAIM_IDS
-from experiments.registry import RESULTS_DIR, Context, cpu_seconds, discover
-from experiments.report import build_paper, load_results, print_table, table_rows, write_result
+from experiments.registry import RESULTS_DIR, Context, Experiment, cpu_seconds, discover
+from experiments.report import REPO, build_paper, load_results, print_table, table_rows, write_result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--store", action="store_true",
                        help="write into experiments/results/ and rebuild paper/ (default: a new runs/<date>-<commit>/)")
     where.add_argument("--out", type=Path, metavar="DIR", help="write the rerun into DIR instead of runs/...")
+    rep.add_argument("--jobs", type=int, choices=(1, 2), default=None,
+                     help="2 (the default with 2 or more cores): the claims whose numbers depend on no clock run in a "
+                          "second process beside the timed ones; 1: every claim in this process, one after another")
+    where.add_argument("--part-of", type=Path, help=argparse.SUPPRESS)  # --jobs 2's second process: the run's folder
     cmp = sub.add_parser("compare", help="print a rerun's agreement table against the stored results")
     cmp.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     cmp.add_argument("--against", type=Path, default=RESULTS_DIR, metavar="DIR",
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "compare":
         try:
-            compare(args.run_dir, args.against)
+            compare(args.run_dir, args.against, experiments)
         except FileNotFoundError as e:
             print(f"compare: {e}", file=sys.stderr)
             return 2
@@ -76,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             parser.error(f"--weights {source}: {problem}")
     to_run = [experiments[c] for c in wanted if c in experiments]
+    if args.part_of is not None:  # the second process of --jobs 2: its claims into the run's folder, nothing else
+        ctx = Context(full=args.full, weights=args.weights, results_dir=args.part_of)
+        return 1 if run_claims(to_run, ctx, args.full, args.part_of)[1] else 0
     stored = load_results()  # before anything is written: what the rerun is compared with
     if args.store:
         out_dir = RESULTS_DIR
@@ -88,31 +97,29 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = new_run_dir()
     print(f"writing results to {out_dir}" + ("" if args.store else " (experiments/results/ and paper/ untouched; "
                                                                     "--store writes there)"), flush=True)
+    jobs = args.jobs or (2 if (os.cpu_count() or 1) >= 2 else 1)
+    mine, theirs = split_claims(to_run, jobs)
     ctx = Context(full=args.full, weights=args.weights, results_dir=out_dir, progress_factory=_progress_factory())
-    ran, failed = set(), []
     run_start, run_cpu = time.perf_counter(), cpu_seconds()
-    for exp in to_run:
-        print(f"== {exp.claim}: {exp.title}", flush=True)
-        start, cpu_start = time.perf_counter(), cpu_seconds()
-        ctx.phases.clear()
-        try:
-            result = exp.run(ctx)
-            path = write_result(exp, result, args.full, time.perf_counter() - start, out_dir,
-                                cpu_seconds() - cpu_start, phases=list(ctx.phases))
-        except Exception:  # report, keep going with the other claims, exit non-zero at the end
-            traceback.print_exc()
-            failed.append(exp.claim)
-            continue
-        print(f"   {result.summary}  ->  {path}  ({time.perf_counter() - start:.0f} s wall, "
-              f"{cpu_seconds() - cpu_start:.0f} s CPU, load average {os.getloadavg()[0]:.1f})", flush=True)
-        ran.add(exp.claim)
+    second = SecondProcess(theirs, args, out_dir) if theirs else None
+    try:
+        ran, failed = run_claims(mine, ctx, args.full, out_dir, before=second)
+    except BaseException:  # interrupted: do not leave the second process running
+        if second is not None:
+            second.proc.kill()
+            second.proc.wait()
+        raise
+    if second is not None:
+        done, lost = second.finish()
+        ran |= done
+        failed += lost
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "?"
     print(f"ran {len(ran)} claim(s) in {time.perf_counter() - run_start:.0f} s wall, {cpu_seconds() - run_cpu:.0f} s "
           f"CPU (this process and its finished children); load average now {load} (1/5/15 min)", flush=True)
     rows = [r for r in table_rows(experiments, load_results(out_dir), ran) if r[0] in wanted]
     print_table(rows)
     rerun = {k: v for k, v in load_results(out_dir).items() if k in ran}
-    print_agreement(agreement_rows(rerun, stored), "This run vs the results stored before it")
+    print_agreement(agreement_rows(rerun, stored, experiments), "This run vs the results stored before it")
     try:
         paper = build_paper(experiments, out_dir) if args.store else \
             build_paper(experiments, out_dir, out_dir / "report.md")
@@ -124,6 +131,90 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def split_claims(claims: list[Experiment], jobs: int) -> tuple[list[Experiment], list[Experiment]]:
+    """(this process's claims, the second process's): with ``jobs`` 2, the claims no clock enters
+    (``Experiment.timed`` False: their numbers are the same however loaded the machine is) go to a second
+    process and the timed ones stay here, in order, but those that run alone (``Experiment.alone``) last: they
+    wait for the second process, which by then has most likely ended; with 1, or when only one kind is asked
+    for, all stay, in order."""
+    theirs = [e for e in claims if not e.timed] if jobs >= 2 else []
+    if len(theirs) in (0, len(claims)):
+        return list(claims), []
+    return [e for e in claims if e.timed and not e.alone] + [e for e in claims if e.alone], theirs
+
+
+def run_claims(claims: list[Experiment], ctx: Context, full: bool, out_dir: Path,
+               before: SecondProcess | None = None) -> tuple[set[str], list[str]]:
+    """Run each claim, write its result, print a line; (claims that ran, claims that failed). ``before``: the
+    second process of --jobs 2, waited for before a claim that runs alone (``Experiment.alone``)."""
+    ran: set[str] = set()
+    failed: list[str] = []
+    for exp in claims:
+        if before is not None and exp.alone and before.running():
+            print(f"== {exp.claim} runs alone: waiting for the second process first", flush=True)
+            before.wait()
+        print(f"== {exp.claim}: {exp.title}", flush=True)
+        start, cpu_start = time.perf_counter(), cpu_seconds()
+        ctx.phases.clear()
+        try:
+            result = exp.run(ctx)
+            path = write_result(exp, result, full, time.perf_counter() - start, out_dir,
+                                cpu_seconds() - cpu_start, phases=list(ctx.phases))
+        except Exception:  # report, keep going with the other claims, exit non-zero at the end
+            traceback.print_exc()
+            failed.append(exp.claim)
+            continue
+        print(f"   {result.summary}  ->  {path}  ({time.perf_counter() - start:.0f} s wall, "
+              f"{cpu_seconds() - cpu_start:.0f} s CPU, load average {os.getloadavg()[0]:.1f})", flush=True)
+        ran.add(exp.claim)
+    return ran, failed
+
+
+class SecondProcess:
+    """``--jobs 2``: the untimed claims in a second ``python -m experiments reproduce`` of this checkout,
+    writing into the same run folder; its output is kept and printed when it ends. It is waited for (and so
+    reaped, its CPU seconds counted among this process's finished children) before a claim that runs alone, or
+    at the end: never while a claim of this process is timing."""
+
+    def __init__(self, claims: list[Experiment], args: argparse.Namespace, out_dir: Path) -> None:
+        self.claims = [e.claim for e in claims]
+        self.out_dir = out_dir
+        self.log = tempfile.TemporaryFile("w+")
+        cmd = [sys.executable, "-m", "experiments", "reproduce", "--only", ",".join(self.claims),
+               "--part-of", str(out_dir)] + ["--full"] * args.full + [x for w in args.weights for x in ("--weights", w)]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        self.started, self.started_at = time.perf_counter(), time.time()
+        print(f"second process: {', '.join(self.claims)} (no clock enters their numbers), beside this one's",
+              flush=True)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)  # this cwd: same paths
+        self.seconds: float | None = None
+        self.cpu_seconds = 0.0
+
+    def running(self) -> bool:
+        return self.seconds is None
+
+    def wait(self) -> int:
+        """Wait for it to end (once); its exit status. Called while no claim of this process runs, so the CPU
+        seconds of children reaped meanwhile are its own."""
+        if self.seconds is None:
+            before = cpu_seconds()
+            self.proc.wait()
+            self.seconds, self.cpu_seconds = time.perf_counter() - self.started, cpu_seconds() - before
+        return self.proc.wait()
+
+    def finish(self) -> tuple[set[str], list[str]]:
+        """Wait, print its output and time; (claims whose result it wrote, claims that failed)."""
+        code = self.wait()
+        self.log.seek(0)
+        for line in self.log.read().splitlines():
+            print(f"   [second process] {line}")
+        done = {c for c in self.claims if (self.out_dir / f"{c}.json").is_file()
+                and (self.out_dir / f"{c}.json").stat().st_mtime >= self.started_at}
+        print(f"second process: {len(done)} claim(s) in {self.seconds:.0f} s wall, {self.cpu_seconds:.0f} s CPU "
+              f"(exit status {code})", flush=True)
+        return done, [c for c in self.claims if c not in done]
 
 
 def weights_problem(source: str) -> str | None:

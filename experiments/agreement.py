@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from experiments.claims import CLAIMS
-from experiments.report import REPO, load_results
+from experiments.registry import Experiment
+from experiments.report import REPO, load_results, summary_of
 from reference import provenance
 
 RUNS_DIR = REPO / "runs"
@@ -86,13 +87,21 @@ def spread_cell(stored: dict[str, Any], rerun: dict[str, Any]) -> str:
     return f"{len(inside)}/{len(common)} medians inside" + (f" (outside: {', '.join(out[:3])})" if out else "")
 
 
-def agreement_rows(run: dict[str, dict[str, Any]], stored: dict[str, dict[str, Any]]) -> list[tuple[str, ...]]:
-    """(claim, stored headline, rerun headline, verdicts stored -> rerun, agree, spread) per claim of the run."""
+def agreement_rows(run: dict[str, dict[str, Any]], stored: dict[str, dict[str, Any]],
+                   experiments: dict[str, Experiment] | None = None) -> list[tuple[str, ...]]:
+    """(claim, stored headline, rerun headline, verdicts stored -> rerun, agree, spread) per claim of the run.
+    With ``experiments``, both headlines are put in today's wording (``report.summary_of``), so a stored
+    result written before a wording change compares with a rerun on its numbers."""
     rows = []
     for c in CLAIMS:
         r = run.get(c.id)
         if r is None:
             continue
+        if experiments is not None:
+            exp = experiments.get(c.id)
+            r = {**r, "summary": summary_of(exp, r)}
+            if c.id in stored:
+                stored = {**stored, c.id: {**stored[c.id], "summary": summary_of(exp, stored[c.id])}}
         s = stored.get(c.id)
         if s is None:
             rows.append((c.id, "-", r.get("summary", ""), f"- -> {r.get('verdict', '')}", "no stored result", "-"))
@@ -125,11 +134,11 @@ def print_agreement(rows: list[tuple[str, ...]], title: str) -> None:
           + (f"; disagree: {', '.join(disagree)}" if disagree else ""))
 
 
-def compare(run_dir: Path, stored_dir: Path) -> list[tuple[str, ...]]:
+def compare(run_dir: Path, stored_dir: Path, experiments: dict[str, Experiment] | None = None) -> list[tuple[str, ...]]:
     """Print the agreement table of ``run_dir`` against ``stored_dir``; returns its rows."""
     run = load_results(run_dir)
     if not run:
         raise FileNotFoundError(f"{run_dir}: no result files (<claim>.json) in it")
-    rows = agreement_rows(run, load_results(stored_dir))
+    rows = agreement_rows(run, load_results(stored_dir), experiments)
     print_agreement(rows, f"Rerun {run_dir.name} vs stored results ({stored_dir})")
     return rows

@@ -36,6 +36,7 @@ class MethodResult:
     encode_s: float
     decode_s: float
     ok: bool  # every tensor decoded bit for bit
+    compressed: list[Any] | None = None  # our codecs: the compressed tensors themselves (for their breakdown)
 
 
 def run_unweight(tensors: list[np.ndarray], **params: int) -> MethodResult:
@@ -62,7 +63,7 @@ def decode_in_batches(cts: list[Any], tensors: list[np.ndarray], decode: Callabl
         decode_s += seconds
         ok &= all(np.array_equal(a, b) for a, b in zip(out, tensors[i:j], strict=True))
         i = j
-    return MethodResult([c.nbytes for c in cts], encode_s, decode_s, ok)
+    return MethodResult([c.nbytes for c in cts], encode_s, decode_s, ok, cts)
 
 
 def best_of(fn: Callable[[], Any], repeat: int = DECODE_REPEAT) -> tuple[float, Any]:

@@ -28,7 +28,7 @@ def plot(models: list[dict[str, Any]], mlp_check: list[dict[str, Any]], ctx: Con
 def _kinds(ax: Any, m: dict[str, Any]) -> None:
     groups = [k for k, v in m["per_kind"].items() if not v["passed_through"]]
     rows = [(k, m["per_kind"][k]) for k in groups] + [("MLP", m["mlp"]), ("whole model", m["whole_model"])]
-    methods = ["bound", "unweight", "rans", "full_alphabet", "zipnn", "zstd3"]
+    methods = [k for k in ("bound", "unweight", "rans", "full_alphabet", "zipnn", "zstd3") if k in m["whole_model"]]
     width = 0.8 / len(methods)
     x = np.arange(len(rows))
     for i, method in enumerate(methods):

@@ -147,7 +147,19 @@ class Experiment:
     claim: str  # the claim id in CLAIMS.md, e.g. "U1"
     title: str
     run: Callable[[Context], Result]
-    quick_minutes: float = 1.0  # the quick run on an idle 2-core machine, rounded up (each result records its seconds)
+    quick_minutes: float = 1.0  # the quick run in one process on a 2-core machine, rounded up to 1/4 min (as measured)
+    # the table cell ("ours") from a result record as stored (its "measured" and "setup"): run() builds its
+    # Result.summary with it, and the table and the paper call it on stored results, so a wording change
+    # (which figure is comparable with the article's, which code produced a speed) reaches them without a
+    # rerun; every number still comes from the record. None: the stored summary is the cell.
+    summarize: Callable[[dict[str, Any]], str] | None = None
+    # False: no number of the result depends on a clock (counts, sizes, simulated time from fixed inputs), so
+    # it is the same however loaded the machine is; ``reproduce --jobs 2`` runs these in a second process
+    timed: bool = True
+    # True: under ``--jobs 2`` it starts only once the second process has ended, with the cores to itself as in a
+    # one-process run: it times worker processes of its own, whose wall clocks matter (E4, R2), or its verdict
+    # rests on CPU-time ratios near their threshold, which a neighbour's changing work blurs (E1)
+    alone: bool = False
 
 
 def discover() -> dict[str, Experiment]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -11,12 +12,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from experiments import agreement
+from experiments import agreement, report
 from experiments.__main__ import main
 from experiments.claims.e1_continuous_batching import ratios_of, verdict_of
 from experiments.engine_bench import against, spread
-from experiments.registry import RESULTS_DIR
-from experiments.report import PAPER, REPO
+from experiments.registry import RESULTS_DIR, discover
+from experiments.report import PAPER, REPO, load_results
 
 E1_STORED = json.loads((RESULTS_DIR / "E1.json").read_text())["measured"]
 E1_REPEATS = [E1_STORED["runs"], *E1_STORED["repeat_runs"]]
@@ -115,3 +116,72 @@ def test_default_run_dir_is_under_runs_and_ignored_by_git() -> None:
     assert agreement.RUNS_DIR == REPO / "runs"
     probe = agreement.RUNS_DIR / "2026-01-01-abc" / "E4.json"
     assert subprocess.run(["git", "check-ignore", "-q", str(probe)], cwd=REPO).returncode == 0
+
+
+NUMBER = re.compile(r"\d[\d,]*\.?\d*")
+
+
+def test_stored_cells_rebuild_in_todays_wording_with_the_stored_numbers() -> None:
+    """A claim's ``summarize`` restates a stored record: every number of the stored cell is still there."""
+    exps, stored = discover(), load_results()
+    rebuilt = [c for c, e in exps.items() if e.summarize is not None and c in stored]
+    assert {"U3", "U4", "E4", "E5", "E8", "E10", "R2", "R4"} <= set(rebuilt)
+    for cid in rebuilt:
+        cell = exps[cid].summarize(stored[cid])  # no fallback here: every stored record carries what it reads
+        assert set(NUMBER.findall(stored[cid]["summary"])) <= set(NUMBER.findall(cell)), cid
+
+
+def test_u3_cell_names_the_comparable_mlp_only_saving_and_the_decoder() -> None:
+    record = load_results()["U3"]
+    smol = record["measured"]["models"][1]
+    assert smol["weights"] == "smollm2" and smol["saving"]["mlp_only"] < smol["saving"]["all_compressible"]
+    cell = discover()["U3"].summarize(record)
+    assert f"MLP-only on the Llama-shaped SmolLM2* {100 * smol['saving']['mlp_only']:.1f}%" in cell
+    assert "NumPy reference decoder" in cell
+
+
+def test_every_speed_in_the_table_names_the_code_that_produced_it() -> None:
+    code = ("NumPy", "torch", "Triton", "cuBLAS", "simulat", "roofline")
+    speed = re.compile(r"(MB|GB|TB|tok|tokens)/s\b|\d ms\b")
+    rows = report.table_rows(discover(), load_results(), ran=set())
+    timed = [(cid, ours) for cid, _, _, ours, _ in rows if speed.search(ours)]
+    assert {"U3", "E1", "E4", "E8", "E10", "R2"} <= {cid for cid, _ in timed}
+    for cid, ours in timed:
+        assert any(c in ours for c in code), f"{cid}: {ours}"
+
+
+def test_the_paper_and_the_agreement_table_use_todays_wording_of_stored_numbers(tmp_path: Path) -> None:
+    exps = discover()
+    record = json.loads((RESULTS_DIR / "U3.json").read_text())
+    (tmp_path / "U3.json").write_text(json.dumps({**record, "summary": "OLD WORDING 1.490x"}))
+    paper = report.build_paper(exps, tmp_path, tmp_path / "report.md").read_text()
+    assert "OLD WORDING" not in paper and "comparable with the article's 22%" in paper
+    rows = agreement.agreement_rows({"U3": record}, {"U3": {**record, "summary": "OLD WORDING"}}, exps)
+    assert rows[0][1] == rows[0][2] and "OLD" not in rows[0][1]
+    # a record written before the claim read a field keeps its stored cell (the paper does not need a rerun)
+    old = {**record, "measured": {k: v for k, v in record["measured"].items() if k != "rans_mode"}}
+    assert report.summary_of(exps["U3"], {**old, "summary": "as stored"}) == "as stored"
+    assert report.summary_of(exps["U1"], {**record, "summary": "as stored"}) == "as stored"  # U1: no summarize
+
+
+def test_jobs_2_puts_the_claims_no_clock_enters_in_a_second_process() -> None:
+    from experiments.__main__ import split_claims
+
+    exps = discover()
+    claims = [exps[c] for c in exps]
+    mine, theirs = split_claims(claims, 2)
+    assert {e.claim for e in theirs} == {"U1", "U2", "U4", "E2", "E7", "R1", "R3", "R4"}
+    assert all(e.timed for e in mine) and {e.claim for e in mine} == {e.claim for e in claims if e.timed}
+    assert [e.claim for e in mine][-3:] == ["E1", "E4", "R2"] and [e for e in mine if e.alone] == mine[-3:]  # wait
+    assert split_claims(claims, 1) == (claims, [])
+    assert split_claims([exps["R4"], exps["R1"]], 2) == ([exps["R4"], exps["R1"]], [])  # one kind: no second process
+
+
+def test_a_second_process_writes_the_same_numbers_into_the_same_run(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["reproduce", "--only", "R4,E6", "--jobs", "2", "--out", str(tmp_path / "two")]) == 0
+    out = capsys.readouterr().out
+    assert "second process: R4" in out and "[second process] == R4" in out and "2 of 2 agree" in out
+    assert main(["reproduce", "--only", "R4", "--jobs", "1", "--out", str(tmp_path / "one")]) == 0
+    two, one = (json.loads((tmp_path / d / "R4.json").read_text()) for d in ("two", "one"))
+    assert two["measured"] == one["measured"] and (tmp_path / "two" / "E6.json").is_file()

@@ -146,3 +146,18 @@ def test_pick_is_the_smallest_key(requests, name, counters):
     if isinstance(policy, WFQ):
         policy.counters.update(counters)
     assert policy.pick(seqs, 9.0) is min(seqs, key=lambda s: policy.key(s, 9.0))
+
+
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 10**6)), min_size=1, max_size=30, unique_by=lambda t: t[1]))
+def test_fcfs_fast_pick_is_the_keyed_pick(arrivals: list[tuple[int, int]]) -> None:
+    """FCFS.pick reads (arrival_time, seq_id) directly; it must choose what the generic keyed pick chooses."""
+    from reference.sched.policy import Policy
+
+    waiting = [Sequence([1], max_tokens=1, arrival_time=float(a), seq_id=i) for a, i in arrivals]
+    assert FCFS().pick(waiting, 0.0) is Policy.pick(FCFS(), waiting, 0.0)
+
+    class Latest(FCFS):  # a subclass with its own key keeps the generic pick
+        def key(self, seq: Sequence, now: float) -> tuple:
+            return (-seq.arrival_time, seq.seq_id)
+
+    assert Latest().pick(waiting, 0.0) is Policy.pick(Latest(), waiting, 0.0)

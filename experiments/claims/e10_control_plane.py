@@ -60,17 +60,8 @@ def run(ctx: Context) -> Result:
                                     "date": b["setup"].get("date"), "cpus": b["setup"].get("cpus")}
     share64 = rows["64"]["control_share"]
     gpu64 = (measured.get("gpu") or {}).get("64", {}).get("control_share")
-    def control_ms(r: dict[str, Any]) -> float:
-        return r["schedule_ms"] + r["step_tensors_ms"] + r["bookkeeping_ms"]
-
-    summary = "control plane per decode step (fast engine, torch CPU runner, bf16): " + ", ".join(
-        f"{n} seqs {r['control_share'] * 100:.1f}% ({control_ms(r):.1f} ms)" for n, r in rows.items())
-    if gpu64 is not None:
-        summary += f"; GPU at 64 seqs {gpu64 * 100:.1f}%"
+    summary = summarize({"measured": measured})
     vllm = (measured.get("bench_engine") or {}).get("vs_vllm") or {}
-    if "median" in vllm:
-        summary += (f"; fast engine / vLLM {vllm['median']:.2f}x useful tok/s (spread {vllm['spread'][0]:.2f}-"
-                    f"{vllm['spread'][1]:.2f}; article +20%)")
     verdict = "partly matches" if gpu64 is None else ("matches" if gpu64 < 0.05 else "differs")
     if vllm.get("verdict") == "goal missed":
         verdict = "differs"
@@ -102,6 +93,32 @@ def run(ctx: Context) -> Result:
         figures=[figure])
 
 
+def summarize(record: dict[str, Any]) -> str:
+    """The table cell from an E10 record; each figure names the engines and threads that produced it."""
+    m = record["measured"]
+    rows = m["cpu"]
+
+    def control_ms(r: dict[str, Any]) -> float:
+        return r["schedule_ms"] + r["step_tensors_ms"] + r["bookkeeping_ms"]
+
+    summary = "control plane per decode step (fast engine, torch CPU runner, bf16, 1 thread): " + ", ".join(
+        f"{n} seqs {r['control_share'] * 100:.1f}% ({control_ms(r):.1f} ms)" for n, r in rows.items())
+    gpu64 = (m.get("gpu") or {}).get("64", {}).get("control_share")
+    if gpu64 is not None:
+        summary += f"; GPU at 64 seqs {gpu64 * 100:.1f}%"
+    bench = m.get("bench_engine") or {}
+    vllm = bench.get("vs_vllm") or {}
+    if "median" in vllm:
+        summary += (f"; fast engine (torch, bf16) / vLLM's CPU build {vllm['median']:.2f}x useful tok/s "
+                    f"(experiments.bench_engine at {bench.get('commit')}, CPU core(s) {bench.get('cpus')}, spread "
+                    f"{vllm['spread'][0]:.2f}-{vllm['spread'][1]:.2f} over {vllm['repeats']} alternating repeats; "
+                    "article +20%)")
+        if "cpu_over_vllm" in vllm:
+            summary += (f", CPU seconds per output token {vllm['cpu_over_vllm']:.2f}x vLLM's process tree (article: "
+                        "much lower CPU load)")
+    return summary
+
+
 def plot(rows: dict[str, Any], gpu: dict[str, Any] | None, ctx: Context) -> str:
     plt = pyplot()
 
@@ -131,4 +148,5 @@ def plot(rows: dict[str, Any], gpu: dict[str, Any] | None, ctx: Context) -> str:
     return path.name
 
 
-EXPERIMENT = Experiment(claim="E10", title="Control-plane share of an engine step", run=run, quick_minutes=0.25)
+EXPERIMENT = Experiment(claim="E10", title="Control-plane share of an engine step", run=run, quick_minutes=0.25,
+                        summarize=summarize)

@@ -167,4 +167,5 @@ def plot(runs: dict[str, dict[str, Any]], ctx: Context) -> str:
     return save_figure(fig, ctx, "E1.png")
 
 
-EXPERIMENT = Experiment(claim="E1", title="Continuous batching vs static batching", run=run, quick_minutes=0.75)
+EXPERIMENT = Experiment(claim="E1", title="Continuous batching vs static batching", run=run, quick_minutes=1.25,
+                        alone=True)

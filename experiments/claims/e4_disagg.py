@@ -110,28 +110,21 @@ def run(ctx: Context) -> Result:
     cuts = cpu_cuts(runs)
     figure = plot(points, ctx)
     verdict = verdict_of(points, cuts[INSIDE]["p90"])
-    best = max(points, key=lambda p: p["p90_itl_cut"])
-    vs2048 = max(points, key=lambda p: p["p90_itl_cut_vs_budget_2048"])
     decode = counters["disaggregated"]
     install = {"per_handoff_ms": round(decode["kv_install_us"] / max(decode["handoffs_complete"], 1) / 1000, 2),
                "blocking_share_of_decode_time": round(decode["kv_install_blocking_us"]
                                                       / max(decode["decode_step_us"], 1), 4),
                "blocking_max_ms": round(decode["kv_install_blocking_us_max"] / 1000, 2),
                "decode_step_mean_ms": round(decode["decode_step_us"] / max(decode["decode_steps"], 1) / 1000, 2)}
+    measured = {"sweep": points, "regime": regimes.regime_text(points), "cpu_processes": runs,
+                "cpu_p90_itl_cut": cuts, "cpu_worker_counters": counters, "kv_install": install}
     return Result(
         clock="simulated",
         clock_detail=("sweep: simulated seconds (cluster simulator, roofline step costs); CPU rows: ITL in CPU "
                       "seconds of the decode process between tokens, TTFT and itl_wall in wall-clock seconds at the "
                       "coordinator"),
-        measured={"sweep": points, "regime": regimes.regime_text(points),
-                  "cpu_processes": runs, "cpu_p90_itl_cut": cuts, "cpu_worker_counters": counters,
-                  "kv_install": install},
-        summary=(f"H100/8B sim, each setup at its best config: p90 ITL cut up to {best['p90_itl_cut']:.2f}x "
-                 f"({best['workload']}, {best['gpus']} GPUs, load {best['load']:g}); vs colocated at budget 2048 up to "
-                 f"{vs2048['p90_itl_cut_vs_budget_2048']:.2f}x ({vs2048['workload']}, load {vs2048['load']:g}); "
-                 f"CPU/SmolLM2 real processes, colocated unchunked ({CPU_BUDGET}-token budget): p90 cut "
-                 f"{spread_text(cuts[INSIDE]['p90'])} ({INSIDE}), "
-                 f"{spread_text(cuts[next(reversed(CPU_CONFIGS))]['p90'])} (short prompts)"),
+        measured=measured,
+        summary=summarize({"measured": measured}),
         verdict=verdict,
         headline={"name": "CPU p90 ITL cut, " + INSIDE, "value": cuts[INSIDE]["p90"]["median"],
                   "min": cuts[INSIDE]["p90"]["min"], "max": cuts[INSIDE]["p90"]["max"]},
@@ -165,6 +158,28 @@ def run(ctx: Context) -> Result:
                f"running sequences was {100 * install['blocking_share_of_decode_time']:.1f}% of the decode time, at "
                f"most {install['blocking_max_ms']} ms before one step."],
     )
+
+
+def summarize(record: dict[str, Any]) -> str:
+    """The table cell from an E4 record. The article's ~100 -> 20-30 ms compares with colocated at the common
+    2048-token budget, so that cut comes with its p90 ITL in ms; each part names the code that timed it."""
+    m = record["measured"]
+    points, cuts = m["sweep"], m["cpu_p90_itl_cut"]
+    best = max(points, key=lambda p: p["p90_itl_cut"])
+    vs = max(points, key=lambda p: p["p90_itl_cut_vs_budget_2048"])
+    co = next(v for k, v in vs["configs"].items() if k.endswith("budget 2048"))["itl_ms"]["p90"]
+    dis = vs["configs"][vs["best_disaggregated"]]["itl_ms"]["p90"]
+    inside, other = list(cuts)[0], list(cuts)[-1]
+    return (f"H100/8B in the cluster simulator, each setup at its best config: p90 ITL cut up to "
+            f"{best['p90_itl_cut']:.2f}x ({best['workload']}, {best['gpus']} GPUs, load {best['load']:g}); comparable "
+            f"with the article's (colocated at the common 2048-token budget): up to "
+            f"{vs['p90_itl_cut_vs_budget_2048']:.2f}x, p90 ITL {co:.0f} -> {dis:.0f} ms ({vs['workload']}, "
+            f"{vs['gpus']} GPUs, load {vs['load']:g}; disaggregated TTFT p90 "
+            f"{'within' if vs['disaggregated_meets_ttft'] else 'over'} the "
+            f"{regimes.SLOS[regimes.TTFT_SLO]['ttft_s']:g} s SLO); real processes on this CPU "
+            f"(NumPy reference engine workers of reference.disagg, SmolLM2, 1 BLAS thread each; colocated unchunked, "
+            f"{CPU_BUDGET}-token budget): p90 cut {spread_text(cuts[inside]['p90'])} ({inside}), "
+            f"{spread_text(cuts[other]['p90'])} (short prompts)")
 
 
 def table(points: list[dict[str, Any]]) -> str:
@@ -234,4 +249,4 @@ def plot(points: list[dict[str, Any]], ctx: Context) -> str:
 
 
 EXPERIMENT = Experiment(claim="E4", title="Prefill/decode disaggregation: where the p90 ITL cut holds", run=run,
-                        quick_minutes=2.25)
+                        quick_minutes=2.5, summarize=summarize, alone=True)

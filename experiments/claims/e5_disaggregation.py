@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, scenario, site
+from experiments.cluster_common import GPUS as GPU_TYPES
 from experiments.cluster_fidelity import errors, fidelity, table
 from experiments.engine_bench import CLOCK
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
@@ -62,12 +63,7 @@ def run(ctx: Context) -> Result:
     strict, loose = by_slo["strict"], by_slo["loose"]
     if "gain_compute" in strict and "gain_compute" in loose:
         pre = strict["disaggregated"]["utilization"]["prefill"]
-        summary = (f"compute utilization at the highest rate meeting the SLO: {strict['gain_compute']:+.0%} "
-                   f"(ITL p99 <= 25 ms), {loose['gain_compute']:+.0%} (<= 50 ms) vs colocated; prefill pool "
-                   f"{pre['compute_utilization_while_busy']:.0%} of peak FLOP/s while busy, busy "
-                   f"{pre['busy_share']:.0%}; "
-                   f"simulator vs real engine (every workload held out, fitted on a profiling sweep) median "
-                   f"{np.median(errors(fid)):.1%}, largest {max(errors(fid)):.1%} at p50/p90/p99")
+        summary = summarize({"measured": measured})
         verdict = "partly matches" if strict["gain_compute"] > 0.2 else "differs"
         why = (f"On the same {GPUS} GPUs, disaggregation keeps decode steps free of prefill chunks, so under a strict "
                f"ITL SLO it sustains {strict['disaggregated']['rate']:g} vs {strict['colocated']['rate']:g} req/s "
@@ -97,6 +93,25 @@ def run(ctx: Context) -> Result:
                       "workload in simulated seconds"),
         figures=[figure], tables=[table(fid)],
     )
+
+
+def summarize(record: dict[str, Any]) -> str:
+    """The table cell from an E5 record. The article's ">= 85% compute" on prefill GPUs is above what the
+    simulated H100 can reach (a step reaches the assumed MFU of peak, cluster_common.GPUS), so the cell names
+    that ceiling; the fidelity part names the real engine the simulator is compared with."""
+    m = record["measured"]
+    strict, loose, fid = m["by_slo"]["strict"], m["by_slo"]["loose"], m["fidelity"]
+    if "gain_compute" not in strict or "gain_compute" not in loose:
+        return "a layout met no SLO at the tried rates"
+    pre = strict["disaggregated"]["utilization"]["prefill"]
+    return (f"{GPUS} H100s in the cluster simulator: compute utilization at the highest rate meeting the SLO "
+            f"{strict['gain_compute']:+.0%} (ITL p99 <= {m['slos']['strict']['itl_p99_ms']:g} ms), "
+            f"{loose['gain_compute']:+.0%} (<= {m['slos']['loose']['itl_p99_ms']:g} ms) vs colocated; prefill pool "
+            f"{pre['compute_utilization_while_busy']:.0%} of peak FLOP/s while busy (the simulated H100's ceiling is "
+            f"its assumed MFU, {GPU_TYPES['H100']['mfu']:.0%}, below the article's 85%), busy {pre['busy_share']:.0%}; "
+            f"simulator vs the real NumPy reference engine (SmolLM2, 1 BLAS thread; every workload held out, fitted "
+            f"on a profiling sweep) median {np.median(errors(fid)):.1%}, largest {max(errors(fid)):.1%} at "
+            f"p50/p90/p99")
 
 
 def fidelity_sentence(fid: dict[str, Any]) -> str:
@@ -178,4 +193,4 @@ def plot(runs: dict[str, list[dict[str, Any]]], ctx: Context) -> str:
 
 
 EXPERIMENT = Experiment(claim="E5", title="Disaggregation: utilization at the same GPU count; simulator fidelity",
-                        run=run, quick_minutes=2.0)
+                        run=run, quick_minutes=1.75, summarize=summarize)

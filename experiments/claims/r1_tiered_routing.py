@@ -112,4 +112,5 @@ def plot(grid: list[dict[str, Any]], edge_gpus: list[int], shares: list[float], 
     return save_figure(fig, ctx, "R1.png")
 
 
-EXPERIMENT = Experiment(claim="R1", title="Tiered edge / regional / central routing", run=run, quick_minutes=0.25)
+EXPERIMENT = Experiment(claim="R1", title="Tiered edge / regional / central routing", run=run, quick_minutes=0.25,
+                        timed=False)

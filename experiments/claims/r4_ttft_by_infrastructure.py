@@ -82,13 +82,11 @@ def run(ctx: Context) -> Result:
         t = v["ttft_ms"]
         table.append(f"| {k} | {t['p50']:.0f} / {t['p90']:.0f} / {t['p99']:.0f} | {ARTICLE[k][0]} | "
                      f"{v['gpu_busy_share']:.0%} | {ARTICLE[k][1]} |")
-    summary = "; ".join(f"{k} TTFT p50 {v['ttft_ms']['p50']:.0f} ms (p90 {v['ttft_ms']['p90']:.0f}), busy "
-                        f"{v['gpu_busy_share']:.0%}" for k, v in rows.items())
     verdict = "matches" if order_ok and all(in_range.values()) else ("partly matches" if order_ok else "differs")
+    measured = {"infrastructures": rows, "ttft_p50_in_article_range": in_range, "order_edge_lt_multi_lt_central":
+                order_ok, "rate_per_metro": rate}
     return Result(
-        measured={"infrastructures": rows, "ttft_p50_in_article_range": in_range, "order_edge_lt_multi_lt_central":
-                  order_ok, "rate_per_metro": rate},
-        summary=summary, verdict=verdict,
+        measured=measured, summary=summarize({"measured": measured}), verdict=verdict,
         why=(f"Order edge < multi-region < central {'holds' if order_ok else 'does not hold'}; p50 TTFT inside the "
              f"article's range: {', '.join(k for k, v in in_range.items() if v) or 'none'}. Our TTFT is network round "
              "trips + queueing + prefill only (no TLS/HTTP set-up, no cold starts, no tokenisation), so it sits "
@@ -108,6 +106,19 @@ def run(ctx: Context) -> Result:
         clock_detail="roofline step costs on datasheet peaks; network delays from the stated RTTs",
         figures=[figure], tables=["\n".join(table)],
     )
+
+
+def summarize(record: dict[str, Any]) -> str:
+    """The table cell from an R4 record. Our TTFT leaves out what the article's includes beyond the network and
+    the GPU (TLS/HTTP set-up, cold starts, tokenisation), so the comparable figure is the order of the three."""
+    m = record["measured"]
+    rows = m["infrastructures"]
+    cells = "; ".join(f"{k} TTFT p50 {v['ttft_ms']['p50']:.0f} ms (p90 {v['ttft_ms']['p90']:.0f}), busy "
+                      f"{v['gpu_busy_share']:.0%}" for k, v in rows.items())
+    order = "holds" if m["order_edge_lt_multi_lt_central"] else "does NOT hold"
+    return (f"cluster simulator, {GPUS_TOTAL} H100s placed three ways: {cells}; the article's order edge < "
+            f"multi-region < central {order}; our TTFT is round trips + queueing + prefill only (no TLS/HTTP set-up, "
+            "cold starts or tokenisation), so its levels sit below the article's ranges")
 
 
 def _within(value: float, text: str) -> bool:
@@ -135,4 +146,5 @@ def plot(rows: dict[str, dict[str, Any]], ctx: Context) -> str:
     return save_figure(fig, ctx, "R4.png")
 
 
-EXPERIMENT = Experiment(claim="R4", title="TTFT and utilization by infrastructure", run=run, quick_minutes=0.25)
+EXPERIMENT = Experiment(claim="R4", title="TTFT and utilization by infrastructure", run=run, quick_minutes=0.25,
+                        summarize=summarize, timed=False)

@@ -13,10 +13,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from reference.model.errors import WeightError
+
+
+def _reader_class(gguf: Any) -> type:
+    """``gguf.GGUFReader`` reading the file through a plain ndarray view of its memory map: the same bytes,
+    no copy, but slicing it skips ``np.memmap``'s per-slice bookkeeping, which the reader does ~250,000
+    times for SmolLM2's tokenizer fields (opening the file took 2.6-3.3 CPU-s, now 1.2)."""
+    global _READER
+    if _READER is None:
+        class PlainViewReader(gguf.GGUFReader):
+            @property
+            def data(self) -> np.ndarray:
+                return self._plain
+
+            @data.setter
+            def data(self, mapped: np.ndarray) -> None:
+                self._plain = np.asarray(mapped)  # a base-class view of the same mapped pages
+
+        _READER = PlainViewReader
+    return _READER
+
+
+_READER: type | None = None
 
 
 class GGUFFile:
@@ -29,7 +52,7 @@ class GGUFFile:
         if not self.path.is_file():
             raise WeightError(f"{self.path}: no such file")
         try:
-            self._reader = gguf.GGUFReader(self.path, "r")
+            self._reader = _reader_class(gguf)(self.path, "r")
         except Exception as e:  # the reader raises IndexError/ValueError deep inside on bad files
             raise WeightError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
         size = self.path.stat().st_size

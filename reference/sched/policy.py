@@ -29,6 +29,7 @@ where S is the number of tokens computed for the tenant (without preemptions, wh
 from __future__ import annotations
 
 from collections import Counter
+from operator import attrgetter
 
 from reference.sched.errors import ConfigError
 from reference.sched.sequence import Sequence
@@ -61,6 +62,16 @@ class Policy:
 
 class FCFS(Policy):
     """First come, first served."""
+
+    def pick(self, waiting: list[Sequence], now: float) -> Sequence:
+        """The smallest key, ``(arrival_time, seq_id)``, read by ``attrgetter``: the same choice as the base
+        class at a fraction of the cost (a scheduler with a long queue picks once per step)."""
+        if type(self).key is not FCFS.key:  # a subclass with its own key: the general pick
+            return super().pick(waiting, now)
+        return min(waiting, key=_BY_ARRIVAL)
+
+
+_BY_ARRIVAL = attrgetter("arrival_time", "seq_id")  # FCFS.key without ``now``
 
 
 class SJF(Policy):
