@@ -1,18 +1,29 @@
-"""The RoPE rotation and the KV cache write of the bf16 model on a CPU, in one C pass (``native/fused_ops.c``).
+"""Element-wise steps of the bf16 model on a CPU, each in one C pass (``native/fused_ops.c``).
 
     q = rope_write(qkv, cos, signed_sin, positions, slots, cache, layer, heads)   # q, k rotated; k, v stored
+    h = add_rms_norm(x, delta, weight, eps, x_out)   # x_out = x + float(delta); h = bf16(rms_norm(x_out))
+    h = add_rms_norm(x, None, weight, eps)           # the norm alone;  add_rms_norm(x, d, None, eps, x_out): the add
 
-Torch needs about ten calls for this per layer (widen q and k, roll, two products, a sum, two roundings, two
-indexed stores, a copy of q), each reading and writing the activation and paying its dispatch cost. The C
-pass performs the very same float32 operations in the same order with the same roundings, so the model's
-outputs are bit for bit those of its torch lines (``fast/engine/model.py``; the tests compare). Fusing the
-residual add with the next RMSNorm was tried too and dropped: its sum of squares, added in another order than
-torch's, flipped bf16 roundings that SmolLM2 in bf16 amplified into another greedy answer (README's example).
+Torch needs about ten calls for each (RoPE: widen q and k, roll, two products, a sum, two roundings, two indexed
+stores, a copy of q; the residual add and RMSNorm: widen the product, add, square, sum, divide, add eps, sqrt,
+divide, scale, round), each reading and writing the activation and paying its dispatch cost. The C passes perform
+the very same float32 operations in the same order with the same roundings, so the model's outputs are bit for bit
+those of its torch lines (``fast/engine/model.py``; the tests compare). For the norm that takes two things:
+* the order of the sum of squares: ATen adds a float32 row in a cascade of vector-wide partial sums, as wide as the
+  sum kernel torch runs on this CPU (8 floats with torch 2.13 on x86, AVX-512 CPUs included); the C adds in that
+  order (``native/fused_ops.c`` spells it out), the width found once on a probe (``norm_lanes``: 8 or 16, bit for
+  bit against the torch lines, else the torch lines run);
+* torch's own sqrt: torch's float32 sqrt on a CPU is MKL's, within about one ulp but not the correctly rounded
+  one of C (it differs on ~15% of inputs), so the norm is two C passes (add and mean squares; scale and round)
+  around ``torch.sqrt`` of the n row means.
+A first fused norm (16 plain partial sums, C's sqrt) was dropped: its other bits flipped bf16 roundings that
+SmolLM2 in bf16 amplified into another greedy answer (README's example).
 
 Built on first use like the C attention; no compiler, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_FUSED=0``:
-``applies`` is False and the model runs its torch lines. ``UNFIRE_NATIVE_SIMD=0`` forces the plain C loops
-(the AVX-512 ones give the same bits). Rows are split between torch's threads. Conformance: *exact* with the
-torch lines it replaces.
+``applies`` / ``norm_applies`` are False and the model runs its torch lines (``UNFIRE_NATIVE_NORM=0``: the norm
+alone). ``UNFIRE_NATIVE_SIMD=0`` forces the plain C loops (the AVX-512 ones give the same bits). Rows are split
+between torch's threads. Conformance: *exact* with the torch lines they replace (tests/test_fast_fused.py), and
+*bounded* against the float64 reference (``conformance/cases/fused_cases.py``).
 """
 
 from __future__ import annotations
@@ -37,10 +48,14 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "unf_rope_write_bf16": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, _P, _P, _INT]),
     "unf_fused_simd": (_INT, []),
+    "unf_add_mean_squares": (_INT, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P, _I64, _INT]),
+    "unf_scale_rows_bf16": (None, [_P, _P, _P, _I64, _I64, _P, _INT]),
 }
+
 ROPE_ERRORS = {1: "a position outside the RoPE tables", 2: "a slot outside the cache", 3: "an odd head size"}
 MIN_ROWS_PER_THREAD = 16
 _pool: dict[int, ThreadPoolExecutor] = {}
+_lanes: dict[str, int | None] = {}  # norm_lanes' probe, once per process
 
 
 def library() -> ctypes.CDLL | None:
@@ -58,6 +73,45 @@ def applies(dtype: torch.dtype, device: torch.device, cache: PagedKVCache) -> bo
     """Whether a model in ``dtype`` on ``device`` with this cache runs the fused ops (bf16 both, CPU, built,
     with AVX-512 unless the plain loops are forced: slower than torch's own vector loops otherwise)."""
     if device.type != "cpu" or dtype != torch.bfloat16 or cache.dtype != "bfloat16" or cache.head_dim % 2:
+        return False
+    lib = library()
+    return lib is not None and (not _simd() or bool(lib.unf_fused_simd()))
+
+
+def norm_lanes() -> int | None:
+    """The vector width (floats) of torch's row sums on this CPU, whose summation order the C norm follows, found
+    once on a probe: the C norm with 8 and 16 lanes (both loop sets) against the model's torch lines on random rows
+    of several lengths, bit for bit; None where neither matches (the torch lines run) or the library is not built."""
+    if "lanes" not in _lanes:  # two threads probing at once would both find the same width
+        _lanes["lanes"] = _probe_lanes()
+    return _lanes["lanes"]
+
+
+def _probe_lanes() -> int | None:
+    from fast.engine.model import rms_norm  # the torch lines the C norm replaces
+
+    lib = library()
+    if lib is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    rows = [(torch.randn((3, h), generator=gen) * 3, torch.randn(h, generator=gen)) for h in (9, 40, 100, 576, 2500)]
+    expected = [rms_norm(x, w, 1e-5).bfloat16().view(torch.int16) for x, w in rows]
+
+    def matches(lanes: int, simd: int) -> bool:
+        for (x, w), want in zip(rows, expected, strict=True):
+            if not torch.equal(_norm(lib, x, None, None, w, 1e-5, lanes, simd).view(torch.int16), want):
+                return False
+        return True
+
+    simds = (0, 1) if lib.unf_fused_simd() else (0,)
+    return next((lanes for lanes in (8, 16) if all(matches(lanes, simd) for simd in simds)), None)
+
+
+def norm_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model in ``dtype`` on ``device`` runs the C residual add + RMSNorm (bf16 on a CPU, built, a known
+    summation order, with AVX-512 unless the plain loops are forced)."""
+    if (device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("UNFIRE_NATIVE_NORM", "1") == "0"
+            or norm_lanes() is None):
         return False
     lib = library()
     return lib is not None and (not _simd() or bool(lib.unf_fused_simd()))
@@ -115,3 +169,66 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, p
     if cache.on_write is not None:  # as PagedKVCache.write does
         cache.on_write(layer)
     return q
+
+
+def _norm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, x_out: torch.Tensor | None,
+          weight: torch.Tensor | None, eps: float, lanes: int, simd: int,
+          out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The two C passes around torch's sqrt (checked arguments; see ``add_rms_norm``)."""
+    n, h = x.shape
+    ms = torch.empty(n, dtype=torch.float32) if weight is not None else None
+    dp = None if delta is None else delta.data_ptr()
+    xo = None if x_out is None else x_out.data_ptr()
+    mp = None if ms is None else ms.data_ptr()
+    codes = _split(n, lambda lo, hi: lib.unf_add_mean_squares(
+        x.data_ptr() + lo * h * 4, dp and dp + lo * h * 2, xo and xo + lo * h * 4, hi - lo, h, eps,
+        mp and mp + lo * 4, lanes, simd))
+    bad = next((c for c in codes if c), 0)
+    if bad:
+        raise KernelInputError(f"add_rms_norm (C): error {bad}")
+    if weight is None or ms is None:
+        return None
+    ms.sqrt_()  # torch's own float32 sqrt (MKL's, not correctly rounded): the torch lines' bits
+    out = torch.empty((n, h), dtype=torch.bfloat16) if out is None else out
+    src = x if delta is None else x_out
+    assert src is not None
+    _split(n, lambda lo, hi: lib.unf_scale_rows_bf16(src.data_ptr() + lo * h * 4, ms.data_ptr() + lo * 4,
+                                                     weight.data_ptr(), hi - lo, h, out.data_ptr() + lo * h * 2,
+                                                     simd))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                 x_out: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The residual add and the next RMSNorm of the bf16 model, torch's bits (``fast/engine/model.py``'s lines
+    ``x = x + delta.float()`` and ``rms_norm(x, weight, eps).to(torch.bfloat16)``): one C pass for the add and
+    the mean squares, torch's sqrt on those n values, one C pass for the scaled bf16 rows.
+
+    x: float32 [n, h]; delta: bf16 [n, h] or None (the norm of x alone); x_out: where x + float(delta) goes
+    (float32 [n, h], may be x itself; required with delta); weight: float32 [h], or None for the add alone;
+    out: where the normed rows go (contiguous bf16 [n, h]; None: a new tensor). Returns the normed rows (bf16
+    [n, h]), or None without a weight."""
+    _rows(x, torch.float32, "x")
+    h = x.shape[1]
+    if delta is not None:
+        _rows(delta, torch.bfloat16, "delta")
+        if x_out is None:
+            raise KernelInputError("add_rms_norm with delta needs x_out (x itself for an in-place add)")
+        _rows(x_out, torch.float32, "x_out")
+        if delta.shape != x.shape or x_out.shape != x.shape:
+            raise KernelInputError(f"x {tuple(x.shape)}, delta {tuple(delta.shape)} and x_out "
+                                   f"{tuple(x_out.shape)} must have one shape")
+    elif weight is None:
+        raise KernelInputError("add_rms_norm needs a delta, a weight or both")
+    if weight is not None and (weight.dtype != torch.float32 or tuple(weight.shape) != (h,)
+                               or not weight.is_contiguous()):
+        raise KernelInputError(f"weight must be contiguous float32 of shape ({h},), got {weight.dtype} "
+                               f"{tuple(weight.shape)}")
+    if out is not None:
+        _rows(out, torch.bfloat16, "out")
+        if out.shape != x.shape:
+            raise KernelInputError(f"out {tuple(out.shape)} must have x's shape {tuple(x.shape)}")
+    lanes = norm_lanes()
+    if lanes is None:
+        raise KernelInputError("the C norm does not know this CPU's summation order (see norm_applies)")
+    return _norm(_state["lib"], x, delta, x_out, weight, eps, lanes, _simd(), out)

@@ -194,10 +194,16 @@ class TorchLlama:
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         n = x.shape[0]
         fused_rope = self._fused(cache)  # the same bits as the three torch lines below, in one pass
+        fused_norm = self._fused_norm()  # the residual adds and norms in C, the same bits as their torch lines
         positions = positions.contiguous()
         cos, sin = (None, None) if fused_rope else (self.cos[positions], self.signed_sin[positions])
+        eps = c.rms_norm_eps
+        if fused_norm:
+            x = x.contiguous()
+            h = fused.add_rms_norm(x, None, self.layers[0].attn_norm, eps) if self.layers else None
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps).to(self.dtype)
+            if not fused_norm:
+                h = rms_norm(x, layer.attn_norm, eps).to(self.dtype)
             qkv = layer.qkv(h)
             if layer.qkv_bias is not None:
                 qkv = (qkv.float() + layer.qkv_bias).to(self.dtype)
@@ -208,12 +214,30 @@ class TorchLlama:
                 cache.write(i, step.slots, qk[:, heads:], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
                 q = qk[:, :heads].to(self.dtype).contiguous()
             out = paged_attention(q, cache, i, step)
-            attn = layer.o(out.reshape(n, heads * d)).float()
-            x = x + (attn if layer.o_bias is None else attn + layer.o_bias)
-            h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps).to(self.dtype)
+            attn = layer.o(out.reshape(n, heads * d))
+            if fused_norm and layer.o_bias is None:
+                # the first add writes a new tensor (x may be the caller's), the later ones add in place
+                x_out = torch.empty_like(x) if i == 0 else x
+                h = fused.add_rms_norm(x, attn, layer.mlp_norm, eps, x_out)
+                x = x_out
+            else:
+                attn = attn.float()
+                x = x + (attn if layer.o_bias is None else attn + layer.o_bias)
+                h = rms_norm(x, layer.mlp_norm, eps).to(self.dtype)
+                if fused_norm:
+                    x = x.contiguous()
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up).float()
+            down = layer.down(F.silu(gate) * up)
+            if fused_norm:  # the add, and the next layer's first norm with it
+                nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+                h = fused.add_rms_norm(x, down, nxt, eps, x)
+            else:
+                x = x + down.float()
         return x
+
+    def _fused_norm(self) -> bool:
+        """Whether the residual adds and RMSNorms run in C (bf16 on a CPU; fast/engine/fused.py)."""
+        return fused.norm_applies(self.dtype, self.device)
 
     def _fused(self, cache: PagedKVCache) -> bool:
         """Whether this step's RoPE and cache write run as one C pass (bf16 on a CPU, no q/k/v bias)."""
@@ -223,7 +247,11 @@ class TorchLlama:
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         """Final norm and output head on the rows ``logit_rows`` of x: float32 [len(logit_rows), vocab]."""
-        last = rms_norm(x[logit_rows], self.final_norm, self.config.rms_norm_eps).to(self.dtype)
+        rows = x[logit_rows]
+        if self._fused_norm():
+            last = fused.add_rms_norm(rows.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
+        else:
+            last = rms_norm(rows, self.final_norm, self.config.rms_norm_eps).to(self.dtype)
         return self.head(last).float()
 
 
