@@ -225,8 +225,8 @@ def test_norm_bad_input_is_refused() -> None:
 
 
 def test_bf16_model_logits_equal_with_and_without_the_c_norm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One prefill step and one decode step of the bf16 model: the logits with the C norm (and the C RoPE) equal
-    those of the torch lines bit for bit, and the C norm ran."""
+    """One prefill step and one decode step of the bf16 model: the logits with the C norm and silu (and the C RoPE)
+    equal those of the torch lines bit for bit, and the C norm ran."""
     from fast.engine import TorchLlama
     from fast.kv import KVStep
     from tests.tiny_llama import CONFIG, tiny_weights
@@ -246,6 +246,7 @@ def test_bf16_model_logits_equal_with_and_without_the_c_norm(monkeypatch: pytest
     logits = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("UNFIRE_NATIVE_NORM", flag)
+        monkeypatch.setenv("UNFIRE_NATIVE_SILU", flag)
         cache = model.new_cache(16, 4)
         prefill = KVStep.build(query_lens=[30, 7], starts=[0, 0], block_tables=[list(range(8)), [8, 9]],
                                block_size=4, num_blocks=16)
@@ -260,3 +261,46 @@ def test_bf16_model_logits_equal_with_and_without_the_c_norm(monkeypatch: pytest
     assert len(calls) == 2 * (2 * CONFIG.num_layers + 2)  # switched off: not called again
     for x, y in zip(logits["1"], logits["0"], strict=True):
         assert torch.equal(_bits(x), _bits(y))
+
+
+@pytest.mark.skipif(not fused.silu_applies(torch.bfloat16, torch.device("cpu")),
+                    reason="the C silu does not run here (no AVX-512, or torch's exp not found)")
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 40), inter=st.sampled_from([1, 5, 31, 63, 64, 65, 100, 127, 128, 700, 1536, 1537]),
+       seed=st.integers(0, 2**16), scale=st.sampled_from([0.01, 1.0, 6.0, 40.0, 200.0]))
+def test_silu_mul_is_torch_bit_for_bit(n: int, inter: int, seed: int, scale: float) -> None:
+    """silu(gate) * up exactly as the model's torch lines (F.silu, then the product), whole vector steps and the
+    scalar tail of each row alike; special values give NaN where torch gives NaN (NaN payloads aside)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = (torch.randn((n, 2 * inter), generator=gen) * scale).bfloat16()
+    specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 89.0, -89.0, -104.0])
+    k = min(len(specials), inter)
+    gate_up[0, :k] = specials[:k]
+    got = fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(_bits(got[finite]), _bits(want[finite]))
+
+
+def test_silu_mul_refuses_bad_input() -> None:
+    if not fused.silu_applies(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("the C silu does not run here")
+    with pytest.raises(KernelInputError, match="odd width"):
+        fused.silu_mul(torch.zeros((2, 7), dtype=torch.bfloat16))
+    with pytest.raises(KernelInputError, match="bfloat16"):
+        fused.silu_mul(torch.zeros((2, 8)))
+
+
+def test_silu_switch_and_simd_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UNFIRE_NATIVE_SILU=0 or the plain loops forced (UNFIRE_NATIVE_SIMD=0): the torch lines run (the C silu
+    has AVX-512 loops only)."""
+    monkeypatch.setenv("UNFIRE_NATIVE_SILU", "0")
+    assert not fused.silu_applies(torch.bfloat16, torch.device("cpu"))
+    monkeypatch.setenv("UNFIRE_NATIVE_SILU", "1")
+    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
+    assert not fused.silu_applies(torch.bfloat16, torch.device("cpu"))
+    assert not fused.silu_applies(torch.float32, torch.device("cpu"))

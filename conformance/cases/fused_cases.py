@@ -12,6 +12,13 @@
   torch lines); this case checks them against an independent float64 computation, with rows from 2^-10 to
   2^10 in scale and one all-zero row.
 
+* ``engine.silu_mul.bf16.simd`` (bounded): ``bf16(bf16(silu(gate)) * up)`` from a fused gate/up projection, torch's
+  own exp inside (the bits are the torch lines', tests/test_fast_fused.py), against float64 silu(gate) * up. Bound:
+  2^-7 + 2^-14 of the float64 value (two bf16 roundings, each within 2^-8 relative; the float32 silu within a few
+  ulps; the product of two bf16 is exact in float32) plus 2^-132 (bf16's subnormal spacing) plus 2^-120 |up|
+  (below gate -88.7 exp(-gate) overflows float32, so silu is 0 where its true value is under 2^-120). Row lengths that
+  are not a multiple of the 64-value vector step, so the scalar tail of each row is covered too.
+
 ``simd``: the AVX-512 loops (skipped without AVX-512); ``plain``: the portable C loops. Without a C compiler, or
 where the norm does not know torch's summation order on this CPU, the cases are skipped (the model then runs its
 torch lines).
@@ -147,3 +154,55 @@ for _simd_on, _label in ((True, "simd"), (False, "plain")):
     register(Case(f"engine.rms_norm.bf16.{_label}", Level.BOUNDED, _inputs, _norm_reference, _norm_fast(_simd_on),
                   bound=NORM_BOUND, about=f"RMSNorm to bf16 in C ({_label} loops, torch's summation order and sqrt), "
                   "vs float64", requires=_requires(_simd_on)))
+
+
+def _silu_inputs(gen: Gen) -> dict[str, Any]:
+    import torch
+
+    n, inter = gen.size((23, 1536 + 37), (129, 8192 + 37))
+    scales = 2.0 ** gen.rng.integers(-6, 6, size=(n, 1))
+    gate_up = (gen.rng.standard_normal((n, 2 * inter)) * scales).astype(np.float32)
+    t = torch.from_numpy(gate_up).bfloat16()
+    return {"gate_up": t, "g64": t.float().numpy().astype(np.float64)}
+
+
+def _silu_fast(inputs: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    from fast.engine import fused
+
+    gate_up = embed(inputs["gate_up"])
+    with _simd(True):
+        if not fused.silu_applies(torch.bfloat16, gate_up.device):
+            raise RuntimeError("the C silu does not run here")
+        return {"act": fused.silu_mul(gate_up)}
+
+
+def _silu_reference(inputs: dict[str, Any]) -> dict[str, Any]:
+    g, u = np.split(inputs["g64"], 2, axis=-1)
+    return {"act": g / (1.0 + np.exp(-g)) * u}
+
+
+def _silu_allowed(inputs: dict[str, Any], ref: np.ndarray) -> np.ndarray:
+    up = np.split(inputs["g64"], 2, axis=-1)[1]
+    # below gate -88.7, exp(-gate) overflows float32 and silu is 0: off by |gate| e^gate |up| < 2^-120 |up|
+    return np.abs(ref) * (2.0 ** -7 + 2.0 ** -14) + 2.0 ** -132 + np.abs(up) * 2.0 ** -120
+
+
+def _silu_requires() -> str | None:
+    import torch
+
+    from fast.engine import fused
+
+    if fused.library() is None:
+        return "no C compiler (or UNFIRE_NATIVE=0 / UNFIRE_NATIVE_FUSED=0): the fused ops are not built"
+    with _simd(True):
+        if not fused.silu_applies(torch.bfloat16, torch.device("cpu")):
+            return "the C silu does not run here (no AVX-512, or torch's vectorised exp not found or not matching)"
+    return None
+
+
+register(Case("engine.silu_mul.bf16.simd", Level.BOUNDED, _silu_inputs, _silu_reference, _silu_fast,
+              bound=Bound("|act - float64| <= (2^-7 + 2^-14) |float64| + 2^-132 + 2^-120 |up| (two bf16 roundings, "
+                          "float32 silu, which is 0 where exp(-gate) overflows)", _silu_allowed),
+              about="silu(gate) * up to bf16 in C (torch's exp), vs float64", requires=_silu_requires))

@@ -3,6 +3,7 @@
     q = rope_write(qkv, cos, signed_sin, positions, slots, cache, layer, heads)   # q, k rotated; k, v stored
     h = add_rms_norm(x, delta, weight, eps, x_out)   # x_out = x + float(delta); h = bf16(rms_norm(x_out))
     h = add_rms_norm(x, None, weight, eps)           # the norm alone;  add_rms_norm(x, d, None, eps, x_out): the add
+    act = silu_mul(gate_up)                          # F.silu(gate) * up of a fused gate/up projection (AVX-512 only)
 
 Torch needs about ten calls for each (RoPE: widen q and k, roll, two products, a sum, two roundings, two indexed
 stores, a copy of q; the residual add and RMSNorm: widen the product, add, square, sum, divide, add eps, sqrt,
@@ -16,6 +17,12 @@ those of its torch lines (``fast/engine/model.py``; the tests compare). For the 
 * torch's own sqrt: torch's float32 sqrt on a CPU is MKL's, within about one ulp but not the correctly rounded
   one of C (it differs on ~15% of inputs), so the norm is two C passes (add and mean squares; scale and round)
   around ``torch.sqrt`` of the n row means.
+silu(gate) * up (silu widened to float32, g / (1 + exp(-g)), rounded to bf16, then the product rounded again)
+calls the very vectorised exp torch's silu calls (SLEEF's expf16_u10, exported by libtorch; its address found at
+run time, ``silu_applies``), in the same 64-value steps, the rest of a row through libm's expf as torch's scalar
+loop; checked on a probe against ``F.silu(gate) * up`` before first use (else the torch lines run). It has
+AVX-512 loops only (``UNFIRE_NATIVE_SIMD=0`` or ``UNFIRE_NATIVE_SILU=0``: the torch lines). NaN payloads may
+differ from torch's (both NaN), as in the other fused ops.
 A first fused norm (16 plain partial sums, C's sqrt) was dropped: its other bits flipped bf16 roundings that
 SmolLM2 in bf16 amplified into another greedy answer (README's example).
 
@@ -50,12 +57,14 @@ _SIGNATURES = {
     "unf_fused_simd": (_INT, []),
     "unf_add_mean_squares": (_INT, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P, _I64, _INT]),
     "unf_scale_rows_bf16": (None, [_P, _P, _P, _I64, _I64, _P, _INT]),
+    "unf_silu_mul_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _P, _INT]),
 }
 
 ROPE_ERRORS = {1: "a position outside the RoPE tables", 2: "a slot outside the cache", 3: "an odd head size"}
 MIN_ROWS_PER_THREAD = 16
 _pool: dict[int, ThreadPoolExecutor] = {}
 _lanes: dict[str, int | None] = {}  # norm_lanes' probe, once per process
+_exp: dict[str, int | None] = {}  # silu_applies' probe: the address of torch's vectorised exp, once per process
 
 
 def library() -> ctypes.CDLL | None:
@@ -115,6 +124,73 @@ def norm_applies(dtype: torch.dtype, device: torch.device) -> bool:
         return False
     lib = library()
     return lib is not None and (not _simd() or bool(lib.unf_fused_simd()))
+
+
+def _torch_exp16() -> int | None:
+    """The address of the vectorised float32 exp torch's bf16 silu calls on an AVX-512 CPU (SLEEF's expf16_u10,
+    exported by libtorch_cpu), or None."""
+    import glob
+
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*"))):
+        try:
+            return ctypes.cast(ctypes.CDLL(path).Sleef_expf16_u10, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def silu_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model in ``dtype`` on ``device`` runs the C silu(gate) * up (bf16 on a CPU with AVX-512, built,
+    ``UNFIRE_NATIVE_SILU`` not 0, torch's exp found and the result equal to the torch lines on a probe: rows of
+    several lengths, values over the range where the sigmoid saturates)."""
+    if (device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("UNFIRE_NATIVE_SILU", "1") == "0"
+            or not _simd()):
+        return False
+    lib = library()
+    if lib is None or not lib.unf_fused_simd():
+        return False
+    if "exp16" not in _exp:
+        _exp["exp16"] = _probe_silu(lib)
+    return _exp["exp16"] is not None
+
+
+def _probe_silu(lib: ctypes.CDLL) -> int | None:
+    import torch.nn.functional as F
+
+    exp16 = _torch_exp16()
+    if exp16 is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    for n, inter in ((3, 1536), (2, 100), (5, 37), (1, 64), (4, 700)):
+        gu = (torch.randn((n, 2 * inter), generator=gen) * 6).bfloat16()
+        out = torch.empty((n, inter), dtype=torch.bfloat16)
+        if lib.unf_silu_mul_bf16(gu.data_ptr(), n, inter, 2 * inter, out.data_ptr(), exp16, 1):
+            return None
+        gate, up = gu.chunk(2, dim=-1)
+        if not torch.equal(out.view(torch.int16), (F.silu(gate) * up).view(torch.int16)):
+            return None
+    return exp16
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, dim=-1)`` (bf16 [n, 2 inter] -> bf16 [n, inter]),
+    torch's bits (its own exp; ``silu_applies`` must be True)."""
+    _rows(gate_up, torch.bfloat16, "gate_up")
+    n, width = gate_up.shape
+    if width % 2:
+        raise KernelInputError(f"gate_up has an odd width {width}: not a fused gate/up projection")
+    exp16 = _exp.get("exp16")
+    if exp16 is None:
+        raise KernelInputError("the C silu does not run here (see silu_applies)")
+    inter = width // 2
+    out = torch.empty((n, inter), dtype=torch.bfloat16)
+    lib = _state["lib"]
+    codes = _split(n, lambda lo, hi: lib.unf_silu_mul_bf16(gate_up.data_ptr() + lo * width * 2, hi - lo, inter,
+                                                           width, out.data_ptr() + lo * inter * 2, exp16, 1))
+    bad = next((c for c in codes if c), 0)
+    if bad:
+        raise KernelInputError(f"silu_mul (C): error {bad}")
+    return out
 
 
 def _split(n: int, run: Callable[[int, int], int | None]) -> list[int | None]:

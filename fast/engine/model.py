@@ -195,6 +195,7 @@ class TorchLlama:
         n = x.shape[0]
         fused_rope = self._fused(cache)  # the same bits as the three torch lines below, in one pass
         fused_norm = self._fused_norm()  # the residual adds and norms in C, the same bits as their torch lines
+        fused_silu = fused.silu_applies(self.dtype, self.device)  # silu(gate) * up in C, the same bits
         positions = positions.contiguous()
         cos, sin = (None, None) if fused_rope else (self.cos[positions], self.signed_sin[positions])
         eps = c.rms_norm_eps
@@ -226,8 +227,12 @@ class TorchLlama:
                 h = rms_norm(x, layer.mlp_norm, eps).to(self.dtype)
                 if fused_norm:
                     x = x.contiguous()
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            down = layer.down(F.silu(gate) * up)
+            gate_up = layer.gate_up(h)
+            if fused_silu:
+                down = layer.down(fused.silu_mul(gate_up))
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                down = layer.down(F.silu(gate) * up)
             if fused_norm:  # the add, and the next layer's first norm with it
                 nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
                 h = fused.add_rms_norm(x, down, nxt, eps, x)

@@ -7,6 +7,10 @@
  *                          ATen adds a float32 row (its cascade sum, below)
  *   unf_scale_rows_bf16    the second half, bf16(x / r * w) per row, r = sqrt(mean(x^2) + eps) taken by torch in
  *                          between (torch's float32 sqrt is not the correctly rounded one of C: MKL's, about one ulp)
+ *   unf_silu_mul_bf16      bf16(bf16(silu(gate)) * up) from a fused gate/up row, silu as torch computes it for bf16:
+ *                          g / (1 + exp(-g)) in float32, exp by the very function torch calls (its SLEEF exp, whose
+ *                          address the caller passes), 64 values per vector step, the rest of a row by libm's expf
+ *                          (torch's scalar loop); AVX-512 only
  * Rounding to bf16 is to nearest even (NaN stays a quiet NaN): bit for bit torch's.
  *
  * Built by fast/codec/native_build.py (-O3 -std=c99: no contraction into FMAs, so each product and sum is
@@ -18,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#include <stddef.h>
 
 
 
@@ -261,6 +266,36 @@ AVX512 static void scale_rows_avx512(const float *x, const float *r, const float
     }
 }
 
+/* silu(gate) * up over rows of a fused projection gu: bf16 [n, stride], gate = columns [0, inter), up = [inter,
+ * 2 inter). torch's silu on bf16 (ATen's silu_kernel) widens 32 values at a time, two vectors per step (64 values),
+ * computes g / (1 + exp(-g)) with its vectorised exp, and rounds to bf16; the values past the last whole step of
+ * a row go through its scalar loop (std::exp, i.e. expf). torch's mul then widens both bf16 factors, multiplies in
+ * float32 and rounds. exp16 is that vectorised exp (SLEEF's expf16_u10, looked up in libtorch by the caller). */
+typedef __m512 (*exp16_fn)(__m512);
+
+AVX512 static void silu_mul_avx512(const uint16_t *gu, int64_t n, int64_t inter, int64_t stride, uint16_t *out,
+                                   exp16_fn exp16) {
+    const int64_t whole = inter - inter % 64;
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *g = gu + i * stride, *u = g + inter;
+        uint16_t *o = out + i * inter;
+        for (int64_t j = 0; j < whole; j += 16) {
+            const __m512 x = load_bf16x16(g + j, 0xFFFF);
+            const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign)));  /* -x */
+            const __m512 sb = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(_mm512_div_ps(x, _mm512_add_ps(one, e))),
+                                                                   16));
+            store_bf16x16(o + j, _mm512_mul_ps(sb, load_bf16x16(u + j, 0xFFFF)), 0xFFFF);
+        }
+        for (int64_t j = whole; j < inter; j++) {
+            const float x = bf16_to_f32(g[j]);
+            const float sv = bf16_to_f32(f32_to_bf16(x / (1.0f + expf(-x))));
+            o[j] = f32_to_bf16(sv * bf16_to_f32(u[j]));
+        }
+    }
+}
+
 AVX512 static void rope_write_avx512(const uint16_t *qkv, int64_t n, int64_t heads, int64_t kv, int64_t d,
                                      const float *cos, const float *ssin, const int64_t *positions,
                                      const int64_t *slots, uint16_t *k, uint16_t *v, uint16_t *q_out) {
@@ -349,4 +384,23 @@ void unf_scale_rows_bf16(const float *x, const float *r, const float *w, int64_t
     }
 #endif
     scale_rows_plain(x, r, w, n, h, out);
+}
+
+/* gu: bf16 [n, stride] (gate: columns [0, inter), up: [inter, 2 inter)); out: bf16 [n, inter]; exp16: the address of
+ * torch's vectorised float32 exp (16 lanes). Returns 0; 1: no AVX-512 here (or simd 0), nothing written; 2: a
+ * stride below 2 inter. */
+int unf_silu_mul_bf16(const uint16_t *gu, int64_t n, int64_t inter, int64_t stride, uint16_t *out, void *exp16,
+                      int simd) {
+    if (stride < 2 * inter)
+        return 2;
+#ifdef HAVE_AVX512_PATH
+    if (avx512(simd) && exp16 != NULL) {
+        exp16_fn f;
+        memcpy(&f, &exp16, sizeof f);
+        silu_mul_avx512(gu, n, inter, stride, out, f);
+        return 0;
+    }
+#endif
+    (void)gu; (void)n; (void)out; (void)exp16; (void)simd;
+    return 1;
 }
