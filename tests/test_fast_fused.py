@@ -304,3 +304,36 @@ def test_silu_switch_and_simd_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
     assert not fused.silu_applies(torch.bfloat16, torch.device("cpu"))
     assert not fused.silu_applies(torch.float32, torch.device("cpu"))
+
+
+def test_last_layer_on_kept_rows_gives_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill step whose last layer runs attention, projection and MLP on the logit rows alone (the C attention
+    takes single rows) gives the logits of the full last layer bit for bit, and the cache the same K/V."""
+    from fast.engine import TorchLlama
+    from fast.kv import KVStep, attention_rows, native_attention, paged_attention
+    from tests.tiny_llama import CONFIG, tiny_weights
+
+    model = TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16")
+    probe = model.new_cache(4, 4)
+    if not native_attention.applies(torch.zeros((1, CONFIG.num_heads, CONFIG.head_dim), dtype=torch.bfloat16), probe):
+        pytest.skip("the C attention does not run here: the last layer runs on every row")
+    tokens = torch.randint(1, CONFIG.vocab_size, (41,), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(30), torch.arange(4, 15)])
+    step = KVStep.build(query_lens=[30, 11], starts=[0, 4], block_tables=[list(range(8)), [8, 9, 10, 11]],
+                        block_size=4, num_blocks=16)
+    rows = torch.tensor([29, 40])
+    got = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("UNFIRE_PRUNE_LAST_LAYER", flag)
+        cache = model.new_cache(16, 4)
+        for layer in range(CONFIG.num_layers):  # the second chunk's cached prefix: positions 0-3, block 8
+            cache.k[layer][8] = torch.randn((4, CONFIG.num_kv_heads, CONFIG.head_dim),
+                                            generator=torch.Generator().manual_seed(layer)).bfloat16()
+            cache.v[layer][8] = -cache.k[layer][8]
+        got[flag] = (model.forward(tokens, positions, step, cache, rows), cache.k[-1].clone(), cache.v[-1].clone())
+    for a, b in zip(got["1"], got["0"], strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+    q = torch.randn((41, CONFIG.num_heads, CONFIG.head_dim), generator=torch.Generator().manual_seed(6)).bfloat16()
+    cache = model.new_cache(16, 4)
+    some = torch.tensor([0, 7, 29, 30, 35, 40])
+    assert torch.equal(_bits(attention_rows(q, cache, 0, step, some)), _bits(paged_attention(q, cache, 0, step)[some]))

@@ -24,6 +24,7 @@ bf16 weights' tokens exactly.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 from fast.engine import fused
 from fast.engine.linear import CompressedLinear, DenseLinear, Linear, compress
 from fast.errors import KernelInputError
-from fast.kv import KVStep, PagedKVCache, paged_attention
+from fast.kv import KVStep, PagedKVCache, attention_rows, paged_attention
 from reference.model.carried import ContainerFile
 from reference.model.config import LlamaConfig
 from reference.model.loader import GGUF_NAMES, HF_NAMES, LlamaWeights, load_llama
@@ -179,7 +180,8 @@ class TorchLlama:
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """Run one step: tokens, positions [T] (int64), the step's KV layout; returns float32 logits
         [len(logit_rows), vocab] of the rows ``logit_rows`` (the last token of each chunk that wants them)."""
-        return self.logits(self.run_layers(self.embed(tokens), positions, step, cache), logit_rows)
+        x = self.run_layers(self.embed(tokens), positions, step, cache, keep=logit_rows)
+        return self._head(x)
 
     @torch.inference_mode()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -187,9 +189,17 @@ class TorchLlama:
         return self.embedding[tokens].to(torch.float32)
 
     @torch.inference_mode()
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, step: KVStep, cache: PagedKVCache) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, step: KVStep, cache: PagedKVCache,
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer of this model over the residual stream x [T, hidden] (float32); layer i uses cache layer i.
-        A pipeline stage is a model holding a range of a checkpoint's layers (``fast/pipeline``)."""
+        A pipeline stage is a model holding a range of a checkpoint's layers (``fast/pipeline``).
+
+        ``keep`` (int64 row indices): return only those rows of the result. Then the last layer, once every row's
+        K and V are in the cache, runs attention, the output projection and the MLP on those rows alone where the
+        attention kernel takes single rows (the CPU's C kernel; ``UNFIRE_PRUNE_LAST_LAYER=0`` switches this off):
+        a prefill step's other rows feed nothing but the cache. Each row's arithmetic does not depend on the
+        other rows (the products' rows are computed alike for any row count, checked in the tests), so the kept
+        rows' values are the same bits either way."""
         c = self.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         n = x.shape[0]
@@ -202,6 +212,8 @@ class TorchLlama:
         if fused_norm:
             x = x.contiguous()
             h = fused.add_rms_norm(x, None, self.layers[0].attn_norm, eps) if self.layers else None
+        last = len(self.layers) - 1
+        prune = keep is not None and keep.numel() < n and os.environ.get("UNFIRE_PRUNE_LAST_LAYER", "1") != "0"
         for i, layer in enumerate(self.layers):
             if not fused_norm:
                 h = rms_norm(x, layer.attn_norm, eps).to(self.dtype)
@@ -214,7 +226,11 @@ class TorchLlama:
                 qk = apply_rope(qkv[:, :(heads + kv) * d].reshape(n, heads + kv, d).float(), cos, sin)  # q, k at once
                 cache.write(i, step.slots, qk[:, heads:], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
                 q = qk[:, :heads].to(self.dtype).contiguous()
-            out = paged_attention(q, cache, i, step)
+            out = attention_rows(q, cache, i, step, keep) if prune and i == last else None
+            if out is not None:  # the kept rows alone from here on
+                x, n, keep = x[keep].contiguous(), keep.numel(), None
+            else:
+                out = paged_attention(q, cache, i, step)
             attn = layer.o(out.reshape(n, heads * d))
             if fused_norm and layer.o_bias is None:
                 # the first add writes a new tensor (x may be the caller's), the later ones add in place
@@ -238,7 +254,7 @@ class TorchLlama:
                 h = fused.add_rms_norm(x, down, nxt, eps, x)
             else:
                 x = x + down.float()
-        return x
+        return x if keep is None else x[keep]
 
     def _fused_norm(self) -> bool:
         """Whether the residual adds and RMSNorms run in C (bf16 on a CPU; fast/engine/fused.py)."""
@@ -252,7 +268,10 @@ class TorchLlama:
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         """Final norm and output head on the rows ``logit_rows`` of x: float32 [len(logit_rows), vocab]."""
-        rows = x[logit_rows]
+        return self._head(x[logit_rows])
+
+    def _head(self, rows: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head on every row of ``rows`` (float32 [m, hidden]): float32 [m, vocab]."""
         if self._fused_norm():
             last = fused.add_rms_norm(rows.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
         else:
