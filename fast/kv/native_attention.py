@@ -49,6 +49,7 @@ ERRORS = {1: "a length outside [1, block table width * block_size], past the hos
           2: "a block id outside [0, num_blocks)", 3: "head sizes the C kernel does not take"}
 MAX_HEAD_DIM = 256
 _pool: dict[int, ThreadPoolExecutor] = {}
+_simd_found: dict[str, bool] = {}
 
 
 def library() -> ctypes.CDLL | None:
@@ -68,7 +69,11 @@ def applies(q: torch.Tensor, cache: PagedKVCache) -> bool:
 def has_simd() -> bool:
     """Whether the kernel is built and this CPU runs its AVX-512 loops."""
     lib = library()
-    return lib is not None and bool(lib.unf_decode_attention_simd())
+    if lib is None:
+        return False
+    if "simd" not in _simd_found:  # the CPU does not change: asked once
+        _simd_found["simd"] = bool(lib.unf_decode_attention_simd())
+    return _simd_found["simd"]
 
 
 def _usable() -> bool:
@@ -99,9 +104,8 @@ def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, 
     if lengths is not None and (lengths.dtype != torch.int32 or lengths.shape != chunks.shape
                                 or not lengths.is_contiguous()):
         raise KernelInputError(f"lengths must be contiguous int32 of shape {tuple(chunks.shape)}")
-    if max_len is None:
-        max_len = (int(lengths.max()) if n else 1) if lengths is not None else max(
-            (step.starts[c] + step.query_lens[c] for c in chunks.tolist()), default=1)
+    if max_len is None:  # for whole sequences the step's longest bounds them (it only sizes the scratch)
+        max_len = (int(lengths.max()) if n else 1) if lengths is not None else max(step.max_seq_len, 1)
     threads = max(1, min(torch.get_num_threads(), n // 8))
     per_thread = heads * (max_len + 2 * d)  # scores, then the query and the sums
     scratch = _scratch(cache, threads * per_thread)
