@@ -292,12 +292,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{sum(len(j.prompt) for j in jobs)} prompt and {sum(j.output_len for j in jobs)} output tokens), "
                     "greedy, end token ignored, all arriving at once")
     load_before = os.getloadavg()[0]
+    commit = setup_info.commit()  # the code that runs (the tree may change while a long run goes on)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(measured: dict[str, Any]) -> dict[str, Any]:
         setup = {"weights": "random 2-layer Llama" if args.tiny else "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
                  "workload": workload, "threads": args.threads, "machine": setup_info.machine(),
-                 "commit": setup_info.commit(), "date": setup_info.now(), "clock": args.clock,
+                 "commit": commit, "date": setup_info.now(), "clock": args.clock,
                  "engine_settings": ENGINE_SETTINGS, "repeats": args.repeats, "warmup": args.warmup,
                  "cpus": args.cpus,
                  "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}

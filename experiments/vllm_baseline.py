@@ -19,8 +19,9 @@ then the measured pass. A token is "ready" when the ``step()`` that produced it 
 granularity at which our engines stamp tokens. CPU time is that of the whole process tree (vLLM runs
 its engine core in a second process beside this one), read with psutil before and after the pass. With
 ``"clock": "cpu"`` the token times themselves are CPU seconds of that tree since the pass began (read after each
-``step()``), the counterpart of ``bench_engine --clock cpu`` for our engines (their process's CPU seconds): on a
-machine shared with other jobs, time the pinned core spends on someone else's work counts for neither.
+``step()``, to the nanosecond from each thread's ``/proc/.../schedstat``), the counterpart of ``bench_engine
+--clock cpu`` for our engines (their process's CPU seconds): on a machine shared with other jobs, time the pinned
+core spends on someone else's work counts for neither.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 
 def tree_cpu_seconds(procs: list[Any] | None = None) -> float:
-    """User + system CPU seconds of this process and every live descendant (or of ``procs``, psutil processes)."""
+    """User + system CPU seconds of this process and every live descendant (or of ``procs``, psutil processes),
+    in clock ticks (10 ms on Linux)."""
     import psutil
 
     if procs is None:
@@ -50,6 +53,37 @@ def tree_cpu_seconds(procs: list[Any] | None = None) -> float:
     return total
 
 
+class TreeClock:
+    """CPU seconds of a process tree since creation, to the nanosecond: the sum over its threads of the time the
+    kernel ran them (``/proc/PID/task/TID/schedstat``, Linux). ``/proc``'s per-process times come in 10 ms ticks,
+    too coarse for inter-token gaps of ~100 ms. A thread that ends keeps the time last read for it (what it ran
+    since the previous reading, at most one step, is lost). Elsewhere: psutil's tick-resolution times."""
+
+    def __init__(self, procs: list[Any]):
+        self.procs, self.seen = procs, {}
+        self.schedstat = os.path.exists(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/schedstat")
+        self.start = self.read()
+
+    def read(self) -> float:
+        if not self.schedstat:
+            return tree_cpu_seconds(self.procs)
+        for p in self.procs:
+            try:
+                tids = os.listdir(f"/proc/{p.pid}/task")
+            except OSError:  # the process has ended: its threads keep their last readings
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                        self.seen[(p.pid, tid)] = int(f.read().split()[0])
+                except (OSError, ValueError, IndexError):  # a thread that has just ended
+                    pass
+        return sum(self.seen.values()) / 1e9
+
+    def __call__(self) -> float:
+        return self.read() - self.start
+
+
 def one_pass(engine: Any, jobs: list[tuple[list[int], int]], tag: str, vocab: int,
              clock: str = "wall") -> dict[str, Any]:
     """Every job at once, stepped to the end; per job its token ready times (s from the start: wall seconds, or
@@ -61,6 +95,7 @@ def one_pass(engine: Any, jobs: list[tuple[list[int], int]], tag: str, vocab: in
     me = psutil.Process()
     procs = [me, *me.children(recursive=True)]  # the engine core and its workers are up by now
     t0, cpu0 = time.perf_counter(), tree_cpu_seconds(procs)
+    tree = TreeClock(procs) if clock == "cpu" else None
     times: dict[str, list[float]] = {}
     for i, (prompt, n) in enumerate(jobs):
         rid = f"{tag}-{i}"
@@ -71,7 +106,7 @@ def one_pass(engine: Any, jobs: list[tuple[list[int], int]], tag: str, vocab: in
         times[rid] = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        now = tree_cpu_seconds(procs) - cpu0 if clock == "cpu" else time.perf_counter() - t0
+        now = tree() if tree is not None else time.perf_counter() - t0
         for out in outputs:
             made = len(out.outputs[0].token_ids)
             ready = times[out.request_id]
