@@ -58,6 +58,7 @@ _SIGNATURES = {
     "unf_add_mean_squares": (_INT, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P, _I64, _INT]),
     "unf_scale_rows_bf16": (None, [_P, _P, _P, _I64, _I64, _P, _INT]),
     "unf_silu_mul_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _P, _INT]),
+    "unf_add_rms_norm_bf16": (_INT, [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _P, _I64, _P, _INT]),
 }
 
 ROPE_ERRORS = {1: "a position outside the RoPE tables", 2: "a slot outside the cache", 3: "an odd head size"}
@@ -113,7 +114,18 @@ def _probe_lanes() -> int | None:
         return True
 
     simds = (0, 1) if lib.unf_fused_simd() else (0,)
-    return next((lanes for lanes in (8, 16) if all(matches(lanes, simd) for simd in simds)), None)
+    lanes = next((lanes for lanes in (8, 16) if all(matches(lanes, simd) for simd in simds)), None)
+    sqrt = _torch_symbol("VMSSQRT_") if lanes is not None else None
+    if sqrt is not None:  # the one-call norm, MKL's sqrt called from C: kept if its bits are the torch lines' too
+        for (x, w), want in zip(rows, expected, strict=True):
+            out = torch.empty(x.shape, dtype=torch.bfloat16)
+            for simd in simds:
+                code = lib.unf_add_rms_norm_bf16(x.data_ptr(), None, None, w.data_ptr(), x.shape[0], x.shape[1], 1e-5,
+                                                 out.data_ptr(), lanes, sqrt, simd)
+                if code or not torch.equal(out.view(torch.int16), want):
+                    sqrt = None
+    _lanes["sqrt"] = sqrt
+    return lanes
 
 
 def norm_applies(dtype: torch.dtype, device: torch.device) -> bool:
@@ -126,17 +138,23 @@ def norm_applies(dtype: torch.dtype, device: torch.device) -> bool:
     return lib is not None and (not _simd() or bool(lib.unf_fused_simd()))
 
 
-def _torch_exp16() -> int | None:
-    """The address of the vectorised float32 exp torch's bf16 silu calls on an AVX-512 CPU (SLEEF's expf16_u10,
-    exported by libtorch_cpu), or None."""
+def _torch_symbol(name: str) -> int | None:
+    """The address of a function libtorch_cpu exports (the SLEEF and MKL vector maths torch's kernels call), or
+    None."""
     import glob
 
     for path in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*"))):
         try:
-            return ctypes.cast(ctypes.CDLL(path).Sleef_expf16_u10, ctypes.c_void_p).value
+            fn = getattr(ctypes.CDLL(path), name)  # noqa: B009 (the name is a parameter)
         except (OSError, AttributeError):
             continue
+        return ctypes.cast(fn, ctypes.c_void_p).value
     return None
+
+
+def _torch_exp16() -> int | None:
+    """The vectorised float32 exp torch's bf16 silu calls on an AVX-512 CPU (SLEEF's expf16_u10)."""
+    return _torch_symbol("Sleef_expf16_u10")
 
 
 def silu_applies(dtype: torch.dtype, device: torch.device) -> bool:
@@ -250,8 +268,21 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, p
 def _norm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, x_out: torch.Tensor | None,
           weight: torch.Tensor | None, eps: float, lanes: int, simd: int,
           out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The two C passes around torch's sqrt (checked arguments; see ``add_rms_norm``)."""
+    """The two C passes around torch's sqrt (checked arguments; see ``add_rms_norm``); one C call where torch's
+    sqrt (MKL's) can be called from C (``_lanes["sqrt"]``, found by the probe)."""
     n, h = x.shape
+    sqrt = _lanes.get("sqrt")
+    if sqrt is not None and weight is not None:
+        out = torch.empty((n, h), dtype=torch.bfloat16) if out is None else out
+        dp = None if delta is None else delta.data_ptr()
+        xo = None if x_out is None else x_out.data_ptr()
+        codes = _split(n, lambda lo, hi: lib.unf_add_rms_norm_bf16(
+            x.data_ptr() + lo * h * 4, dp and dp + lo * h * 2, xo and xo + lo * h * 4, weight.data_ptr(), hi - lo, h,
+            eps, out.data_ptr() + lo * h * 2, lanes, sqrt, simd))
+        bad = next((c for c in codes if c), 0)
+        if bad:
+            raise KernelInputError(f"add_rms_norm (C): error {bad}")
+        return out
     ms = torch.empty(n, dtype=torch.float32) if weight is not None else None
     dp = None if delta is None else delta.data_ptr()
     xo = None if x_out is None else x_out.data_ptr()

@@ -7,6 +7,8 @@
  *                          ATen adds a float32 row (its cascade sum, below)
  *   unf_scale_rows_bf16    the second half, bf16(x / r * w) per row, r = sqrt(mean(x^2) + eps) taken by torch in
  *                          between (torch's float32 sqrt is not the correctly rounded one of C: MKL's, about one ulp)
+ *   unf_add_rms_norm_bf16  both halves in one call, the sqrt by the very function torch calls for it (MKL's vector
+ *                          sqrt, whose address the caller passes)
  *   unf_silu_mul_bf16      bf16(bf16(silu(gate)) * up) from a fused gate/up row, silu as torch computes it for bf16:
  *                          g / (1 + exp(-g)) in float32, exp by the very function torch calls (its SLEEF exp, whose
  *                          address the caller passes), 64 values per vector step, the rest of a row by libm's expf
@@ -374,6 +376,10 @@ int unf_add_mean_squares(const float *x, const uint16_t *delta, float *x_out, in
     return 0;
 }
 
+/* MKL's vector sqrt, Fortran binding (VMSSQRT_): r[i] = sqrt(a[i]) for i < *n, accuracy and error mode in *mode. */
+typedef void (*vml_sqrt_fn)(const int32_t *n, const float *a, float *r, const int64_t *mode);
+#define VML_MODE_OF_TORCH 0x140102  /* VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE: what ATen's vml::vsqrt passes */
+
 /* x: float32 [n, h]; r: float32 [n]; w: float32 [h]; out: bf16 [n, h] = x / r[row] * w (each step rounded). */
 void unf_scale_rows_bf16(const float *x, const float *r, const float *w, int64_t n, int64_t h, uint16_t *out,
                          int simd) {
@@ -403,4 +409,29 @@ int unf_silu_mul_bf16(const uint16_t *gu, int64_t n, int64_t inter, int64_t stri
 #endif
     (void)gu; (void)n; (void)out; (void)exp16; (void)simd;
     return 1;
+}
+
+/* unf_add_mean_squares, then sqrt of the n means by vml_sqrt (torch's own: MKL's VMSSQRT_ with ATen's mode), then
+ * unf_scale_rows_bf16: the whole residual add + RMSNorm in one call. x_out as there (with delta NULL: the norm of x).
+ * Returns 0; 1, 2 as unf_add_mean_squares; 4: no memory for the n means; 5: n too large for MKL's 32-bit count. */
+int unf_add_rms_norm_bf16(const float *x, const uint16_t *delta, float *x_out, const float *w, int64_t n, int64_t h,
+                          float eps, uint16_t *out, int64_t lanes, void *vml_sqrt, int simd) {
+    if (n > 0x7FFFFFFF)
+        return 5;
+    float stack[256];
+    float *ms = n <= 256 ? stack : (float *)malloc((size_t)n * sizeof(float));
+    if (ms == NULL)
+        return 4;
+    int bad = unf_add_mean_squares(x, delta, x_out, n, h, eps, ms, lanes, simd);
+    if (!bad && n > 0) {
+        vml_sqrt_fn f;
+        memcpy(&f, &vml_sqrt, sizeof f);
+        const int32_t count = (int32_t)n;
+        const int64_t mode = VML_MODE_OF_TORCH;
+        f(&count, ms, ms, &mode);
+        unf_scale_rows_bf16(delta != NULL ? x_out : x, ms, w, n, h, out, simd);
+    }
+    if (ms != stack)
+        free(ms);
+    return bad;
 }
