@@ -339,3 +339,96 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     if lanes is None:
         raise KernelInputError("the C norm does not know this CPU's summation order (see norm_applies)")
     return _norm(_state["lib"], x, delta, x_out, weight, eps, lanes, _simd(), out)
+
+
+class StepOps:
+    """The fused ops for the layers of one step on one thread, with what those layers share checked once.
+
+    ``rope_write``, ``add_rms_norm`` and ``silu_mul`` check every argument on every call: about 30 Python-level
+    steps each, paid 3-4 times per layer and step, which on a loaded cache cost as much as their C work at decode
+    sizes. A step's positions, slots, tables, cache and row count are the same for all layers, so ``bind`` checks
+    them once and the methods below only look at what changes per layer (each tensor's shape, dtype and layout,
+    one comparison each) before calling C with pointers. Same C functions, same bits. ``bind`` returns None where
+    a method could not take the fast way (more than one torch thread: the public functions split rows between
+    threads; the C norm or silu not applicable; RoPE's inputs not as ``rope_write`` takes them); the model then
+    calls the public functions."""
+
+    def __init__(self, lib: ctypes.CDLL, cache: PagedKVCache, heads: int, n: int, rope_args: tuple[object, ...],
+                 lanes: int, sqrt: int, exp16: int, simd: int):
+        self.lib, self.cache, self.heads, self.n = lib, cache, heads, n
+        self.kv, self.d = cache.num_kv_heads, cache.head_dim
+        self.width = (heads + 2 * self.kv) * self.d
+        self.rope_args, self.lanes, self.sqrt, self.exp16, self.simd = rope_args, lanes, sqrt, exp16, simd
+        self.k = [t.data_ptr() for t in cache.k]
+        self.v = [t.data_ptr() for t in cache.v]
+
+    @classmethod
+    def bind(cls, cache: PagedKVCache, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+             positions: torch.Tensor, slots: torch.Tensor) -> StepOps | None:
+        """The ops for one step of ``positions.numel()`` rows, or None (see the class)."""
+        n, d = positions.numel(), cache.head_dim
+        if (torch.get_num_threads() != 1 or not applies(torch.bfloat16, torch.device("cpu"), cache)
+                or not norm_applies(torch.bfloat16, torch.device("cpu"))
+                or not silu_applies(torch.bfloat16, torch.device("cpu"))):
+            return None
+        lanes, sqrt, exp16 = norm_lanes(), _lanes.get("sqrt"), _exp.get("exp16")
+        if lanes is None or sqrt is None or exp16 is None:
+            return None
+        for t in (positions, slots):
+            if t.dtype != torch.int64 or tuple(t.shape) != (n,) or not t.is_contiguous():
+                return None
+        for t in (cos, signed_sin):
+            if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != d or not t.is_contiguous():
+                return None
+        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (*cache.k, *cache.v)):
+            return None
+        rope_args = (cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0], positions.data_ptr(), slots.data_ptr(),
+                     cache.num_blocks * cache.block_size)
+        return cls(_state["lib"], cache, heads, n, rope_args, lanes, sqrt, exp16, _simd())
+
+    def rope_write(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
+        """``rope_write(qkv, cos, signed_sin, positions, slots, cache, layer, heads)`` of the bound step."""
+        if qkv.dtype != torch.bfloat16 or qkv.shape != (self.n, self.width) or not qkv.is_contiguous():
+            raise KernelInputError(f"qkv must be contiguous bf16 [{self.n}, {self.width}], got {qkv.dtype} "
+                                   f"{tuple(qkv.shape)}")
+        q = torch.empty((self.n, self.heads, self.d), dtype=torch.bfloat16)
+        c, s, npos, pos, slots, nslots = self.rope_args
+        bad = self.lib.unf_rope_write_bf16(qkv.data_ptr(), self.n, self.heads, self.kv, self.d, c, s, npos, pos,
+                                           slots, nslots, self.k[layer], self.v[layer], q.data_ptr(), self.simd)
+        if bad:
+            raise KernelInputError(f"rope_write (C): {ROPE_ERRORS.get(bad, f'error {bad}')}")
+        if self.cache.on_write is not None:  # as PagedKVCache.write does
+            self.cache.on_write(layer)
+        return q
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                     x_out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``add_rms_norm`` (same arguments) for rows of this step's row count or fewer (the pruned last layer)."""
+        n, h = x.shape
+        same = (x.dtype == torch.float32 and x.is_contiguous()
+                and (delta is None or (delta.dtype == torch.bfloat16 and delta.shape == x.shape
+                                       and delta.is_contiguous() and x_out is not None
+                                       and x_out.dtype == torch.float32 and x_out.shape == x.shape
+                                       and x_out.is_contiguous()))
+                and (weight is None or (weight.dtype == torch.float32 and weight.shape == (h,)
+                                        and weight.is_contiguous())))
+        if not same or weight is None:
+            return add_rms_norm(x, delta, weight, eps, x_out)  # checks and says what is wrong; the add alone
+        out = torch.empty((n, h), dtype=torch.bfloat16)
+        bad = self.lib.unf_add_rms_norm_bf16(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                                             None if x_out is None else x_out.data_ptr(), weight.data_ptr(), n, h, eps,
+                                             out.data_ptr(), self.lanes, self.sqrt, self.simd)
+        if bad:
+            raise KernelInputError(f"add_rms_norm (C): error {bad}")
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu_mul(gate_up)``."""
+        n, width = gate_up.shape
+        if gate_up.dtype != torch.bfloat16 or width % 2 or not gate_up.is_contiguous():
+            return silu_mul(gate_up)  # checks and says what is wrong
+        out = torch.empty((n, width // 2), dtype=torch.bfloat16)
+        bad = self.lib.unf_silu_mul_bf16(gate_up.data_ptr(), n, width // 2, width, out.data_ptr(), self.exp16, 1)
+        if bad:
+            raise KernelInputError(f"silu_mul (C): error {bad}")
+        return out

@@ -24,6 +24,7 @@ bf16 weights' tokens exactly.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from fast.engine import fused
 from fast.engine.linear import CompressedLinear, DenseLinear, Linear, compress
 from fast.errors import KernelInputError
-from fast.kv import KVStep, PagedKVCache, attention_rows, paged_attention
+from fast.kv import KVStep, PagedKVCache, attention_rows, attention_torch, paged_attention
 from reference.model.carried import ContainerFile
 from reference.model.config import LlamaConfig
 from reference.model.loader import GGUF_NAMES, HF_NAMES, LlamaWeights, load_llama
@@ -209,9 +210,18 @@ class TorchLlama:
         positions = positions.contiguous()
         cos, sin = (None, None) if fused_rope else (self.cos[positions], self.signed_sin[positions])
         eps = c.rms_norm_eps
+        # on one CPU thread with every C op in use: the ops and the attention bound to this step, their shared
+        # arguments checked once (fused.StepOps, native_attention.bind); the same C calls as below, less Python
+        ops = (fused.StepOps.bind(cache, heads, self.cos, self.signed_sin, positions, step.slots)
+               if fused_rope and fused_norm and fused_silu and not any(lw.o_bias is not None for lw in self.layers)
+               else None)
+        attend = attention_torch.bound(cache, step, heads, 1.0 / math.sqrt(d)) if ops is not None else None
+        rope_write = ops.rope_write if ops is not None else None
+        add_rms_norm = ops.add_rms_norm if ops is not None else fused.add_rms_norm
+        silu_mul = ops.silu_mul if ops is not None else fused.silu_mul
         if fused_norm:
             x = x.contiguous()
-            h = fused.add_rms_norm(x, None, self.layers[0].attn_norm, eps) if self.layers else None
+            h = add_rms_norm(x, None, self.layers[0].attn_norm, eps) if self.layers else None
         last = len(self.layers) - 1
         prune = keep is not None and keep.numel() < n and os.environ.get("UNFIRE_PRUNE_LAST_LAYER", "1") != "0"
         for i, layer in enumerate(self.layers):
@@ -220,7 +230,9 @@ class TorchLlama:
             qkv = layer.qkv(h)
             if layer.qkv_bias is not None:
                 qkv = (qkv.float() + layer.qkv_bias).to(self.dtype)
-            if fused_rope:
+            if rope_write is not None:
+                q = rope_write(qkv, i)
+            elif fused_rope:
                 q = fused.rope_write(qkv, self.cos, self.signed_sin, positions, step.slots, cache, i, heads)
             else:
                 qk = apply_rope(qkv[:, :(heads + kv) * d].reshape(n, heads + kv, d).float(), cos, sin)  # q, k at once
@@ -230,12 +242,12 @@ class TorchLlama:
             if out is not None:  # the kept rows alone from here on
                 x, n, keep = x[keep].contiguous(), keep.numel(), None
             else:
-                out = paged_attention(q, cache, i, step)
+                out = attend(q, i) if attend is not None else paged_attention(q, cache, i, step)
             attn = layer.o(out.reshape(n, heads * d))
             if fused_norm and layer.o_bias is None:
                 # the first add writes a new tensor (x may be the caller's), the later ones add in place
                 x_out = torch.empty_like(x) if i == 0 else x
-                h = fused.add_rms_norm(x, attn, layer.mlp_norm, eps, x_out)
+                h = add_rms_norm(x, attn, layer.mlp_norm, eps, x_out)
                 x = x_out
             else:
                 attn = attn.float()
@@ -245,13 +257,13 @@ class TorchLlama:
                     x = x.contiguous()
             gate_up = layer.gate_up(h)
             if fused_silu:
-                down = layer.down(fused.silu_mul(gate_up))
+                down = layer.down(silu_mul(gate_up))
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 down = layer.down(F.silu(gate) * up)
             if fused_norm:  # the add, and the next layer's first norm with it
                 nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
-                h = fused.add_rms_norm(x, down, nxt, eps, x)
+                h = add_rms_norm(x, down, nxt, eps, x)
             else:
                 x = x + down.float()
         return x if keep is None else x[keep]
