@@ -187,7 +187,8 @@ def run_system(system: str, jobs: Sequence[Job], config: Any, weights: Any, thre
             return None
         task = progress.add_task("vllm_bf16 (start-up, warm-up, measured pass)", total=1)
         got = run_vllm(vllm["python"], vllm["model_dir"], jobs, max_num_seqs=min(64, len(jobs)),
-                       max_num_batched_tokens=2048, cpus=vllm.get("cpus"), enforce_eager=vllm.get("eager", False))
+                       max_num_batched_tokens=2048, cpus=vllm.get("cpus"), enforce_eager=vllm.get("eager", False),
+                       clock=vllm.get("clock", "wall"))
         progress.advance(task, 1)
         out = score(got["token_times"], jobs) | {"vllm_version": got["vllm_version"],
                                                   "startup_s": got["startup_seconds"]}
@@ -249,8 +250,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=RESULTS / "bench_engine.json",
                    help="the results file (default experiments/results/bench_engine.json)")
     p.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                   help="wall: elapsed seconds; cpu: CPU seconds of the process (with 1 thread, blind to other "
-                        "load on a shared machine; then systems may also run in parallel processes, see --merge)")
+                   help="wall: elapsed seconds; cpu: CPU seconds of the process (vLLM: of its process tree; with 1 "
+                        "thread, blind to other load on a shared machine; then systems may also run in parallel "
+                        "processes, see --merge)")
     p.add_argument("--hf-batches", type=int, nargs="+", default=list(HF_BATCHES),
                    help="transformers batch sizes to try (default 8 16 32; separate runs can be merged)")
     p.add_argument("--repeats", type=int, default=1, help="run the systems this many times, alternating (default 1)")
@@ -290,12 +292,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     f"{sum(len(j.prompt) for j in jobs)} prompt and {sum(j.output_len for j in jobs)} output tokens), "
                     "greedy, end token ignored, all arriving at once")
     load_before = os.getloadavg()[0]
+    commit = setup_info.commit()  # the code that runs (the tree may change while a long run goes on)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def save(measured: dict[str, Any]) -> dict[str, Any]:
         setup = {"weights": "random 2-layer Llama" if args.tiny else "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
                  "workload": workload, "threads": args.threads, "machine": setup_info.machine(),
-                 "commit": setup_info.commit(), "date": setup_info.now(), "clock": args.clock,
+                 "commit": commit, "date": setup_info.now(), "clock": args.clock,
                  "engine_settings": ENGINE_SETTINGS, "repeats": args.repeats, "warmup": args.warmup,
                  "cpus": args.cpus,
                  "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)]}
@@ -309,7 +312,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.vllm_python is not None and "vllm_bf16" in args.systems:
             folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="unfire-hf-"))
             vllm = {"python": args.vllm_python, "model_dir": write_hf_folder(config, weights, folder),
-                    "cpus": args.cpus, "eager": args.vllm_eager}
+                    "cpus": args.cpus, "eager": args.vllm_eager, "clock": args.clock}
         with Progress() as progress:
             measured = run(args.systems, jobs, config, weights, args.threads, gguf, progress, on_system=save,
                            clock=CLOCKS[args.clock], hf_batches=args.hf_batches, repeats=args.repeats,

@@ -216,12 +216,14 @@ def write_hf_folder(config: LlamaConfig, weights: LlamaWeights, folder: Any) -> 
 
 
 def run_vllm(python: str, model_dir: Any, jobs: Sequence[Job], *, max_num_seqs: int, max_num_batched_tokens: int,
-             cpus: str | None = None, enforce_eager: bool = False, timeout_s: float = 1800.0) -> dict[str, Any]:
+             cpus: str | None = None, enforce_eager: bool = False, timeout_s: float = 1800.0,
+             clock: str = "wall") -> dict[str, Any]:
     """vLLM's engine on ``jobs`` in a process of the vLLM environment's ``python`` (experiments/vllm_baseline.py).
 
     Returns its measured pass: ``token_times`` per job (s from the start), ``cpu_seconds`` of the whole
     process tree during that pass, and vLLM's version and start-up time. ``cpus`` ("0", "0,1") pins the
-    process tree with taskset, as the other systems are pinned by the caller."""
+    process tree with taskset, as the other systems are pinned by the caller. ``clock`` "cpu": the token times are
+    CPU seconds of vLLM's process tree since the pass began (``bench_engine --clock cpu``), else wall seconds."""
     import json
     import os
     import signal
@@ -232,7 +234,8 @@ def run_vllm(python: str, model_dir: Any, jobs: Sequence[Job], *, max_num_seqs: 
     longest = max(len(j.prompt) + j.output_len for j in jobs)
     request = {"model_dir": str(model_dir), "jobs": [[list(j.prompt), j.output_len] for j in jobs],
                "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-               "max_model_len": max(256, -(-longest // 16) * 16), "enforce_eager": enforce_eager}
+               "max_model_len": max(256, -(-longest // 16) * 16), "enforce_eager": enforce_eager,
+               "clock": clock}
     with tempfile.TemporaryDirectory(prefix="unfire-vllm-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
         req.write_text(json.dumps(request))

@@ -8,7 +8,8 @@ make it). It imports nothing of this project, only the standard library, vLLM an
 dependency), so the two environments never have to agree on package versions.
 
 REQ.json: ``{"model_dir": str, "jobs": [[prompt ids, output length], ...], "max_num_seqs": int,
-"max_num_batched_tokens": int, "max_model_len": int, "enforce_eager": bool, "memory_fraction": float}``.
+"max_num_batched_tokens": int, "max_model_len": int, "enforce_eager": bool, "memory_fraction": float,
+"clock": "wall" | "cpu"}``.
 The model folder is a Hugging Face checkpoint written from our own weights (the same tensors every
 system runs). vLLM gets token ids (no tokenizer), greedy, the end token ignored, all requests at once.
 
@@ -16,7 +17,11 @@ It runs the workload twice in one engine: a warm-up pass on the same prompts shi
 (same shapes, so compiled graphs and caches are warm, but no prefix-cache hit on the measured pass),
 then the measured pass. A token is "ready" when the ``step()`` that produced it returns: the same
 granularity at which our engines stamp tokens. CPU time is that of the whole process tree (vLLM runs
-its engine core in a second process beside this one), read with psutil before and after the pass.
+its engine core in a second process beside this one), read with psutil before and after the pass. With
+``"clock": "cpu"`` the token times themselves are CPU seconds of that tree since the pass began (read after each
+``step()``, to the nanosecond from each thread's ``/proc/.../schedstat``), the counterpart of ``bench_engine
+--clock cpu`` for our engines (their process's CPU seconds): on a machine shared with other jobs, time the pinned
+core spends on someone else's work counts for neither.
 """
 
 from __future__ import annotations
@@ -25,17 +30,21 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from typing import Any
 
 
-def tree_cpu_seconds() -> float:
-    """User + system CPU seconds of this process and every live descendant."""
+def tree_cpu_seconds(procs: list[Any] | None = None) -> float:
+    """User + system CPU seconds of this process and every live descendant (or of ``procs``, psutil processes),
+    in clock ticks (10 ms on Linux)."""
     import psutil
 
-    me = psutil.Process()
+    if procs is None:
+        me = psutil.Process()
+        procs = [me, *me.children(recursive=True)]
     total = 0.0
-    for p in [me, *me.children(recursive=True)]:
+    for p in procs:
         try:
             t = p.cpu_times()
             total += t.user + t.system
@@ -44,12 +53,49 @@ def tree_cpu_seconds() -> float:
     return total
 
 
-def one_pass(engine: Any, jobs: list[tuple[list[int], int]], tag: str, vocab: int) -> dict[str, Any]:
-    """Every job at once, stepped to the end; per job its token ready times (s from the start)."""
+class TreeClock:
+    """CPU seconds of a process tree since creation, to the nanosecond: the sum over its threads of the time the
+    kernel ran them (``/proc/PID/task/TID/schedstat``, Linux). ``/proc``'s per-process times come in 10 ms ticks,
+    too coarse for inter-token gaps of ~100 ms. A thread that ends keeps the time last read for it (what it ran
+    since the previous reading, at most one step, is lost). Elsewhere: psutil's tick-resolution times."""
+
+    def __init__(self, procs: list[Any]):
+        self.procs, self.seen = procs, {}
+        self.schedstat = os.path.exists(f"/proc/{os.getpid()}/task/{threading.get_native_id()}/schedstat")
+        self.start = self.read()
+
+    def read(self) -> float:
+        if not self.schedstat:
+            return tree_cpu_seconds(self.procs)
+        for p in self.procs:
+            try:
+                tids = os.listdir(f"/proc/{p.pid}/task")
+            except OSError:  # the process has ended: its threads keep their last readings
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{p.pid}/task/{tid}/schedstat") as f:
+                        self.seen[(p.pid, tid)] = int(f.read().split()[0])
+                except (OSError, ValueError, IndexError):  # a thread that has just ended
+                    pass
+        return sum(self.seen.values()) / 1e9
+
+    def __call__(self) -> float:
+        return self.read() - self.start
+
+
+def one_pass(engine: Any, jobs: list[tuple[list[int], int]], tag: str, vocab: int,
+             clock: str = "wall") -> dict[str, Any]:
+    """Every job at once, stepped to the end; per job its token ready times (s from the start: wall seconds, or
+    with ``clock`` "cpu" CPU seconds of the process tree)."""
+    import psutil
     from vllm import SamplingParams, TokensPrompt
 
     shift = 1 if tag == "warmup" else 0
-    t0, cpu0 = time.perf_counter(), tree_cpu_seconds()
+    me = psutil.Process()
+    procs = [me, *me.children(recursive=True)]  # the engine core and its workers are up by now
+    t0, cpu0 = time.perf_counter(), tree_cpu_seconds(procs)
+    tree = TreeClock(procs) if clock == "cpu" else None
     times: dict[str, list[float]] = {}
     for i, (prompt, n) in enumerate(jobs):
         rid = f"{tag}-{i}"
@@ -60,12 +106,12 @@ def one_pass(engine: Any, jobs: list[tuple[list[int], int]], tag: str, vocab: in
         times[rid] = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
-        now = time.perf_counter() - t0
+        now = tree() if tree is not None else time.perf_counter() - t0
         for out in outputs:
             made = len(out.outputs[0].token_ids)
             ready = times[out.request_id]
             ready.extend([now] * (made - len(ready)))
-    cpu = tree_cpu_seconds() - cpu0
+    cpu = tree_cpu_seconds(procs) - cpu0
     return {"token_times": [times[f"{tag}-{i}"] for i in range(len(jobs))], "cpu_seconds": round(cpu, 3),
             "wall_seconds": round(time.perf_counter() - t0, 3)}
 
@@ -90,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
         enforce_eager=req.get("enforce_eager", False), gpu_memory_utilization=req.get("memory_fraction", 0.12)))
     startup = time.perf_counter() - started
     jobs = [(list(map(int, prompt)), int(n)) for prompt, n in req["jobs"]]
-    warm = one_pass(engine, jobs, "warmup", config["vocab_size"])
-    measured = one_pass(engine, jobs, "measured", config["vocab_size"])
+    clock = req.get("clock", "wall")
+    warm = one_pass(engine, jobs, "warmup", config["vocab_size"], clock)
+    measured = one_pass(engine, jobs, "measured", config["vocab_size"], clock)
     out = {"vllm_version": vllm.__version__, "startup_seconds": round(startup, 2),
            "warmup_wall_seconds": warm["wall_seconds"], **measured}
     with open(args.out + ".tmp", "w") as f:

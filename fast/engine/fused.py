@@ -1,18 +1,36 @@
-"""The RoPE rotation and the KV cache write of the bf16 model on a CPU, in one C pass (``native/fused_ops.c``).
+"""Element-wise steps of the bf16 model on a CPU, each in one C pass (``native/fused_ops.c``).
 
     q = rope_write(qkv, cos, signed_sin, positions, slots, cache, layer, heads)   # q, k rotated; k, v stored
+    h = add_rms_norm(x, delta, weight, eps, x_out)   # x_out = x + float(delta); h = bf16(rms_norm(x_out))
+    h = add_rms_norm(x, None, weight, eps)           # the norm alone;  add_rms_norm(x, d, None, eps, x_out): the add
+    act = silu_mul(gate_up)                          # F.silu(gate) * up of a fused gate/up projection (AVX-512 only)
 
-Torch needs about ten calls for this per layer (widen q and k, roll, two products, a sum, two roundings, two
-indexed stores, a copy of q), each reading and writing the activation and paying its dispatch cost. The C
-pass performs the very same float32 operations in the same order with the same roundings, so the model's
-outputs are bit for bit those of its torch lines (``fast/engine/model.py``; the tests compare). Fusing the
-residual add with the next RMSNorm was tried too and dropped: its sum of squares, added in another order than
-torch's, flipped bf16 roundings that SmolLM2 in bf16 amplified into another greedy answer (README's example).
+Torch needs about ten calls for each (RoPE: widen q and k, roll, two products, a sum, two roundings, two indexed
+stores, a copy of q; the residual add and RMSNorm: widen the product, add, square, sum, divide, add eps, sqrt,
+divide, scale, round), each reading and writing the activation and paying its dispatch cost. The C passes perform
+the very same float32 operations in the same order with the same roundings, so the model's outputs are bit for bit
+those of its torch lines (``fast/engine/model.py``; the tests compare). For the norm that takes two things:
+* the order of the sum of squares: ATen adds a float32 row in a cascade of vector-wide partial sums, as wide as the
+  sum kernel torch runs on this CPU (8 floats with torch 2.13 on x86, AVX-512 CPUs included); the C adds in that
+  order (``native/fused_ops.c`` spells it out), the width found once on a probe (``norm_lanes``: 8 or 16, bit for
+  bit against the torch lines, else the torch lines run);
+* torch's own sqrt: torch's float32 sqrt on a CPU is MKL's, within about one ulp but not the correctly rounded
+  one of C (it differs on ~15% of inputs), so the norm is two C passes (add and mean squares; scale and round)
+  around ``torch.sqrt`` of the n row means.
+silu(gate) * up (silu widened to float32, g / (1 + exp(-g)), rounded to bf16, then the product rounded again)
+calls the very vectorised exp torch's silu calls (SLEEF's expf16_u10, exported by libtorch; its address found at
+run time, ``silu_applies``), in the same 64-value steps, the rest of a row through libm's expf as torch's scalar
+loop; checked on a probe against ``F.silu(gate) * up`` before first use (else the torch lines run). It has
+AVX-512 loops only (``UNFIRE_NATIVE_SIMD=0`` or ``UNFIRE_NATIVE_SILU=0``: the torch lines). NaN payloads may
+differ from torch's (both NaN), as in the other fused ops.
+A first fused norm (16 plain partial sums, C's sqrt) was dropped: its other bits flipped bf16 roundings that
+SmolLM2 in bf16 amplified into another greedy answer (README's example).
 
 Built on first use like the C attention; no compiler, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_FUSED=0``:
-``applies`` is False and the model runs its torch lines. ``UNFIRE_NATIVE_SIMD=0`` forces the plain C loops
-(the AVX-512 ones give the same bits). Rows are split between torch's threads. Conformance: *exact* with the
-torch lines it replaces.
+``applies`` / ``norm_applies`` are False and the model runs its torch lines (``UNFIRE_NATIVE_NORM=0``: the norm
+alone). ``UNFIRE_NATIVE_SIMD=0`` forces the plain C loops (the AVX-512 ones give the same bits). Rows are split
+between torch's threads. Conformance: *exact* with the torch lines they replace (tests/test_fast_fused.py), and
+*bounded* against the float64 reference (``conformance/cases/fused_cases.py``).
 """
 
 from __future__ import annotations
@@ -37,10 +55,17 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "unf_rope_write_bf16": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, _P, _P, _INT]),
     "unf_fused_simd": (_INT, []),
+    "unf_add_mean_squares": (_INT, [_P, _P, _P, _I64, _I64, ctypes.c_float, _P, _I64, _INT]),
+    "unf_scale_rows_bf16": (None, [_P, _P, _P, _I64, _I64, _P, _INT]),
+    "unf_silu_mul_bf16": (_INT, [_P, _I64, _I64, _I64, _P, _P, _INT]),
+    "unf_add_rms_norm_bf16": (_INT, [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _P, _I64, _P, _INT]),
 }
+
 ROPE_ERRORS = {1: "a position outside the RoPE tables", 2: "a slot outside the cache", 3: "an odd head size"}
 MIN_ROWS_PER_THREAD = 16
 _pool: dict[int, ThreadPoolExecutor] = {}
+_lanes: dict[str, int | None] = {}  # norm_lanes' probe, once per process
+_exp: dict[str, int | None] = {}  # silu_applies' probe: the address of torch's vectorised exp, once per process
 
 
 def library() -> ctypes.CDLL | None:
@@ -61,6 +86,129 @@ def applies(dtype: torch.dtype, device: torch.device, cache: PagedKVCache) -> bo
         return False
     lib = library()
     return lib is not None and (not _simd() or bool(lib.unf_fused_simd()))
+
+
+def norm_lanes() -> int | None:
+    """The vector width (floats) of torch's row sums on this CPU, whose summation order the C norm follows, found
+    once on a probe: the C norm with 8 and 16 lanes (both loop sets) against the model's torch lines on random rows
+    of several lengths, bit for bit; None where neither matches (the torch lines run) or the library is not built."""
+    if "lanes" not in _lanes:  # two threads probing at once would both find the same width
+        _lanes["lanes"] = _probe_lanes()
+    return _lanes["lanes"]
+
+
+def _probe_lanes() -> int | None:
+    from fast.engine.model import rms_norm  # the torch lines the C norm replaces
+
+    lib = library()
+    if lib is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    rows = [(torch.randn((3, h), generator=gen) * 3, torch.randn(h, generator=gen)) for h in (9, 40, 100, 576, 2500)]
+    expected = [rms_norm(x, w, 1e-5).bfloat16().view(torch.int16) for x, w in rows]
+
+    def matches(lanes: int, simd: int) -> bool:
+        for (x, w), want in zip(rows, expected, strict=True):
+            if not torch.equal(_norm(lib, x, None, None, w, 1e-5, lanes, simd).view(torch.int16), want):
+                return False
+        return True
+
+    simds = (0, 1) if lib.unf_fused_simd() else (0,)
+    lanes = next((lanes for lanes in (8, 16) if all(matches(lanes, simd) for simd in simds)), None)
+    sqrt = _torch_symbol("VMSSQRT_") if lanes is not None else None
+    if sqrt is not None:  # the one-call norm, MKL's sqrt called from C: kept if its bits are the torch lines' too
+        for (x, w), want in zip(rows, expected, strict=True):
+            out = torch.empty(x.shape, dtype=torch.bfloat16)
+            for simd in simds:
+                code = lib.unf_add_rms_norm_bf16(x.data_ptr(), None, None, w.data_ptr(), x.shape[0], x.shape[1], 1e-5,
+                                                 out.data_ptr(), lanes, sqrt, simd)
+                if code or not torch.equal(out.view(torch.int16), want):
+                    sqrt = None
+    _lanes["sqrt"] = sqrt
+    return lanes
+
+
+def norm_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model in ``dtype`` on ``device`` runs the C residual add + RMSNorm (bf16 on a CPU, built, a known
+    summation order, with AVX-512 unless the plain loops are forced)."""
+    if (device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("UNFIRE_NATIVE_NORM", "1") == "0"
+            or norm_lanes() is None):
+        return False
+    lib = library()
+    return lib is not None and (not _simd() or bool(lib.unf_fused_simd()))
+
+
+def _torch_symbol(name: str) -> int | None:
+    """The address of a function libtorch_cpu exports (the SLEEF and MKL vector maths torch's kernels call), or
+    None."""
+    import glob
+
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*"))):
+        try:
+            fn = getattr(ctypes.CDLL(path), name)  # noqa: B009 (the name is a parameter)
+        except (OSError, AttributeError):
+            continue
+        return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
+def _torch_exp16() -> int | None:
+    """The vectorised float32 exp torch's bf16 silu calls on an AVX-512 CPU (SLEEF's expf16_u10)."""
+    return _torch_symbol("Sleef_expf16_u10")
+
+
+def silu_applies(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model in ``dtype`` on ``device`` runs the C silu(gate) * up (bf16 on a CPU with AVX-512, built,
+    ``UNFIRE_NATIVE_SILU`` not 0, torch's exp found and the result equal to the torch lines on a probe: rows of
+    several lengths, values over the range where the sigmoid saturates)."""
+    if (device.type != "cpu" or dtype != torch.bfloat16 or os.environ.get("UNFIRE_NATIVE_SILU", "1") == "0"
+            or not _simd()):
+        return False
+    lib = library()
+    if lib is None or not lib.unf_fused_simd():
+        return False
+    if "exp16" not in _exp:
+        _exp["exp16"] = _probe_silu(lib)
+    return _exp["exp16"] is not None
+
+
+def _probe_silu(lib: ctypes.CDLL) -> int | None:
+    import torch.nn.functional as F
+
+    exp16 = _torch_exp16()
+    if exp16 is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    for n, inter in ((3, 1536), (2, 100), (5, 37), (1, 64), (4, 700)):
+        gu = (torch.randn((n, 2 * inter), generator=gen) * 6).bfloat16()
+        out = torch.empty((n, inter), dtype=torch.bfloat16)
+        if lib.unf_silu_mul_bf16(gu.data_ptr(), n, inter, 2 * inter, out.data_ptr(), exp16, 1):
+            return None
+        gate, up = gu.chunk(2, dim=-1)
+        if not torch.equal(out.view(torch.int16), (F.silu(gate) * up).view(torch.int16)):
+            return None
+    return exp16
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` for ``gate, up = gate_up.chunk(2, dim=-1)`` (bf16 [n, 2 inter] -> bf16 [n, inter]),
+    torch's bits (its own exp; ``silu_applies`` must be True)."""
+    _rows(gate_up, torch.bfloat16, "gate_up")
+    n, width = gate_up.shape
+    if width % 2:
+        raise KernelInputError(f"gate_up has an odd width {width}: not a fused gate/up projection")
+    exp16 = _exp.get("exp16")
+    if exp16 is None:
+        raise KernelInputError("the C silu does not run here (see silu_applies)")
+    inter = width // 2
+    out = torch.empty((n, inter), dtype=torch.bfloat16)
+    lib = _state["lib"]
+    codes = _split(n, lambda lo, hi: lib.unf_silu_mul_bf16(gate_up.data_ptr() + lo * width * 2, hi - lo, inter,
+                                                           width, out.data_ptr() + lo * inter * 2, exp16, 1))
+    bad = next((c for c in codes if c), 0)
+    if bad:
+        raise KernelInputError(f"silu_mul (C): error {bad}")
+    return out
 
 
 def _split(n: int, run: Callable[[int, int], int | None]) -> list[int | None]:
@@ -115,3 +263,172 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, p
     if cache.on_write is not None:  # as PagedKVCache.write does
         cache.on_write(layer)
     return q
+
+
+def _norm(lib: ctypes.CDLL, x: torch.Tensor, delta: torch.Tensor | None, x_out: torch.Tensor | None,
+          weight: torch.Tensor | None, eps: float, lanes: int, simd: int,
+          out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The two C passes around torch's sqrt (checked arguments; see ``add_rms_norm``); one C call where torch's
+    sqrt (MKL's) can be called from C (``_lanes["sqrt"]``, found by the probe)."""
+    n, h = x.shape
+    sqrt = _lanes.get("sqrt")
+    if sqrt is not None and weight is not None:
+        out = torch.empty((n, h), dtype=torch.bfloat16) if out is None else out
+        dp = None if delta is None else delta.data_ptr()
+        xo = None if x_out is None else x_out.data_ptr()
+        codes = _split(n, lambda lo, hi: lib.unf_add_rms_norm_bf16(
+            x.data_ptr() + lo * h * 4, dp and dp + lo * h * 2, xo and xo + lo * h * 4, weight.data_ptr(), hi - lo, h,
+            eps, out.data_ptr() + lo * h * 2, lanes, sqrt, simd))
+        bad = next((c for c in codes if c), 0)
+        if bad:
+            raise KernelInputError(f"add_rms_norm (C): error {bad}")
+        return out
+    ms = torch.empty(n, dtype=torch.float32) if weight is not None else None
+    dp = None if delta is None else delta.data_ptr()
+    xo = None if x_out is None else x_out.data_ptr()
+    mp = None if ms is None else ms.data_ptr()
+    codes = _split(n, lambda lo, hi: lib.unf_add_mean_squares(
+        x.data_ptr() + lo * h * 4, dp and dp + lo * h * 2, xo and xo + lo * h * 4, hi - lo, h, eps,
+        mp and mp + lo * 4, lanes, simd))
+    bad = next((c for c in codes if c), 0)
+    if bad:
+        raise KernelInputError(f"add_rms_norm (C): error {bad}")
+    if weight is None or ms is None:
+        return None
+    ms.sqrt_()  # torch's own float32 sqrt (MKL's, not correctly rounded): the torch lines' bits
+    out = torch.empty((n, h), dtype=torch.bfloat16) if out is None else out
+    src = x if delta is None else x_out
+    assert src is not None
+    _split(n, lambda lo, hi: lib.unf_scale_rows_bf16(src.data_ptr() + lo * h * 4, ms.data_ptr() + lo * 4,
+                                                     weight.data_ptr(), hi - lo, h, out.data_ptr() + lo * h * 2,
+                                                     simd))
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                 x_out: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The residual add and the next RMSNorm of the bf16 model, torch's bits (``fast/engine/model.py``'s lines
+    ``x = x + delta.float()`` and ``rms_norm(x, weight, eps).to(torch.bfloat16)``): one C pass for the add and
+    the mean squares, torch's sqrt on those n values, one C pass for the scaled bf16 rows.
+
+    x: float32 [n, h]; delta: bf16 [n, h] or None (the norm of x alone); x_out: where x + float(delta) goes
+    (float32 [n, h], may be x itself; required with delta); weight: float32 [h], or None for the add alone;
+    out: where the normed rows go (contiguous bf16 [n, h]; None: a new tensor). Returns the normed rows (bf16
+    [n, h]), or None without a weight."""
+    _rows(x, torch.float32, "x")
+    h = x.shape[1]
+    if delta is not None:
+        _rows(delta, torch.bfloat16, "delta")
+        if x_out is None:
+            raise KernelInputError("add_rms_norm with delta needs x_out (x itself for an in-place add)")
+        _rows(x_out, torch.float32, "x_out")
+        if delta.shape != x.shape or x_out.shape != x.shape:
+            raise KernelInputError(f"x {tuple(x.shape)}, delta {tuple(delta.shape)} and x_out "
+                                   f"{tuple(x_out.shape)} must have one shape")
+    elif weight is None:
+        raise KernelInputError("add_rms_norm needs a delta, a weight or both")
+    if weight is not None and (weight.dtype != torch.float32 or tuple(weight.shape) != (h,)
+                               or not weight.is_contiguous()):
+        raise KernelInputError(f"weight must be contiguous float32 of shape ({h},), got {weight.dtype} "
+                               f"{tuple(weight.shape)}")
+    if out is not None:
+        _rows(out, torch.bfloat16, "out")
+        if out.shape != x.shape:
+            raise KernelInputError(f"out {tuple(out.shape)} must have x's shape {tuple(x.shape)}")
+    lanes = norm_lanes()
+    if lanes is None:
+        raise KernelInputError("the C norm does not know this CPU's summation order (see norm_applies)")
+    return _norm(_state["lib"], x, delta, x_out, weight, eps, lanes, _simd(), out)
+
+
+class StepOps:
+    """The fused ops for the layers of one step on one thread, with what those layers share checked once.
+
+    ``rope_write``, ``add_rms_norm`` and ``silu_mul`` check every argument on every call: about 30 Python-level
+    steps each, paid 3-4 times per layer and step, which on a loaded cache cost as much as their C work at decode
+    sizes. A step's positions, slots, tables, cache and row count are the same for all layers, so ``bind`` checks
+    them once and the methods below only look at what changes per layer (each tensor's shape, dtype and layout,
+    one comparison each) before calling C with pointers. Same C functions, same bits. ``bind`` returns None where
+    a method could not take the fast way (more than one torch thread: the public functions split rows between
+    threads; the C norm or silu not applicable; RoPE's inputs not as ``rope_write`` takes them); the model then
+    calls the public functions."""
+
+    def __init__(self, lib: ctypes.CDLL, cache: PagedKVCache, heads: int, n: int, rope_args: tuple[object, ...],
+                 lanes: int, sqrt: int, exp16: int, simd: int):
+        self.lib, self.cache, self.heads, self.n = lib, cache, heads, n
+        self.kv, self.d = cache.num_kv_heads, cache.head_dim
+        self.width = (heads + 2 * self.kv) * self.d
+        self.rope_args, self.lanes, self.sqrt, self.exp16, self.simd = rope_args, lanes, sqrt, exp16, simd
+        self.k = [t.data_ptr() for t in cache.k]
+        self.v = [t.data_ptr() for t in cache.v]
+
+    @classmethod
+    def bind(cls, cache: PagedKVCache, heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+             positions: torch.Tensor, slots: torch.Tensor) -> StepOps | None:
+        """The ops for one step of ``positions.numel()`` rows, or None (see the class)."""
+        n, d = positions.numel(), cache.head_dim
+        if (torch.get_num_threads() != 1 or not applies(torch.bfloat16, torch.device("cpu"), cache)
+                or not norm_applies(torch.bfloat16, torch.device("cpu"))
+                or not silu_applies(torch.bfloat16, torch.device("cpu"))):
+            return None
+        lanes, sqrt, exp16 = norm_lanes(), _lanes.get("sqrt"), _exp.get("exp16")
+        if lanes is None or sqrt is None or exp16 is None:
+            return None
+        for t in (positions, slots):
+            if t.dtype != torch.int64 or tuple(t.shape) != (n,) or not t.is_contiguous():
+                return None
+        for t in (cos, signed_sin):
+            if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != d or not t.is_contiguous():
+                return None
+        if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in (*cache.k, *cache.v)):
+            return None
+        rope_args = (cos.data_ptr(), signed_sin.data_ptr(), cos.shape[0], positions.data_ptr(), slots.data_ptr(),
+                     cache.num_blocks * cache.block_size)
+        return cls(_state["lib"], cache, heads, n, rope_args, lanes, sqrt, exp16, _simd())
+
+    def rope_write(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
+        """``rope_write(qkv, cos, signed_sin, positions, slots, cache, layer, heads)`` of the bound step."""
+        if qkv.dtype != torch.bfloat16 or qkv.shape != (self.n, self.width) or not qkv.is_contiguous():
+            raise KernelInputError(f"qkv must be contiguous bf16 [{self.n}, {self.width}], got {qkv.dtype} "
+                                   f"{tuple(qkv.shape)}")
+        q = torch.empty((self.n, self.heads, self.d), dtype=torch.bfloat16)
+        c, s, npos, pos, slots, nslots = self.rope_args
+        bad = self.lib.unf_rope_write_bf16(qkv.data_ptr(), self.n, self.heads, self.kv, self.d, c, s, npos, pos,
+                                           slots, nslots, self.k[layer], self.v[layer], q.data_ptr(), self.simd)
+        if bad:
+            raise KernelInputError(f"rope_write (C): {ROPE_ERRORS.get(bad, f'error {bad}')}")
+        if self.cache.on_write is not None:  # as PagedKVCache.write does
+            self.cache.on_write(layer)
+        return q
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float,
+                     x_out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """``add_rms_norm`` (same arguments) for rows of this step's row count or fewer (the pruned last layer)."""
+        n, h = x.shape
+        same = (x.dtype == torch.float32 and x.is_contiguous()
+                and (delta is None or (delta.dtype == torch.bfloat16 and delta.shape == x.shape
+                                       and delta.is_contiguous() and x_out is not None
+                                       and x_out.dtype == torch.float32 and x_out.shape == x.shape
+                                       and x_out.is_contiguous()))
+                and (weight is None or (weight.dtype == torch.float32 and weight.shape == (h,)
+                                        and weight.is_contiguous())))
+        if not same or weight is None:
+            return add_rms_norm(x, delta, weight, eps, x_out)  # checks and says what is wrong; the add alone
+        out = torch.empty((n, h), dtype=torch.bfloat16)
+        bad = self.lib.unf_add_rms_norm_bf16(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                                             None if x_out is None else x_out.data_ptr(), weight.data_ptr(), n, h, eps,
+                                             out.data_ptr(), self.lanes, self.sqrt, self.simd)
+        if bad:
+            raise KernelInputError(f"add_rms_norm (C): error {bad}")
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu_mul(gate_up)``."""
+        n, width = gate_up.shape
+        if gate_up.dtype != torch.bfloat16 or width % 2 or not gate_up.is_contiguous():
+            return silu_mul(gate_up)  # checks and says what is wrong
+        out = torch.empty((n, width // 2), dtype=torch.bfloat16)
+        bad = self.lib.unf_silu_mul_bf16(gate_up.data_ptr(), n, width // 2, width, out.data_ptr(), self.exp16, 1)
+        if bad:
+            raise KernelInputError(f"silu_mul (C): error {bad}")
+        return out

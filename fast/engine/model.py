@@ -24,6 +24,8 @@ bf16 weights' tokens exactly.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +37,7 @@ import torch.nn.functional as F
 from fast.engine import fused
 from fast.engine.linear import CompressedLinear, DenseLinear, Linear, compress
 from fast.errors import KernelInputError
-from fast.kv import KVStep, PagedKVCache, paged_attention
+from fast.kv import KVStep, PagedKVCache, attention_rows, attention_torch, paged_attention
 from reference.model.carried import ContainerFile
 from reference.model.config import LlamaConfig
 from reference.model.loader import GGUF_NAMES, HF_NAMES, LlamaWeights, load_llama
@@ -179,7 +181,8 @@ class TorchLlama:
                 logit_rows: torch.Tensor) -> torch.Tensor:
         """Run one step: tokens, positions [T] (int64), the step's KV layout; returns float32 logits
         [len(logit_rows), vocab] of the rows ``logit_rows`` (the last token of each chunk that wants them)."""
-        return self.logits(self.run_layers(self.embed(tokens), positions, step, cache), logit_rows)
+        x = self.run_layers(self.embed(tokens), positions, step, cache, keep=logit_rows)
+        return self._head(x)
 
     @torch.inference_mode()
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -187,33 +190,87 @@ class TorchLlama:
         return self.embedding[tokens].to(torch.float32)
 
     @torch.inference_mode()
-    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, step: KVStep, cache: PagedKVCache) -> torch.Tensor:
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor, step: KVStep, cache: PagedKVCache,
+                   keep: torch.Tensor | None = None) -> torch.Tensor:
         """Every layer of this model over the residual stream x [T, hidden] (float32); layer i uses cache layer i.
-        A pipeline stage is a model holding a range of a checkpoint's layers (``fast/pipeline``)."""
+        A pipeline stage is a model holding a range of a checkpoint's layers (``fast/pipeline``).
+
+        ``keep`` (int64 row indices): return only those rows of the result. Then the last layer, once every row's
+        K and V are in the cache, runs attention, the output projection and the MLP on those rows alone where the
+        attention kernel takes single rows (the CPU's C kernel; ``UNFIRE_PRUNE_LAST_LAYER=0`` switches this off):
+        a prefill step's other rows feed nothing but the cache. Each row's arithmetic does not depend on the
+        other rows (the products' rows are computed alike for any row count, checked in the tests), so the kept
+        rows' values are the same bits either way."""
         c = self.config
         heads, kv, d = c.num_heads, c.num_kv_heads, c.head_dim
         n = x.shape[0]
         fused_rope = self._fused(cache)  # the same bits as the three torch lines below, in one pass
+        fused_norm = self._fused_norm()  # the residual adds and norms in C, the same bits as their torch lines
+        fused_silu = fused.silu_applies(self.dtype, self.device)  # silu(gate) * up in C, the same bits
         positions = positions.contiguous()
         cos, sin = (None, None) if fused_rope else (self.cos[positions], self.signed_sin[positions])
+        eps = c.rms_norm_eps
+        # on one CPU thread with every C op in use: the ops and the attention bound to this step, their shared
+        # arguments checked once (fused.StepOps, native_attention.bind); the same C calls as below, less Python
+        ops = (fused.StepOps.bind(cache, heads, self.cos, self.signed_sin, positions, step.slots)
+               if fused_rope and fused_norm and fused_silu and not any(lw.o_bias is not None for lw in self.layers)
+               else None)
+        attend = attention_torch.bound(cache, step, heads, 1.0 / math.sqrt(d)) if ops is not None else None
+        rope_write = ops.rope_write if ops is not None else None
+        add_rms_norm = ops.add_rms_norm if ops is not None else fused.add_rms_norm
+        silu_mul = ops.silu_mul if ops is not None else fused.silu_mul
+        if fused_norm:
+            x = x.contiguous()
+            h = add_rms_norm(x, None, self.layers[0].attn_norm, eps) if self.layers else None
+        last = len(self.layers) - 1
+        prune = keep is not None and keep.numel() < n and os.environ.get("UNFIRE_PRUNE_LAST_LAYER", "1") != "0"
         for i, layer in enumerate(self.layers):
-            h = rms_norm(x, layer.attn_norm, c.rms_norm_eps).to(self.dtype)
+            if not fused_norm:
+                h = rms_norm(x, layer.attn_norm, eps).to(self.dtype)
             qkv = layer.qkv(h)
             if layer.qkv_bias is not None:
                 qkv = (qkv.float() + layer.qkv_bias).to(self.dtype)
-            if fused_rope:
+            if rope_write is not None:
+                q = rope_write(qkv, i)
+            elif fused_rope:
                 q = fused.rope_write(qkv, self.cos, self.signed_sin, positions, step.slots, cache, i, heads)
             else:
                 qk = apply_rope(qkv[:, :(heads + kv) * d].reshape(n, heads + kv, d).float(), cos, sin)  # q, k at once
                 cache.write(i, step.slots, qk[:, heads:], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
                 q = qk[:, :heads].to(self.dtype).contiguous()
-            out = paged_attention(q, cache, i, step)
-            attn = layer.o(out.reshape(n, heads * d)).float()
-            x = x + (attn if layer.o_bias is None else attn + layer.o_bias)
-            h = rms_norm(x, layer.mlp_norm, c.rms_norm_eps).to(self.dtype)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up).float()
-        return x
+            out = attention_rows(q, cache, i, step, keep) if prune and i == last else None
+            if out is not None:  # the kept rows alone from here on
+                x, n, keep = x[keep].contiguous(), keep.numel(), None
+            else:
+                out = attend(q, i) if attend is not None else paged_attention(q, cache, i, step)
+            attn = layer.o(out.reshape(n, heads * d))
+            if fused_norm and layer.o_bias is None:
+                # the first add writes a new tensor (x may be the caller's), the later ones add in place
+                x_out = torch.empty_like(x) if i == 0 else x
+                h = add_rms_norm(x, attn, layer.mlp_norm, eps, x_out)
+                x = x_out
+            else:
+                attn = attn.float()
+                x = x + (attn if layer.o_bias is None else attn + layer.o_bias)
+                h = rms_norm(x, layer.mlp_norm, eps).to(self.dtype)
+                if fused_norm:
+                    x = x.contiguous()
+            gate_up = layer.gate_up(h)
+            if fused_silu:
+                down = layer.down(silu_mul(gate_up))
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                down = layer.down(F.silu(gate) * up)
+            if fused_norm:  # the add, and the next layer's first norm with it
+                nxt = self.layers[i + 1].attn_norm if i + 1 < len(self.layers) else None
+                h = add_rms_norm(x, down, nxt, eps, x)
+            else:
+                x = x + down.float()
+        return x if keep is None else x[keep]
+
+    def _fused_norm(self) -> bool:
+        """Whether the residual adds and RMSNorms run in C (bf16 on a CPU; fast/engine/fused.py)."""
+        return fused.norm_applies(self.dtype, self.device)
 
     def _fused(self, cache: PagedKVCache) -> bool:
         """Whether this step's RoPE and cache write run as one C pass (bf16 on a CPU, no q/k/v bias)."""
@@ -223,7 +280,14 @@ class TorchLlama:
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         """Final norm and output head on the rows ``logit_rows`` of x: float32 [len(logit_rows), vocab]."""
-        last = rms_norm(x[logit_rows], self.final_norm, self.config.rms_norm_eps).to(self.dtype)
+        return self._head(x[logit_rows])
+
+    def _head(self, rows: torch.Tensor) -> torch.Tensor:
+        """Final norm and output head on every row of ``rows`` (float32 [m, hidden]): float32 [m, vocab]."""
+        if self._fused_norm():
+            last = fused.add_rms_norm(rows.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
+        else:
+            last = rms_norm(rows, self.final_norm, self.config.rms_norm_eps).to(self.dtype)
         return self.head(last).float()
 
 

@@ -17,7 +17,8 @@ kv_cases.py`` states the bound). Each op has a torch path (any device) and a Tri
 """
 
 from fast.kv.cache import PagedKVCache
-from fast.kv.ops import decode_attention, paged_attention, pick_backend, prefill_attention
+from fast.kv.ops import attention_rows, decode_attention, paged_attention, pick_backend, prefill_attention
 from fast.kv.step import KVStep
 
-__all__ = ["KVStep", "PagedKVCache", "decode_attention", "paged_attention", "pick_backend", "prefill_attention"]
+__all__ = ["KVStep", "PagedKVCache", "attention_rows", "decode_attention", "paged_attention", "pick_backend",
+           "prefill_attention"]

@@ -25,6 +25,7 @@ masks) is computed once per step and kept in ``step.memo`` for every layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -268,16 +269,21 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVS
     return out
 
 
+def _prefill_rows(step: KVStep) -> None:
+    """The C kernel's view of a step's rows, once per step: each row's chunk, the rows, each row's length (its
+    position + 1: causal), the longest."""
+    chunk = torch.repeat_interleave(torch.arange(step.num_chunks, dtype=torch.int64),
+                                    torch.tensor(step.query_lens, dtype=torch.int64))
+    lengths = torch.tensor([s + j + 1 for s, n in zip(step.starts, step.query_lens, strict=True) for j in range(n)],
+                           dtype=torch.int32)
+    step.memo["prefill.native"] = (chunk, torch.arange(len(chunk), dtype=torch.int64), lengths, step.max_seq_len)
+
+
 def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, scale: float) -> torch.Tensor:
     """q [T, H, D] for the step's chunks concatenated -> [T, H, D] in q's dtype."""
     if native_attention.applies(q, cache):  # bf16 on a CPU: every row by the C kernel, each up to its position
         if "prefill.native" not in step.memo:
-            chunk = torch.repeat_interleave(torch.arange(step.num_chunks, dtype=torch.int64),
-                                            torch.tensor(step.query_lens, dtype=torch.int64))
-            lengths = torch.tensor([s + j + 1 for s, n in zip(step.starts, step.query_lens, strict=True)
-                                    for j in range(n)], dtype=torch.int32)
-            step.memo["prefill.native"] = (chunk, torch.arange(len(chunk), dtype=torch.int64), lengths,
-                                           step.max_seq_len)
+            _prefill_rows(step)
         chunk, rows, lengths, longest = step.memo["prefill.native"]
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         native_attention.decode_rows(q, cache, layer, step, chunk, rows, scale, out, lengths, longest)
@@ -333,3 +339,18 @@ def _chunk_bf16(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: _Batch,
     weights = torch.softmax(torch.add(bias, scores, alpha=scale), dim=-1).to(torch.bfloat16)
     both = torch.bmm(weights.view(kv, group * n, length), v_heads).view(kv, group, n, d)
     out.view(n, kv, group, d).copy_(both.permute(2, 0, 1, 3))
+
+
+def bound(cache: PagedKVCache, step: KVStep, heads: int,
+          scale: float) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+    """The C kernel bound to one step for all its layers (``native_attention.bind``): every row of the step, as
+    ``decode_attention`` / ``prefill_attention`` run it; None where they would not take the C kernel."""
+    if step.is_decode:
+        every = step.memo.get("decode.native")
+        if every is None:
+            every = step.memo["decode.native"] = torch.arange(step.num_chunks, dtype=torch.int64)
+        return native_attention.bind(cache, step, heads, scale, every, every, None, max(step.max_seq_len, 1))
+    if "prefill.native" not in step.memo:
+        _prefill_rows(step)
+    chunk, rows, lengths, longest = step.memo["prefill.native"]
+    return native_attention.bind(cache, step, heads, scale, chunk, rows, lengths, longest)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -49,6 +50,7 @@ ERRORS = {1: "a length outside [1, block table width * block_size], past the hos
           2: "a block id outside [0, num_blocks)", 3: "head sizes the C kernel does not take"}
 MAX_HEAD_DIM = 256
 _pool: dict[int, ThreadPoolExecutor] = {}
+_simd_found: dict[str, bool] = {}
 
 
 def library() -> ctypes.CDLL | None:
@@ -68,7 +70,11 @@ def applies(q: torch.Tensor, cache: PagedKVCache) -> bool:
 def has_simd() -> bool:
     """Whether the kernel is built and this CPU runs its AVX-512 loops."""
     lib = library()
-    return lib is not None and bool(lib.unf_decode_attention_simd())
+    if lib is None:
+        return False
+    if "simd" not in _simd_found:  # the CPU does not change: asked once
+        _simd_found["simd"] = bool(lib.unf_decode_attention_simd())
+    return _simd_found["simd"]
 
 
 def _usable() -> bool:
@@ -99,9 +105,8 @@ def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, 
     if lengths is not None and (lengths.dtype != torch.int32 or lengths.shape != chunks.shape
                                 or not lengths.is_contiguous()):
         raise KernelInputError(f"lengths must be contiguous int32 of shape {tuple(chunks.shape)}")
-    if max_len is None:
-        max_len = (int(lengths.max()) if n else 1) if lengths is not None else max(
-            (step.starts[c] + step.query_lens[c] for c in chunks.tolist()), default=1)
+    if max_len is None:  # for whole sequences the step's longest bounds them (it only sizes the scratch)
+        max_len = (int(lengths.max()) if n else 1) if lengths is not None else max(step.max_seq_len, 1)
     threads = max(1, min(torch.get_num_threads(), n // 8))
     per_thread = heads * (max_len + 2 * d)  # scores, then the query and the sums
     scratch = _scratch(cache, threads * per_thread)
@@ -140,3 +145,41 @@ def _scratch(cache: PagedKVCache, n: int) -> torch.Tensor:
     if buf is None or buf.numel() < n:
         buf = cache.scratch["native.scores"] = torch.empty(max(n, 4096), dtype=torch.float32)
     return buf
+
+
+def bind(cache: PagedKVCache, step: KVStep, heads: int, scale: float, chunks: torch.Tensor, rows: torch.Tensor,
+         lengths: torch.Tensor | None, max_len: int) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
+    """``decode_rows`` for every layer of one step, its arguments checked and laid out once: returns
+    ``attend(q, layer) -> out`` (q bf16 [T, heads, D] contiguous, the step's T rows; out a new tensor whose rows
+    ``rows`` are written: every row, as the model binds it), or None where the kernel does not apply or torch runs
+    more than one thread (``decode_rows`` splits rows between threads)."""
+    d, kv = cache.head_dim, cache.num_kv_heads
+    probe = torch.empty((0, heads, d), dtype=torch.bfloat16)
+    if torch.get_num_threads() != 1 or not applies(probe, cache):
+        return None
+    if lengths is not None and (lengths.dtype != torch.int32 or lengths.shape != chunks.shape
+                                or not lengths.is_contiguous()):
+        raise KernelInputError(f"lengths must be contiguous int32 of shape {tuple(chunks.shape)}")
+    lib = _state["lib"]
+    tables = step.block_tables if step.block_tables.is_contiguous() else step.block_tables.contiguous()
+    chunks, rows = chunks.contiguous(), rows.contiguous()
+    scratch = _scratch(cache, heads * (max_len + 2 * d))
+    simd = {"0": 0, "2": 2}.get(os.environ.get("UNFIRE_NATIVE_SIMD", "1"), 1)
+    k, v = [t.data_ptr() for t in cache.k], [t.data_ptr() for t in cache.v]
+    shape = (step.num_tokens, heads, d)
+    args = (tables.data_ptr(), step.seq_lens.data_ptr(), chunks.data_ptr(), rows.data_ptr(),
+            None if lengths is None else lengths.data_ptr(), chunks.numel(), heads, kv, d, cache.block_size,
+            cache.num_blocks, tables.shape[1], max_len, scale, scratch.data_ptr())
+    keep = (tables, chunks, rows, lengths, scratch)  # alive as long as the closure: the pointers above are theirs
+
+    def attend(q: torch.Tensor, layer: int) -> torch.Tensor:
+        if q.dtype != torch.bfloat16 or q.shape != shape or not q.is_contiguous():
+            raise KernelInputError(f"q must be contiguous bf16 {list(shape)}, got {q.dtype} {tuple(q.shape)}")
+        out = torch.empty(shape, dtype=torch.bfloat16)
+        bad = lib.unf_decode_attention(q.data_ptr(), k[layer], v[layer], *args, out.data_ptr(), simd)
+        if bad:
+            raise KernelInputError(f"decode attention (C): {ERRORS.get(bad, f'error {bad}')}")
+        assert keep
+        return out
+
+    return attend

@@ -84,3 +84,28 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVSt
     if step.is_decode:
         return decode_attention(q, cache, layer, step, scale=scale, backend=backend)
     return prefill_attention(q, cache, layer, step, scale=scale, backend=backend)
+
+
+def attention_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, rows: torch.Tensor, *,
+                   scale: float | None = None, backend: str | None = None) -> torch.Tensor | None:
+    """The attention of some query rows only: q [T, H, D] (the step's rows, their K/V already written), ``rows``
+    int64 indices into it -> [len(rows), H, D], each row exactly as ``paged_attention`` computes it (causal within
+    its chunk). Only the CPU's C kernel takes rows one by one (``fast/kv/native_attention.py``); elsewhere None:
+    the caller runs ``paged_attention`` on every row."""
+    from fast.kv import native_attention
+
+    if pick_backend(cache.device, backend) != "torch" or not native_attention.applies(q, cache):
+        return None
+    _check_q(q, cache, step, step.num_tokens)
+    scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
+    chunk_of = step.memo.get("rows.chunk")
+    if chunk_of is None:
+        chunk_of = step.memo["rows.chunk"] = torch.repeat_interleave(
+            torch.arange(step.num_chunks, dtype=torch.int64), torch.tensor(step.query_lens, dtype=torch.int64))
+    rows = rows.to(torch.int64).contiguous()
+    chunks = chunk_of[rows]
+    lengths = (step.context_lens.to(torch.int64)[chunks] + rows - step.query_starts.to(torch.int64)[chunks] + 1)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # only the chosen rows are written
+    native_attention.decode_rows(q.contiguous(), cache, layer, step, chunks, rows, scale, out,
+                                 lengths.to(torch.int32).contiguous())
+    return out[rows]

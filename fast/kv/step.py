@@ -57,12 +57,19 @@ class KVStep:
 
     @property
     def max_seq_len(self) -> int:
-        return max((s + n for s, n in zip(self.starts, self.query_lens, strict=True)), default=0)
+        got = self.memo.get("max_seq_len")  # asked by every layer: worked out once per step
+        if got is None:
+            got = self.memo["max_seq_len"] = max((s + n for s, n in zip(self.starts, self.query_lens, strict=True)),
+                                                 default=0)
+        return got
 
     @property
     def is_decode(self) -> bool:
         """True when every chunk is one token (a pure decode step)."""
-        return all(n == 1 for n in self.query_lens)
+        got = self.memo.get("is_decode")
+        if got is None:
+            got = self.memo["is_decode"] = all(n == 1 for n in self.query_lens)
+        return got
 
     @classmethod
     def build(cls, *, query_lens: Sequence[int], starts: Sequence[int], block_tables: Sequence[Sequence[int]],
