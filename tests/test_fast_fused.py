@@ -89,31 +89,11 @@ def test_bad_input_is_refused() -> None:
 def test_bf16_engine_runs_them_and_generates_what_the_torch_lines_do(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast engine in bf16 takes the fused RoPE write (switched off, its torch lines) with the same greedy
     tokens, bit for bit."""
-    from fast.engine import Engine, FastModel, TorchLlama
-    from reference.engine import SamplingParams
-    from tests.tiny_llama import CONFIG, tiny_weights
+    from tests.tiny_llama import bf16_outputs_on_and_off
 
-    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")  # the plain loops: taken on any CPU
-    calls = []
-    real = fused.rope_write
-
-    def counted(*args: object, **kwargs: object) -> torch.Tensor:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(fused, "rope_write", counted)
-    prompts = [list(range(1, 30)), [7] * 5, list(range(40, 80))]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    options = dict(num_blocks=40, block_size=4, max_num_batched_tokens=64, max_num_seqs=3)
-    outputs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("UNFIRE_NATIVE_FUSED", flag)
-        engine = Engine(FastModel(TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16")), **options)
-        outputs[flag] = [o.output_token_ids for o in engine.generate(prompts, params)]
-        if flag == "1":
-            assert len(calls) >= 2 * 12  # every step, both layers
-            calls_on = len(calls)
-    assert len(calls) == calls_on  # switched off: never called
+    outputs, on, off = bf16_outputs_on_and_off(monkeypatch, fused, "rope_write", "UNFIRE_NATIVE_FUSED")
+    assert on >= 2 * 12  # every step, both layers
+    assert off == 0  # switched off: never called
     assert outputs["1"] == outputs["0"]
 
 

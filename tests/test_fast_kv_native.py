@@ -133,29 +133,10 @@ def test_rows_split_between_threads_give_the_same_bits(monkeypatch: pytest.Monke
 
 def test_bf16_engine_decodes_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast engine's bf16 decode steps take the kernel, and generate what the gather path generates."""
-    from fast.engine import Engine, FastModel, TorchLlama
-    from reference.engine import SamplingParams
-    from tests.tiny_llama import CONFIG, tiny_weights
+    from tests.tiny_llama import bf16_outputs_on_and_off
 
-    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
-    calls = []
-    real = native_attention.decode_rows
-
-    def counted(*args: object, **kwargs: object) -> bool:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(native_attention, "decode_rows", counted)
-    prompts = [list(range(1, 30)), [7] * 5, list(range(40, 80))]
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
-    options = dict(num_blocks=40, block_size=4, max_num_batched_tokens=64, max_num_seqs=3)
-    outputs = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("UNFIRE_NATIVE_ATTENTION", flag)
-        engine = Engine(FastModel(TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16")), **options)
-        outputs[flag] = [o.output_token_ids for o in engine.generate(prompts, params)]
-        if flag == "1":
-            assert len(calls) >= 2 * 11  # every decode step, both layers
+    outputs, on, _ = bf16_outputs_on_and_off(monkeypatch, native_attention, "decode_rows", "UNFIRE_NATIVE_ATTENTION")
+    assert on >= 2 * 11  # every decode step, both layers
     assert all(len(o) == 12 for o in outputs["1"])
     same = sum(a == b for x, y in zip(outputs["1"], outputs["0"], strict=True) for a, b in zip(x, y, strict=True))
     assert same >= 30  # of 36: float32 vs bf16-rounded scores may flip a near tie on random weights

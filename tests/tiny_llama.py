@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from reference.model.config import LlamaConfig
@@ -29,3 +31,33 @@ def tiny_weights(seed: int = 0) -> LlamaWeights:
               for _ in range(c.num_layers)]
     embedding = 3 * w(c.vocab_size, c.hidden_size)
     return LlamaWeights(embedding=embedding, layers=layers, final_norm=norm(), lm_head=embedding)
+
+
+def bf16_outputs_on_and_off(monkeypatch: Any, module: Any, name: str, switch: str
+                            ) -> tuple[dict[str, list[list[int]]], int, int]:
+    """Greedy tokens of the fast engine in bf16 on three prompts with the environment switch ``switch`` at "1"
+    and at "0", counting the calls to ``module.name`` (the native path the switch guards; plain C loops, so any
+    CPU takes it): (outputs by flag, calls with it on, calls with it off)."""
+    from fast.engine import Engine, FastModel, TorchLlama
+    from reference.engine import SamplingParams
+
+    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
+    calls = []
+    real = getattr(module, name)
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    prompts = [list(range(1, 30)), [7] * 5, list(range(40, 80))]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    options = dict(num_blocks=40, block_size=4, max_num_batched_tokens=64, max_num_seqs=3)
+    outputs, counts = {}, {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(switch, flag)
+        before = len(calls)
+        engine = Engine(FastModel(TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16")), **options)
+        outputs[flag] = [o.output_token_ids for o in engine.generate(prompts, params)]
+        counts[flag] = len(calls) - before
+    return outputs, counts["1"], counts["0"]
