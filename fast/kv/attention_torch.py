@@ -255,11 +255,9 @@ def _one_token_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, batches: l
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, scale: float) -> torch.Tensor:
     """q [B, H, D] (one token per chunk) -> [B, H, D] in q's dtype."""
     if native_attention.applies(q, cache):  # bf16 on a CPU: the C kernel, straight over the block tables
-        every = step.memo.get("decode.native")
-        if every is None:
-            every = step.memo["decode.native"] = torch.arange(step.num_chunks, dtype=torch.int64)
+        chunks, rows, lengths, longest = native_rows(step)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        native_attention.decode_rows(q, cache, layer, step, every, every, scale, out)
+        native_attention.decode_rows(q, cache, layer, step, chunks, rows, scale, out, lengths, longest)
         return out
     if "decode" not in step.memo:
         every = list(range(step.num_chunks))
@@ -269,22 +267,36 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVS
     return out
 
 
-def _prefill_rows(step: KVStep) -> None:
-    """The C kernel's view of a step's rows, once per step: each row's chunk, the rows, each row's length (its
-    position + 1: causal), the longest."""
-    chunk = torch.repeat_interleave(torch.arange(step.num_chunks, dtype=torch.int64),
-                                    torch.tensor(step.query_lens, dtype=torch.int64))
-    lengths = torch.tensor([s + j + 1 for s, n in zip(step.starts, step.query_lens, strict=True) for j in range(n)],
-                           dtype=torch.int32)
-    step.memo["prefill.native"] = (chunk, torch.arange(len(chunk), dtype=torch.int64), lengths, step.max_seq_len)
+def row_layout(step: KVStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The C kernel's view of every row of a step, each up to its own position (causal), worked out once per step:
+    each row's chunk (int64), the rows (int64), each row's length (int32, its position + 1), the longest."""
+    got = step.memo.get("rows.native")
+    if got is None:
+        chunk = torch.repeat_interleave(torch.arange(step.num_chunks, dtype=torch.int64),
+                                        torch.tensor(step.query_lens, dtype=torch.int64))
+        lengths = torch.tensor([s + j + 1 for s, n in zip(step.starts, step.query_lens, strict=True)
+                                for j in range(n)], dtype=torch.int32)
+        got = step.memo["rows.native"] = (chunk, torch.arange(len(chunk), dtype=torch.int64), lengths,
+                                          step.max_seq_len)
+    return got
+
+
+def native_rows(step: KVStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """What ``decode_attention`` / ``prefill_attention`` hand the C kernel for a step: in a decode step one row per
+    sequence, each over its whole sequence (lengths None); otherwise ``row_layout``."""
+    if not step.is_decode:
+        return row_layout(step)
+    got = step.memo.get("decode.native")
+    if got is None:
+        every = torch.arange(step.num_chunks, dtype=torch.int64)
+        got = step.memo["decode.native"] = (every, every, None, max(step.max_seq_len, 1))
+    return got
 
 
 def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, scale: float) -> torch.Tensor:
     """q [T, H, D] for the step's chunks concatenated -> [T, H, D] in q's dtype."""
     if native_attention.applies(q, cache):  # bf16 on a CPU: every row by the C kernel, each up to its position
-        if "prefill.native" not in step.memo:
-            _prefill_rows(step)
-        chunk, rows, lengths, longest = step.memo["prefill.native"]
+        chunk, rows, lengths, longest = row_layout(step)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         native_attention.decode_rows(q, cache, layer, step, chunk, rows, scale, out, lengths, longest)
         return out
@@ -345,12 +357,4 @@ def bound(cache: PagedKVCache, step: KVStep, heads: int,
           scale: float) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
     """The C kernel bound to one step for all its layers (``native_attention.bind``): every row of the step, as
     ``decode_attention`` / ``prefill_attention`` run it; None where they would not take the C kernel."""
-    if step.is_decode:
-        every = step.memo.get("decode.native")
-        if every is None:
-            every = step.memo["decode.native"] = torch.arange(step.num_chunks, dtype=torch.int64)
-        return native_attention.bind(cache, step, heads, scale, every, every, None, max(step.max_seq_len, 1))
-    if "prefill.native" not in step.memo:
-        _prefill_rows(step)
-    chunk, rows, lengths, longest = step.memo["prefill.native"]
-    return native_attention.bind(cache, step, heads, scale, chunk, rows, lengths, longest)
+    return native_attention.bind(cache, step, heads, scale, *native_rows(step))

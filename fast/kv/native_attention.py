@@ -102,9 +102,7 @@ def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, 
     lens = step.seq_lens
     n = chunks.numel()
     heads, d = q.shape[1], q.shape[2]
-    if lengths is not None and (lengths.dtype != torch.int32 or lengths.shape != chunks.shape
-                                or not lengths.is_contiguous()):
-        raise KernelInputError(f"lengths must be contiguous int32 of shape {tuple(chunks.shape)}")
+    _check_lengths(lengths, chunks)
     if max_len is None:  # for whole sequences the step's longest bounds them (it only sizes the scratch)
         max_len = (int(lengths.max()) if n else 1) if lengths is not None else max(step.max_seq_len, 1)
     threads = max(1, min(torch.get_num_threads(), n // 8))
@@ -140,6 +138,12 @@ def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, 
     return True
 
 
+def _check_lengths(lengths: torch.Tensor | None, chunks: torch.Tensor) -> None:
+    if lengths is not None and (lengths.dtype != torch.int32 or lengths.shape != chunks.shape
+                                or not lengths.is_contiguous()):
+        raise KernelInputError(f"lengths must be contiguous int32 of shape {tuple(chunks.shape)}")
+
+
 def _scratch(cache: PagedKVCache, n: int) -> torch.Tensor:
     buf = cache.scratch.get("native.scores")
     if buf is None or buf.numel() < n:
@@ -157,9 +161,7 @@ def bind(cache: PagedKVCache, step: KVStep, heads: int, scale: float, chunks: to
     probe = torch.empty((0, heads, d), dtype=torch.bfloat16)
     if torch.get_num_threads() != 1 or not applies(probe, cache):
         return None
-    if lengths is not None and (lengths.dtype != torch.int32 or lengths.shape != chunks.shape
-                                or not lengths.is_contiguous()):
-        raise KernelInputError(f"lengths must be contiguous int32 of shape {tuple(chunks.shape)}")
+    _check_lengths(lengths, chunks)
     lib = _state["lib"]
     tables = step.block_tables if step.block_tables.is_contiguous() else step.block_tables.contiguous()
     chunks, rows = chunks.contiguous(), rows.contiguous()

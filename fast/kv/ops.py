@@ -92,20 +92,15 @@ def attention_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVSte
     int64 indices into it -> [len(rows), H, D], each row exactly as ``paged_attention`` computes it (causal within
     its chunk). Only the CPU's C kernel takes rows one by one (``fast/kv/native_attention.py``); elsewhere None:
     the caller runs ``paged_attention`` on every row."""
-    from fast.kv import native_attention
+    from fast.kv import attention_torch, native_attention
 
     if pick_backend(cache.device, backend) != "torch" or not native_attention.applies(q, cache):
         return None
     _check_q(q, cache, step, step.num_tokens)
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
-    chunk_of = step.memo.get("rows.chunk")
-    if chunk_of is None:
-        chunk_of = step.memo["rows.chunk"] = torch.repeat_interleave(
-            torch.arange(step.num_chunks, dtype=torch.int64), torch.tensor(step.query_lens, dtype=torch.int64))
+    chunk_of, _, length_of, _ = attention_torch.row_layout(step)
     rows = rows.to(torch.int64).contiguous()
-    chunks = chunk_of[rows]
-    lengths = (step.context_lens.to(torch.int64)[chunks] + rows - step.query_starts.to(torch.int64)[chunks] + 1)
+    chunks, lengths = chunk_of[rows], length_of[rows]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # only the chosen rows are written
-    native_attention.decode_rows(q.contiguous(), cache, layer, step, chunks, rows, scale, out,
-                                 lengths.to(torch.int32).contiguous())
+    native_attention.decode_rows(q.contiguous(), cache, layer, step, chunks, rows, scale, out, lengths)
     return out[rows]
