@@ -259,7 +259,7 @@ def test_bf16_model_logits_equal_with_and_without_the_c_norm(monkeypatch: pytest
 
 
 @pytest.mark.skipif(not fused.silu_applies(torch.bfloat16, torch.device("cpu")),
-                    reason="the C silu does not run here (no AVX-512, or torch's exp not found)")
+                    reason="the C silu does not run here (no AVX-512, or not torch's bits on the probe)")
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 40), inter=st.sampled_from([1, 5, 31, 63, 64, 65, 100, 127, 128, 700, 1536, 1537]),
        seed=st.integers(0, 2**16), scale=st.sampled_from([0.01, 1.0, 6.0, 40.0, 200.0]))
@@ -273,6 +273,28 @@ def test_silu_mul_is_torch_bit_for_bit(n: int, inter: int, seed: int, scale: flo
     specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 89.0, -89.0, -104.0])
     k = min(len(specials), inter)
     gate_up[0, :k] = specials[:k]
+    got = fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(_bits(got[finite]), _bits(want[finite]))
+
+
+@pytest.mark.skipif(not fused.silu_applies(torch.bfloat16, torch.device("cpu")),
+                    reason="the C silu does not run here (no AVX-512, or not torch's bits on the probe)")
+@pytest.mark.parametrize("inter", [1024, 1030])
+def test_silu_mul_every_bf16_gate(inter: int) -> None:
+    """Every one of the 65536 bf16 gates, laid out as the model's gate/up rows (the gate a strided half), against
+    the torch lines: the table's lookups in the vector steps and the scalar tail (inter 1030: 6 tail values a row)."""
+    import torch.nn.functional as F
+
+    bits = torch.arange(65536, dtype=torch.int32)
+    bits = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)
+    n = -(-65536 // inter)
+    gates = torch.cat([bits, bits[: n * inter - 65536]]).view(torch.bfloat16).view(n, inter)
+    up = torch.randn((n, inter), generator=torch.Generator().manual_seed(1)).bfloat16()
+    gate_up = torch.cat([gates, up], dim=1)
     got = fused.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up

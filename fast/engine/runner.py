@@ -4,7 +4,8 @@ Per step it turns the engine's chunks into tensors once (token ids, positions, a
 block tables and cache slots), runs ``TorchLlama.forward`` over all of them together, and hands the
 wanted logits back as float32 NumPy rows (one device-to-host copy per step). On a GPU a pure decode
 step of up to ``max_graph_batch`` sequences replays a captured CUDA graph (``fast/engine/graphs.py``)
-instead of launching each kernel from Python.
+instead of launching each kernel from Python. On a CPU, glibc's malloc is told once to keep freed blocks
+for reuse (``fast/engine/host_memory.py``: the step's temporaries no longer fault in fresh pages).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from fast.engine.host_memory import keep_freed_memory
 from fast.engine.model import TorchLlama
 from fast.kv import KVStep
 from reference.model.llama import Chunk
@@ -27,6 +29,8 @@ class TorchRunner:
         self.model, self.config = model, model.config
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device = model.device
+        if self.device.type == "cpu":
+            keep_freed_memory()
         use_graphs = cuda_graphs and self.device.type == "cuda"
         # one extra block past the block manager's: where padded rows of a graph-replayed step write
         self.cache = model.new_cache(num_blocks + (1 if use_graphs else 0), block_size, kv_dtype)

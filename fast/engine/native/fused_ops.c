@@ -10,9 +10,9 @@
  *   unf_add_rms_norm_bf16  both halves in one call, the sqrt by the very function torch calls for it (MKL's vector
  *                          sqrt, whose address the caller passes)
  *   unf_silu_mul_bf16      bf16(bf16(silu(gate)) * up) from a fused gate/up row, silu as torch computes it for bf16:
- *                          g / (1 + exp(-g)) in float32, exp by the very function torch calls (its SLEEF exp, whose
- *                          address the caller passes), 64 values per vector step, the rest of a row by libm's expf
- *                          (torch's scalar loop); AVX-512 only
+ *                          in 64-value steps torch's vectorised silu, looked up in a table of all 65536 bf16 gates
+ *                          that torch itself computed (the caller passes it), the rest of a row g / (1 + expf(-g))
+ *                          in float32 (torch's scalar loop); AVX-512 only
  * Rounding to bf16 is to nearest even (NaN stays a quiet NaN): bit for bit torch's.
  *
  * Built by fast/codec/native_build.py (-O3 -std=c99: no contraction into FMAs, so each product and sum is
@@ -271,23 +271,20 @@ AVX512 static void scale_rows_avx512(const float *x, const float *r, const float
 /* silu(gate) * up over rows of a fused projection gu: bf16 [n, stride], gate = columns [0, inter), up = [inter,
  * 2 inter). torch's silu on bf16 (ATen's silu_kernel) widens 32 values at a time, two vectors per step (64 values),
  * computes g / (1 + exp(-g)) with its vectorised exp, and rounds to bf16; the values past the last whole step of
- * a row go through its scalar loop (std::exp, i.e. expf). torch's mul then widens both bf16 factors, multiplies in
- * float32 and rounds. exp16 is that vectorised exp (SLEEF's expf16_u10, looked up in libtorch by the caller). */
-typedef __m512 (*exp16_fn)(__m512);
-
+ * a row go through its scalar loop (std::exp, i.e. expf). A bf16 gate has only 65536 values, so the vectorised
+ * result is a table: ``table[b]`` = the bits of torch's silu of the bf16 with bits b (made by torch itself, the
+ * caller's ``F.silu`` over all 65536 values, 65538 entries: the gather reads 32 bits), looked up 16 at a time.
+ * torch's mul then widens both bf16 factors, multiplies in float32 and rounds. */
 AVX512 static void silu_mul_avx512(const uint16_t *gu, int64_t n, int64_t inter, int64_t stride, uint16_t *out,
-                                   exp16_fn exp16) {
+                                   const uint16_t *table) {
     const int64_t whole = inter - inter % 64;
-    const __m512 one = _mm512_set1_ps(1.0f);
-    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
     for (int64_t i = 0; i < n; i++) {
         const uint16_t *g = gu + i * stride, *u = g + inter;
         uint16_t *o = out + i * inter;
         for (int64_t j = 0; j < whole; j += 16) {
-            const __m512 x = load_bf16x16(g + j, 0xFFFF);
-            const __m512 e = exp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign)));  /* -x */
-            const __m512 sb = _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(_mm512_div_ps(x, _mm512_add_ps(one, e))),
-                                                                   16));
+            const __m512i idx = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(g + j)));
+            const __m512i t = _mm512_i32gather_epi32(idx, (const void *)table, 2);  /* table[idx] in the low half */
+            const __m512 sb = _mm512_castsi512_ps(_mm512_slli_epi32(t, 16));
             store_bf16x16(o + j, _mm512_mul_ps(sb, load_bf16x16(u + j, 0xFFFF)), 0xFFFF);
         }
         for (int64_t j = whole; j < inter; j++) {
@@ -392,22 +389,20 @@ void unf_scale_rows_bf16(const float *x, const float *r, const float *w, int64_t
     scale_rows_plain(x, r, w, n, h, out);
 }
 
-/* gu: bf16 [n, stride] (gate: columns [0, inter), up: [inter, 2 inter)); out: bf16 [n, inter]; exp16: the address of
- * torch's vectorised float32 exp (16 lanes). Returns 0; 1: no AVX-512 here (or simd 0), nothing written; 2: a
- * stride below 2 inter. */
-int unf_silu_mul_bf16(const uint16_t *gu, int64_t n, int64_t inter, int64_t stride, uint16_t *out, void *exp16,
-                      int simd) {
+/* gu: bf16 [n, stride] (gate: columns [0, inter), up: [inter, 2 inter)); out: bf16 [n, inter]; table: uint16
+ * [65538], torch's bf16 silu of every bf16 (silu_mul_avx512). Returns 0; 1: no AVX-512 here (or simd 0, or no table),
+ * nothing written; 2: a stride below 2 inter. */
+int unf_silu_mul_bf16(const uint16_t *gu, int64_t n, int64_t inter, int64_t stride, uint16_t *out,
+                      const uint16_t *table, int simd) {
     if (stride < 2 * inter)
         return 2;
 #ifdef HAVE_AVX512_PATH
-    if (avx512(simd) && exp16 != NULL) {
-        exp16_fn f;
-        memcpy(&f, &exp16, sizeof f);
-        silu_mul_avx512(gu, n, inter, stride, out, f);
+    if (avx512(simd) && table != NULL) {
+        silu_mul_avx512(gu, n, inter, stride, out, table);
         return 0;
     }
 #endif
-    (void)gu; (void)n; (void)out; (void)exp16; (void)simd;
+    (void)gu; (void)n; (void)out; (void)table; (void)simd;
     return 1;
 }
 

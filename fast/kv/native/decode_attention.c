@@ -232,9 +232,15 @@ static float softmax_exp_avx512(float *sh, int64_t len, float m) {
  * before, stalled on L1's few outstanding misses: on the project's EPYC, one decode step of 64 sequences (contexts
  * 110-360, 30 layers, blocks of 16 scattered over 336 MB) took 54 ms that way and 29-33 ms this way (same bits),
  * the first tiles of a row's keys prefetched at its start too; and a decode row's values are prefetched while its
- * scores are worked out (the bench_engine workload's decode steps 1.014-1.025x more in a step replay). */
+ * scores are worked out (the bench_engine workload's decode steps 1.014-1.025x more in a step replay).
+ * Decode rows also keep the memory busy while a row's values are summed from L2: the next row's keys (its first
+ * NEXT_ROWS rows) are prefetched then, spread over the positions, so its scores start on keys already in L2. The
+ * addresses come from walking the block tables (no division per row, which the first version paid per prefetched
+ * row), and the values widen 32 bf16 per load. Same bits; in a replay of that step (random block order, 64 rows,
+ * 30 layers) 25-28 ms against 27-32 before, prefill rows (keys hot) ~20% less time in the bench_engine run. */
 #define PF_AHEAD 2
 #define PF_HINT 2
+#define NEXT_ROWS 256
 
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
 static inline __m512 sum_lanes16(__m512 *P) {  /* lane t of the result = sum of the 16 lanes of P[t] */
@@ -251,14 +257,19 @@ static inline __m512 sum_lanes16(__m512 *P) {  /* lane t of the result = sum of 
 }
 
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
-static inline __m256i round_bf16x16(__m512 x) {  /* f32_to_bf16 on 16 lanes: nearest even, NaN stays quiet NaN */
+static inline __m512i round_bf16_lanes(__m512 x) {  /* f32_to_bf16 on 16 lanes, each in the low half of its lane:
+                                                      * nearest even, NaN stays a quiet NaN */
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
     const __mmask16 nan = _mm512_cmp_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF)),
                                                 _mm512_set1_epi32(0x7F800000), _MM_CMPINT_NLE);
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+static inline __m256i round_bf16x16(__m512 x) {  /* the same, the 16 results packed */
+    return _mm512_cvtepi32_epi16(round_bf16_lanes(x));
 }
 
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
@@ -271,41 +282,83 @@ static inline float max_avx512(const float *x, int64_t len) {  /* NaNs skipped, 
     return _mm512_reduce_max_ps(m);
 }
 
-/* Hint the cache (L2, PF_HINT) to load the rows [``lo``, ``hi``) of a sequence (each ``width`` bf16), ahead of use. */
-static inline void prefetch_rows(const uint16_t *store, const int32_t *table, int64_t lo, int64_t hi,
-                                 int64_t block_size, int64_t width) {
-    for (int64_t p = lo; p < hi; p++) {
-        const char *row = (const char *)(store + ((int64_t)table[p / block_size] * block_size + p % block_size) * width);
+/* Hint the cache (L2, PF_HINT) to load ``n`` rows (``row_bytes`` each) listed in ``rows``, ahead of use. */
+static inline void prefetch_list(const uint16_t *const *rows, int64_t lo, int64_t hi, int64_t row_bytes) {
+    for (int64_t t = lo; t < hi; t++)
+        for (int64_t off = 0; off < row_bytes; off += 64)
+            __builtin_prefetch((const char *)rows[t] + off, 0, PF_HINT);
+}
+
+/* Walks a sequence's rows in order through its block table: one division to start, none per row. */
+typedef struct {
+    const int32_t *table;
+    int64_t block_size, width, blk, off;
+} row_walk;
+
+static inline row_walk walk_from(const int32_t *table, int64_t p, int64_t block_size, int64_t width) {
+    row_walk w = {table, block_size, width, p / block_size, p % block_size};
+    return w;
+}
+
+static inline int64_t walk_next(row_walk *w) {  /* the next row's index in the store (in rows of ``width``) */
+    const int64_t r = (int64_t)w->table[w->blk] * w->block_size + w->off;
+    if (++w->off == w->block_size) {
+        w->off = 0;
+        w->blk++;
+    }
+    return r;
+}
+
+/* Prefetch the first ``n`` rows of the K store (L2) of a sequence: its first tiles, before they are used. */
+static inline void prefetch_start(const uint16_t *k, const int32_t *table, int64_t n, int64_t block_size,
+                                  int64_t width) {
+    row_walk w = walk_from(table, 0, block_size, width);
+    for (int64_t t = 0; t < n; t++) {
+        const char *row = (const char *)(k + walk_next(&w) * width);
         for (int64_t off = 0; off < width * 2; off += 64)
             __builtin_prefetch(row + off, 0, PF_HINT);
     }
 }
 
+/* The kernel for one sequence. ``next_table``/``next_len``: the next row's sequence (NULL: none), whose first key
+ * tiles are prefetched while this one's values are summed. Values: 32 bf16 of a row are widened as two vectors,
+ * the even elements (shifted up) and the odd ones (masked), and summed in that order of lanes; each element gets
+ * the same products in the same order as the loops above, so the bits are theirs; the even and odd lanes are
+ * interleaved again when the output is rounded. */
 #define DEFINE_SEQ_KERNEL(NV, HC)                                                                               \
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))                                                 \
 static void seq_bf16_##NV(const uint16_t *qrow, const uint16_t *k, const uint16_t *v, const int32_t *table,     \
                           int64_t len, int64_t heads, int64_t kv, int64_t block_size, float scale, float *s,     \
-                          float *sums, uint16_t *orow, int v_early) {                                            \
+                          float *sums, uint16_t *orow, int v_early, const int64_t *spread,                       \
+                          const int32_t *next_table, int64_t next_len) {                                         \
     enum { D = NV * 16, NC = (NV + 1) / 2 };                                                                      \
-    const int64_t width = kv * D, group = heads / kv;                                                            \
+    const int64_t width = kv * D, group = heads / kv, row_bytes = width * 2;                                     \
     const __mmask32 cmask = (NV % 2) ? (__mmask32)0xFFFF : (__mmask32)0xFFFFFFFF; /* last 32-wide chunk */       \
-    int64_t blk = 0, off = 0;                                                                                     \
-    prefetch_rows(k, table, 0, len < PF_AHEAD * TILE ? len : PF_AHEAD * TILE, block_size, width);                \
+    row_walk w = walk_from(table, 0, block_size, width);                                                          \
+    const int64_t ahead = len < PF_AHEAD * TILE ? len : PF_AHEAD * TILE;                                          \
+    prefetch_start(k, table, ahead, block_size, width);                                                           \
+    row_walk wa = walk_from(table, ahead, block_size, width); /* the rows PF_AHEAD tiles ahead */                 \
     for (int64_t p0 = 0; p0 < len; p0 += TILE) {  /* scores, 16 positions at a time, every head */              \
         const int64_t n = len - p0 < TILE ? len - p0 : TILE;                                                      \
-        const uint16_t *rows[TILE];                                                                               \
+        const uint16_t *rows[TILE], *vrows[TILE], *pf[TILE];                                                      \
         for (int64_t t = 0; t < n; t++) {                                                                         \
-            rows[t] = k + ((int64_t)table[blk] * block_size + off) * width;                                      \
-            if (++off == block_size) { off = 0; blk++; }                                                         \
+            const int64_t r = walk_next(&w) * width;                                                              \
+            rows[t] = k + r;                                                                                      \
+            vrows[t] = v + r;                                                                                     \
         }                                                                                                         \
+        const int64_t pf0 = p0 + PF_AHEAD * TILE, npf = pf0 >= len ? 0 : (len - pf0 < TILE ? len - pf0 : TILE);   \
+        for (int64_t t = 0; t < npf; t++)                                                                         \
+            pf[t] = k + walk_next(&wa) * width;                                                                   \
         const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);                       \
-        const int64_t pf0 = p0 + PF_AHEAD * TILE, pf1 = pf0 + TILE < len ? pf0 + TILE : len;                     \
         for (int64_t h = 0; h < heads; h++) {                                                                     \
             const int64_t g = h / group;                                                                          \
-            prefetch_rows(k, table, pf0 + h * (pf1 - pf0) / heads, pf0 + (h + 1) * (pf1 - pf0) / heads,          \
-                          block_size, width);                                                                     \
-            if (v_early)                                                                                          \
-                prefetch_rows(v, table, p0 + h * n / heads, p0 + (h + 1) * n / heads, block_size, width);        \
+            /* head h prefetches its share of the tile ahead (spread[h] .. spread[h + 1] of TILE rows) */         \
+            const int64_t a0 = spread[h] < npf ? spread[h] : npf, a1 = spread[h + 1] < npf ? spread[h + 1] : npf;   \
+            prefetch_list(pf, a0, a1, row_bytes);                                                                 \
+            if (v_early) {                                                                                        \
+                const int64_t b0 = spread[h] < n ? spread[h] : n, b1 = spread[h + 1] < n ? spread[h + 1] : n;       \
+                prefetch_list(vrows, b0, b1, row_bytes);                                                          \
+            }                                                                                                     \
             __m512i qv[NC];                                                                                       \
             for (int j = 0; j < NC; j++)                                                                          \
                 qv[j] = _mm512_maskz_loadu_epi16(j == NC - 1 ? cmask : 0xFFFFFFFF, qrow + h * D + 32 * j);        \
@@ -321,13 +374,19 @@ static void seq_bf16_##NV(const uint16_t *qrow, const uint16_t *k, const uint16_
             _mm512_mask_storeu_ps(s + h * len + p0, live, _mm512_mul_ps(sum_lanes16(P), _mm512_set1_ps(scale)));  \
         }                                                                                                         \
     }                                                                                                             \
-    prefetch_rows(v, table, 0, len < PF_AHEAD * TILE ? len : PF_AHEAD * TILE, block_size, width);                \
+    if (!v_early)                                                                                                 \
+        prefetch_start(v, table, ahead, block_size, width);                                                       \
     for (int64_t h = 0; h < heads; h++) {  /* softmax numerators in place, their sums kept */                    \
         float m = max_avx512(s + h * len, len);                                                                   \
         if (!(m > -INFINITY && m < INFINITY))                                                                     \
             m = 0.0f;                                                                                             \
         sums[h] = softmax_exp_avx512(s + h * len, len, m);                                                        \
     }                                                                                                             \
+    /* the next sequence's keys (up to NEXT_ROWS rows), spread over this one's first pass of values */              \
+    const int64_t next_rows = next_table == NULL ? 0 : (next_len < NEXT_ROWS ? next_len : NEXT_ROWS);            \
+    row_walk wn = walk_from(next_table != NULL ? next_table : table, 0, block_size, width);                       \
+    int64_t owed = 0;                                                                                             \
+    const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);                                                     \
     for (int64_t g = 0; g < kv; g++) {  /* values: HC heads of the group at a time, sums in registers */        \
         const uint16_t *vg = v + g * D;                                                                           \
         for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HC) {                                           \
@@ -336,27 +395,54 @@ static void seq_bf16_##NV(const uint16_t *qrow, const uint16_t *k, const uint16_
             for (int i = 0; i < HC; i++)                                                                          \
                 for (int j = 0; j < NV; j++)                                                                      \
                     acc[i][j] = _mm512_setzero_ps();                                                              \
-            blk = 0, off = 0;                                                                                     \
+            const int first = g == 0 && h0 == 0;                                                                  \
+            row_walk wv = walk_from(table, 0, block_size, width);                                                 \
+            row_walk wp = walk_from(table, first ? ahead : 0, block_size, width);                                 \
             for (int64_t p = 0; p < len; p++) {                                                                   \
-                const uint16_t *row = vg + ((int64_t)table[blk] * block_size + off) * width;                     \
-                if (++off == block_size) { off = 0; blk++; }                                                     \
-                if (g == 0 && h0 == 0 && p + PF_AHEAD * TILE < len)                                              \
-                    prefetch_rows(v, table, p + PF_AHEAD * TILE, p + PF_AHEAD * TILE + 1, block_size, width);     \
+                const uint16_t *row = vg + walk_next(&wv) * width;                                               \
+                if (first && p + PF_AHEAD * TILE < len) {                                                         \
+                    const char *pr = (const char *)(v + walk_next(&wp) * width);                                  \
+                    for (int64_t off = 0; off < row_bytes; off += 64)                                             \
+                        __builtin_prefetch(pr + off, 0, PF_HINT);                                                 \
+                }                                                                                                 \
+                if (first)  /* next_rows / len rows of the next sequence's keys per position (no division) */     \
+                    for (owed += next_rows; owed >= len; owed -= len) {                                            \
+                        const char *pr = (const char *)(k + walk_next(&wn) * width);                              \
+                        for (int64_t off = 0; off < row_bytes; off += 64)                                         \
+                            __builtin_prefetch(pr + off, 0, PF_HINT);                                             \
+                    }                                                                                             \
                 __m512 vf[NV];                                                                                    \
-                for (int j = 0; j < NV; j++)                                                                      \
-                    vf[j] = load_bf16x16(row + 16 * j);                                                           \
+                if (NV % 2 == 0) {  /* even elements, then odd ones, of each 32 */                                \
+                    for (int j = 0; j < NV / 2; j++) {                                                            \
+                        const __m512i x = _mm512_loadu_si512((const void *)(row + 32 * j));                       \
+                        vf[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));                                \
+                        vf[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));                           \
+                    }                                                                                             \
+                } else {                                                                                          \
+                    for (int j = 0; j < NV; j++)                                                                  \
+                        vf[j] = load_bf16x16(row + 16 * j);                                                       \
+                }                                                                                                 \
                 for (int i = 0; i < HC; i++)                                                                      \
                     if (i < hc) {                                                                                 \
-                        const __m512 w = _mm512_set1_ps(s[(h0 + i) * len + p]);                                   \
+                        const __m512 wt = _mm512_set1_ps(s[(h0 + i) * len + p]);                                  \
                         for (int j = 0; j < NV; j++)                                                              \
-                            acc[i][j] = _mm512_fmadd_ps(w, vf[j], acc[i][j]);                                     \
+                            acc[i][j] = _mm512_fmadd_ps(wt, vf[j], acc[i][j]);                                    \
                     }                                                                                             \
             }                                                                                                     \
             for (int i = 0; i < hc; i++) {                                                                        \
                 const __m512 sum = _mm512_set1_ps(sums[h0 + i]);                                                  \
-                for (int j = 0; j < NV; j++)                                                                      \
-                    _mm256_storeu_si256((__m256i *)(orow + (h0 + i) * D + 16 * j),                                \
-                                        round_bf16x16(_mm512_div_ps(acc[i][j], sum)));                            \
+                if (NV % 2 == 0) {                                                                                \
+                    for (int j = 0; j < NV / 2; j++) {                                                            \
+                        const __m512i e = round_bf16_lanes(_mm512_div_ps(acc[i][2 * j], sum));                    \
+                        const __m512i o = round_bf16_lanes(_mm512_div_ps(acc[i][2 * j + 1], sum));                \
+                        _mm512_storeu_si512((void *)(orow + (h0 + i) * D + 32 * j),                               \
+                                            _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));                        \
+                    }                                                                                             \
+                } else {                                                                                          \
+                    for (int j = 0; j < NV; j++)                                                                  \
+                        _mm256_storeu_si256((__m256i *)(orow + (h0 + i) * D + 16 * j),                            \
+                                            round_bf16x16(_mm512_div_ps(acc[i][j], sum)));                        \
+                }                                                                                                 \
             }                                                                                                     \
         }                                                                                                         \
     }                                                                                                             \
@@ -403,7 +489,7 @@ int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v
     /* decode rows read K/V cold from memory: their values are prefetched during the scores too; a prefill chunk's
      * rows find them warm (just written), where the extra prefetches only cost */
     const int v_early = row_lens == NULL;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n; i++) {  /* every row checked before any is computed (and before any is prefetched) */
         const int64_t c = chunks[i], len = row_lens ? row_lens[i] : seq_lens[c];
         if (len < 1 || len > seq_lens[c] || len > max_len || len > table_width * block_size)
             return 1;
@@ -411,15 +497,27 @@ int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v
         for (int64_t b = 0; b < (len + block_size - 1) / block_size; b++)
             if (table[b] < 0 || table[b] >= num_blocks)
                 return 2;
+    }
+#ifdef HAVE_AVX512_PATH
+    int64_t spread[heads + 1];  /* head h of a tile prefetches rows spread[h] .. spread[h + 1] of the tile ahead */
+    for (int64_t h = 0; h <= heads; h++)
+        spread[h] = h * TILE / heads;
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t c = chunks[i], len = row_lens ? row_lens[i] : seq_lens[c];
+        const int32_t *table = tables + c * table_width;
         const uint16_t *qrow = q + rows[i] * heads * d;
 #ifdef HAVE_AVX512_PATH
         if (bf16_path) {
             uint16_t *orow = out + rows[i] * heads * d;
+            /* decode rows: the next row's sequence is prefetched from the end of this one's scores on */
+            const int32_t *nt = v_early && i + 1 < n ? tables + chunks[i + 1] * table_width : NULL;
+            const int64_t nl = nt != NULL ? seq_lens[chunks[i + 1]] : 0;
             switch (d) {
-            case 16: seq_bf16_1(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early); break;
-            case 32: seq_bf16_2(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early); break;
-            case 64: seq_bf16_4(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early); break;
-            default: seq_bf16_8(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early); break;
+            case 16: seq_bf16_1(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread, nt, nl); break;
+            case 32: seq_bf16_2(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread, nt, nl); break;
+            case 64: seq_bf16_4(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread, nt, nl); break;
+            default: seq_bf16_8(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread, nt, nl); break;
             }
             continue;
         }
