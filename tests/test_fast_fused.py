@@ -258,6 +258,19 @@ def test_bf16_model_logits_equal_with_and_without_the_c_norm(monkeypatch: pytest
         assert torch.equal(_bits(x), _bits(y))
 
 
+def assert_silu_mul_as_torch(gate_up: torch.Tensor) -> None:
+    """The C silu_mul against the model's torch lines (F.silu of the gate half, times the up half): NaN where torch
+    gives NaN (payloads aside), every other value bit for bit."""
+    import torch.nn.functional as F
+
+    got = fused.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(_bits(got[finite]), _bits(want[finite]))
+
+
 @pytest.mark.skipif(not fused.silu_applies(torch.bfloat16, torch.device("cpu")),
                     reason="the C silu does not run here (no AVX-512, or not torch's bits on the probe)")
 @settings(max_examples=40, deadline=None)
@@ -266,19 +279,12 @@ def test_bf16_model_logits_equal_with_and_without_the_c_norm(monkeypatch: pytest
 def test_silu_mul_is_torch_bit_for_bit(n: int, inter: int, seed: int, scale: float) -> None:
     """silu(gate) * up exactly as the model's torch lines (F.silu, then the product), whole vector steps and the
     scalar tail of each row alike; special values give NaN where torch gives NaN (NaN payloads aside)."""
-    import torch.nn.functional as F
-
     gen = torch.Generator().manual_seed(seed)
     gate_up = (torch.randn((n, 2 * inter), generator=gen) * scale).bfloat16()
     specials = torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 89.0, -89.0, -104.0])
     k = min(len(specials), inter)
     gate_up[0, :k] = specials[:k]
-    got = fused.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    want = F.silu(gate) * up
-    assert torch.equal(got.isnan(), want.isnan())
-    finite = ~want.isnan()
-    assert torch.equal(_bits(got[finite]), _bits(want[finite]))
+    assert_silu_mul_as_torch(gate_up)
 
 
 @pytest.mark.skipif(not fused.silu_applies(torch.bfloat16, torch.device("cpu")),
@@ -287,20 +293,13 @@ def test_silu_mul_is_torch_bit_for_bit(n: int, inter: int, seed: int, scale: flo
 def test_silu_mul_every_bf16_gate(inter: int) -> None:
     """Every one of the 65536 bf16 gates, laid out as the model's gate/up rows (the gate a strided half), against
     the torch lines: the table's lookups in the vector steps and the scalar tail (inter 1030: 6 tail values a row)."""
-    import torch.nn.functional as F
-
     bits = torch.arange(65536, dtype=torch.int32)
     bits = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)
     n = -(-65536 // inter)
     gates = torch.cat([bits, bits[: n * inter - 65536]]).view(torch.bfloat16).view(n, inter)
     up = torch.randn((n, inter), generator=torch.Generator().manual_seed(1)).bfloat16()
     gate_up = torch.cat([gates, up], dim=1)
-    got = fused.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    want = F.silu(gate) * up
-    assert torch.equal(got.isnan(), want.isnan())
-    finite = ~want.isnan()
-    assert torch.equal(_bits(got[finite]), _bits(want[finite]))
+    assert_silu_mul_as_torch(gate_up)
 
 
 def test_silu_mul_refuses_bad_input() -> None:
