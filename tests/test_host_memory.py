@@ -32,8 +32,15 @@ print(json.dumps({"tuned": tuned, "faults": resource.getrusage(resource.RUSAGE_S
 
 
 def faults(tune: bool, env: dict[str, str] | None = None) -> dict[str, object]:
+    """Run SCRIPT in a fresh process. glibc's default policy adapts (the mmap threshold rises to the largest block
+    freed; the heap top is given back only if nothing was allocated above it), so without the tuning the count
+    depends on what the process did before (9,000 to 124,000 faults here, with the environment). The process
+    starts with glibc's static default instead (a 128 KiB mmap threshold, fixed: every larger block is mapped
+    afresh), the same for both runs, so the untuned count is the worst case and does not drift with the
+    environment; ``keep_freed_memory`` must override it."""
+    base = {**os.environ, "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
     out = subprocess.run([sys.executable, "-c", SCRIPT, "1" if tune else "0"], cwd=ROOT, capture_output=True,
-                         text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=120)
+                         text=True, check=True, env={**base, "PYTHONPATH": str(ROOT), **(env or {})}, timeout=120)
     return json.loads(out.stdout)
 
 
@@ -44,7 +51,7 @@ def test_freed_blocks_are_reused_not_faulted_again() -> None:
         pytest.skip("mallopt not available (not glibc)")
     # 20 x 31 MiB = ~160,000 pages: without the tuning most are faulted in again, with it hardly any
     assert int(plain["faults"]) > 20_000, plain
-    assert int(tuned["faults"]) < 2_000, tuned
+    assert int(tuned["faults"]) < 5_000, tuned
 
 
 def test_switch_off() -> None:
