@@ -217,9 +217,12 @@ def engine_bench_section(results_dir: Path) -> list[str]:
         run = json.loads(other.read_text())
         tok = run["measured"]["useful_tok_s"]
         ratio = run["measured"].get("fast_over_transformers")
+        ov = run.get("vs_vllm") or {}
+        against = (f" fast_bf16 / vllm_bf16 median {ov['median']:.2f}x over {ov['repeats']} alternating repeats "
+                   f"(spread {ov['spread'][0]:.2f}-{ov['spread'][1]:.2f}): {ov['verdict']}." if "median" in ov else "")
         lines.insert(-3, f"**Other run** (`{other.name}`, {run['setup'].get('date')}, load average "
                          f"{run['setup'].get('load_average')}): " + ", ".join(f"{k} {v:.1f}" for k, v in tok.items())
-                         + (f" useful tok/s ({ratio:.2f}x)." if ratio else " useful tok/s.") + "  ")
+                         + (f" useful tok/s ({ratio:.2f}x)." if ratio else " useful tok/s.") + against + "  ")
     for name, tok_s in m["useful_tok_s"].items():
         ttft, itl = m["ttft_ms"][name], m["itl_ms"][name]
         cpu = m.get("cpu_s_per_token", {}).get(name)
