@@ -293,10 +293,9 @@ def test_silu_mul_is_torch_bit_for_bit(n: int, inter: int, seed: int, scale: flo
 def test_silu_mul_every_bf16_gate(inter: int) -> None:
     """Every one of the 65536 bf16 gates, laid out as the model's gate/up rows (the gate a strided half), against
     the torch lines: the table's lookups in the vector steps and the scalar tail (inter 1030: 6 tail values a row)."""
-    bits = torch.arange(65536, dtype=torch.int32)
-    bits = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)
+    gates = fused.every_bf16()
     n = -(-65536 // inter)
-    gates = torch.cat([bits, bits[: n * inter - 65536]]).view(torch.bfloat16).view(n, inter)
+    gates = torch.cat([gates, gates[: n * inter - 65536]]).view(n, inter)
     up = torch.randn((n, inter), generator=torch.Generator().manual_seed(1)).bfloat16()
     gate_up = torch.cat([gates, up], dim=1)
     assert_silu_mul_as_torch(gate_up)

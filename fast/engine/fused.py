@@ -24,8 +24,8 @@ gather) in the 64-value steps torch's vector loop takes; the rest of a row goes 
 scalar loop. Checked on a probe against ``F.silu(gate) * up`` before first use (else the torch lines run). The
 table replaced a call of torch's SLEEF exp (found in libtorch) per 16 values: same bits, 0.58 s against 0.67-0.85 s
 of silu per bench_engine run (SmolLM2, 64 ShareGPT requests, one EPYC core; 638M values). AVX-512 loops
-only (``UNFIRE_NATIVE_SIMD=0`` or ``UNFIRE_NATIVE_SILU=0``: the torch lines). NaN payloads may differ from torch's
-(both NaN) in the other fused ops.
+only (``UNFIRE_NATIVE_SIMD=0`` or ``UNFIRE_NATIVE_SILU=0``: the torch lines). In the other fused ops NaN payloads
+may differ from torch's (both NaN).
 A first fused norm (16 plain partial sums, C's sqrt) was dropped: its other bits flipped bf16 roundings that
 SmolLM2 in bf16 amplified into another greedy answer (README's example).
 
@@ -142,8 +142,7 @@ def norm_applies(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def _torch_symbol(name: str) -> int | None:
-    """The address of a function libtorch_cpu exports (the SLEEF and MKL vector maths torch's kernels call), or
-    None."""
+    """The address of a function libtorch_cpu exports (the MKL vector maths torch's kernels call), or None."""
     import glob
 
     for path in sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.*"))):
@@ -155,16 +154,20 @@ def _torch_symbol(name: str) -> int | None:
     return None
 
 
+def every_bf16() -> torch.Tensor:
+    """All 65536 bf16 values, entry b the one whose bits are b (NaNs and infinities included)."""
+    bits = torch.arange(65536, dtype=torch.int32)
+    return torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16).view(torch.bfloat16)
+
+
 def silu_table() -> torch.Tensor:
     """int16 [65538]: entry b is the bits of torch's ``F.silu`` of the bf16 whose bits are b (computed by torch, in
     its vectorised loop: 65536 values, a whole number of its 64-value steps), then two zeros (the C gathers 32 bits
     at entry b)."""
     import torch.nn.functional as F
 
-    bits = torch.arange(65536, dtype=torch.int32)
-    bits = torch.where(bits >= 32768, bits - 65536, bits).to(torch.int16)  # every 16-bit pattern, as int16
     with torch.inference_mode():
-        table = F.silu(bits.view(torch.bfloat16)).view(torch.int16)
+        table = F.silu(every_bf16()).view(torch.int16)
     return torch.cat([table, torch.zeros(2, dtype=torch.int16)])
 
 

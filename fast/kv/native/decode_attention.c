@@ -282,25 +282,24 @@ static inline float max_avx512(const float *x, int64_t len) {  /* NaNs skipped, 
     return _mm512_reduce_max_ps(m);
 }
 
-/* Hint the cache (L2, PF_HINT) to load ``n`` rows (``row_bytes`` each) listed in ``rows``, ahead of use. */
-static inline void prefetch_list(const uint16_t *const *rows, int64_t lo, int64_t hi, int64_t row_bytes) {
-    for (int64_t t = lo; t < hi; t++)
-        for (int64_t off = 0; off < row_bytes; off += 64)
-            __builtin_prefetch((const char *)rows[t] + off, 0, PF_HINT);
+/* Hint the cache (L2, PF_HINT) to load one row of ``row_bytes`` bytes, ahead of use. */
+static inline void prefetch_row(const uint16_t *row, int64_t row_bytes) {
+    for (int64_t off = 0; off < row_bytes; off += 64)
+        __builtin_prefetch((const char *)row + off, 0, PF_HINT);
 }
 
 /* Walks a sequence's rows in order through its block table: one division to start, none per row. */
 typedef struct {
     const int32_t *table;
-    int64_t block_size, width, blk, off;
+    int64_t block_size, blk, off;
 } row_walk;
 
-static inline row_walk walk_from(const int32_t *table, int64_t p, int64_t block_size, int64_t width) {
-    row_walk w = {table, block_size, width, p / block_size, p % block_size};
+static inline row_walk walk_from(const int32_t *table, int64_t p, int64_t block_size) {
+    row_walk w = {table, block_size, p / block_size, p % block_size};
     return w;
 }
 
-static inline int64_t walk_next(row_walk *w) {  /* the next row's index in the store (in rows of ``width``) */
+static inline int64_t walk_next(row_walk *w) {  /* the next row's index in the store (in rows of kv * d values) */
     const int64_t r = (int64_t)w->table[w->blk] * w->block_size + w->off;
     if (++w->off == w->block_size) {
         w->off = 0;
@@ -309,36 +308,33 @@ static inline int64_t walk_next(row_walk *w) {  /* the next row's index in the s
     return r;
 }
 
-/* Prefetch the first ``n`` rows of the K store (L2) of a sequence: its first tiles, before they are used. */
-static inline void prefetch_start(const uint16_t *k, const int32_t *table, int64_t n, int64_t block_size,
+/* Prefetch the first ``n`` rows of a sequence in ``store`` (its K or V), before they are used. */
+static inline void prefetch_first(const uint16_t *store, const int32_t *table, int64_t n, int64_t block_size,
                                   int64_t width) {
-    row_walk w = walk_from(table, 0, block_size, width);
-    for (int64_t t = 0; t < n; t++) {
-        const char *row = (const char *)(k + walk_next(&w) * width);
-        for (int64_t off = 0; off < width * 2; off += 64)
-            __builtin_prefetch(row + off, 0, PF_HINT);
-    }
+    row_walk w = walk_from(table, 0, block_size);
+    for (int64_t t = 0; t < n; t++)
+        prefetch_row(store + walk_next(&w) * width, width * 2);
 }
 
-/* The kernel for one sequence. ``next_table``/``next_len``: the next row's sequence (NULL: none), whose first key
- * tiles are prefetched while this one's values are summed. Values: 32 bf16 of a row are widened as two vectors,
- * the even elements (shifted up) and the odd ones (masked), and summed in that order of lanes; each element gets
- * the same products in the same order as the loops above, so the bits are theirs; the even and odd lanes are
- * interleaved again when the output is rounded. */
-#define DEFINE_SEQ_KERNEL(NV, HC)                                                                               \
-__attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))                                                 \
-static void seq_bf16_##NV(const uint16_t *qrow, const uint16_t *k, const uint16_t *v, const int32_t *table,     \
-                          int64_t len, int64_t heads, int64_t kv, int64_t block_size, float scale, float *s,     \
-                          float *sums, uint16_t *orow, int v_early, const int64_t *spread,                       \
-                          const int32_t *next_table, int64_t next_len) {                                         \
+/* The kernel for one sequence. ``next_table``/``next_len``: the next row's sequence (NULL: none), whose keys (up to
+ * NEXT_ROWS rows) are prefetched while this one's values are summed. Values: 32 bf16 of a row are widened as two
+ * vectors, the even elements (shifted up) and the odd ones (masked), and summed in that order of lanes; each
+ * element gets the same products in the same order as the loops above, so the bits are theirs; the even and odd
+ * lanes are interleaved again when the output is rounded. */
+#define DEFINE_SEQ_KERNEL(NV, HC)                                                                                 \
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))                                                   \
+static void seq_bf16_##NV(const uint16_t *qrow, const uint16_t *k, const uint16_t *v, const int32_t *table,       \
+                          int64_t len, int64_t heads, int64_t kv, int64_t block_size, float scale, float *s,      \
+                          float *sums, uint16_t *orow, int v_early, const int64_t *spread,                        \
+                          const int32_t *next_table, int64_t next_len) {                                          \
     enum { D = NV * 16, NC = (NV + 1) / 2 };                                                                      \
-    const int64_t width = kv * D, group = heads / kv, row_bytes = width * 2;                                     \
-    const __mmask32 cmask = (NV % 2) ? (__mmask32)0xFFFF : (__mmask32)0xFFFFFFFF; /* last 32-wide chunk */       \
-    row_walk w = walk_from(table, 0, block_size, width);                                                          \
+    const int64_t width = kv * D, group = heads / kv, row_bytes = width * 2;                                      \
+    const __mmask32 cmask = (NV % 2) ? (__mmask32)0xFFFF : (__mmask32)0xFFFFFFFF; /* last 32-wide chunk */        \
+    row_walk w = walk_from(table, 0, block_size);                                                                 \
     const int64_t ahead = len < PF_AHEAD * TILE ? len : PF_AHEAD * TILE;                                          \
-    prefetch_start(k, table, ahead, block_size, width);                                                           \
-    row_walk wa = walk_from(table, ahead, block_size, width); /* the rows PF_AHEAD tiles ahead */                 \
-    for (int64_t p0 = 0; p0 < len; p0 += TILE) {  /* scores, 16 positions at a time, every head */              \
+    prefetch_first(k, table, ahead, block_size, width);                                                           \
+    row_walk wa = walk_from(table, ahead, block_size); /* the rows PF_AHEAD tiles ahead */                        \
+    for (int64_t p0 = 0; p0 < len; p0 += TILE) {  /* scores, 16 positions at a time, every head */                \
         const int64_t n = len - p0 < TILE ? len - p0 : TILE;                                                      \
         const uint16_t *rows[TILE], *vrows[TILE], *pf[TILE];                                                      \
         for (int64_t t = 0; t < n; t++) {                                                                         \
@@ -349,15 +345,17 @@ static void seq_bf16_##NV(const uint16_t *qrow, const uint16_t *k, const uint16_
         const int64_t pf0 = p0 + PF_AHEAD * TILE, npf = pf0 >= len ? 0 : (len - pf0 < TILE ? len - pf0 : TILE);   \
         for (int64_t t = 0; t < npf; t++)                                                                         \
             pf[t] = k + walk_next(&wa) * width;                                                                   \
-        const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);                       \
+        const __mmask16 live = n == TILE ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);                        \
         for (int64_t h = 0; h < heads; h++) {                                                                     \
             const int64_t g = h / group;                                                                          \
             /* head h prefetches its share of the tile ahead (spread[h] .. spread[h + 1] of TILE rows) */         \
             const int64_t a0 = spread[h] < npf ? spread[h] : npf, a1 = spread[h + 1] < npf ? spread[h + 1] : npf;   \
-            prefetch_list(pf, a0, a1, row_bytes);                                                                 \
+            for (int64_t t = a0; t < a1; t++)                                                                     \
+                prefetch_row(pf[t], row_bytes);                                                                   \
             if (v_early) {                                                                                        \
-                const int64_t b0 = spread[h] < n ? spread[h] : n, b1 = spread[h + 1] < n ? spread[h + 1] : n;       \
-                prefetch_list(vrows, b0, b1, row_bytes);                                                          \
+                const int64_t b0 = spread[h] < n ? spread[h] : n, b1 = spread[h + 1] < n ? spread[h + 1] : n;     \
+                for (int64_t t = b0; t < b1; t++)                                                                 \
+                    prefetch_row(vrows[t], row_bytes);                                                            \
             }                                                                                                     \
             __m512i qv[NC];                                                                                       \
             for (int j = 0; j < NC; j++)                                                                          \
@@ -368,49 +366,43 @@ static void seq_bf16_##NV(const uint16_t *qrow, const uint16_t *k, const uint16_
                 if (t < n)                                                                                        \
                     for (int j = 0; j < NC; j++)                                                                  \
                         a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_maskz_loadu_epi16(                               \
-                            j == NC - 1 ? cmask : 0xFFFFFFFF, rows[t] + g * D + 32 * j), (__m512bh)qv[j]);       \
+                            j == NC - 1 ? cmask : 0xFFFFFFFF, rows[t] + g * D + 32 * j), (__m512bh)qv[j]);        \
                 P[t] = a;                                                                                         \
             }                                                                                                     \
             _mm512_mask_storeu_ps(s + h * len + p0, live, _mm512_mul_ps(sum_lanes16(P), _mm512_set1_ps(scale)));  \
         }                                                                                                         \
     }                                                                                                             \
     if (!v_early)                                                                                                 \
-        prefetch_start(v, table, ahead, block_size, width);                                                       \
-    for (int64_t h = 0; h < heads; h++) {  /* softmax numerators in place, their sums kept */                    \
+        prefetch_first(v, table, ahead, block_size, width);                                                       \
+    for (int64_t h = 0; h < heads; h++) {  /* softmax numerators in place, their sums kept */                     \
         float m = max_avx512(s + h * len, len);                                                                   \
         if (!(m > -INFINITY && m < INFINITY))                                                                     \
             m = 0.0f;                                                                                             \
         sums[h] = softmax_exp_avx512(s + h * len, len, m);                                                        \
     }                                                                                                             \
-    /* the next sequence's keys (up to NEXT_ROWS rows), spread over this one's first pass of values */              \
-    const int64_t next_rows = next_table == NULL ? 0 : (next_len < NEXT_ROWS ? next_len : NEXT_ROWS);            \
-    row_walk wn = walk_from(next_table != NULL ? next_table : table, 0, block_size, width);                       \
+    /* the next sequence's keys (up to NEXT_ROWS rows), spread over this one's first pass of values */            \
+    const int64_t next_rows = next_table == NULL ? 0 : (next_len < NEXT_ROWS ? next_len : NEXT_ROWS);             \
+    row_walk wn = walk_from(next_table != NULL ? next_table : table, 0, block_size);                              \
     int64_t owed = 0;                                                                                             \
     const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);                                                     \
-    for (int64_t g = 0; g < kv; g++) {  /* values: HC heads of the group at a time, sums in registers */        \
+    for (int64_t g = 0; g < kv; g++) {  /* values: HC heads of the group at a time, sums in registers */          \
         const uint16_t *vg = v + g * D;                                                                           \
-        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HC) {                                           \
+        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HC) {                                            \
             const int64_t hc = (g + 1) * group - h0 < HC ? (g + 1) * group - h0 : HC;                             \
             __m512 acc[HC][NV];                                                                                   \
             for (int i = 0; i < HC; i++)                                                                          \
                 for (int j = 0; j < NV; j++)                                                                      \
                     acc[i][j] = _mm512_setzero_ps();                                                              \
             const int first = g == 0 && h0 == 0;                                                                  \
-            row_walk wv = walk_from(table, 0, block_size, width);                                                 \
-            row_walk wp = walk_from(table, first ? ahead : 0, block_size, width);                                 \
+            row_walk wv = walk_from(table, 0, block_size);                                                        \
+            row_walk wp = walk_from(table, first ? ahead : 0, block_size);                                        \
             for (int64_t p = 0; p < len; p++) {                                                                   \
-                const uint16_t *row = vg + walk_next(&wv) * width;                                               \
-                if (first && p + PF_AHEAD * TILE < len) {                                                         \
-                    const char *pr = (const char *)(v + walk_next(&wp) * width);                                  \
-                    for (int64_t off = 0; off < row_bytes; off += 64)                                             \
-                        __builtin_prefetch(pr + off, 0, PF_HINT);                                                 \
-                }                                                                                                 \
+                const uint16_t *row = vg + walk_next(&wv) * width;                                                \
+                if (first && p + PF_AHEAD * TILE < len)                                                           \
+                    prefetch_row(v + walk_next(&wp) * width, row_bytes);                                          \
                 if (first)  /* next_rows / len rows of the next sequence's keys per position (no division) */     \
-                    for (owed += next_rows; owed >= len; owed -= len) {                                            \
-                        const char *pr = (const char *)(k + walk_next(&wn) * width);                              \
-                        for (int64_t off = 0; off < row_bytes; off += 64)                                         \
-                            __builtin_prefetch(pr + off, 0, PF_HINT);                                             \
-                    }                                                                                             \
+                    for (owed += next_rows; owed >= len; owed -= len)                                             \
+                        prefetch_row(k + walk_next(&wn) * width, row_bytes);                                      \
                 __m512 vf[NV];                                                                                    \
                 if (NV % 2 == 0) {  /* even elements, then odd ones, of each 32 */                                \
                     for (int j = 0; j < NV / 2; j++) {                                                            \
@@ -510,14 +502,18 @@ int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v
 #ifdef HAVE_AVX512_PATH
         if (bf16_path) {
             uint16_t *orow = out + rows[i] * heads * d;
-            /* decode rows: the next row's sequence is prefetched from the end of this one's scores on */
+            /* decode rows: the next row's keys are prefetched while this one's values are summed */
             const int32_t *nt = v_early && i + 1 < n ? tables + chunks[i + 1] * table_width : NULL;
             const int64_t nl = nt != NULL ? seq_lens[chunks[i + 1]] : 0;
             switch (d) {
-            case 16: seq_bf16_1(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread, nt, nl); break;
-            case 32: seq_bf16_2(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread, nt, nl); break;
-            case 64: seq_bf16_4(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread, nt, nl); break;
-            default: seq_bf16_8(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread, nt, nl); break;
+            case 16: seq_bf16_1(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread,
+                               nt, nl); break;
+            case 32: seq_bf16_2(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread,
+                               nt, nl); break;
+            case 64: seq_bf16_4(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread,
+                               nt, nl); break;
+            default: seq_bf16_8(qrow, k, v, table, len, heads, kv, block_size, scale, s, qf, orow, v_early, spread,
+                                nt, nl); break;
             }
             continue;
         }
