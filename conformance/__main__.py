@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from conformance.registry import load_cases
-    from conformance.runner import run_cases, select
+    from conformance.run_cases import run_cases, select
 
     cases = select(load_cases(), args.patterns, large)
     if not cases:

@@ -31,7 +31,7 @@ class Launch:
     ``["tensor", dtype, aligned]`` (dtype as torch names it, e.g. "bfloat16"), ``["int", v]``,
     ``["float", v]``, ``["bool", v]``, ``["none"]``, ``["const", v]`` (a constexpr)."""
 
-    kernel: str  # "module:function", e.g. "fast.codec.matmul:_matmul_kernel"
+    kernel: str  # "module:function", e.g. "fast.codec.matmul_triton:_matmul_kernel"
     args: tuple
     num_warps: int = 4
     num_stages: int = 3
@@ -75,7 +75,8 @@ def kernel_name(fn: Any) -> str:
 
 
 # constexprs that exist only for the interpreter, and the value the same launch has on a GPU
-GPU_VALUES = {"DOT_F32": False}  # fast/codec/matmul.py: widen bf16 tiles to fp32 before tl.dot (interpreter only)
+# fast/codec/matmul_triton.py: widen bf16 tiles to fp32 before tl.dot (interpreter only)
+GPU_VALUES = {"DOT_F32": False}
 
 
 def make_launch(fn: Any, args: tuple, kwargs: dict[str, Any], origin: str = "", default: bool = False,

@@ -11,8 +11,8 @@ fuses q/k/v into one [6144, 4096] matrix and gate/up into one [28672, 4096]):
   4096 x 14336 tensor, and the bf16 rounding kernel.
 
 Tiles, warps, stages and splits come from the launchers' own pure functions
-(``fast.codec.matmul.default_config``, ``fast.codec.palette_decode.decode_config``,
-``fast.kv.triton_attention.num_splits_for``) with the H100/H200 properties of
+(``fast.codec.matmul_triton.default_config``, ``fast.codec.palette_triton.decode_config``,
+``fast.kv.attention_triton.num_splits_for``) with the H100/H200 properties of
 ``fast.triton_util``, so what is compiled here is what a GPU would launch. The argument lists follow
 the launchers; ``tests/test_compile_gate.py`` checks each against a launch recorded from the
 running code. ``subset`` is the representative few CI compiles; ``all`` is everything (gpu_check).
@@ -58,7 +58,7 @@ class _Desc:
 
 
 def matmul_launches(props) -> list[Launch]:
-    from fast.codec import matmul as mm
+    from fast.codec import matmul_triton as mm
     from fast.triton_util import cdiv
 
     out = []
@@ -90,8 +90,8 @@ def matmul_launches(props) -> list[Launch]:
 
 def codec_launches(props) -> list[Launch]:
     from fast import bf16
-    from fast.codec import huffman_decode as hd
-    from fast.codec import palette_decode as pd
+    from fast.codec import decode_triton as hd
+    from fast.codec import palette_triton as pd
     from fast.triton_util import cdiv
 
     rows, cols = CODEC_SHAPE
@@ -129,8 +129,8 @@ CACHES = {"bf16": "bfloat16", "fp32": "float32", "fp8": "uint8"}
 
 
 def kv_launches(props) -> list[Launch]:
-    from fast.kv import triton_attention as ta
-    from fast.kv import triton_write as tw
+    from fast.kv import attention_triton as ta
+    from fast.kv import write_triton as tw
 
     out = []
     max_blocks = 4096 // BLOCK  # a 4K-token context

@@ -51,7 +51,8 @@ from reference.codec import (
     palette_to_bf16,
     to_palette,
 )
-from reference.codec.container import DECODE_BATCH, MIN_ELEMENTS, weight_count
+from reference.codec.container_read import DECODE_BATCH, weight_count
+from reference.codec.container_write import MIN_ELEMENTS
 from reference.safe_write import write_text
 
 TARGET_MBPS = 100.0
@@ -127,15 +128,15 @@ def cpu_vs_zipnn(weights: str, threads: list[int], repeat: int, limit: int | Non
     import zipnn
 
     from experiments.bench_encode import load_tensors
-    from fast.codec import rans_native
-    from fast.codec.decode_native import decode_cpu, library
+    from fast.codec import decode_rans_c
+    from fast.codec.decode_c import decode_cpu, library
 
     tensors = [bits for _, bits in load_tensors(weights, MIN_ELEMENTS, limit)]
     total = sum(t.nbytes for t in tensors)
     cts = [encode(t) for t in tensors]
     rts = encode_rans_many(tensors)
     out: dict = {"weights": weights, "tensors": len(tensors), "bf16_bytes": total, "repeat": repeat,
-                 "c_decoder": library() is not None, "c_rans_decoder": rans_native.library() is not None,
+                 "c_decoder": library() is not None, "c_rans_decoder": decode_rans_c.library() is not None,
                  "ratio_ours": total / sum(c.nbytes for c in cts), "ratio_rans": total / sum(t.nbytes for t in rts),
                  "flag": "SmolLM2's weights are dequantized 4-bit: not representative" if "smol" in weights else "",
                  "verification": "ours: CRC-32 of every array and of the decoded tensor, every FORMAT.md 3.6 check; "
@@ -147,7 +148,7 @@ def cpu_vs_zipnn(weights: str, threads: list[int], repeat: int, limit: int | Non
         z = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=th)
         packed = [z.compress(t.tobytes()) for t in tensors]
         calls = [{"ours": lambda ct=ct, th=th: decode_cpu(ct, threads=th), "zipnn": lambda zp=zp, z=z: z.decompress(zp),
-                  "rans": lambda rt=rt, th=th: rans_native.decode_rans_cpu(rt, threads=th)}
+                  "rans": lambda rt=rt, th=th: decode_rans_c.decode_rans_cpu(rt, threads=th)}
                  for ct, zp, rt in zip(cts, packed, rts, strict=True)]
         for t, c in zip(tensors, calls, strict=True):  # warm-up, and every output checked
             if not np.array_equal(c["ours"](), t) or c["zipnn"]() != t.tobytes() or not np.array_equal(c["rans"](), t):

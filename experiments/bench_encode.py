@@ -64,7 +64,7 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
 
     import reference.codec as rc
     from fast.bf16 import from_numpy_bits
-    from fast.codec import encode_native, encode_words
+    from fast.codec import encode_c, encode_words
     from fast.codec.convert import huffman_arrays
     from fast.codec.encode import encode
 
@@ -75,7 +75,7 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
     tensors = load_tensors(source, min_elements, limit)
     total_bytes = sum(2 * a.size for _, a in tensors)
     results: dict[str, Any] = {"weights": source, "tensors": len(tensors), "bf16_bytes": total_bytes,
-                               "repeats": repeats, "c_encoder": encode_native.library() is not None,
+                               "repeats": repeats, "c_encoder": encode_c.library() is not None,
                                "by_threads": {}}
     ours_bytes = 0
     t_ref = 0.0

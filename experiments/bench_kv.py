@@ -57,7 +57,7 @@ def make_step(batch: int, context: int, shape: dict[str, int], dtype: str, devic
                         num_blocks=nb, device=device)
     kv_shape = (batch * context, shape["kv_heads"], shape["head_dim"])
     k = torch.randn(kv_shape, generator=gen).to(device)
-    cache.write(0, fill.slots, k, torch.randn(kv_shape, generator=gen).to(device), backend="torch")
+    cache.write(0, fill.slots, k, torch.randn(kv_shape, generator=gen).to(device))
     del k
     step = KVStep.build(query_lens=[1] * batch, starts=[context - 1] * batch, block_tables=tables, block_size=bs,
                         num_blocks=nb, device=device)
@@ -94,7 +94,7 @@ def measure(batch: int, context: int, shape: dict[str, int], dtype: str, device:
     q, cache, step, tables = make_step(batch, context, shape, dtype, device, seed=batch)
     moved = kv_bytes(batch, context, shape, dtype)
     fast = decode_attention(q, cache, 0, step, backend="triton")
-    base = decode_attention(q, cache, 0, step, backend="torch")
+    base = decode_attention(q, cache, 0, step)
     row: dict[str, Any] = {"dtype": dtype, "batch": batch, "kv_bytes": moved,
                            "max_abs_diff": float((fast.float() - base.float()).abs().max())}
     row["triton_s"] = timeit(lambda: decode_attention(q, cache, 0, step, backend="triton"))

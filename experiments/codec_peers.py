@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from reference.codec import decode_many, decode_rans_many, encode, encode_rans_many
-from reference.codec.container import DECODE_BATCH, weight_count
+from reference.codec.container_read import DECODE_BATCH, weight_count
 
 DECODE_REPEAT = 3  # decode timings are the best of this many passes
 

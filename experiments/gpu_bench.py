@@ -67,7 +67,7 @@ def timer(device: Any, reps: int, flush: Any = None):
 
 def configs_for(batch: int, tiny: bool) -> list[Any]:
     """The fused kernel's configs to try at this batch size (the first is the default heuristic's)."""
-    from fast.codec.matmul import MatmulConfig as C
+    from fast.codec.matmul_triton import MatmulConfig as C
 
     if tiny:
         return [C(16, 32, 64, 2, 4, 2)]
@@ -105,10 +105,10 @@ def bench(tiny: bool, budget: float, log: Any = print) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from fast.codec.huffman_decode import decode_huffman, transcode
+    from fast.codec.decode_triton import decode_huffman, transcode
     from fast.codec.linear import UnweightLinear
-    from fast.codec.matmul import default_config, fused_matmul, matmul
-    from fast.codec.palette_decode import decode_palette
+    from fast.codec.matmul_triton import default_config, fused_matmul, matmul
+    from fast.codec.palette_triton import decode_palette
 
     t0 = time.perf_counter()
     device = torch.device("cpu" if tiny else "cuda")
@@ -204,7 +204,7 @@ def bench(tiny: bool, budget: float, log: Any = print) -> dict[str, Any]:
 
 
 def decode_huffman_block(form: Any, block: int) -> Any:
-    from fast.codec.huffman_decode import _run
+    from fast.codec.decode_triton import _run
 
     return _run(form, mode=0, block=block)
 

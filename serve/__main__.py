@@ -124,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     from serve.app import create_app
+    from serve.engine_thread import EngineThread
     from serve.engines import EngineUnavailable, load_engine
     from serve.keys import KeysError, KeyTable
-    from serve.worker import EngineWorker
 
     try:
         keys = KeyTable.load(args.api_keys) if args.api_keys else None
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if split:
             engine = disagg_dist.build(args) if ranks else disagg.build(args, tenants=keys.tenants if keys else None)
-            worker = disagg.DisaggWorker(engine)
+            worker = disagg.DisaggEngineThread(engine)
         else:
             engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None,
                                  policy=args.policy, dtype=args.dtype, compressed=parse_compressed(args.compressed),
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                                  max_model_len=args.max_model_len, pipeline=args.pipeline, threads=args.threads,
                                  max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
                                  micro_batches=args.micro_batches, pipeline_step_timeout_s=args.pipeline_step_timeout)
-            worker = EngineWorker(engine)
+            worker = EngineThread(engine)
     except (EngineUnavailable, ValueError, OSError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         sock.close()

@@ -20,9 +20,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from reference.engine.request import TokenEvent
+from serve.engine_thread import Failed, Finished, Ticket
 from serve.protocol import ApiError, Parsed
 from serve.textstream import TextStream
-from serve.worker import Failed, Finished, Ticket
 
 
 class Answer:

@@ -1,6 +1,6 @@
 """The HTTP API: OpenAI-compatible completions and chat completions, models, health and metrics.
 
-``create_app(worker, ...)`` returns a Starlette app over an ``EngineWorker``. A handler checks the
+``create_app(worker, ...)`` returns a Starlette app over an ``EngineThread``. A handler checks the
 key (401), the body (400, naming the field), the prompt's length (400) and the number of requests in
 flight (503 with ``Retry-After``), then submits the request to the engine thread and answers with
 the whole completion or a stream of server-sent events. A client that goes away (mid-stream or while
@@ -28,10 +28,10 @@ from starlette.routing import Route
 from reference import jsonsafe
 from reference.engine.params import SamplingParams
 from serve.answer import Answer, EventStream
+from serve.engine_thread import EngineThread, Rejected, Submission
 from serve.keys import Client, KeyTable
 from serve.metrics import ServerMetrics
 from serve.protocol import ApiError, Parsed, parse_chat, parse_completion
-from serve.worker import EngineWorker, Rejected, Submission
 
 ANONYMOUS = Client("default", "default")
 MAX_BODY_BYTES = 4 << 20  # a prompt this long would not fit any context we serve
@@ -44,7 +44,7 @@ log = logging.getLogger("serve")
 class ServeState:
     """What the handlers share: the engine worker, the tokenizer, the keys and the metrics."""
 
-    def __init__(self, worker: EngineWorker, tokenizer: Any, model_name: str, keys: KeyTable | None,
+    def __init__(self, worker: EngineThread, tokenizer: Any, model_name: str, keys: KeyTable | None,
                  max_pending: int) -> None:
         self.worker, self.tokenizer, self.model_name, self.keys = worker, tokenizer, model_name, keys
         self.max_pending = max_pending
@@ -64,7 +64,7 @@ class ServeState:
         return self._max_token_bytes
 
 
-def create_app(worker: EngineWorker, tokenizer: Any, *, model_name: str, keys: KeyTable | None = None,
+def create_app(worker: EngineThread, tokenizer: Any, *, model_name: str, keys: KeyTable | None = None,
                max_pending: int = 256) -> Starlette:
     state = ServeState(worker, tokenizer, model_name, keys, max_pending)
 

@@ -1,8 +1,8 @@
 """The disaggregated endpoint: ``python -m serve --prefill-workers P --decode-workers D``.
 
-The OpenAI-compatible server (``serve/app.py``, ``serve/worker.py``) fronts ``DisaggEngine`` instead of one
+The OpenAI-compatible server (``serve/app.py``, ``serve/engine_thread.py``) fronts ``DisaggEngine`` instead of one
 engine. ``DisaggEngine`` has the engine's interface (``add_request``, ``step``, ``abort``, ``output``,
-``release``) over the coordinator and cluster of ``reference/disagg``, the same machinery that the batch
+``release``) over the coordinator and pool of ``reference/disagg``, the same machinery that the batch
 command (``python -m reference.disagg run``) runs on: P prefill and D decode worker processes, each the
 engine's control plane (scheduler, block manager, prefix cache) over a model runner, with KV going from
 prefill to decode layer by layer as ``reference/disagg/PROTOCOL.md`` specifies (authenticated frames,
@@ -12,7 +12,7 @@ Workers are started here (``--prefill-workers``/``--decode-workers``, on 127.0.0
 hosts (``--workers HOST:PORT,...``, each started with ``python -m reference.disagg worker --listen
 HOST:PORT``); all share the secret in ``UNFIRE_DISAGG_SECRET``.
 
-Faults (``reference/disagg/coordinator.py`` and ``cluster.py`` handle them, for the batch command too;
+Faults (``reference/disagg/coordinator.py`` and ``pool.py`` handle them, for the batch command too;
 tested at the endpoint with real processes in ``tests/test_serve_disagg_faults.py``):
   * a prefill worker killed: its decode worker computes the prompt itself (PROTOCOL.md section 6);
   * a decode worker killed: the request *migrates* (as Dynamo's request migration does): a live decode
@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from reference.disagg.accounting import NodeStats
-from reference.disagg.cluster import SECRET_ENV, ProcessCluster, WorkerOptions
 from reference.disagg.coordinator import Coordinator, CoordinatorError, RequestState
+from reference.disagg.pool import SECRET_ENV, ProcessPool, WorkerOptions
 from reference.engine.params import RequestRejected, SamplingParams
 from reference.engine.request import RequestMetrics, RequestOutput, TokenEvent
 from reference.sched import Tenants, UnknownTenantError
-from serve.worker import EngineWorker, Failed, Finished, Stats, _forget, _post
+from serve.engine_thread import EngineThread, Failed, Finished, Stats, _forget, _post
 
 
 @dataclass(frozen=True)
@@ -74,24 +74,24 @@ class _Entry:
 
 
 class DisaggEngine:
-    """The engine interface ``EngineWorker`` drives, over a coordinator and its worker processes."""
+    """The engine interface ``EngineThread`` drives, over a coordinator and its worker processes."""
 
     def __init__(self, model_spec: str, tokenizer: Any, *, num_prefill: int = 1, num_decode: int = 1,
                  remote: list[tuple[str, int]] | None = None, opts: WorkerOptions | None = None,
                  secret: bytes | None = None, lease_s: float = 15.0, max_model_len: int | None = None,
                  log: str | None = None, worker_command: list[str] | None = None,
-                 tenants: Tenants | None = None, cluster: Any = None) -> None:
+                 tenants: Tenants | None = None, pool: Any = None) -> None:
         """``worker_command``: the program each local worker runs (default the reference worker);
-        ``tenants``: the tenants' weights, carried to the workers with each request; ``cluster``: one already
+        ``tenants``: the tenants' weights, carried to the workers with each request; ``pool``: one already
         running (torchrun's ranks: ``serve/disagg_dist.py``), else our processes and the remote ones."""
         self.tokenizer = tokenizer
         self.tenants = tenants
         opts = opts or WorkerOptions()
-        self.cluster = cluster or ProcessCluster(
+        self.pool = pool or ProcessPool(
             model_spec, num_prefill, num_decode, remote=remote or [], secret=secret, opts=opts, restart=True,
             deadline=lambda p, o: 120.0 + 0.5 * o, ready_timeout=300.0, log=log, lease_s=lease_s,
             worker_command=worker_command)
-        self.coordinator: Coordinator = self.cluster.coordinator
+        self.coordinator: Coordinator = self.pool.coordinator
         context = self.coordinator.max_context
         self.max_model_len = min(context, max_model_len) if max_model_len else context
         self.eos_token_ids = tuple(self.coordinator.eos)
@@ -131,7 +131,7 @@ class DisaggEngine:
 
     def step(self) -> list[TokenEvent | Ended]:
         """Handle what the workers sent (waiting up to 20 ms), and return the new tokens and endings."""
-        self.cluster.pump()  # reconnects to lost remote workers too
+        self.pool.pump()  # reconnects to lost remote workers too
         events: list[TokenEvent | Ended] = []
         for rid, e in self.entries.items():
             if e.finish_reason is None:
@@ -187,10 +187,10 @@ class DisaggEngine:
     def idle(self) -> None:
         """Between requests: notice lost workers, restart them, reconnect, read heartbeats."""
         self.coordinator.poll(0)
-        self.cluster.housekeeping()
+        self.pool.housekeeping()
 
     def close(self) -> None:
-        self.cluster.close()
+        self.pool.close()
 
     # -- what /metrics shows ------------------------------------------------------------------
     def metric_lines(self) -> list[str]:
@@ -234,7 +234,7 @@ class DisaggEngine:
         lines += ["# HELP unfire_disagg_events_total Coordinator events (workers lost, requests migrated, ...).",
                   "# TYPE unfire_disagg_events_total counter"]
         events = {k: v for k, v in c.counters.items() if not k.startswith(("frames_sent", "bytes_sent"))}
-        events["worker_restarts"] = self.cluster.restarts
+        events["worker_restarts"] = self.pool.restarts
         lines += [f'unfire_disagg_events_total{{event="{k}"}} {v}' for k, v in sorted(events.items())]
         return lines
 
@@ -248,8 +248,8 @@ class DisaggStats(Stats):
     extra_lines: list[str] = field(default_factory=list)
 
 
-class DisaggWorker(EngineWorker):
-    """``EngineWorker`` over a ``DisaggEngine``: endings without a token, errors as error events, and a
+class DisaggEngineThread(EngineThread):
+    """``EngineThread`` over a ``DisaggEngine``: endings without a token, errors as error events, and a
     ticker that keeps the coordinator going (heartbeats, lost workers, restarts) while no request runs."""
 
     def __init__(self, engine: DisaggEngine, *, tick_s: float = 0.1, **kwargs: Any) -> None:

@@ -33,8 +33,8 @@ import signal
 import time
 from typing import Any
 
-from reference.disagg.cluster import SECRET_ENV, WorkerOptions, hello, make_worker, serve
 from reference.disagg.coordinator import Coordinator, RequestState
+from reference.disagg.pool import SECRET_ENV, WorkerOptions, hello, make_worker, serve
 from reference.disagg.routing import Worker
 from reference.disagg.transport import Link
 from serve.disagg import DisaggEngine
@@ -131,8 +131,8 @@ class DistCoordinator(Coordinator):
                 self._end(req, req.tokens, "error", why)
 
 
-class DistCluster:
-    """What ``DisaggEngine`` asks of its cluster, over the ranks of the group (rank 0 is this process)."""
+class DistPool:
+    """What ``DisaggEngine`` asks of its pool, over the ranks of the group (rank 0 is this process)."""
 
     def __init__(self, world: int, secret: bytes, *, lease_s: float, ready_timeout: float = 300.0) -> None:
         from fast.disagg.dist import DistEndpoint
@@ -178,6 +178,6 @@ def build(args: argparse.Namespace, tokenizer: Any = None) -> DisaggEngine:
 
     if args.engine != "reference":
         raise ValueError("the disaggregated workers run the reference runner; use --engine reference")
-    cluster = DistCluster(dist.get_world_size(), bytes.fromhex(os.environ[SECRET_ENV]), lease_s=args.worker_lease)
-    return DisaggEngine(args.model, tokenizer or load_tokenizer(args.model), opts=options(args), cluster=cluster,
+    pool = DistPool(dist.get_world_size(), bytes.fromhex(os.environ[SECRET_ENV]), lease_s=args.worker_lease)
+    return DisaggEngine(args.model, tokenizer or load_tokenizer(args.model), opts=options(args), pool=pool,
                         max_model_len=args.max_model_len)

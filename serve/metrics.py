@@ -13,7 +13,7 @@ import math
 from collections import defaultdict
 
 from reference.engine.request import RequestOutput
-from serve.worker import Stats
+from serve.engine_thread import Stats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

@@ -103,9 +103,9 @@ def test_arrivals_exactly_at_step_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     ties = Counter()
     advance = MacroStep.advance
 
-    def watch(self: MacroStep, t: float) -> None:
+    def watch(self: MacroStep, t: float, sched: Scheduler) -> Any:
         ties["at a step end"] += t in self.ends[:self.k]
-        advance(self, t)
+        return advance(self, t, sched)
 
     monkeypatch.setattr(MacroStep, "advance", watch)
     a, b = assert_same(d, 0, cost_override=lambda s: 1 / 64)
@@ -125,10 +125,10 @@ def test_plan_refuses_what_it_cannot_prove() -> None:
     rep.add(seq, 0.0)
     batch, _ = rep.start_step(0.0)
     rep.finish_step(batch, 0.01)
-    assert plan_macro(rep, 0.01, 64) is not None  # one decoding sequence: its next steps are plain
+    assert plan_macro(rep.scheduler, rep.cost, 0.01, 64) is not None  # one decoding sequence: its next steps are plain
     rep.add(Sequence([4, 5], max_tokens=5), 0.01)
-    assert plan_macro(rep, 0.01, 64) is None  # a request waits: the next step admits it
-    assert plan_macro(rep, 0.01, 1) is None  # fewer than 2 steps: not worth a plan
+    assert plan_macro(rep.scheduler, rep.cost, 0.01, 64) is None  # a request waits: the next step admits it
+    assert plan_macro(rep.scheduler, rep.cost, 0.01, 1) is None  # fewer than 2 steps: not worth a plan
 
 
 @given(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 4000)), min_size=1, max_size=40), st.integers(0, 1))

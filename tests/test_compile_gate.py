@@ -90,7 +90,7 @@ def test_recorded_conformance_launches_compile(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads(rec.read_text())
     assert {d["kernel"] for d in doc["launches"]} >= {"fast.bf16:_round_kernel",
-                                                      "fast.kv.triton_attention:_decode_kernel"}
+                                                      "fast.kv.attention_triton:_decode_kernel"}
     assert all(d["origin"] for d in doc["launches"])
     solo = tmp_path / "solo"
     solo.mkdir()
@@ -114,18 +114,18 @@ def test_helper_without_jit_fails_with_file_and_line(tmp_path):
 def test_interpreter_only_construct_fails(tmp_path):
     """A kernel using what only the interpreter runs (``break`` in a loop: the interpreter executes the
     kernel as Python, the compiler has no such statement) fails to compile, with the kernel's line."""
-    root = _mutant_tree(tmp_path, "kv/triton_attention.py", "    for i in range(NUM_SPLITS):\n        w = ",
+    root = _mutant_tree(tmp_path, "kv/attention_triton.py", "    for i in range(NUM_SPLITS):\n        w = ",
                         "    for i in range(NUM_SPLITS):\n        if i > 64:\n            break\n        w = ")
     code, out, doc = _gate(tmp_path, "--launches", str(_launches_file(tmp_path, "_combine_kernel")), "--no-cache",
                            "--no-shapes", extra_path=root)
     assert code == 1, out[-3000:]
     errors = [r for r in doc["results"] if r["status"] == "error"]
-    assert errors and any("triton_attention.py:" in r["detail"] for r in errors), [r["detail"] for r in errors]
+    assert errors and any("attention_triton.py:" in r["detail"] for r in errors), [r["detail"] for r in errors]
 
 
 def test_tile_change_that_spills_fails_the_gate(tmp_path):
     """Prefill attention back at 4 warps (its default before the gate existed) spills: the gate says so."""
-    root = _mutant_tree(tmp_path, "kv/triton_attention.py",
+    root = _mutant_tree(tmp_path, "kv/attention_triton.py",
                         "return 8 if block_m * next_pow2(head_dim) >= 2048 else 4",
                         "return 4")
     launches = _launches_file(tmp_path, "_prefill_kernel", extra_path=root)
@@ -188,7 +188,7 @@ def test_real_shape_plans_match_the_launchers_argument_lists():
     from conformance.launches import record_launches
     from conformance.real_shapes import all_launches
     from conformance.registry import load_cases
-    from conformance.runner import run_cases, select
+    from conformance.run_cases import run_cases, select
     from fast.triton_util import H100
 
     names = ["bf16.round_rne.special", "codec.palette_decode.random", "codec.huffman_decode.odd_1d",

@@ -10,7 +10,7 @@ import fast  # noqa: F401  (switches the Triton interpreter on when there is no 
 from conformance.__main__ import main
 from conformance.compare import compare_bounded, compare_exact
 from conformance.registry import Bound, Case, Level, load_cases
-from conformance.runner import run_case, select
+from conformance.run_cases import run_case, select
 
 
 def test_exact_reports_first_difference_in_hex():

@@ -58,12 +58,12 @@ def _mutant(module, old: str, new: str, tmp_path, monkeypatch):
 
 
 def test_wrong_exponent_shift_in_palette_decode_fails(monkeypatch, capsys, tmp_path):
-    from fast.codec import matmul, palette_decode
+    from fast.codec import matmul_triton, palette_triton
 
-    mutant = _mutant(palette_decode, "((s & 0x80) << 8) | (e << 7) | (s & 0x7F), vptr",
+    mutant = _mutant(palette_triton, "((s & 0x80) << 8) | (e << 7) | (s & 0x7F), vptr",
                      "((s & 0x80) << 8) | (e << 6) | (s & 0x7F), vptr", tmp_path, monkeypatch)
-    monkeypatch.setattr(palette_decode, "decode_palette", mutant.decode_palette)
-    monkeypatch.setattr(matmul, "palette_tile", mutant.palette_tile)  # the fused kernel's tile loader
+    monkeypatch.setattr(palette_triton, "decode_palette", mutant.decode_palette)
+    monkeypatch.setattr(matmul_triton, "palette_tile", mutant.palette_tile)  # the fused kernel's tile loader
     code = main(["--device", "cpu", "-k", "codec.palette_decode.random", "-k", "fused_vs_plain.many_exponents"])
     out = capsys.readouterr().out
     assert code == 1
@@ -73,11 +73,11 @@ def test_wrong_exponent_shift_in_palette_decode_fails(monkeypatch, capsys, tmp_p
 
 
 def test_verbatim_patch_off_by_one_fails_the_fused_matmul(monkeypatch, capsys, tmp_path):
-    from fast.codec import matmul, palette_decode
+    from fast.codec import matmul_triton, palette_triton
 
-    mutant = _mutant(palette_decode, "(cols[None, :] < start[:, None] + CS)",
+    mutant = _mutant(palette_triton, "(cols[None, :] < start[:, None] + CS)",
                      "(cols[None, :] < start[:, None] + CS - 1)", tmp_path, monkeypatch)
-    monkeypatch.setattr(matmul, "palette_tile", mutant.palette_tile)  # only the fused kernel is broken
+    monkeypatch.setattr(matmul_triton, "palette_tile", mutant.palette_tile)  # only the fused kernel is broken
     code = main(["--device", "cpu", "-k", "matmul.fused_vs_*.verbatim_rows*"])
     out = capsys.readouterr().out
     assert code == 1
@@ -87,10 +87,10 @@ def test_verbatim_patch_off_by_one_fails_the_fused_matmul(monkeypatch, capsys, t
 
 
 def test_wrong_window_in_huffman_decoder_fails(monkeypatch, capsys, tmp_path):
-    from fast.codec import huffman_decode
+    from fast.codec import decode_triton
 
-    mutant = _mutant(huffman_decode, "(pos & 31).to(tl.uint64)", "(pos & 15).to(tl.uint64)", tmp_path, monkeypatch)
-    monkeypatch.setattr(huffman_decode, "decode_huffman", mutant.decode_huffman)
+    mutant = _mutant(decode_triton, "(pos & 31).to(tl.uint64)", "(pos & 15).to(tl.uint64)", tmp_path, monkeypatch)
+    monkeypatch.setattr(decode_triton, "decode_huffman", mutant.decode_huffman)
     code = main(["--device", "cpu", "-k", "codec.huffman_decode.specials"])
     out = capsys.readouterr().out
     assert code == 1
@@ -98,11 +98,11 @@ def test_wrong_window_in_huffman_decoder_fails(monkeypatch, capsys, tmp_path):
 
 
 def test_write_past_the_end_is_caught_by_the_nan_guard(monkeypatch, capsys, tmp_path):
-    from fast.codec import palette_decode
+    from fast.codec import palette_triton
 
-    mutant = _mutant(palette_decode, "bits.to(tl.int16), mask=mask)",
+    mutant = _mutant(palette_triton, "bits.to(tl.int16), mask=mask)",
                      "bits.to(tl.int16), mask=row_ok[:, None] & (cols < c_end + 1)[None, :])", tmp_path, monkeypatch)
-    monkeypatch.setattr(palette_decode, "decode_palette", mutant.decode_palette)
+    monkeypatch.setattr(palette_triton, "decode_palette", mutant.decode_palette)
     code = main(["--device", "cpu", "-k", "codec.palette_decode.specials"])
     out = capsys.readouterr().out
     assert code == 1
@@ -112,12 +112,12 @@ def test_write_past_the_end_is_caught_by_the_nan_guard(monkeypatch, capsys, tmp_
 def test_truncating_epilogue_shared_by_both_kernels_fails_the_tight_matmul_cases(monkeypatch, capsys, tmp_path):
     """A bug in what the fused and plain kernels share (here the epilogue truncates instead of rounding
     to nearest even) is invisible to the same-kernel cases; the fused_vs_decoded cases catch it."""
-    from fast.codec import matmul
+    from fast.codec import matmul_triton
 
-    mutant = _mutant(matmul, "bf16_bits_rne(acc).to(tl.int16), mask=out_mask)",
+    mutant = _mutant(matmul_triton, "bf16_bits_rne(acc).to(tl.int16), mask=out_mask)",
                      "(acc.to(tl.uint32, bitcast=True) >> 16).to(tl.int16), mask=out_mask)", tmp_path, monkeypatch)
-    monkeypatch.setattr(matmul, "matmul", mutant.matmul)
-    monkeypatch.setattr(matmul, "fused_matmul", mutant.fused_matmul)
+    monkeypatch.setattr(matmul_triton, "matmul", mutant.matmul)
+    monkeypatch.setattr(matmul_triton, "fused_matmul", mutant.fused_matmul)
     code = main(["--device", "cpu", "-k", "matmul.fused_vs_*.synthetic_70x200*",
                  "-k", "matmul.fused_vs_*.synthetic_96x320.b1"])
     out = capsys.readouterr().out
@@ -146,14 +146,14 @@ def test_transcode_kernel_writing_past_the_end_is_caught_by_its_guard(monkeypatc
 
     import reference.codec as rc
     from conformance.poison import PoisonedOutput, expected_guards
-    from fast.codec import huffman_decode
+    from fast.codec import decode_triton
     from fast.codec.convert import huffman_from_reference
     from reference.synthetic import synthetic_weights
 
-    mutant = _mutant(huffman_decode, "tl.store(out_row + w, tl.where(is_v", "tl.store(out_row + w + 1, tl.where(is_v",
+    mutant = _mutant(decode_triton, "tl.store(out_row + w, tl.where(is_v", "tl.store(out_row + w + 1, tl.where(is_v",
                      tmp_path, monkeypatch)  # every index one cell late: the last lands past the end
     form = huffman_from_reference(rc.encode(synthetic_weights((4, 128), np.random.default_rng(0))), "cpu")
-    for module, intact in [(huffman_decode, True), (mutant, False)]:
+    for module, intact in [(decode_triton, True), (mutant, False)]:
         out = PoisonedOutput((4, 128), "cpu", kind="uint8")
         module.transcode(form, symbols_out=out.view)
         assert np.array_equal(out.guards().numpy(), expected_guards(kind="uint8")) == intact

@@ -14,14 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fast.codec import decode_native
-from fast.codec.decode_native import decode_cpu
+from fast.codec import decode_c
+from fast.codec.decode_c import decode_cpu
 from reference.codec import CompressedTensor, decode, encode
 from reference.codec.errors import CodecError
 from reference.codec.format import crc32
 from tests.codec_strategies import JUNK, bf16_tensors, codec_params, tampered_header
 
-HAS_C = decode_native.library() is not None
+HAS_C = decode_c.library() is not None
 needs_c = pytest.mark.skipif(not HAS_C, reason="no C compiler: the C decoder is not built")
 
 rng = np.random.default_rng(11)
@@ -35,12 +35,12 @@ BASE = encode(TRAINED, chunks_per_group=4)
 def many_threads() -> Iterator[None]:
     """Let even tiny tensors be split into blocks of one or a few groups, more blocks than threads (the
     threads' taking of blocks and the CRC join are what is tested)."""
-    saved = decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS
-    decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = 1, 300
+    saved = decode_c.MIN_WEIGHTS_PER_THREAD, decode_c.BLOCK_WEIGHTS
+    decode_c.MIN_WEIGHTS_PER_THREAD, decode_c.BLOCK_WEIGHTS = 1, 300
     try:
         yield
     finally:
-        decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = saved
+        decode_c.MIN_WEIGHTS_PER_THREAD, decode_c.BLOCK_WEIGHTS = saved
 
 
 @contextlib.contextmanager
@@ -59,7 +59,7 @@ def build(use: Callable[[int], int], wide: bool) -> Iterator[None]:
 def test_c_decoder_equals_plain_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
     """Both builds of the decoding loop (portable, and AVX2 + BMI2 where the CPU has it)."""
     ct = encode(bits, **params)
-    with build(decode_native.library().unw_decode_use, wide), many_threads():
+    with build(decode_c.library().unw_decode_use, wide), many_threads():
         got = decode_cpu(ct, threads=threads, native=True)
     assert got.dtype == np.uint16 and got.shape == bits.shape
     assert np.array_equal(got, decode(ct)) and np.array_equal(got, bits)
@@ -136,19 +136,19 @@ def test_errors_name_the_problem() -> None:
 def test_crc32_equals_zlib(n: int, skip: int, threads: int, seed: int, path: int) -> None:
     """Every CRC path the CPU has (0 tables, 1 PCLMULQDQ, 2 VPCLMULQDQ), any length and alignment."""
     data = np.random.default_rng(seed).integers(0, 256, n + skip, dtype=np.uint8)[skip:]
-    lib = decode_native.library()
+    lib = decode_c.library()
     try:
         lib.unw_crc_use(path)
-        assert decode_native.crc32(data, threads) == zlib.crc32(data.tobytes())
+        assert decode_c.crc32(data, threads) == zlib.crc32(data.tobytes())
     finally:
         lib.unw_crc_use(-1)
 
 
 def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     assert np.array_equal(decode_cpu(BASE, native=False), TRAINED)
-    monkeypatch.setattr(decode_native, "_state", {})
+    monkeypatch.setattr(decode_c, "_state", {})
     monkeypatch.setenv("UNFIRE_NATIVE", "0")
-    assert decode_native.library() is None
+    assert decode_c.library() is None
     assert np.array_equal(decode_cpu(BASE), TRAINED)
     with pytest.raises(CodecError, match="not available"):
         decode_cpu(BASE, native=True)
@@ -160,17 +160,17 @@ def test_a_broken_c_decoder_fails_the_conformance_suite_readably(monkeypatch: py
     """Mutation: the exponent shifted by 6 instead of 7 in decode.c's assembly. The decoder's own data CRC
     catches it before the comparison would: the case errors, naming the case and the failed check."""
     from conformance.__main__ import main
-    from fast.codec import native_build
+    from fast import build_c
 
-    source = decode_native.SOURCE.read_text()
+    source = decode_c.SOURCE.read_text()
     old = "(uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F))"
     assert source.count(old) == 1
     mutant = tmp_path / "decode.c"
     mutant.write_text(source.replace(old, old.replace("<< 7", "<< 6")))
-    for header in decode_native.SOURCE.parent.glob("*.h"):
+    for header in decode_c.SOURCE.parent.glob("*.h"):
         (tmp_path / header.name).write_bytes(header.read_bytes())
     monkeypatch.setenv("UNFIRE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(decode_native, "_state", {"lib": native_build.build(mutant, decode_native._SIGNATURES)})
+    monkeypatch.setattr(decode_c, "_state", {"lib": build_c.build(mutant, decode_c._SIGNATURES)})
     assert main(["--device", "cpu", "-k", "codec.cpu_decode_c.random"]) == 1
     out = capsys.readouterr().out
     assert "codec.cpu_decode_c.random" in out and "1 errors" in out

@@ -1,7 +1,7 @@
-"""The disaggregated workers on the fast engine's runner (``fast/disagg/runner.py``), in one process, and the
+"""The disaggregated workers on the fast engine's runner (``fast/disagg/worker_runner.py``), in one process, and the
 tenant fields of REQUEST revision 1 (salted prefix caches, fair queuing by weight, revision-0 peers).
 
-The workers and coordinator are the real ones (``InProcessCluster``: queues instead of sockets); only the
+The workers and coordinator are the real ones (``InProcessPool``: queues instead of sockets); only the
 model they step on is the torch one. Its output must equal the colocated fast engine's token for token,
 and with fp32 on the wire the decode worker's KV must equal the prefill worker's bit for bit (DONE digest).
 """
@@ -11,21 +11,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reference.disagg import cluster as cluster_mod
 from reference.disagg import messages
+from reference.disagg import pool as pool_mod
 from reference.disagg.batch import run_requests
-from reference.disagg.cluster import FAST_FAULTS, InProcessCluster, WorkerOptions
 from reference.disagg.coordinator import Coordinator, RequestState
 from reference.disagg.decode import DecodeWorker
 from reference.disagg.frames import Kind
 from reference.disagg.models import load_model
+from reference.disagg.pool import FAST_FAULTS, InProcessPool, WorkerOptions
 from reference.disagg.prefill import PrefillWorker
 from reference.disagg.routing import Worker
 from reference.engine.params import SamplingParams
 
 torch = pytest.importorskip("torch")
 
-from fast.disagg.runner import HostCache, load_worker_model  # noqa: E402
+from fast.disagg.worker_runner import HostCache, load_worker_model  # noqa: E402
 from fast.engine import Engine, FastModel, TorchLlama  # noqa: E402
 
 
@@ -43,12 +43,12 @@ def colocated_fast(requests: list[dict], dtype: str, compressed: bool) -> list[l
     return [o.output_token_ids for o in outs]
 
 
-def fast_cluster(monkeypatch: pytest.MonkeyPatch, opts: WorkerOptions, dtype: str,
-                 compressed: tuple) -> InProcessCluster:
+def fast_pool(monkeypatch: pytest.MonkeyPatch, opts: WorkerOptions, dtype: str,
+                 compressed: tuple) -> InProcessPool:
     loaded = load_worker_model("tiny", dtype=dtype, compressed=compressed, device="cpu")
-    plain = cluster_mod.make_worker
-    monkeypatch.setattr(cluster_mod, "make_worker", lambda role, spec, link, o: plain(role, spec, link, o, loaded))
-    return InProcessCluster("tiny", 1, 1, opts=opts)
+    plain = pool_mod.make_worker
+    monkeypatch.setattr(pool_mod, "make_worker", lambda role, spec, link, o: plain(role, spec, link, o, loaded))
+    return InProcessPool("tiny", 1, 1, opts=opts)
 
 
 @pytest.mark.parametrize("dtype,wire,compressed", [("float32", "fp32", ()), ("bfloat16", "bf16", ()),
@@ -57,9 +57,9 @@ def test_workers_on_the_fast_runner_give_the_colocated_fast_engines_tokens(monke
     torch.set_num_threads(1)
     requests = workload(8)
     opts = WorkerOptions(num_blocks=128, block_size=8, wire=wire, kv_dtype=dtype, **FAST_FAULTS)
-    with fast_cluster(monkeypatch, opts, dtype, compressed) as cluster:
-        results = run_requests(cluster, requests)
-        workers = [w for w, _ in cluster.workers.values()]
+    with fast_pool(monkeypatch, opts, dtype, compressed) as pool:
+        results = run_requests(pool, requests)
+        workers = [w for w, _ in pool.workers.values()]
         decode = next(w for w in workers if isinstance(w, DecodeWorker))
         assert all(isinstance(w.cache, HostCache) for w in workers)  # the torch cache behind the wire code
         assert decode.cache.dtype == dtype
@@ -72,9 +72,9 @@ def test_workers_on_the_fast_runner_give_the_colocated_fast_engines_tokens(monke
 
 def test_prefill_worker_sends_each_layer_as_the_torch_model_writes_it(monkeypatch):
     opts = WorkerOptions(num_blocks=64, block_size=8, **FAST_FAULTS)
-    with fast_cluster(monkeypatch, opts, "float32", ()) as cluster:
-        run_requests(cluster, workload(2))
-        prefill = next(w for w, _ in cluster.workers.values() if isinstance(w, PrefillWorker))
+    with fast_pool(monkeypatch, opts, "float32", ()) as pool:
+        run_requests(pool, workload(2))
+        prefill = next(w for w, _ in pool.workers.values() if isinstance(w, PrefillWorker))
         layers = [layer for layer, _ in prefill.layer_times]
     n = load_model("tiny").config.num_layers
     assert layers and layers == list(range(n)) * (len(layers) // n)  # in order, once per layer per step
@@ -95,16 +95,16 @@ SHARED = list(range(1, 41))  # five full blocks of 8: a prompt two tenants both 
 
 def test_salts_separate_tenants_in_the_workers_prefix_caches_and_weights_reach_their_schedulers():
     opts = WorkerOptions(num_blocks=128, block_size=8, **FAST_FAULTS)
-    with InProcessCluster("tiny", 1, 1, opts=opts) as cluster:
-        coord = cluster.coordinator
-        decode = next(w for w, _ in cluster.workers.values() if isinstance(w, DecodeWorker))
-        prefill = next(w for w, _ in cluster.workers.values() if isinstance(w, PrefillWorker))
+    with InProcessPool("tiny", 1, 1, opts=opts) as pool:
+        coord = pool.coordinator
+        decode = next(w for w, _ in pool.workers.values() if isinstance(w, DecodeWorker))
+        prefill = next(w for w, _ in pool.workers.values() if isinstance(w, PrefillWorker))
 
         def run(rid: str, tenant: str, weight: float = 1.0) -> int:
             before = decode.counters.get("kv_bytes_received", 0)
             coord.submit(rid, SHARED, 4, tenant=tenant, cache_salt=tenant, weight=weight)
             while coord.requests[rid].result is None:
-                cluster.pump()
+                pool.pump()
             assert coord.requests[rid].result["error"] is None
             return decode.counters.get("kv_bytes_received", 0) - before
 
@@ -121,13 +121,13 @@ def test_salts_separate_tenants_in_the_workers_prefix_caches_and_weights_reach_t
 
 def finish_order(paid_weight: float) -> list[str]:
     worker_opts = WorkerOptions(num_blocks=256, block_size=8, max_num_seqs=1, **FAST_FAULTS)
-    with InProcessCluster("tiny", 1, 1, opts=worker_opts) as cluster:
-        coord = cluster.coordinator
+    with InProcessPool("tiny", 1, 1, opts=worker_opts) as pool:
+        coord = pool.coordinator
         for i in range(3):  # all queued at once: the workers run one sequence at a time
             coord.submit(f"free{i}", SHARED[:10 + i], 6, tenant="free", weight=1.0)
             coord.submit(f"paid{i}", SHARED[:20 + i], 6, tenant="paid", weight=paid_weight)
         while coord.unfinished():
-            cluster.pump()
+            pool.pump()
         return [r.id[:4] for r in sorted(coord.requests.values(), key=lambda r: r.token_times[-1])]
 
 

@@ -8,10 +8,10 @@ import pytest
 
 from reference.disagg import messages, prefill
 from reference.disagg.batch import run_requests
-from reference.disagg.cluster import FAST_FAULTS, InProcessCluster, WorkerOptions
 from reference.disagg.decode import DecodeWorker
 from reference.disagg.frames import Kind, decode_frame
 from reference.disagg.models import digest_of, load_model, tiny_llama
+from reference.disagg.pool import FAST_FAULTS, InProcessPool, WorkerOptions
 from reference.disagg.transport import Link, pipe
 from reference.disagg.wire import KVLayout, encode_kv, kv_digest
 from reference.engine.engine import Engine
@@ -47,9 +47,9 @@ def test_fp32_handoff_is_identical_to_colocated_and_kv_bytes_match(monkeypatch, 
 
     monkeypatch.setattr(prefill, "kv_digest", recording_digest)
     requests = workload(10)
-    with InProcessCluster("tiny", num_prefill, num_decode, opts=OPTS) as cluster:
-        results = run_requests(cluster, requests)
-        decoders = [w for w, _ in cluster.workers.values() if isinstance(w, DecodeWorker)]
+    with InProcessPool("tiny", num_prefill, num_decode, opts=OPTS) as pool:
+        results = run_requests(pool, requests)
+        decoders = [w for w, _ in pool.workers.values() if isinstance(w, DecodeWorker)]
         counters = [w.counters for w in decoders]
     assert [r["output_token_ids"] for r in results] == colocated(requests)
     assert all(r["error"] is None and r["finish_reason"] == "length" for r in results)
@@ -67,8 +67,8 @@ def test_received_kv_arrays_equal_the_prefill_workers(monkeypatch):
 
     monkeypatch.setattr(prefill, "kv_digest", recording_digest)
     requests = [{"id": f"q{n}", "prompt_token_ids": list(range(1, n + 1)), "max_tokens": 3} for n in (5, 17, 40)]
-    with InProcessCluster("tiny", 1, 1, opts=OPTS) as cluster:
-        d = next(w for w, _ in cluster.workers.values() if isinstance(w, DecodeWorker))
+    with InProcessPool("tiny", 1, 1, opts=OPTS) as pool:
+        d = next(w for w, _ in pool.workers.values() if isinstance(w, DecodeWorker))
         admit = d._admit
 
         def capture(st, first_token):
@@ -77,7 +77,7 @@ def test_received_kv_arrays_equal_the_prefill_workers(monkeypatch):
             return admit(st, first_token)
 
         d._admit = capture
-        run_requests(cluster, requests)
+        run_requests(pool, requests)
     assert sorted(sent) == sorted(received) == [5, 17, 40]
     for n in sent:
         assert all(a.tobytes() == b.tobytes() for a, b in zip(sent[n], received[n], strict=True))
@@ -88,11 +88,11 @@ def test_a_prefix_the_decode_worker_holds_is_not_sent_again():
     shared = rng.integers(1, 128, size=40).tolist()
     requests = [{"id": f"s{i}", "prompt_token_ids": shared + rng.integers(1, 128, size=7).tolist(), "max_tokens": 4}
                 for i in range(2)]
-    with InProcessCluster("tiny", 1, 1, opts=OPTS) as cluster:
-        first = run_requests(cluster, requests[:1])
-        d = next(w for w, _ in cluster.workers.values() if isinstance(w, DecodeWorker))
+    with InProcessPool("tiny", 1, 1, opts=OPTS) as pool:
+        first = run_requests(pool, requests[:1])
+        d = next(w for w, _ in pool.workers.values() if isinstance(w, DecodeWorker))
         bytes_first = d.counters["kv_bytes_received"]
-        second = run_requests(cluster, requests[1:])
+        second = run_requests(pool, requests[1:])
         bytes_second = d.counters["kv_bytes_received"] - bytes_first
         assert d.counters["kv_digest_match"] == 2  # the digest covers the cached prefix too
     assert bytes_second < bytes_first * 0.35  # 40 of 47 tokens (5 full blocks) were already there
@@ -102,9 +102,9 @@ def test_a_prefix_the_decode_worker_holds_is_not_sent_again():
 @pytest.mark.parametrize("wire", ["bf16", "fp8"])
 def test_lossy_wire_dtypes_complete_and_stay_close(wire):
     requests = workload(6, seed=2)
-    with InProcessCluster("tiny", 1, 1, opts=WorkerOptions(num_blocks=128, block_size=8, wire=wire)) as cluster:
-        results = run_requests(cluster, requests)
-        d = next(w for w, _ in cluster.workers.values() if isinstance(w, DecodeWorker))
+    with InProcessPool("tiny", 1, 1, opts=WorkerOptions(num_blocks=128, block_size=8, wire=wire)) as pool:
+        results = run_requests(pool, requests)
+        d = next(w for w, _ in pool.workers.values() if isinstance(w, DecodeWorker))
         assert d.counters["handoffs_complete"] == len(requests)
         assert "kv_digest_match" not in d.counters  # no bit-exact claim for lossy wire dtypes
         fp32_bytes = sum(len(r["prompt_token_ids"]) for r in requests) * 3 * (2 * 2 * 8 * 4)  # layers x K,V x heads

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reference.disagg.cluster import FAST_FAULTS, InProcessCluster, WorkerOptions
 from reference.disagg.decode import DecodeWorker
 from reference.disagg.models import load_model
+from reference.disagg.pool import FAST_FAULTS, InProcessPool, WorkerOptions
 from reference.engine.engine import Engine
 from reference.engine.params import SamplingParams
 
@@ -17,17 +17,17 @@ def two_waves(share: float) -> tuple[list[list[int]], dict[str, int], list[list[
     rng = np.random.default_rng(3)
     prompts = [rng.integers(1, 128, size=int(rng.integers(20, 60))).tolist() for _ in range(8)]
     opts = WorkerOptions(num_blocks=256, block_size=8, install_share=share, **FAST_FAULTS)
-    with InProcessCluster("tiny", 1, 1, opts=opts) as cluster:
-        coord = cluster.coordinator
-        decode = next(w for w, _ in cluster.workers.values() if isinstance(w, DecodeWorker))
+    with InProcessPool("tiny", 1, 1, opts=opts) as pool:
+        coord = pool.coordinator
+        decode = next(w for w, _ in pool.workers.values() if isinstance(w, DecodeWorker))
         for i, p in enumerate(prompts[:4]):
             coord.submit(f"a{i}", p, 30)
         while not decode.scheduler.running:
-            cluster.pump()
+            pool.pump()
         for i, p in enumerate(prompts[4:]):
             coord.submit(f"b{i}", p, 30)
         while coord.unfinished():
-            cluster.pump()
+            pool.pump()
         outs = [coord.requests[k].result["output_token_ids"] for k in [f"a{i}" for i in range(4)] +
                 [f"b{i}" for i in range(4)]]
         counters = dict(decode.counters)

@@ -1,4 +1,4 @@
-"""Request migration and worker leases in the batch machinery (``run_requests`` over a cluster), the same
+"""Request migration and worker leases in the batch machinery (``run_requests`` over a pool), the same
 coordinator that ``python -m serve --prefill-workers P --decode-workers D`` runs: a decode worker killed or
 gone silent mid-request -> the request goes on on a live decode worker from its prompt plus the tokens
 already streamed, and the output is the colocated engine's, with no token twice or missing."""
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 
 from reference.disagg.batch import ProcessFaults, run_requests
-from reference.disagg.cluster import FAST_FAULTS, InProcessCluster, ProcessCluster, WorkerOptions
 from reference.disagg.frames import Kind
 from reference.disagg.models import load_model
+from reference.disagg.pool import FAST_FAULTS, InProcessPool, ProcessPool, WorkerOptions
 from reference.engine.engine import Engine
 from reference.engine.params import SamplingParams
 
@@ -39,12 +39,12 @@ def colocated(requests: list[dict]) -> list[list[int]]:
     return [o.output_token_ids for o in outs]
 
 
-def check_migrated(cluster, requests: list[dict], results: list[dict]) -> None:
+def check_migrated(pool, requests: list[dict], results: list[dict]) -> None:
     """Outputs equal the colocated engine's, and some request's second attempt began past tokens already
     streamed (its prompt was the client's prompt plus those tokens)."""
     assert [r["output_token_ids"] for r in results] == colocated(requests)
     assert all(r["error"] is None and r["finish_reason"] == "length" for r in results)
-    coord = cluster.coordinator
+    coord = pool.coordinator
     assert coord.counters.get("requests_migrated", 0) >= 1
     moved = [q for q in coord.requests.values() if q.attempts == 2]
     assert moved
@@ -54,48 +54,48 @@ def check_migrated(cluster, requests: list[dict], results: list[dict]) -> None:
 
 def test_a_killed_decode_workers_requests_migrate_in_process():
     requests = workload(5, seed=7)
-    with InProcessCluster("tiny", 1, 2, opts=OPTS) as cluster:
-        ProcessFaults(cluster, ["kill-decode"], 0, len(requests))
-        results = run_requests(cluster, requests)
-        check_migrated(cluster, requests, results)
-        assert cluster.coordinator.counters["decode_workers_lost"] == 1 and cluster.restarts == 1
+    with InProcessPool("tiny", 1, 2, opts=OPTS) as pool:
+        ProcessFaults(pool, ["kill-decode"], 0, len(requests))
+        results = run_requests(pool, requests)
+        check_migrated(pool, requests, results)
+        assert pool.coordinator.counters["decode_workers_lost"] == 1 and pool.restarts == 1
 
 
 def test_a_silent_decode_worker_loses_its_lease_and_its_requests_migrate():
     """A decode worker that stops reading and sending (here: no longer stepped) is lost when its lease ends."""
     requests = workload(5, seed=8)
-    with InProcessCluster("tiny", 1, 2, opts=OPTS, lease_s=0.5) as cluster:
+    with InProcessPool("tiny", 1, 2, opts=OPTS, lease_s=0.5) as pool:
         frozen: dict[int, object] = {}
 
         def freeze(req, frame) -> None:
-            if not frozen and frame.kind is Kind.TOKEN and len(req.tokens) >= 2 and req.decode in cluster.workers:
-                frozen[req.decode] = cluster.workers.pop(req.decode)  # alive, link open, silent
+            if not frozen and frame.kind is Kind.TOKEN and len(req.tokens) >= 2 and req.decode in pool.workers:
+                frozen[req.decode] = pool.workers.pop(req.decode)  # alive, link open, silent
 
-        cluster.coordinator.on_stream_frame = freeze
-        results = run_requests(cluster, requests, timeout=60)
-        assert frozen and cluster.coordinator.counters["worker_leases_expired"] == 1
-        check_migrated(cluster, requests, results)
+        pool.coordinator.on_stream_frame = freeze
+        results = run_requests(pool, requests, timeout=60)
+        assert frozen and pool.coordinator.counters["worker_leases_expired"] == 1
+        check_migrated(pool, requests, results)
 
 
 def test_a_stopped_decode_worker_process_loses_its_lease_is_killed_and_its_requests_migrate():
     """Real processes: SIGSTOP the decode worker of the only decode slot mid-stream; its lease (2 s) ends, it
     is killed and restarted, and its requests go on on the new one."""
     requests = workload(4, seed=9)
-    with ProcessCluster("tiny", 1, 1, opts=OPTS, lease_s=2.0, deadline=lambda p, o: 30.0) as cluster:
+    with ProcessPool("tiny", 1, 1, opts=OPTS, lease_s=2.0, deadline=lambda p, o: 30.0) as pool:
         stopped: list = []
 
         def stop(req, frame) -> None:
             if not stopped and frame.kind is Kind.TOKEN and len(req.tokens) >= 2:
-                stopped.append(cluster.procs[req.decode])
+                stopped.append(pool.procs[req.decode])
                 os.kill(stopped[0].pid, signal.SIGSTOP)
 
-        cluster.coordinator.on_stream_frame = stop
-        results = run_requests(cluster, requests, timeout=60)
+        pool.coordinator.on_stream_frame = stop
+        results = run_requests(pool, requests, timeout=60)
         assert stopped and stopped[0].poll() is not None  # killed when its lease ended, and reaped
-        assert cluster.coordinator.counters["worker_leases_expired"] == 1 and cluster.restarts == 1
-        check_migrated(cluster, requests, results)
-        cluster.shutdown()
-    assert all(b["free_blocks"] == b["total_blocks"] and b["live_streams"] == 0 for b in cluster.byes)
+        assert pool.coordinator.counters["worker_leases_expired"] == 1 and pool.restarts == 1
+        check_migrated(pool, requests, results)
+        pool.shutdown()
+    assert all(b["free_blocks"] == b["total_blocks"] and b["live_streams"] == 0 for b in pool.byes)
 
 
 def test_batch_command_migrates_off_a_killed_decode_worker_and_checks_its_lease(tmp_path):
@@ -128,17 +128,17 @@ class Listening:
 
 
 def test_remote_workers_serve_the_batch_and_a_lost_one_rejoins_even_after_a_link_without_hello():
-    """The cluster's remote workers (the endpoint's ``--workers``): a batch runs on them; the decode worker's
+    """The pool's remote workers (the endpoint's ``--workers``): a batch runs on them; the decode worker's
     host dies; while its port first answers without HELLO (the link is dropped at the HELLO timeout), then
-    serves a fresh worker, the cluster keeps reconnecting until the new worker rejoins."""
+    serves a fresh worker, the pool keeps reconnecting until the new worker rejoins."""
     secret = os.urandom(32)
     requests = workload(3, seed=11)
     prefill, decode = Listening("prefill", secret), Listening("decode", secret)
     try:
-        with ProcessCluster("tiny", 0, 0, remote=[("127.0.0.1", prefill.port), ("127.0.0.1", decode.port)],
-                            secret=secret, opts=OPTS, ready_timeout=60) as cluster:
-            coord = cluster.coordinator
-            assert [r["output_token_ids"] for r in run_requests(cluster, requests)] == colocated(requests)
+        with ProcessPool("tiny", 0, 0, remote=[("127.0.0.1", prefill.port), ("127.0.0.1", decode.port)],
+                            secret=secret, opts=OPTS, ready_timeout=60) as pool:
+            coord = pool.coordinator
+            assert [r["output_token_ids"] for r in run_requests(pool, requests)] == colocated(requests)
             coord.hello_timeout = 1.0
             decode.kill()
             mute = socket.create_server(("127.0.0.1", decode.port))  # accepts (in its backlog), never says HELLO
@@ -146,12 +146,12 @@ def test_remote_workers_serve_the_batch_and_a_lost_one_rejoins_even_after_a_link
                 end = time.monotonic() + 30
                 while coord.counters.get("links_idle", 0) == 0:
                     assert time.monotonic() < end, "the link without HELLO was not dropped"
-                    cluster.pump()
+                    pool.pump()
             finally:
                 mute.close()
             decode = Listening("decode", secret, port=decode.port)
-            cluster.wait_ready(1, 1, timeout=30)
-            assert [r["output_token_ids"] for r in run_requests(cluster, [dict(r, id="again-" + r["id"])
+            pool.wait_ready(1, 1, timeout=30)
+            assert [r["output_token_ids"] for r in run_requests(pool, [dict(r, id="again-" + r["id"])
                                                                           for r in requests])] == colocated(requests)
     finally:
         prefill.kill()

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from reference.disagg.batch import ProcessFaults, run_requests
-from reference.disagg.cluster import FAST_FAULTS, ProcessCluster, WorkerOptions
 from reference.disagg.faults import FAULTS, FaultInjector
 from reference.disagg.models import load_model
+from reference.disagg.pool import FAST_FAULTS, ProcessPool, WorkerOptions
 from reference.engine.engine import Engine
 from reference.engine.params import SamplingParams
 
@@ -52,17 +52,17 @@ def test_fault_matrix_with_real_processes():
         for seed in (1, 2):
             started = time.monotonic()
             injector = FaultInjector([fault], seed)
-            with ProcessCluster("tiny", 1, 1, opts=OPTS, injector=injector,
-                                deadline=lambda p, o: 20.0) as cluster:
-                ProcessFaults(cluster, [fault], seed, len(requests))
-                results = run_requests(cluster, requests, timeout=60)
-                coordinator = cluster.coordinator
+            with ProcessPool("tiny", 1, 1, opts=OPTS, injector=injector,
+                                deadline=lambda p, o: 20.0) as pool:
+                ProcessFaults(pool, [fault], seed, len(requests))
+                results = run_requests(pool, requests, timeout=60)
+                coordinator = pool.coordinator
                 if fault.startswith("kill"):  # the killed worker was restarted (and, once, serves)
-                    cluster.wait_ready(1, 1, timeout=30)
+                    pool.wait_ready(1, 1, timeout=30)
                 if fault.startswith("kill") and seed == 1:
-                    again = run_requests(cluster, [dict(r, id=f"again-{r['id']}") for r in requests[:2]], timeout=60)
+                    again = run_requests(pool, [dict(r, id=f"again-{r['id']}") for r in requests[:2]], timeout=60)
                     assert [r["output_token_ids"] for r in again] == expected[:2]
-                pids = list(cluster.procs.values())
+                pids = list(pool.procs.values())
             where = f"fault {fault}, seed {seed}"
             assert time.monotonic() - started < 90, f"{where}: took too long"  # deadlines are 20 s: a hang errs
             # every accepted request ended exactly once: one result each, no late second answer
@@ -80,8 +80,8 @@ def test_fault_matrix_with_real_processes():
                 assert coordinator.counters.get(f"{fault[5:]}_workers_lost", 0) == 1, where
             # nothing leaks: all blocks free and no stream left in every worker that said goodbye,
             # every process reaped, every socket closed
-            assert len(cluster.byes) == 2, f"{where}: {len(cluster.byes)} BYEs"
-            for bye in cluster.byes:
+            assert len(pool.byes) == 2, f"{where}: {len(pool.byes)} BYEs"
+            for bye in pool.byes:
                 assert bye["free_blocks"] == bye["total_blocks"], (where, bye)
                 assert bye["live_streams"] == 0 and bye["live_sequences"] == 0, (where, bye)
             assert all(p.poll() is not None for p in pids), where
@@ -94,10 +94,10 @@ def test_processes_with_smollm2_are_identical_to_the_colocated_engine():
     tok = smollm2_tokenizer()
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     requests = [{"id": f"p{i}", "prompt_token_ids": tok.encode(p), "max_tokens": 8} for i, p in enumerate(prompts)]
-    with ProcessCluster("smollm2", 1, 1, opts=WorkerOptions(num_blocks=64, block_size=16)) as cluster:
-        results = run_requests(cluster, requests, timeout=300)
-        cluster.shutdown()
-    decode_bye = next(b for b in cluster.byes if "kv_frames_received" in b["counters"])
+    with ProcessPool("smollm2", 1, 1, opts=WorkerOptions(num_blocks=64, block_size=16)) as pool:
+        results = run_requests(pool, requests, timeout=300)
+        pool.shutdown()
+    decode_bye = next(b for b in pool.byes if "kv_frames_received" in b["counters"])
     assert decode_bye["counters"]["kv_digest_match"] == len(requests)  # received KV bytes == the prefill worker's
     want = colocated(smollm2_model(), requests, num_blocks=64, block_size=16)
     assert [r["output_token_ids"] for r in results] == want
@@ -143,17 +143,17 @@ def test_batch_command_refuses_bad_arguments(tmp_path):
 
 @pytest.mark.parametrize("secret_ok", [False])
 def test_a_worker_with_the_wrong_secret_is_never_registered(secret_ok):
-    with ProcessCluster("tiny", 1, 1, opts=OPTS) as cluster:
+    with ProcessPool("tiny", 1, 1, opts=OPTS) as pool:
         env = dict(os.environ, UNFIRE_DISAGG_SECRET="ab" * 32, PYTHONPATH=str(ROOT))
         intruder = subprocess.Popen([sys.executable, "-m", "reference.disagg", "worker", "--role", "decode", "--node",
-                                     "999", "--port", str(cluster.port), "--model", "tiny"], env=env,
+                                     "999", "--port", str(pool.port), "--model", "tiny"], env=env,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             end = time.monotonic() + 20
-            while time.monotonic() < end and cluster.coordinator.counters.get("frames_refused", 0) == 0:
-                cluster.pump()
-            assert cluster.coordinator.counters.get("frames_refused", 0) >= 1
-            assert 999 not in cluster.coordinator.workers
+            while time.monotonic() < end and pool.coordinator.counters.get("frames_refused", 0) == 0:
+                pool.pump()
+            assert pool.coordinator.counters.get("frames_refused", 0) >= 1
+            assert 999 not in pool.coordinator.workers
         finally:
             intruder.kill()
             intruder.wait(timeout=10)

@@ -17,7 +17,7 @@ import fast.codec.encode as enc
 import fast.codec.encode_words as ew
 import reference.codec as rc
 from fast.bf16 import from_numpy_bits
-from fast.codec import encode_native
+from fast.codec import encode_c
 from fast.codec.convert import huffman_arrays
 from fast.errors import KernelInputError
 from reference.codec.huffman import code_lengths
@@ -66,7 +66,7 @@ def aligned_tensors(draw: st.DrawFn) -> tuple[np.ndarray, dict[str, int]]:
     return bits.reshape(rows, cols), params
 
 
-NATIVE = [False] + ([True] if encode_native.library() is not None else [])
+NATIVE = [False] + ([True] if encode_c.library() is not None else [])
 
 
 @pytest.mark.parametrize("native", NATIVE)
@@ -121,7 +121,7 @@ def test_fast_code_lengths_ties() -> None:
             assert ew.fast_code_lengths(np.array(counts), max_length) == code_lengths(counts, max_length)
 
 
-@pytest.mark.skipif(encode_native.library() is None, reason="no C compiler: the C encoder is not built")
+@pytest.mark.skipif(encode_c.library() is None, reason="no C compiler: the C encoder is not built")
 @settings(max_examples=300, deadline=None)
 @given(counts=st.lists(st.integers(0, 10**12), min_size=0, max_size=25), max_length=st.integers(1, 16),
        ties=st.booleans())
@@ -134,7 +134,7 @@ def test_c_code_lengths_equal_reference(counts: list[int], max_length: int, ties
     all_counts[0, 0, :p] = torch.tensor(counts, dtype=torch.int64)
     palette = torch.arange(256, dtype=torch.uint8)
     out = torch.zeros(max(p, 1), dtype=torch.uint8)
-    bits = encode_native.library().unw_code_lengths(all_counts[0].data_ptr(), all_counts[1].data_ptr(), 1,
+    bits = encode_c.library().unw_code_lengths(all_counts[0].data_ptr(), all_counts[1].data_ptr(), 1,
                                                     palette.data_ptr(), p, max_length, out.data_ptr())
     used = sum(1 for x in counts if x > 0)
     if used <= 2 or used > 2**max_length:
@@ -144,7 +144,7 @@ def test_c_code_lengths_equal_reference(counts: list[int], max_length: int, ties
         assert out[:p].tolist() == want and bits == sum(c * n for c, n in zip(counts, want, strict=True))
 
 
-@pytest.mark.skipif(encode_native.library() is None, reason="no C compiler: the C encoder is not built")
+@pytest.mark.skipif(encode_c.library() is None, reason="no C compiler: the C encoder is not built")
 @settings(max_examples=200, deadline=None)
 @given(counts=st.lists(st.integers(0, 5), min_size=256, max_size=256), palette_size=st.integers(1, 256),
        threads=st.integers(1, 3))
@@ -152,7 +152,7 @@ def test_c_palette_equals_reference(counts: list[int], palette_size: int, thread
     """unw_palette: count down, ties by exponent up (few distinct counts: many ties), over ranges."""
     split = torch.tensor(counts, dtype=torch.int64).repeat(threads, 1)  # each range holds all of them
     palette = torch.zeros(256, dtype=torch.uint8)
-    p = encode_native.library().unw_palette(split.data_ptr(), threads, palette_size, palette.data_ptr())
+    p = encode_c.library().unw_palette(split.data_ptr(), threads, palette_size, palette.data_ptr())
     assert palette[:p].tolist() == choose_palette(np.array(counts) * threads, palette_size)
 
 
@@ -163,46 +163,46 @@ def _trained(rows: int = 32, cols: int = 256) -> np.ndarray:
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 def test_c_encoder_builds_into_an_empty_cache(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    monkeypatch.setattr(encode_native, "_state", {})
+    monkeypatch.setattr(encode_c, "_state", {})
     monkeypatch.setenv("UNFIRE_CACHE", str(tmp_path))
-    assert encode_native.library() is not None
+    assert encode_c.library() is not None
     assert len(list(tmp_path.glob("encode-*.so"))) == 1
     assert _same(_trained(), native=True)
 
 
 @pytest.mark.parametrize("compiler", ["no-such-compiler", "false"])
 def test_without_a_c_compiler_encode_uses_torch(monkeypatch: pytest.MonkeyPatch, tmp_path, compiler: str) -> None:
-    monkeypatch.setattr(encode_native, "_state", {})
+    monkeypatch.setattr(encode_c, "_state", {})
     monkeypatch.setenv("UNFIRE_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", compiler)  # missing, or one that fails
     with pytest.warns(RuntimeWarning, match="could not be built"):
-        assert encode_native.library() is None
+        assert encode_c.library() is None
     assert _same(_trained(), native=None)  # encode() falls back to the torch encoder
     with pytest.raises(KernelInputError, match="not available"):
         enc.encode(from_numpy_bits(_trained()), native=True)
 
 
 def test_unfire_native_0_turns_the_c_encoder_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(encode_native, "_state", {})
+    monkeypatch.setattr(encode_c, "_state", {})
     monkeypatch.setenv("UNFIRE_NATIVE", "0")
-    assert encode_native.library() is None
+    assert encode_c.library() is None
     assert _same(_trained(), native=None)
 
 
-@pytest.mark.skipif(encode_native.library() is None, reason="no C compiler: the C encoder is not built")
+@pytest.mark.skipif(encode_c.library() is None, reason="no C compiler: the C encoder is not built")
 @settings(max_examples=80, deadline=None)
 @given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([2, 3, 7]))
 def test_c_encoder_in_threads_equals_reference(bits: np.ndarray, params: dict[str, int], threads: int) -> None:
     """Ranges of groups packed apart and joined (here even for small tensors)."""
     if bits.size == 0:
         return
-    saved = torch.get_num_threads(), encode_native.MIN_WEIGHTS_PER_THREAD
+    saved = torch.get_num_threads(), encode_c.MIN_WEIGHTS_PER_THREAD
     torch.set_num_threads(threads)
-    encode_native.MIN_WEIGHTS_PER_THREAD = 1
+    encode_c.MIN_WEIGHTS_PER_THREAD = 1
     try:
         mine = huffman_arrays(enc.encode(from_numpy_bits(bits), **params, native=True))
     finally:
         torch.set_num_threads(saved[0])
-        encode_native.MIN_WEIGHTS_PER_THREAD = saved[1]
+        encode_c.MIN_WEIGHTS_PER_THREAD = saved[1]
     ref = huffman_arrays(rc.encode(bits, **params))
     assert mine.keys() == ref.keys() and all(np.array_equal(mine[k], ref[k]) for k in ref)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from reference.engine import Engine, SamplingParams, StepRecord
-from reference.model.llama import LlamaModel
-from reference.model.runner import NumpyRunner
+from reference.model.llama import LlamaModel, NumpyRunner
 from reference.sched import Sequence
 from tests.tiny_llama import CONFIG, tiny_weights
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import reference.codec as rc
 from fast.bf16 import from_numpy_bits, to_numpy_bits
-from fast.codec import encode_native
+from fast.codec import encode_c
 from fast.codec.convert import (
     huffman_arrays,
     huffman_from_reference,
@@ -22,12 +22,12 @@ from fast.codec.convert import (
     palette_from_reference,
     reference_palette_arrays,
 )
+from fast.codec.decode_torch import decode_palette_torch, transcode_torch
+from fast.codec.decode_triton import decode_huffman, transcode
 from fast.codec.encode import encode
-from fast.codec.huffman_decode import decode_huffman, transcode
 from fast.codec.linear import UnweightLinear
-from fast.codec.matmul import MatmulConfig, fused_matmul, matmul
-from fast.codec.palette_decode import decode_palette
-from fast.codec.torch_ops import decode_palette_torch, transcode_torch
+from fast.codec.matmul_triton import MatmulConfig, fused_matmul, matmul
+from fast.codec.palette_triton import decode_palette
 from fast.errors import KernelInputError
 from reference.bf16 import float32_to_bf16
 from tests.codec_strategies import bf16_tensors, codec_params
@@ -49,7 +49,7 @@ def test_torch_encoder_equals_reference(bits: np.ndarray, params: dict[str, int]
         enc.BLOCK_WEIGHTS = saved
 
 
-@pytest.mark.skipif(encode_native.library() is None, reason="no C compiler: the C encoder is not built")
+@pytest.mark.skipif(encode_c.library() is None, reason="no C compiler: the C encoder is not built")
 @given(bits=bf16_tensors(), params=codec_params())
 def test_c_encoder_equals_reference(bits: np.ndarray, params: dict[str, int]) -> None:
     ct = rc.encode(bits, **params)
@@ -154,7 +154,7 @@ def test_unweight_linear_matches_nn_linear_and_picks_its_path(monkeypatch) -> No
     layer = UnweightLinear.from_linear(lin, fused_max_rows=4)
     assert torch.equal(layer.decoded_weight().view(torch.int16), lin.weight.view(torch.int16))
     calls = []
-    import fast.codec.matmul as mm
+    import fast.codec.matmul_triton as mm
 
     monkeypatch.setattr(mm, "fused_matmul", lambda *a, **k: calls.append("fused") or mm._launch(
         a[0], None, a[1], 70, 200, a[2], a[3]))

@@ -9,8 +9,8 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
+from fast.engine.elementwise_torch import apply_rope, signed  # noqa: E402
 from fast.engine.linear import DenseLinear, cpu_packed  # noqa: E402
-from fast.engine.model import apply_rope, signed  # noqa: E402
 from fast.kv import KVStep, PagedKVCache, decode_attention  # noqa: E402
 from reference.model.rope import apply_rope as reference_rope  # noqa: E402
 from reference.model.rope import inverse_frequencies, rope_tables  # noqa: E402

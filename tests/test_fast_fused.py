@@ -1,4 +1,5 @@
-"""The fused C RoPE + cache write of the bf16 model (fast/engine/fused.py): torch's bits, both loop sets, bad input."""
+"""The fused C RoPE + cache write of the bf16 model (fast/engine/fused_c.py): torch's bits, both loop sets,
+bad input."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fast.engine import fused
-from fast.engine.model import apply_rope, signed
+from fast.engine import fused_c
+from fast.engine.elementwise_torch import apply_rope, signed
 from fast.errors import KernelInputError
 from fast.kv import PagedKVCache
 
-pytestmark = pytest.mark.skipif(fused.library() is None, reason="no C compiler: fused ops not built")
+pytestmark = pytest.mark.skipif(fused_c.library() is None, reason="no C compiler: fused ops not built")
 SIMD = ["1", "0"]
 
 
@@ -39,7 +40,7 @@ def test_rope_write_is_torch_bit_for_bit(simd: str, n: int, heads_kv: tuple[int,
     slots = torch.randperm(32, generator=gen)[:n]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("UNFIRE_NATIVE_SIMD", simd)
-        q = fused.rope_write(qkv, cos, sin, positions, slots, cache, 1, heads)
+        q = fused_c.rope_write(qkv, cos, sin, positions, slots, cache, 1, heads)
     qk = apply_rope(qkv[:, :(heads + kv) * d].reshape(n, heads + kv, d).float(), cos[positions], sin[positions])
     assert torch.equal(q, qk[:, :heads].bfloat16())
     flat_k, flat_v = cache.k[1].view(-1, kv, d), cache.v[1].view(-1, kv, d)
@@ -60,7 +61,7 @@ def test_simd_and_plain_loops_give_the_same_bits(monkeypatch: pytest.MonkeyPatch
     for simd in ("1", "0"):
         monkeypatch.setenv("UNFIRE_NATIVE_SIMD", simd)
         cache = _cache(3, 64, blocks=16)
-        q = fused.rope_write(qkv, cos, sin, positions, slots, cache, 0, 9)
+        q = fused_c.rope_write(qkv, cos, sin, positions, slots, cache, 0, 9)
         outs.append((q, cache.k[0].clone(), cache.v[0].clone()))
     for a, b in zip(*outs, strict=True):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
@@ -73,17 +74,17 @@ def test_bad_input_is_refused() -> None:
     cos = sin = torch.zeros((10, 16))
     ok = torch.tensor([0, 1])
     with pytest.raises(KernelInputError, match="position"):
-        fused.rope_write(qkv, cos, sin, torch.tensor([0, 10]), ok, cache, 0, 1)
+        fused_c.rope_write(qkv, cos, sin, torch.tensor([0, 10]), ok, cache, 0, 1)
     with pytest.raises(KernelInputError, match="slot"):
-        fused.rope_write(qkv, cos, sin, ok, torch.tensor([0, 32]), cache, 0, 1)
+        fused_c.rope_write(qkv, cos, sin, ok, torch.tensor([0, 32]), cache, 0, 1)
     with pytest.raises(KernelInputError, match="slot"):
-        fused.rope_write(qkv, cos, sin, ok, torch.tensor([-1, 0]), cache, 0, 1)
+        fused_c.rope_write(qkv, cos, sin, ok, torch.tensor([-1, 0]), cache, 0, 1)
     with pytest.raises(KernelInputError, match="width"):
-        fused.rope_write(qkv, cos, sin, ok, ok, cache, 0, 2)
+        fused_c.rope_write(qkv, cos, sin, ok, ok, cache, 0, 2)
     with pytest.raises(KernelInputError, match="int64"):
-        fused.rope_write(qkv, cos, sin, ok.int(), ok, cache, 0, 1)
+        fused_c.rope_write(qkv, cos, sin, ok.int(), ok, cache, 0, 1)
     with pytest.raises(KernelInputError, match="layer"):
-        fused.rope_write(qkv, cos, sin, ok, ok, cache, 5, 1)
+        fused_c.rope_write(qkv, cos, sin, ok, ok, cache, 5, 1)
 
 
 def test_bf16_engine_runs_them_and_generates_what_the_torch_lines_do(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -91,7 +92,7 @@ def test_bf16_engine_runs_them_and_generates_what_the_torch_lines_do(monkeypatch
     tokens, bit for bit."""
     from tests.tiny_llama import bf16_outputs_on_and_off
 
-    outputs, on, off = bf16_outputs_on_and_off(monkeypatch, fused, "rope_write", "UNFIRE_NATIVE_FUSED")
+    outputs, on, off = bf16_outputs_on_and_off(monkeypatch, fused_c, "rope_write", "UNFIRE_NATIVE_FUSED")
     assert on >= 2 * 12  # every step, both layers
     assert off == 0  # switched off: never called
     assert outputs["1"] == outputs["0"]
@@ -108,7 +109,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
 
-@pytest.mark.skipif(not fused.norm_applies(torch.bfloat16, torch.device("cpu")),
+@pytest.mark.skipif(not fused_c.norm_applies(torch.bfloat16, torch.device("cpu")),
                     reason="the C norm does not know this CPU's summation order")
 @pytest.mark.parametrize("one_call", [True, False])
 @pytest.mark.parametrize("simd", SIMD)
@@ -121,9 +122,9 @@ def test_add_rms_norm_is_torch_bit_for_bit(simd: str, one_call: bool, n: int, h:
     """x + float(delta) and bf16(rms_norm(...)) exactly as the model's torch lines compute them (the sum of
     squares in ATen's order, torch's sqrt: MKL's called from C in one call, or torch.sqrt between two C passes),
     into a separate output and in place; every cell written."""
-    from fast.engine.model import rms_norm
+    from fast.engine.elementwise_torch import rms_norm
 
-    if one_call and fused._lanes.get("sqrt") is None:
+    if one_call and fused_c._lanes.get("sqrt") is None:
         pytest.skip("torch's sqrt cannot be called from C here: the two-pass norm runs")
 
     x, delta, w = _norm_case(n, h, seed, 2.0 ** log_scale)
@@ -132,23 +133,23 @@ def test_add_rms_norm_is_torch_bit_for_bit(simd: str, one_call: bool, n: int, h:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("UNFIRE_NATIVE_SIMD", simd)
         if not one_call:
-            mp.setitem(fused._lanes, "sqrt", None)
+            mp.setitem(fused_c._lanes, "sqrt", None)
         x_out = torch.full_like(x, float("nan"))  # every cell must be overwritten
-        got = fused.add_rms_norm(x, delta, w, eps, x_out)
+        got = fused_c.add_rms_norm(x, delta, w, eps, x_out)
         assert torch.equal(_bits(x_out), _bits(want_x)) and torch.equal(_bits(got), _bits(want))
-        alone = fused.add_rms_norm(want_x, None, w, eps)  # the norm without an add
+        alone = fused_c.add_rms_norm(want_x, None, w, eps)  # the norm without an add
         assert torch.equal(_bits(alone), _bits(want))
         inplace = x.clone()
-        assert fused.add_rms_norm(inplace, delta, None, eps, inplace) is None  # the add alone, in place
+        assert fused_c.add_rms_norm(inplace, delta, None, eps, inplace) is None  # the add alone, in place
         assert torch.equal(_bits(inplace), _bits(want_x))
 
 
-@pytest.mark.skipif(not fused.norm_applies(torch.bfloat16, torch.device("cpu")),
+@pytest.mark.skipif(not fused_c.norm_applies(torch.bfloat16, torch.device("cpu")),
                     reason="the C norm does not know this CPU's summation order")
 def test_add_rms_norm_split_between_threads_and_special_values() -> None:
     """Rows split between two threads give the same bits; infinities, NaNs, zero rows and huge values go
     through as in torch (NaN rows stay NaN in both, compared as NaN)."""
-    from fast.engine.model import rms_norm
+    from fast.engine.elementwise_torch import rms_norm
 
     x, delta, w = _norm_case(97, 576, 7, 30.0)
     x[3] = 0.0
@@ -160,7 +161,7 @@ def test_add_rms_norm_split_between_threads_and_special_values() -> None:
     try:
         torch.set_num_threads(2)
         x_out = torch.empty_like(x)
-        got = fused.add_rms_norm(x, delta, w, 1e-5, x_out)
+        got = fused_c.add_rms_norm(x, delta, w, 1e-5, x_out)
     finally:
         torch.set_num_threads(before)
     want_x = x + delta.float()
@@ -176,18 +177,18 @@ def test_norm_probe_under_other_cpu_capabilities(capability: str) -> None:
     import subprocess
     import sys
 
-    code = ("import torch\nfrom fast.engine import fused\nfrom fast.engine.model import rms_norm\n"
-            "ok = fused.norm_applies(torch.bfloat16, torch.device('cpu'))\n"
+    code = ("import torch\nfrom fast.engine import fused_c\nfrom fast.engine.elementwise_torch import rms_norm\n"
+            "ok = fused_c.norm_applies(torch.bfloat16, torch.device('cpu'))\n"
             "g = torch.Generator().manual_seed(1)\nbad = 0\n"
             "for h in (5, 40, 576, 3000):\n"
             "    x, d, w = torch.randn((9, h), generator=g), torch.randn((9, h), generator=g).bfloat16(), "
             "torch.randn(h, generator=g)\n"
             "    if ok:\n"
             "        xo = torch.empty_like(x)\n"
-            "        got = fused.add_rms_norm(x, d, w, 1e-5, xo)\n"
+            "        got = fused_c.add_rms_norm(x, d, w, 1e-5, xo)\n"
             "        bad += not torch.equal(got.view(torch.int16), rms_norm(x + d.float(), w, 1e-5).bfloat16()"
             ".view(torch.int16))\n"
-            "print(torch.backends.cpu.get_cpu_capability(), ok, fused.norm_lanes(), bad)\n")
+            "print(torch.backends.cpu.get_cpu_capability(), ok, fused_c.norm_lanes(), bad)\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**__import__("os").environ, "ATEN_CPU_CAPABILITY": capability})
     assert run.returncode == 0, run.stderr
@@ -197,19 +198,19 @@ def test_norm_probe_under_other_cpu_capabilities(capability: str) -> None:
 
 
 def test_norm_bad_input_is_refused() -> None:
-    if not fused.norm_applies(torch.bfloat16, torch.device("cpu")):
+    if not fused_c.norm_applies(torch.bfloat16, torch.device("cpu")):
         pytest.skip("the C norm does not run here")
     x, delta, w = _norm_case(2, 16, 0, 1.0)
     with pytest.raises(KernelInputError, match="x_out"):
-        fused.add_rms_norm(x, delta, w, 1e-5)
+        fused_c.add_rms_norm(x, delta, w, 1e-5)
     with pytest.raises(KernelInputError, match="shape"):
-        fused.add_rms_norm(x, delta[:1], w, 1e-5, torch.empty_like(x))
+        fused_c.add_rms_norm(x, delta[:1], w, 1e-5, torch.empty_like(x))
     with pytest.raises(KernelInputError, match="weight"):
-        fused.add_rms_norm(x, None, w[:8], 1e-5)
+        fused_c.add_rms_norm(x, None, w[:8], 1e-5)
     with pytest.raises(KernelInputError, match="float32"):
-        fused.add_rms_norm(x.bfloat16(), None, w, 1e-5)
+        fused_c.add_rms_norm(x.bfloat16(), None, w, 1e-5)
     with pytest.raises(KernelInputError, match="delta, a weight"):
-        fused.add_rms_norm(x, None, None, 1e-5)
+        fused_c.add_rms_norm(x, None, None, 1e-5)
 
 
 def test_bf16_model_logits_equal_with_and_without_the_c_norm(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -219,11 +220,11 @@ def test_bf16_model_logits_equal_with_and_without_the_c_norm(monkeypatch: pytest
     from fast.kv import KVStep
     from tests.tiny_llama import CONFIG, tiny_weights
 
-    if not fused.norm_applies(torch.bfloat16, torch.device("cpu")):
+    if not fused_c.norm_applies(torch.bfloat16, torch.device("cpu")):
         pytest.skip("the C norm does not run here")
     model = TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16")
     calls = []
-    real, bound = fused.add_rms_norm, fused.StepOps.add_rms_norm
+    real, bound = fused_c.add_rms_norm, fused_c.StepOps.add_rms_norm
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor | None:
         calls.append(1)
@@ -233,8 +234,8 @@ def test_bf16_model_logits_equal_with_and_without_the_c_norm(monkeypatch: pytest
         calls.append(1)
         return bound(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(fused, "add_rms_norm", counted)  # the public function, or the step's bound one
-    monkeypatch.setattr(fused.StepOps, "add_rms_norm", counted_bound)
+    monkeypatch.setattr(fused_c, "add_rms_norm", counted)  # the public function, or the step's bound one
+    monkeypatch.setattr(fused_c.StepOps, "add_rms_norm", counted_bound)
     tokens = torch.randint(1, CONFIG.vocab_size, (37,), generator=torch.Generator().manual_seed(4))
     logits = {}
     for flag in ("1", "0"):
@@ -263,7 +264,7 @@ def assert_silu_mul_as_torch(gate_up: torch.Tensor) -> None:
     gives NaN (payloads aside), every other value bit for bit."""
     import torch.nn.functional as F
 
-    got = fused.silu_mul(gate_up)
+    got = fused_c.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up
     assert torch.equal(got.isnan(), want.isnan())
@@ -271,7 +272,7 @@ def assert_silu_mul_as_torch(gate_up: torch.Tensor) -> None:
     assert torch.equal(_bits(got[finite]), _bits(want[finite]))
 
 
-@pytest.mark.skipif(not fused.silu_applies(torch.bfloat16, torch.device("cpu")),
+@pytest.mark.skipif(not fused_c.silu_applies(torch.bfloat16, torch.device("cpu")),
                     reason="the C silu does not run here (no AVX-512, or not torch's bits on the probe)")
 @settings(max_examples=40, deadline=None)
 @given(n=st.integers(1, 40), inter=st.sampled_from([1, 5, 31, 63, 64, 65, 100, 127, 128, 700, 1536, 1537]),
@@ -287,13 +288,13 @@ def test_silu_mul_is_torch_bit_for_bit(n: int, inter: int, seed: int, scale: flo
     assert_silu_mul_as_torch(gate_up)
 
 
-@pytest.mark.skipif(not fused.silu_applies(torch.bfloat16, torch.device("cpu")),
+@pytest.mark.skipif(not fused_c.silu_applies(torch.bfloat16, torch.device("cpu")),
                     reason="the C silu does not run here (no AVX-512, or not torch's bits on the probe)")
 @pytest.mark.parametrize("inter", [1024, 1030])
 def test_silu_mul_every_bf16_gate(inter: int) -> None:
     """Every one of the 65536 bf16 gates, laid out as the model's gate/up rows (the gate a strided half), against
     the torch lines: the table's lookups in the vector steps and the scalar tail (inter 1030: 6 tail values a row)."""
-    gates = fused.every_bf16()
+    gates = fused_c.every_bf16()
     n = -(-65536 // inter)
     gates = torch.cat([gates, gates[: n * inter - 65536]]).view(n, inter)
     up = torch.randn((n, inter), generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -302,35 +303,35 @@ def test_silu_mul_every_bf16_gate(inter: int) -> None:
 
 
 def test_silu_mul_refuses_bad_input() -> None:
-    if not fused.silu_applies(torch.bfloat16, torch.device("cpu")):
+    if not fused_c.silu_applies(torch.bfloat16, torch.device("cpu")):
         pytest.skip("the C silu does not run here")
     with pytest.raises(KernelInputError, match="odd width"):
-        fused.silu_mul(torch.zeros((2, 7), dtype=torch.bfloat16))
+        fused_c.silu_mul(torch.zeros((2, 7), dtype=torch.bfloat16))
     with pytest.raises(KernelInputError, match="bfloat16"):
-        fused.silu_mul(torch.zeros((2, 8)))
+        fused_c.silu_mul(torch.zeros((2, 8)))
 
 
 def test_silu_switch_and_simd_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     """UNFIRE_NATIVE_SILU=0 or the plain loops forced (UNFIRE_NATIVE_SIMD=0): the torch lines run (the C silu
     has AVX-512 loops only)."""
     monkeypatch.setenv("UNFIRE_NATIVE_SILU", "0")
-    assert not fused.silu_applies(torch.bfloat16, torch.device("cpu"))
+    assert not fused_c.silu_applies(torch.bfloat16, torch.device("cpu"))
     monkeypatch.setenv("UNFIRE_NATIVE_SILU", "1")
     monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "0")
-    assert not fused.silu_applies(torch.bfloat16, torch.device("cpu"))
-    assert not fused.silu_applies(torch.float32, torch.device("cpu"))
+    assert not fused_c.silu_applies(torch.bfloat16, torch.device("cpu"))
+    assert not fused_c.silu_applies(torch.float32, torch.device("cpu"))
 
 
 def test_last_layer_on_kept_rows_gives_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill step whose last layer runs attention, projection and MLP on the logit rows alone (the C attention
     takes single rows) gives the logits of the full last layer bit for bit, and the cache the same K/V."""
     from fast.engine import TorchLlama
-    from fast.kv import KVStep, attention_rows, native_attention, paged_attention
+    from fast.kv import KVStep, attention_c, attention_rows, paged_attention
     from tests.tiny_llama import CONFIG, tiny_weights
 
     model = TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16")
     probe = model.new_cache(4, 4)
-    if not native_attention.applies(torch.zeros((1, CONFIG.num_heads, CONFIG.head_dim), dtype=torch.bfloat16), probe):
+    if not attention_c.applies(torch.zeros((1, CONFIG.num_heads, CONFIG.head_dim), dtype=torch.bfloat16), probe):
         pytest.skip("the C attention does not run here: the last layer runs on every row")
     tokens = torch.randint(1, CONFIG.vocab_size, (41,), generator=torch.Generator().manual_seed(5))
     positions = torch.cat([torch.arange(30), torch.arange(4, 15)])
@@ -355,7 +356,7 @@ def test_last_layer_on_kept_rows_gives_the_same_logits(monkeypatch: pytest.Monke
 
 
 def test_step_bound_ops_give_the_same_logits(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ops and attention bound to a step (fused.StepOps, native_attention.bind: arguments checked once per
+    """The ops and attention bound to a step (fused_c.StepOps, attention_c.bind: arguments checked once per
     step) give the logits of the per-call public functions bit for bit, in a prefill and a decode step; and they
     refuse a tensor of the wrong shape."""
     from fast.engine import TorchLlama
@@ -368,23 +369,23 @@ def test_step_bound_ops_give_the_same_logits(monkeypatch: pytest.MonkeyPatch) ->
     step = KVStep.build(query_lens=[30, 7], starts=[0, 0], block_tables=[list(range(8)), [8, 9]], block_size=4,
                         num_blocks=16)
     torch.set_num_threads(1)
-    ops = fused.StepOps.bind(cache, CONFIG.num_heads, model.cos, model.signed_sin, positions, step.slots)
+    ops = fused_c.StepOps.bind(cache, CONFIG.num_heads, model.cos, model.signed_sin, positions, step.slots)
     if ops is None:
         pytest.skip("the step-bound ops do not run here (a C op not applicable)")
     with pytest.raises(KernelInputError, match="qkv"):
         ops.rope_write(torch.zeros((5, 3), dtype=torch.bfloat16), 0)
     tokens = torch.randint(1, CONFIG.vocab_size, (37,), generator=torch.Generator().manual_seed(8))
-    real = fused.StepOps.bind
+    real = fused_c.StepOps.bind
     got = {}
     for bound in (True, False):
         if not bound:
-            monkeypatch.setattr(fused.StepOps, "bind", classmethod(lambda cls, *a, **k: None))
+            monkeypatch.setattr(fused_c.StepOps, "bind", classmethod(lambda cls, *a, **k: None))
         cache = model.new_cache(16, 4)
         a = model.forward(tokens, positions, step, cache, torch.tensor([29, 36]))
         decode = KVStep.build(query_lens=[1, 1], starts=[30, 7], block_tables=[list(range(8)), [8, 9]],
                               block_size=4, num_blocks=16)
         b = model.forward(tokens[:2], torch.tensor([30, 7]), decode, cache, torch.tensor([0, 1]))
         got[bound] = (a, b, cache.k[0].clone(), cache.v[-1].clone())
-    monkeypatch.setattr(fused.StepOps, "bind", real)
+    monkeypatch.setattr(fused_c.StepOps, "bind", real)
     for x, y in zip(got[True], got[False], strict=True):
         assert torch.equal(_bits(x), _bits(y))

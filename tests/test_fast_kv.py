@@ -53,7 +53,7 @@ def test_fp8_writes_equal_the_reference_bytes(seed: int, spread: int) -> None:
         slots = np.concatenate([ref.slots(t, s, n) for t, s, n in zip(tables, lengths, chunk, strict=True)])
         k, v = _values(rng, len(slots), spread), _values(rng, len(slots), spread)
         ref.write(0, slots, k, v)
-        fast.write(0, torch.from_numpy(slots), torch.from_numpy(k), torch.from_numpy(v), backend="torch")
+        fast.write(0, torch.from_numpy(slots), torch.from_numpy(k), torch.from_numpy(v))
         lengths = [s + n for s, n in zip(lengths, chunk, strict=True)]
         _same_store(ref, fast)
 
@@ -89,7 +89,7 @@ def _step_and_fill(dtype: str, query_lens: list[int], starts: list[int], seed: i
         if dtype == "bfloat16":  # the reference stores what a bf16 cache can hold
             k, v = (torch.from_numpy(a).bfloat16().float().numpy() for a in (k, v))
         ref.write(0, slots, k, v)
-        fast.write(0, torch.from_numpy(slots), torch.from_numpy(k), torch.from_numpy(v), backend="torch")
+        fast.write(0, torch.from_numpy(slots), torch.from_numpy(k), torch.from_numpy(v))
     step = KVStep.build(query_lens=query_lens, starts=starts, block_tables=tables, block_size=BS, num_blocks=nb,
                         pad_block=nb - 1, max_blocks=max(map(len, tables)) + 1)
     return ref, fast, step, tables, rng

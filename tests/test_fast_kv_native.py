@@ -1,4 +1,4 @@
-"""The C decode attention (fast/kv/native_attention.py): float64 agreement, both loop sets, bad steps, fallback."""
+"""The C decode attention (fast/kv/attention_c.py): float64 agreement, both loop sets, bad steps, fallback."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fast.errors import KernelInputError
-from fast.kv import KVStep, PagedKVCache, native_attention
+from fast.kv import KVStep, PagedKVCache, attention_c
 from fast.kv import attention_torch as at
 
-pytestmark = pytest.mark.skipif(native_attention.library() is None, reason="no C compiler: kernel not built")
+pytestmark = pytest.mark.skipif(attention_c.library() is None, reason="no C compiler: kernel not built")
 
 
 def _setup(lengths: list[int], kv: int, group: int, d: int, block_size: int, seed: int):
@@ -48,7 +48,7 @@ def _setup(lengths: list[int], kv: int, group: int, d: int, block_size: int, see
 def _run(cache: PagedKVCache, step: KVStep, q: torch.Tensor, scale: float) -> torch.Tensor:
     out = torch.full(q.shape, float("nan"), dtype=q.dtype)
     every = torch.arange(step.num_chunks)
-    assert native_attention.decode_rows(q, cache, 0, step, every, every, scale, out)
+    assert attention_c.decode_rows(q, cache, 0, step, every, every, scale, out)
     return out
 
 
@@ -89,7 +89,7 @@ def test_decode_attention_uses_it_and_falls_back(monkeypatch: pytest.MonkeyPatch
     native = at.decode_attention(q, cache, 0, step, scale)
     assert torch.equal(native, _run(cache, step, q, scale))
     monkeypatch.setenv("UNFIRE_NATIVE_ATTENTION", "0")
-    assert not native_attention.applies(q, cache)
+    assert not attention_c.applies(q, cache)
     gathered = at.decode_attention(q, cache, 0, step, scale).double()
     assert ((gathered - want).abs() <= 2.0**-6 * (want.abs() + 1)).all()
 
@@ -109,11 +109,11 @@ def test_bad_steps_raise(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_not_taken_for_other_dtypes() -> None:
     cache, _, q, _, _ = _setup([3], 1, 2, 16, 4, 0)
-    assert not native_attention.applies(q.float(), cache)
+    assert not attention_c.applies(q.float(), cache)
     fp32 = PagedKVCache(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=16, dtype="float32")
-    assert not native_attention.applies(q, fp32)
+    assert not attention_c.applies(q, fp32)
     odd = PagedKVCache(num_layers=1, num_blocks=2, block_size=4, num_kv_heads=1, head_dim=24, dtype="bfloat16")
-    assert not native_attention.applies(torch.zeros((1, 2, 24), dtype=torch.bfloat16), odd)
+    assert not attention_c.applies(torch.zeros((1, 2, 24), dtype=torch.bfloat16), odd)
 
 
 def test_rows_split_between_threads_give_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -135,7 +135,7 @@ def test_bf16_engine_decodes_through_the_kernel(monkeypatch: pytest.MonkeyPatch)
     """The fast engine's bf16 decode steps take the kernel, and generate what the gather path generates."""
     from tests.tiny_llama import bf16_outputs_on_and_off
 
-    outputs, on, _ = bf16_outputs_on_and_off(monkeypatch, native_attention, "decode_rows", "UNFIRE_NATIVE_ATTENTION")
+    outputs, on, _ = bf16_outputs_on_and_off(monkeypatch, attention_c, "decode_rows", "UNFIRE_NATIVE_ATTENTION")
     assert on >= 2 * 11  # every decode step, both layers
     assert all(len(o) == 12 for o in outputs["1"])
     same = sum(a == b for x, y in zip(outputs["1"], outputs["0"], strict=True) for a, b in zip(x, y, strict=True))
@@ -184,7 +184,7 @@ def test_row_lengths_past_the_sequence_raise(monkeypatch: pytest.MonkeyPatch) ->
     every = torch.arange(2)
     out = torch.empty_like(q)
     with pytest.raises(KernelInputError, match="length"):
-        native_attention.decode_rows(q, cache, 0, step, every, every, scale, out,
+        attention_c.decode_rows(q, cache, 0, step, every, every, scale, out,
                                      torch.tensor([20, 6], dtype=torch.int32))
     with pytest.raises(KernelInputError, match="int32"):
-        native_attention.decode_rows(q, cache, 0, step, every, every, scale, out, torch.tensor([20, 5]))
+        attention_c.decode_rows(q, cache, 0, step, every, every, scale, out, torch.tensor([20, 5]))

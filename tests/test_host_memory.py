@@ -62,7 +62,7 @@ def test_cpu_runner_tunes() -> None:
     """The fast engine's runner on a CPU asks for it (every entry point of the engine builds one)."""
     from fast.engine import host_memory
     from fast.engine.model import TorchLlama
-    from fast.engine.runner import TorchRunner
+    from fast.engine.torch_runner import TorchRunner
     from tests.tiny_llama import CONFIG, tiny_weights
 
     host_memory._done.clear()

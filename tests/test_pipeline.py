@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from fast.pipeline import PipelineError, load_engine, parse_chain, plan
 from fast.pipeline.chain import Node, predicted_bubble
-from fast.pipeline.runner import cut
+from fast.pipeline.pipeline_runner import cut
 from fast.pipeline.wire import FORWARD, Limits, WireError, check_header, decode_forward, encode_forward, header
 from reference.cluster.placement import best_split, uniform_split
 from reference.engine.params import SamplingParams
@@ -114,13 +114,13 @@ def test_a_killed_stage_ends_every_request_in_flight_with_a_clear_error():
     mid-run; every request gets an error naming the stage, within a bounded time, and later ones too."""
     import asyncio
 
-    from serve.worker import EngineWorker, Failed, Finished, Rejected, Submission
+    from serve.engine_thread import EngineThread, Failed, Finished, Rejected, Submission
 
     # a cache that holds every request whole (6 x (40 + 400) tokens): none can end at the cache's length
     # before the kill, which comes right after the first streamed token (a sleep raced a fast machine)
     opts = {**OPTS, "num_blocks": 700}
     engine = load_engine("tiny", "3", dtype="float32", micro_batches=2, **opts)
-    worker = EngineWorker(engine)
+    worker = EngineThread(engine)
     worker.start()
     victim = engine.runner.procs[0]  # stage 1, the middle one
 

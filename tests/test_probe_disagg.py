@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 from reference.disagg.__main__ import run_colocated
 from reference.disagg.batch import run_requests
-from reference.disagg.cluster import SECRET_ENV, ProcessCluster, WorkerOptions
 from reference.disagg.frames import HEADER, MAGIC, MAX_PAYLOAD, VERSION, Kind, encode_frame
+from reference.disagg.pool import SECRET_ENV, ProcessPool, WorkerOptions
 from reference.disagg.transport import HANDSHAKE_PAYLOAD
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,11 +55,11 @@ def send(port: int, data: bytes, linger: float = 0.0) -> socket.socket:
     return s
 
 
-def pump_until(cluster: ProcessCluster, cond, timeout: float = 20.0) -> None:
+def pump_until(pool: ProcessPool, cond, timeout: float = 20.0) -> None:
     end = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < end, f"timed out; counters {cluster.coordinator.counters}"
-        cluster.pump()
+        assert time.monotonic() < end, f"timed out; counters {pool.coordinator.counters}"
+        pool.pump()
 
 
 def closed_by_peer(s: socket.socket, timeout: float = 10.0) -> bool:
@@ -81,81 +81,81 @@ def expected() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with ProcessCluster("tiny", 1, 1, opts=OPTS) as c:
+def pool():
+    with ProcessPool("tiny", 1, 1, opts=OPTS) as c:
         yield c
 
 
-def assert_batch_right(cluster: ProcessCluster, expected: list[list[int]], tag: str) -> None:
+def assert_batch_right(pool: ProcessPool, expected: list[list[int]], tag: str) -> None:
     reqs = [{**r, "id": f"{tag}-{r['id']}"} for r in REQUESTS]
-    results = run_requests(cluster, reqs, timeout=60)
+    results = run_requests(pool, reqs, timeout=60)
     assert [r["error"] for r in results] == [None] * len(reqs), results
     assert [r["output_token_ids"] for r in results] == expected
 
 
-def test_a_signed_malformed_hello_drops_the_peer_and_the_batch_goes_on(cluster, expected, caplog):
+def test_a_signed_malformed_hello_drops_the_peer_and_the_batch_goes_on(pool, expected, caplog):
     caplog.set_level(logging.WARNING, logger="reference.disagg")
-    before = cluster.coordinator.counters.get("peers_dropped", 0)
-    s = send(cluster.port, frame(Kind.HELLO, json.dumps(hello_body(900, layout="flat")).encode(), cluster.secret))
-    pump_until(cluster, lambda: cluster.coordinator.counters.get("peers_dropped", 0) > before)
+    before = pool.coordinator.counters.get("peers_dropped", 0)
+    s = send(pool.port, frame(Kind.HELLO, json.dumps(hello_body(900, layout="flat")).encode(), pool.secret))
+    pump_until(pool, lambda: pool.coordinator.counters.get("peers_dropped", 0) > before)
     assert closed_by_peer(s)
-    assert 900 not in cluster.coordinator.workers
+    assert 900 not in pool.coordinator.workers
     assert any("HELLO frame breaks the schema" in r.getMessage() for r in caplog.records)
-    assert_batch_right(cluster, expected, "hello")
+    assert_batch_right(pool, expected, "hello")
 
 
-def test_a_signed_malformed_heartbeat_drops_that_worker_and_its_requests_go_on(cluster, expected, caplog):
+def test_a_signed_malformed_heartbeat_drops_that_worker_and_its_requests_go_on(pool, expected, caplog):
     caplog.set_level(logging.WARNING, logger="reference.disagg")
-    coord = cluster.coordinator
+    coord = pool.coordinator
     impostor = hello_body(901, num_blocks=10**6)  # the most free blocks: the router picks it
-    s = send(cluster.port, frame(Kind.HELLO, json.dumps(impostor).encode(), cluster.secret, src=901))
-    pump_until(cluster, lambda: 901 in coord.workers)
+    s = send(pool.port, frame(Kind.HELLO, json.dumps(impostor).encode(), pool.secret, src=901))
+    pump_until(pool, lambda: 901 in coord.workers)
     # the impostor is a live decode worker now: route a request to it (fewest in-flight tokens), then break it
     coord.submit("hb-victim", REQUESTS[0]["prompt_token_ids"], 4)
     victim = coord.requests["hb-victim"]
     assert victim.decode == 901
-    s.sendall(frame(Kind.HEARTBEAT, b'{"free_blocks": "many"}', cluster.secret, src=901, seq=1))
-    pump_until(cluster, lambda: not coord.workers[901].alive)
+    s.sendall(frame(Kind.HEARTBEAT, b'{"free_blocks": "many"}', pool.secret, src=901, seq=1))
+    pump_until(pool, lambda: not coord.workers[901].alive)
     assert closed_by_peer(s)
     assert any("HEARTBEAT frame breaks the schema" in r.getMessage() for r in caplog.records)
-    pump_until(cluster, lambda: victim.result is not None, timeout=60)
+    pump_until(pool, lambda: victim.result is not None, timeout=60)
     assert victim.result["error"] is None and victim.result["output_token_ids"] == expected[0]
-    assert_batch_right(cluster, expected, "heartbeat")
+    assert_batch_right(pool, expected, "heartbeat")
 
 
-def test_an_unauthenticated_peer_cannot_make_the_coordinator_buffer_a_big_frame(cluster):
+def test_an_unauthenticated_peer_cannot_make_the_coordinator_buffer_a_big_frame(pool):
     header = HEADER.pack(MAGIC, VERSION, int(Kind.HELLO), 902, 0, 0, MAX_PAYLOAD, 0)
-    s = send(cluster.port, header + b"\0" * 1000)
+    s = send(pool.port, header + b"\0" * 1000)
     assert closed_by_peer(s)  # closed on the header alone, 64 MiB never awaited
     small = HEADER.pack(MAGIC, VERSION, int(Kind.HELLO), 902, 0, 0, HANDSHAKE_PAYLOAD + 1, 0)
-    assert closed_by_peer(send(cluster.port, small))
+    assert closed_by_peer(send(pool.port, small))
 
 
-def test_idle_and_surplus_connections_are_closed_and_forgotten(cluster, caplog):
+def test_idle_and_surplus_connections_are_closed_and_forgotten(pool, caplog):
     caplog.set_level(logging.WARNING, logger="reference.disagg")
-    coord = cluster.coordinator
+    coord = pool.coordinator
     coord.hello_timeout = 1.0
     try:
-        idle = [socket.create_connection(("127.0.0.1", cluster.port)) for _ in range(coord.max_pending_links + 8)]
-        pump_until(cluster, lambda: coord.counters.get("links_refused", 0) >= 8)
+        idle = [socket.create_connection(("127.0.0.1", pool.port)) for _ in range(coord.max_pending_links + 8)]
+        pump_until(pool, lambda: coord.counters.get("links_refused", 0) >= 8)
         assert coord.pending_links() <= coord.max_pending_links
-        pump_until(cluster, lambda: coord.pending_links() == 0)
+        pump_until(pool, lambda: coord.pending_links() == 0)
         assert all(closed_by_peer(s) for s in idle)
         # forgotten: every link left belongs to a live worker (no idle, refused or dropped one lingers)
-        pump_until(cluster, lambda: all(getattr(link.peer, "alive", False) for link in coord.links.values()))
+        pump_until(pool, lambda: all(getattr(link.peer, "alive", False) for link in coord.links.values()))
         assert any("no HELLO within" in r.getMessage() for r in caplog.records)
         assert any("refusing a connection" in r.getMessage() for r in caplog.records)
     finally:
         coord.hello_timeout = 10.0
 
 
-def test_the_secret_is_not_in_any_workers_environment(cluster):
+def test_the_secret_is_not_in_any_workers_environment(pool):
     if not Path("/proc/self/environ").exists():
         pytest.skip("no /proc here")
-    for proc in cluster.procs.values():
+    for proc in pool.procs.values():
         if proc.poll() is None:
             environ = Path(f"/proc/{proc.pid}/environ").read_bytes()
-            assert SECRET_ENV.encode() not in environ and cluster.secret.hex().encode() not in environ
+            assert SECRET_ENV.encode() not in environ and pool.secret.hex().encode() not in environ
 
 
 kinds = st.sampled_from([int(k) for k in Kind] + [0, 13, 255])
@@ -169,9 +169,9 @@ payloads = (st.binary(max_size=200)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(kind=kinds, payload=payloads, signed=st.booleans(), src=st.integers(0, 65535), seq=st.integers(0, 2**32 - 1),
        declared=st.none() | st.integers(0, 2**32 - 1), cut=st.none() | st.integers(0, 300), stream=st.integers(0, 9))
-def test_random_frames_at_the_port_never_break_the_coordinator(cluster, kind, payload, signed, src, seq, declared,
+def test_random_frames_at_the_port_never_break_the_coordinator(pool, kind, payload, signed, src, seq, declared,
                                                                 cut, stream):
-    secret = cluster.secret if signed else b"not the secret at all, 32 bytes"
+    secret = pool.secret if signed else b"not the secret at all, 32 bytes"
     if kind in {int(k) for k in Kind}:
         data = frame(Kind(kind), payload, secret, src=src, seq=seq, stream=stream)
     else:
@@ -180,16 +180,16 @@ def test_random_frames_at_the_port_never_break_the_coordinator(cluster, kind, pa
         data = data[:24] + declared.to_bytes(4, "little") + data[28:]
     if cut is not None:
         data = data[:cut]
-    with send(cluster.port, data):
+    with send(pool.port, data):
         for _ in range(3):
-            cluster.pump()
-    real = [w for w in cluster.coordinator.workers.values() if w.alive and w.node in cluster.procs]
-    assert {w.role for w in real} == {"prefill", "decode"}, cluster.coordinator.counters
+            pool.pump()
+    real = [w for w in pool.coordinator.workers.values() if w.alive and w.node in pool.procs]
+    assert {w.role for w in real} == {"prefill", "decode"}, pool.coordinator.counters
 
 
-def test_after_the_random_frames_legitimate_requests_get_the_right_tokens(cluster, expected):
-    pump_until(cluster, lambda: cluster.coordinator.live("decode") and cluster.coordinator.live("prefill"))
-    assert_batch_right(cluster, expected, "after-fuzz")
+def test_after_the_random_frames_legitimate_requests_get_the_right_tokens(pool, expected):
+    pump_until(pool, lambda: pool.coordinator.live("decode") and pool.coordinator.live("prefill"))
+    assert_batch_right(pool, expected, "after-fuzz")
 
 
 def test_batch_command_writes_every_line_and_says_what_it_wrote(tmp_path, expected):

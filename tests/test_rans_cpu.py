@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fast.codec import rans_native
-from fast.codec.rans_native import decode_rans_cpu
+from fast.codec import decode_rans_c
+from fast.codec.decode_rans_c import decode_rans_cpu
 from reference.codec import RansTensor, decode_rans, encode_rans
 from reference.codec.errors import CodecError
 from reference.codec.format import crc32
@@ -25,19 +25,19 @@ from tests.test_codec_rans import rans_params
 from tests.test_codec_rans_corruption import BASE, TRAINED
 from tests.test_decode_cpu import build
 
-HAS_C = rans_native.library() is not None
+HAS_C = decode_rans_c.library() is not None
 needs_c = pytest.mark.skipif(not HAS_C, reason="no C compiler: the C rANS decoder is not built")
 
 
 @contextlib.contextmanager
 def many_threads() -> Iterator[None]:
     """Let even tiny tensors be decoded by several threads (their taking of blocks and the CRC join)."""
-    saved = rans_native.MIN_WEIGHTS_PER_THREAD
-    rans_native.MIN_WEIGHTS_PER_THREAD = 1
+    saved = decode_rans_c.MIN_WEIGHTS_PER_THREAD
+    decode_rans_c.MIN_WEIGHTS_PER_THREAD = 1
     try:
         yield
     finally:
-        rans_native.MIN_WEIGHTS_PER_THREAD = saved
+        decode_rans_c.MIN_WEIGHTS_PER_THREAD = saved
 
 
 def with_arrays(t: RansTensor, arrays: dict[str, np.ndarray], fix_crc: bool) -> RansTensor:
@@ -67,7 +67,7 @@ def flipped(t: RansTensor, key: str, where: int, bit: int) -> dict[str, np.ndarr
 def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
     """Both builds (portable, and AVX2 + BMI2 where the CPU has it), any shape and parameters."""
     t = encode_rans(bits, **params)
-    with build(rans_native.library().unw_rans_use, wide), many_threads():
+    with build(decode_rans_c.library().unw_rans_use, wide), many_threads():
         got = decode_rans_cpu(t, threads=threads, native=True)
     assert got.dtype == np.uint16 and got.shape == bits.shape
     assert np.array_equal(got, decode_rans(t)) and np.array_equal(got, bits)
@@ -129,9 +129,9 @@ def test_errors_name_the_problem() -> None:
 
 def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     assert np.array_equal(decode_rans_cpu(BASE, native=False), TRAINED)
-    monkeypatch.setattr(rans_native, "_state", {})
+    monkeypatch.setattr(decode_rans_c, "_state", {})
     monkeypatch.setenv("UNFIRE_NATIVE", "0")
-    assert rans_native.library() is None
+    assert decode_rans_c.library() is None
     assert np.array_equal(decode_rans_cpu(BASE), TRAINED)
     with pytest.raises(CodecError, match="not available"):
         decode_rans_cpu(BASE, native=True)

@@ -29,8 +29,8 @@ uvicorn = pytest.importorskip("uvicorn")
 from reference.engine import Engine, SamplingParams  # noqa: E402
 from reference.kv import check_block_manager  # noqa: E402
 from serve.app import create_app  # noqa: E402
+from serve.engine_thread import EngineThread  # noqa: E402
 from serve.keys import KeyTable  # noqa: E402
-from serve.worker import EngineWorker  # noqa: E402
 from tests.smollm import smollm2_model, smollm2_tokenizer  # noqa: E402
 
 KEY, OTHER_KEY = "sk-test-acme", "sk-test-bob"
@@ -44,7 +44,7 @@ class Served:
     def __init__(self) -> None:
         keys = KeyTable.from_dict(KEYS)
         engine = Engine(smollm2_model(), smollm2_tokenizer(), policy="sjf+wfq", tenants=keys.tenants, **ENGINE_OPTS)
-        self.worker = EngineWorker(engine)
+        self.worker = EngineThread(engine)
         self.worker.start()
         self.app = create_app(self.worker, smollm2_tokenizer(), model_name="smollm2", keys=keys, max_pending=64)
         sock = socket.socket()

@@ -87,7 +87,7 @@ def _encoder(native: bool | None):
 
         e = inputs["enc"]
         x = from_numpy_bits(e.bits, inputs["device"])
-        usable = x.device.type == "cpu" and e.bits.size and enc.encode_native.library() is not None
+        usable = x.device.type == "cpu" and e.bits.size and enc.encode_c.library() is not None
         return huffman_arrays(enc.encode(x, **e.params, native=native if usable or not native else None))
 
     return fast_encode
@@ -97,44 +97,44 @@ _fast_encode = _encoder(None)  # what encode() picks: the C encoder on a CPU whe
 
 
 def _fast_huffman_decode(inputs: dict[str, Any]) -> dict[str, Any]:
-    from fast.codec import huffman_decode
+    from fast.codec import decode_triton
     from fast.codec.convert import huffman_from_reference
 
     form = embed_form(huffman_from_reference(inputs["enc"].ct, inputs["device"]))  # inputs amid poison
     out = PoisonedOutput(form.shape, inputs["device"])  # the output amid NaNs
-    return _both(huffman_decode.decode_huffman(form, out=out.view), out)
+    return _both(decode_triton.decode_huffman(form, out=out.view), out)
 
 
 def _fast_transcode(inputs: dict[str, Any]) -> dict[str, Any]:
-    from fast.codec import huffman_decode
+    from fast.codec import decode_triton
     from fast.codec.convert import huffman_from_reference, palette_arrays
 
     form = embed_form(huffman_from_reference(inputs["enc"].ct, inputs["device"]))
     out = PoisonedOutput(tuple(form.shape), form.device, kind="uint8")  # the kernel's palette indices
-    return {**palette_arrays(huffman_decode.transcode(form, symbols_out=out.view)), GUARD_UINT8: out.guards()}
+    return {**palette_arrays(decode_triton.transcode(form, symbols_out=out.view)), GUARD_UINT8: out.guards()}
 
 
 def _fast_transcode_torch(inputs: dict[str, Any]) -> dict[str, Any]:
-    from fast.codec import torch_ops
+    from fast.codec import decode_torch
     from fast.codec.convert import huffman_from_reference, palette_arrays
 
-    return palette_arrays(torch_ops.transcode_torch(huffman_from_reference(inputs["enc"].ct, inputs["device"])))
+    return palette_arrays(decode_torch.transcode_torch(huffman_from_reference(inputs["enc"].ct, inputs["device"])))
 
 
 def _fast_palette_decode(inputs: dict[str, Any]) -> dict[str, Any]:
-    from fast.codec import palette_decode
+    from fast.codec import palette_triton
     from fast.codec.convert import palette_from_reference
 
     form = embed_form(palette_from_reference(inputs["enc"].pt, inputs["device"]))
     out = PoisonedOutput(form.shape, inputs["device"])
-    return _both(palette_decode.decode_palette(form, out=out.view), out)
+    return _both(palette_triton.decode_palette(form, out=out.view), out)
 
 
 def _fast_palette_decode_torch(inputs: dict[str, Any]) -> dict[str, Any]:
-    from fast.codec import torch_ops
+    from fast.codec import decode_torch
     from fast.codec.convert import palette_from_reference
 
-    decoded = torch_ops.decode_palette_torch(palette_from_reference(inputs["enc"].pt, inputs["device"]))
+    decoded = decode_torch.decode_palette_torch(palette_from_reference(inputs["enc"].pt, inputs["device"]))
     return {"vs reference decoder": decoded, "vs original": decoded}
 
 

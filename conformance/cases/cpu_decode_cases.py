@@ -3,12 +3,12 @@
 For each family of conformance/inputs.py (random, adversarial, real MiniLM), the reference side is
 ``reference.codec.decode`` (the plain decoder: FORMAT.md 3.5 line by line) and the original tensor:
 
-* ``codec.cpu_decode_c.F``: ``fast.codec.decode_native.decode_cpu`` (the C decoder of
+* ``codec.cpu_decode_c.F``: ``fast.codec.decode_c.decode_cpu`` (the C decoder of
   fast/codec/native/decode.c), in two threads with ranges as small as the tensor allows;
 * ``codec.cpu_decode_numpy.F``: ``reference.codec.decode_many`` (the lockstep NumPy decoder, the
   fallback when there is no C compiler).
 
-* ``codec.cpu_decode_rans_c.F``: ``fast.codec.rans_native.decode_rans_cpu`` (the C decoder of the
+* ``codec.cpu_decode_rans_c.F``: ``fast.codec.decode_rans_c.decode_rans_cpu`` (the C decoder of the
   rANS mode, fast/codec/native/rans_decode.c) in two threads, on the family's tensor encoded with
   ``encode_rans`` (blocks of 4096 weights, so that even small tensors have several), against the
   reference rANS decoder (``reference.codec.decode_rans``, FORMAT.md 9.4) and the original tensor.
@@ -41,7 +41,7 @@ def _plain_decode(key: tuple[Family, bool, int]) -> Any:
     return rc.decode(encoded(*key).ct)
 
 
-def _requires_c(family: Family, module: str = "decode_native"):
+def _requires_c(family: Family, module: str = "decode_c"):
     """The case needs the C decoder of fast.codec.<module> built (and MiniLM, for MiniLM families)."""
 
     def requires() -> str | None:
@@ -63,15 +63,15 @@ def _both(decoded: Any) -> dict[str, Any]:
 
 
 def _fast_c(inputs: dict[str, Any]) -> dict[str, Any]:
-    from fast.codec import decode_native  # looked up at call time: tests swap in a broken build
+    from fast.codec import decode_c  # looked up at call time: tests swap in a broken build
 
-    saved = decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS
+    saved = decode_c.MIN_WEIGHTS_PER_THREAD, decode_c.BLOCK_WEIGHTS
     # even small tensors are cut into many blocks of groups, which the two threads take in turn
-    decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = 1, 4096
+    decode_c.MIN_WEIGHTS_PER_THREAD, decode_c.BLOCK_WEIGHTS = 1, 4096
     try:
-        return _both(decode_native.decode_cpu(inputs["enc"].ct, threads=2, native=True))
+        return _both(decode_c.decode_cpu(inputs["enc"].ct, threads=2, native=True))
     finally:
-        decode_native.MIN_WEIGHTS_PER_THREAD, decode_native.BLOCK_WEIGHTS = saved
+        decode_c.MIN_WEIGHTS_PER_THREAD, decode_c.BLOCK_WEIGHTS = saved
 
 
 def _fast_numpy(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -105,14 +105,14 @@ def _rans_reference(inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _rans_fast_c(inputs: dict[str, Any]) -> dict[str, Any]:
-    from fast.codec import rans_native  # looked up at call time, as for the Huffman decoder
+    from fast.codec import decode_rans_c  # looked up at call time, as for the Huffman decoder
 
-    saved = rans_native.MIN_WEIGHTS_PER_THREAD
-    rans_native.MIN_WEIGHTS_PER_THREAD = 1  # even small tensors go to two threads
+    saved = decode_rans_c.MIN_WEIGHTS_PER_THREAD
+    decode_rans_c.MIN_WEIGHTS_PER_THREAD = 1  # even small tensors go to two threads
     try:
-        decoded = rans_native.decode_rans_cpu(inputs["rans"], threads=2, native=True)
+        decoded = decode_rans_c.decode_rans_cpu(inputs["rans"], threads=2, native=True)
     finally:
-        rans_native.MIN_WEIGHTS_PER_THREAD = saved
+        decode_rans_c.MIN_WEIGHTS_PER_THREAD = saved
     return {"vs reference rANS decoder": decoded, "vs original": decoded}
 
 
@@ -125,7 +125,7 @@ def register_family(family: Family, large_only: bool = False) -> None:
                   requires=minilm_missing if family.needs_minilm else None, large_only=large_only))
     register(Case(f"codec.cpu_decode_rans_c.{family.name}", Level.BIT_EXACT, _rans_inputs(family), _rans_reference,
                   _rans_fast_c, about=f"C rANS decoder (fast/codec/native/rans_decode.c), 2 threads, vs the "
-                  f"reference rANS decoder; {family.about}", requires=_requires_c(family, "rans_native"),
+                  f"reference rANS decoder; {family.about}", requires=_requires_c(family, "decode_rans_c"),
                   large_only=large_only))
 
 

@@ -1,4 +1,4 @@
-"""The fused C element-wise ops of the bf16 model on a CPU (``fast/engine/fused.py``, ``native/fused_ops.c``).
+"""The fused C element-wise ops of the bf16 model on a CPU (``fast/engine/fused_c.py``, ``native/fused_ops.c``).
 
 * ``engine.residual_add.bf16.{simd,plain}`` (bit-exact): ``x + float(delta)`` (the residual stream, float32, plus
   a projection's bf16 output) written into a poisoned float32 buffer, against NumPy's float32 add (one correctly
@@ -85,11 +85,11 @@ def _x_guards(buf: Any) -> Any:
 
 def _add_fast(simd: bool):
     def run(inputs: dict[str, Any]) -> dict[str, Any]:
-        from fast.engine import fused
+        from fast.engine import fused_c
 
         buf, x_out = _poisoned_f32(tuple(inputs["x"].shape))
         with _simd(simd):
-            fused.add_rms_norm(embed(inputs["x"]), embed(inputs["delta"]), None, inputs["eps"], x_out)
+            fused_c.add_rms_norm(embed(inputs["x"]), embed(inputs["delta"]), None, inputs["eps"], x_out)
         return {"x_out": x_out.clone(), X_GUARD: _x_guards(buf)}
 
     return run
@@ -101,11 +101,11 @@ def _add_reference(inputs: dict[str, Any]) -> dict[str, Any]:
 
 def _norm_fast(simd: bool):
     def run(inputs: dict[str, Any]) -> dict[str, Any]:
-        from fast.engine import fused
+        from fast.engine import fused_c
 
         out = PoisonedOutput(tuple(inputs["x"].shape), inputs["x"].device)
         with _simd(simd):
-            fused.add_rms_norm(embed(inputs["x"]), None, embed(inputs["w"]), inputs["eps"], out=out.view)
+            fused_c.add_rms_norm(embed(inputs["x"]), None, embed(inputs["w"]), inputs["eps"], out=out.view)
         return {"h": out.view.clone(), GUARD: out.guards()}
 
     return run
@@ -132,12 +132,12 @@ def _requires(simd: bool):
     def check() -> str | None:
         import torch
 
-        from fast.engine import fused
+        from fast.engine import fused_c
 
-        lib = fused.library()
+        lib = fused_c.library()
         if lib is None:
             return "no C compiler (or UNFIRE_NATIVE=0 / UNFIRE_NATIVE_FUSED=0): the fused ops are not built"
-        if fused.norm_lanes() is None:
+        if fused_c.norm_lanes() is None:
             capability = torch.backends.cpu.get_cpu_capability()
             return f"the C norm does not know torch's summation order on this CPU ({capability})"
         if simd and not lib.unf_fused_simd():
@@ -169,13 +169,13 @@ def _silu_inputs(gen: Gen) -> dict[str, Any]:
 def _silu_fast(inputs: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from fast.engine import fused
+    from fast.engine import fused_c
 
     gate_up = embed(inputs["gate_up"])
     with _simd(True):
-        if not fused.silu_applies(torch.bfloat16, gate_up.device):
+        if not fused_c.silu_applies(torch.bfloat16, gate_up.device):
             raise RuntimeError("the C silu does not run here")
-        return {"act": fused.silu_mul(gate_up)}
+        return {"act": fused_c.silu_mul(gate_up)}
 
 
 def _silu_reference(inputs: dict[str, Any]) -> dict[str, Any]:
@@ -192,12 +192,12 @@ def _silu_allowed(inputs: dict[str, Any], ref: np.ndarray) -> np.ndarray:
 def _silu_requires() -> str | None:
     import torch
 
-    from fast.engine import fused
+    from fast.engine import fused_c
 
-    if fused.library() is None:
+    if fused_c.library() is None:
         return "no C compiler (or UNFIRE_NATIVE=0 / UNFIRE_NATIVE_FUSED=0): the fused ops are not built"
     with _simd(True):
-        if not fused.silu_applies(torch.bfloat16, torch.device("cpu")):
+        if not fused_c.silu_applies(torch.bfloat16, torch.device("cpu")):
             return "the C silu does not run here (no AVX-512, or torch's vectorised exp not found or not matching)"
     return None
 

@@ -61,9 +61,9 @@ def _encode_inputs(gen: Gen) -> dict[str, Any]:
 
 
 def _encode_fast(inputs: dict[str, Any]) -> dict[str, Any]:
-    from fast.kv import fp8_torch, triton_write
+    from fast.kv import fp8_torch, write_triton
 
-    return {"triton": triton_write.encode_codes(inputs["xt"], inputs["et"]),
+    return {"triton": write_triton.encode_codes(inputs["xt"], inputs["et"]),
             "torch": fp8_torch.encode(inputs["xt"], inputs["et"])}
 
 
@@ -120,7 +120,7 @@ def _write_fast(backend: str):
     def run(inputs: dict[str, Any]) -> dict[str, Any]:
         import torch
 
-        from fast.kv import PagedKVCache
+        from fast.kv import PagedKVCache, write_kv
 
         nb, bs, kv, d = inputs["shape"]
         dev = inputs["device"]
@@ -132,8 +132,8 @@ def _write_fast(backend: str):
             cache.k_exp[0].copy_(torch.from_numpy(inputs["garbage"]["exps"][0]))
             cache.v_exp[0].copy_(torch.from_numpy(inputs["garbage"]["exps"][1]))
         for slots, k, v in inputs["writes"]:
-            cache.write(0, torch.from_numpy(slots).to(dev), torch.from_numpy(k).to(dev), torch.from_numpy(v).to(dev),
-                        backend=backend)
+            write_kv(cache, 0, torch.from_numpy(slots).to(dev), torch.from_numpy(k).to(dev),
+                     torch.from_numpy(v).to(dev), backend=backend)
         if not cache.is_fp8:
             return {"k": cache.k[0]}
         return {"k": cache.k[0], "v": cache.v[0], "k_exp": cache.k_exp[0], "v_exp": cache.v_exp[0]}
@@ -255,17 +255,17 @@ def _attention_fast(kind: str, backend: str):
 
 
 def _native_fast(kind: str, native: bool):
-    """The CPU torch path with the C decode kernel (``fast/kv/native_attention.py``) on, or forced off."""
+    """The CPU torch path with the C decode kernel (``fast/kv/attention_c.py``) on, or forced off."""
     def run(inputs: dict[str, Any]) -> Any:
-        from fast.kv import native_attention, ops
+        from fast.kv import attention_c, ops
 
         # without AVX-512 the engine never takes the kernel; the case then checks its plain C loops
         want = {"UNFIRE_NATIVE_ATTENTION": "1" if native else "0",
-                "UNFIRE_NATIVE_SIMD": "1" if not native or native_attention.has_simd() else "0"}
+                "UNFIRE_NATIVE_SIMD": "1" if not native or attention_c.has_simd() else "0"}
         old = {name: os.environ.get(name) for name in want}
         os.environ.update(want)
         try:
-            if native and not native_attention.applies(inputs["qt"], inputs["cache"]):
+            if native and not attention_c.applies(inputs["qt"], inputs["cache"]):
                 raise RuntimeError("the C decode attention does not take these inputs")
             fn = ops.decode_attention if kind == "decode" else ops.prefill_attention
             return fn(inputs["qt"], inputs["cache"], 0, inputs["step"], scale=inputs["scale"], backend="torch")
@@ -280,18 +280,18 @@ def _native_fast(kind: str, native: bool):
 
 
 def _requires_native() -> str | None:
-    from fast.kv import native_attention
+    from fast.kv import attention_c
 
-    if native_attention.library() is None:
+    if attention_c.library() is None:
         return "no C compiler (or UNFIRE_NATIVE=0): the C decode attention is not built"
     return None
 
 
 def _split_decode(inputs: dict[str, Any]) -> Any:
     """The Triton decode kernel with each sequence's blocks cut into 3 parts merged by the combine kernel."""
-    from fast.kv import triton_attention
+    from fast.kv import attention_triton
 
-    return triton_attention.decode_attention(inputs["qt"], inputs["cache"], 0, inputs["step"], inputs["scale"],
+    return attention_triton.decode_attention(inputs["qt"], inputs["cache"], 0, inputs["step"], inputs["scale"],
                                              num_splits=3)
 
 

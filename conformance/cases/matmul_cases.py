@@ -110,7 +110,7 @@ def _config(split_k: int):
     """None = the default config; otherwise a small tile config with split-K (works on GPU and interpreter)."""
     if split_k == 0:
         return None
-    from fast.codec.matmul import MatmulConfig
+    from fast.codec.matmul_triton import MatmulConfig
 
     return MatmulConfig(block_m=16, block_n=32, block_k=64, split_k=split_k)
 
@@ -118,11 +118,12 @@ def _config(split_k: int):
 def _fused(split_k: int):
     """The fused kernel with every input amid poison and its output amid NaNs (conformance/poison.py)."""
     def run(inputs: dict[str, Any]) -> Any:
-        from fast.codec import matmul
+        from fast.codec import matmul_triton
 
         x, form = inputs["x"], inputs["form"]
         out = PoisonedOutput((x.shape[0], form.shape[0]), x.device)
-        y = matmul.fused_matmul(embed(x), embed_form(form), embed(inputs["bias"]), _config(split_k), out=out.view)
+        y = matmul_triton.fused_matmul(embed(x), embed_form(form), embed(inputs["bias"]), _config(split_k),
+                                       out=out.view)
         return {"y": y, GUARD: out.guards()}
 
     return run
@@ -130,10 +131,10 @@ def _fused(split_k: int):
 
 def _plain_on_decoded(split_k: int):
     def run(inputs: dict[str, Any]) -> Any:
-        from fast.codec import matmul, palette_decode
+        from fast.codec import matmul_triton, palette_triton
 
-        w = palette_decode.decode_palette(inputs["form"])
-        return {"y": matmul.matmul(inputs["x"], w, inputs["bias"], _config(split_k)), GUARD: expected_guards()}
+        w = palette_triton.decode_palette(inputs["form"])
+        return {"y": matmul_triton.matmul(inputs["x"], w, inputs["bias"], _config(split_k)), GUARD: expected_guards()}
 
     return run
 
@@ -162,9 +163,9 @@ def _decoded_bracket(inputs: dict[str, Any]) -> dict[str, Any]:
     The weights are the palette-decode kernel's output; the product is NumPy's, in float64 (a plain
     matmul written independently of the Triton kernel)."""
     from fast.bf16 import to_numpy_bits
-    from fast.codec import palette_decode
+    from fast.codec import palette_triton
 
-    w = _as_float64(to_numpy_bits(palette_decode.decode_palette(inputs["form"])))
+    w = _as_float64(to_numpy_bits(palette_triton.decode_palette(inputs["form"])))
     x = inputs["x64"]
     b = inputs["b64"]
     y = x @ w.T + (b if b is not None else 0.0)

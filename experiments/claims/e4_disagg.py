@@ -26,7 +26,7 @@ from experiments import disagg_regimes as regimes
 from experiments.engine_bench import against, inconclusive, pct, sharegpt_jobs, smollm2, spread, spread_text
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.disagg.batch import run_requests
-from reference.disagg.cluster import ProcessCluster, WorkerOptions
+from reference.disagg.pool import ProcessPool, WorkerOptions
 
 LAYOUTS = {"colocated": (0, 2), "disaggregated": (1, 1)}
 CPU_BUDGET = 512  # tokens per step on the CPU workers: more than any prompt here, i.e. unchunked
@@ -53,19 +53,19 @@ def real_processes(ctx: Context, jobs: dict[str, list], repeats: int) -> tuple[d
     counters: dict[str, dict[str, int]] = {}
     opts = WorkerOptions(num_blocks=256, block_size=16, max_num_batched_tokens=CPU_BUDGET, max_num_seqs=16)
     for layout, (num_prefill, num_decode) in ctx.track(LAYOUTS.items(), "E4 real processes, layouts"):
-        with ProcessCluster("smollm2", num_prefill, num_decode, opts=opts, restart=False,
-                            deadline=lambda p, o: 600.0) as cluster:
+        with ProcessPool("smollm2", num_prefill, num_decode, opts=opts, restart=False,
+                            deadline=lambda p, o: 600.0) as pool:
             for name, (_, _, rate) in CPU_CONFIGS.items():
                 for k in range(repeats):
                     rng = np.random.default_rng(100 + k)  # the same arrivals for both layouts
                     arrivals = np.cumsum(rng.exponential(1 / rate, len(jobs[name]))).tolist()
                     reqs = [{"id": f"{layout}-{name}-{k}-{i}", "prompt_token_ids": j.prompt, "max_tokens": j.output_len}
                             for i, j in enumerate(jobs[name])]
-                    run_requests(cluster, reqs, arrivals=arrivals, timeout=900)
-                    runs[name][k][layout] = latencies(cluster.coordinator, [r["id"] for r in reqs])
-            cluster.shutdown()
+                    run_requests(pool, reqs, arrivals=arrivals, timeout=900)
+                    runs[name][k][layout] = latencies(pool.coordinator, [r["id"] for r in reqs])
+            pool.shutdown()
         merged: dict[str, int] = {}
-        for bye in cluster.byes:
+        for bye in pool.byes:
             for key in INSTALL_KEYS:
                 merged[key] = merged.get(key, 0) + bye["counters"].get(key, 0)
         counters[layout] = merged
@@ -120,7 +120,7 @@ def run(ctx: Context) -> Result:
                 "cpu_p90_itl_cut": cuts, "cpu_worker_counters": counters, "kv_install": install}
     return Result(
         clock="simulated",
-        clock_detail=("sweep: simulated seconds (cluster simulator, roofline step costs); CPU rows: ITL in CPU "
+        clock_detail=("sweep: simulated seconds (pool simulator, roofline step costs); CPU rows: ITL in CPU "
                       "seconds of the decode process between tokens, TTFT and itl_wall in wall-clock seconds at the "
                       "coordinator"),
         measured=measured,
@@ -170,7 +170,7 @@ def summarize(record: dict[str, Any]) -> str:
     co = next(v for k, v in vs["configs"].items() if k.endswith("budget 2048"))["itl_ms"]["p90"]
     dis = vs["configs"][vs["best_disaggregated"]]["itl_ms"]["p90"]
     inside, other = list(cuts)[0], list(cuts)[-1]
-    return (f"H100/8B in the cluster simulator, each setup at its best config: p90 ITL cut up to "
+    return (f"H100/8B in the pool simulator, each setup at its best config: p90 ITL cut up to "
             f"{best['p90_itl_cut']:.2f}x ({best['workload']}, {best['gpus']} GPUs, load {best['load']:g}); comparable "
             f"with the article's (colocated at the common 2048-token budget): up to "
             f"{vs['p90_itl_cut_vs_budget_2048']:.2f}x, p90 ITL {co:.0f} -> {dis:.0f} ms ({vs['workload']}, "

@@ -25,7 +25,7 @@ from experiments.codec_peers import METHODS
 from experiments.registry import Context, Experiment, Result
 from reference.bf16 import field_stats
 from reference.codec import encode
-from reference.codec.container import MIN_ELEMENTS
+from reference.codec.container_write import MIN_ELEMENTS
 from reference.model.names import KINDS, MLP_KINDS, tensor_kind
 from reference.model.weights import open_weights
 

@@ -32,10 +32,10 @@ def lossless(ctx: Context) -> dict[str, Any]:
 
     import fast  # noqa: F401  (without CUDA this switches Triton's interpreter on, before triton is imported)
     from fast.bf16 import from_numpy_bits
+    from fast.codec.decode_torch import transcode_torch
     from fast.codec.encode import encode
-    from fast.codec.matmul import MatmulConfig, fused_matmul, matmul
-    from fast.codec.palette_decode import decode_palette
-    from fast.codec.torch_ops import transcode_torch
+    from fast.codec.matmul_triton import MatmulConfig, fused_matmul, matmul
+    from fast.codec.palette_triton import decode_palette
     from fast.triton_util import on_interpreter
 
     # quick run under the interpreter, which pays per operation, not per element: wider tiles than decode_config's

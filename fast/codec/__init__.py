@@ -1,16 +1,16 @@
 """Unweight in torch + Triton: the kernels that decode the format of reference/codec/FORMAT.md.
 
 Public API (bf16 tensors are torch.bfloat16; forms are ``fast.codec.forms.HuffmanForm`` / ``PaletteForm``;
-``encode`` and ``matmul`` are imported from their modules, ``fast.codec.encode`` and ``fast.codec.matmul``)::
+``encode`` and ``matmul`` are imported from their modules, ``fast.codec.encode`` and ``fast.codec.matmul_triton``)::
 
     encode(x, chunk_size=64, chunks_per_group=32, palette_size=16, max_code_length=12,
            with_palette_form=False, native=None)   encoder, byte-identical to reference.codec.encode: on the
                                              CPU in C (codec/native/encode.c, built on first use with the
                                              system compiler), else (GPU, no compiler) torch
-    decode_cpu(ct, threads=1) -> bits        the CPU decoder (fast.codec.decode_native; C, native/decode.c):
+    decode_cpu(ct, threads=1) -> bits        the CPU decoder (fast.codec.decode_c; C, native/decode.c):
                                              reference CompressedTensor -> uint16 bits, every FORMAT.md 3.6
                                              check kept; NumPy lockstep fallback without a C compiler
-    decode_rans_cpu(t, threads=1) -> bits    the same for the rANS form (fast.codec.rans_native; C,
+    decode_rans_cpu(t, threads=1) -> bits    the same for the rANS form (fast.codec.decode_rans_c; C,
                                              native/rans_decode.c): RansTensor -> uint16 bits, every
                                              FORMAT.md 9.6 check kept; NumPy fallback without a compiler
     decode_huffman(hform) -> bf16            Triton: Huffman form -> bf16, one lane per group
@@ -49,14 +49,14 @@ What the format costs a kernel (notes for whoever changes FORMAT.md):
 """
 
 from fast.codec.convert import huffman_from_reference, huffman_to_reference, palette_from_reference
-from fast.codec.decode_native import decode_cpu
+from fast.codec.decode_c import decode_cpu
+from fast.codec.decode_rans_c import decode_rans_cpu
+from fast.codec.decode_torch import decode_palette_torch, transcode_torch
+from fast.codec.decode_triton import decode_huffman, transcode
 from fast.codec.forms import HuffmanForm, PaletteForm
-from fast.codec.huffman_decode import decode_huffman, transcode
 from fast.codec.linear import UnweightLinear
-from fast.codec.matmul import MatmulConfig, fused_matmul
-from fast.codec.palette_decode import decode_palette
-from fast.codec.rans_native import decode_rans_cpu
-from fast.codec.torch_ops import decode_palette_torch, transcode_torch
+from fast.codec.matmul_triton import MatmulConfig, fused_matmul
+from fast.codec.palette_triton import decode_palette
 
 __all__ = [
     "HuffmanForm", "MatmulConfig", "PaletteForm", "UnweightLinear", "decode_cpu", "decode_huffman", "decode_palette",

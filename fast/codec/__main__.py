@@ -2,9 +2,9 @@
 
 The same command, arguments and files as ``python -m reference.codec`` (byte for byte: a test
 compares them), with the C encoder and decoder of ``fast/codec/native/`` doing the Huffman-form
-work: ``fast.codec.encode.encode`` to compress, ``decode_native.decode_cpu`` (every check of
+work: ``fast.codec.encode.encode`` to compress, ``decode_c.decode_cpu`` (every check of
 FORMAT.md 3.6 kept) to decompress and inspect, in ``torch.get_num_threads()`` threads; the rANS mode
-is encoded by the reference coder and decoded by ``rans_native.decode_rans_cpu`` (C, every check of
+is encoded by the reference coder and decoded by ``decode_rans_c.decode_rans_cpu`` (C, every check of
 FORMAT.md 9.6 kept). The argument parsing, the safe writes (atomic
 output, refusing an output that is an input) and the signal handling are the reference CLI's own:
 ``reference.codec.__main__.main`` is called with these two functions.
@@ -45,7 +45,7 @@ def decode_batch(tensors: list[CompressedTensor]) -> list[np.ndarray]:
     """Decode Huffman-form tensors (headers checked, arrays not: the C decoder checks them)."""
     import torch
 
-    from fast.codec.decode_native import decode_cpu
+    from fast.codec.decode_c import decode_cpu
 
     return [decode_cpu(ct, threads=torch.get_num_threads()) for ct in tensors]
 
@@ -54,7 +54,7 @@ def decode_rans_batch(tensors: list[RansTensor]) -> list[np.ndarray]:
     """Decode rANS-form tensors (headers checked, arrays not: the C decoder checks them)."""
     import torch
 
-    from fast.codec.rans_native import decode_rans_cpu
+    from fast.codec.decode_rans_c import decode_rans_cpu
 
     return [decode_rans_cpu(t, threads=torch.get_num_threads()) for t in tensors]
 

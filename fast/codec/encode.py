@@ -3,9 +3,9 @@
 It produces, byte for byte, what the reference encoder produces (FORMAT.md sections 2 and 3).
 ``encode`` picks one of three implementations:
 
-* on the CPU, the C encoder (``encode_native.py``, ``native/encode.c``): three loops over the
+* on the CPU, the C encoder (``encode_c.py``, ``native/encode.c``): three loops over the
   tensor, built on first use with the system C compiler. Eager torch cannot match ZipNN's speed
-  on a CPU (``encode_native.py`` says why); this can, by a wide margin;
+  on a CPU (``encode_c.py`` says why); this can, by a wide margin;
 * else (a GPU, or no C compiler), when rows are whole chunks, chunks a multiple of 4 weights, the
   palette at most 16 and L at most 14 (the defaults, and every 2-D weight of MiniLM): the torch
   fast path (``encode_words.py``: four weights per int64 word, two blocked passes);
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from fast.bf16 import split_sm_exponent
-from fast.codec import encode_native, encode_words
+from fast.codec import encode_c, encode_words
 from fast.codec.forms import HuffmanForm, PaletteForm
 from fast.codec.words import stream_from_words64
 from fast.errors import KernelInputError
@@ -149,7 +149,7 @@ def encode(x: torch.Tensor, chunk_size: int = CHUNK_SIZE, chunks_per_group: int 
     """Compress a bf16 tensor into the Huffman form (FORMAT.md), identical to the reference encoder's output.
 
     With ``with_palette_form=True`` also returns the palette form. Three implementations give the same
-    bytes: on the CPU the C encoder (``encode_native``; ``native=None`` uses it when it can be built,
+    bytes: on the CPU the C encoder (``encode_c``; ``native=None`` uses it when it can be built,
     ``False`` never, ``True`` always or raises), else the torch fast path (``encode_words``: rows of
     whole chunks, palettes of <= 16, L <= 14) or the general torch path (``encode_general``).
     """
@@ -157,11 +157,11 @@ def encode(x: torch.Tensor, chunk_size: int = CHUNK_SIZE, chunks_per_group: int 
     device = x.device
     g = Layout(tuple(x.shape), chunk_size, chunks_per_group)
     bits = x.contiguous().reshape(-1).view(torch.int16) if g.n else torch.zeros(0, dtype=torch.int16, device=device)
-    if native or (native is None and device.type == "cpu" and g.n and encode_native.library() is not None):
+    if native or (native is None and device.type == "cpu" and g.n and encode_c.library() is not None):
         if device.type != "cpu" or not g.n:
             raise KernelInputError(f"encode: the C encoder takes a non-empty CPU tensor, got {tuple(x.shape)} "
                                    f"on {device}")
-        form = encode_native.encode_native(bits, g, max_code_length, palette_size)
+        form = encode_c.encode_c(bits, g, max_code_length, palette_size)
     elif encode_words.applies(g, palette_size, max_code_length):  # the usual case: see encode_words.py
         form = encode_words.encode_words(bits, g, max_code_length, palette_size, BLOCK_WEIGHTS)
     else:

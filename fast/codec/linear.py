@@ -46,16 +46,16 @@ class UnweightLinear(nn.Module):
             bias = nn.Parameter(bias.to(torch.bfloat16).to(form.device), requires_grad=False)
         self.bias = bias
         self.fused_max_rows = fused_max_rows
-        self.config = config  # a fast.codec.matmul.MatmulConfig for the fused kernel, or None (heuristic)
+        self.config = config  # a fast.codec.matmul_triton.MatmulConfig for the fused kernel, or None (heuristic)
 
     # ---- construction ----
     @classmethod
     def from_huffman(cls, form: HuffmanForm, bias: torch.Tensor | None = None, **kw: object) -> UnweightLinear:
         """From a Huffman-form weight: transcoded once to the palette form (Triton if it can run, else torch)."""
         if form.device.type == "cuda" or on_interpreter():
-            from fast.codec.huffman_decode import transcode
+            from fast.codec.decode_triton import transcode
         else:
-            from fast.codec.torch_ops import transcode_torch as transcode
+            from fast.codec.decode_torch import transcode_torch as transcode
         return cls(transcode(form), bias, **kw)
 
     @classmethod
@@ -92,10 +92,10 @@ class UnweightLinear(nn.Module):
     def decoded_weight(self) -> torch.Tensor:
         """The weight as a bf16 [out, in] tensor (decoded now; not kept)."""
         if self.sm.device.type == "cuda" or on_interpreter():
-            from fast.codec.palette_decode import decode_palette
+            from fast.codec.palette_triton import decode_palette
 
             return decode_palette(self.form)
-        from fast.codec.torch_ops import decode_palette_torch
+        from fast.codec.decode_torch import decode_palette_torch
 
         return decode_palette_torch(self.form)
 
@@ -108,7 +108,7 @@ class UnweightLinear(nn.Module):
         rows = x.numel() // max(self.in_features, 1)
         triton_ok = x.device.type == "cuda" or on_interpreter()
         if triton_ok and rows <= self.fused_max_rows:
-            from fast.codec.matmul import fused_matmul
+            from fast.codec.matmul_triton import fused_matmul
 
             return fused_matmul(x.contiguous(), self.form, self.bias, self.config)
         return nn.functional.linear(x, self.decoded_weight(), self.bias)

@@ -11,7 +11,7 @@ Past one machine, use torchrun's rendezvous (``--nnodes``, ``--rdzv-endpoint``) 
 
 ``python -m fast.disagg.worker`` is one worker process of ``python -m serve --prefill-workers P
 --decode-workers D`` (or started by hand, ``--listen HOST:PORT``) stepping on the fast engine's runner
-(``runner.py``): the reference's workers and frames over the torch model and its paged cache.
+(``worker_runner.py``): the reference's workers and frames over the torch model and its paged cache.
 Conformance level: bit-exact (the same frame bytes as the socket transport).
 """
 

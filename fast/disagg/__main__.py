@@ -18,12 +18,12 @@ import torch.distributed as dist
 from fast.disagg.dist import DistEndpoint
 from reference.disagg.__main__ import read_prompts
 from reference.disagg.batch import run_requests
-from reference.disagg.cluster import SECRET_ENV, WorkerOptions, hello, make_worker, serve
 from reference.disagg.coordinator import Coordinator
+from reference.disagg.pool import SECRET_ENV, WorkerOptions, hello, make_worker, serve
 from reference.disagg.transport import Link
 
 
-class DistCluster:
+class DistPool:
     """What ``run_requests`` needs: a coordinator and a ``pump``."""
 
     def __init__(self, coordinator: Coordinator) -> None:
@@ -72,12 +72,12 @@ def coordinate(args: argparse.Namespace, secret: bytes, world: int) -> int:
     endpoints = [DistEndpoint(r, coordinator.inbox) for r in range(1, world)]
     for e in endpoints:
         coordinator.attach(e)
-    cluster = DistCluster(coordinator)
+    pool = DistPool(coordinator)
     while len(coordinator.workers) < world - 1:
-        cluster.pump()
+        pool.pump()
     requests = read_prompts(args.prompts)
     good = [r for r in requests if "_error" not in r]
-    done = iter(run_requests(cluster, good))
+    done = iter(run_requests(pool, good))
     results = [{"id": r.get("id"), "output_token_ids": [], "finish_reason": "error", "error": r["_error"]}
                if "_error" in r else next(done) for r in requests]
     coordinator.shutdown(wait=30.0)

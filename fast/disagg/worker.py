@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from fast.disagg.runner import load_worker_model
+from fast.disagg.worker_runner import load_worker_model
 from reference.disagg.__main__ import add_worker_arguments, worker_main
 
 

@@ -5,12 +5,12 @@
     engine.add_request / step / stream / generate / abort / output, as ``reference.engine.Engine``
 
 Files: ``model.py`` (the Llama forward in torch over ``fast/kv``), ``linear.py`` (plain or compressed
-projection matrices), ``runner.py`` (the ``ModelRunner`` the engine drives), ``graphs.py`` (CUDA
+projection matrices), ``torch_runner.py`` (the ``ModelRunner`` the engine drives), ``graphs.py`` (CUDA
 graphs for decode steps), ``engine.py`` (``Engine.load``).
 """
 
 from fast.engine.engine import Engine, FastModel
 from fast.engine.model import TorchLlama
-from fast.engine.runner import TorchRunner
+from fast.engine.torch_runner import TorchRunner
 
 __all__ = ["Engine", "FastModel", "TorchLlama", "TorchRunner"]

@@ -5,7 +5,7 @@
     outputs = engine.generate(prompts, SamplingParams(max_tokens=128))
 
 Scheduling, the block manager, the prefix cache, sampling and metrics are the reference's own code:
-only the model runner differs (``fast/engine/runner.py``), so both engines make the same decisions.
+only the model runner differs (``fast/engine/torch_runner.py``), so both engines make the same decisions.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from fast.engine.model import TorchLlama
-from fast.engine.runner import TorchRunner
+from fast.engine.torch_runner import TorchRunner
 from reference.engine.engine import Engine as ReferenceEngine
 from reference.model.tokenizer import load_tokenizer
 from reference.model.weights import WeightSource

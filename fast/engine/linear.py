@@ -20,9 +20,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from fast.codec.decode_torch import decode_palette_torch
 from fast.codec.encode import encode
 from fast.codec.linear import UnweightLinear
-from fast.codec.torch_ops import decode_palette_torch
 
 
 class Linear(Protocol):

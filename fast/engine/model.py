@@ -34,10 +34,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from fast.engine import fused
+from fast.engine import fused_c
+from fast.engine.elementwise_torch import apply_rope, rms_norm, signed
 from fast.engine.linear import CompressedLinear, DenseLinear, Linear, compress
 from fast.errors import KernelInputError
-from fast.kv import KVStep, PagedKVCache, attention_rows, attention_torch, paged_attention
+from fast.kv import KVStep, PagedKVCache, attention_rows, attention_torch, paged_attention, write_kv
 from reference.model.carried import ContainerFile
 from reference.model.config import LlamaConfig
 from reference.model.loader import GGUF_NAMES, HF_NAMES, LlamaWeights, load_llama
@@ -58,27 +59,6 @@ class TorchLayer:
     down: Linear  # [hidden, intermediate]
     qkv_bias: torch.Tensor | None = None  # float32 [(heads + 2 kv_heads) * head_dim] (Qwen2, attention_bias)
     o_bias: torch.Tensor | None = None  # float32 [hidden]
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, per row (float32, as the reference)."""
-    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [tokens, heads, head_dim] by per-token tables [tokens, head_dim] (the reference's rule).
-
-    The reference computes ``x * cos + [-x2, x1] * sin`` (x1, x2 the halves of x). With ``signed_sin =
-    [-sin1, sin2]`` (``signed``) that is ``x * cos + [x2, x1] * signed_sin``: the same products (negation
-    is exact), in three torch calls instead of six.
-    """
-    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin[:, None, :]
-
-
-def signed(sin: torch.Tensor) -> torch.Tensor:
-    """The sine table with its first half negated (what ``apply_rope`` takes)."""
-    half = sin.shape[-1] // 2
-    return torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
 
 
 class TorchLlama:
@@ -206,19 +186,19 @@ class TorchLlama:
         n = x.shape[0]
         fused_rope = self._fused(cache)  # the same bits as the three torch lines below, in one pass
         fused_norm = self._fused_norm()  # the residual adds and norms in C, the same bits as their torch lines
-        fused_silu = fused.silu_applies(self.dtype, self.device)  # silu(gate) * up in C, the same bits
+        fused_silu = fused_c.silu_applies(self.dtype, self.device)  # silu(gate) * up in C, the same bits
         positions = positions.contiguous()
         cos, sin = (None, None) if fused_rope else (self.cos[positions], self.signed_sin[positions])
         eps = c.rms_norm_eps
         # on one CPU thread with every C op in use: the ops and the attention bound to this step, their shared
-        # arguments checked once (fused.StepOps, native_attention.bind); the same C calls as below, less Python
-        ops = (fused.StepOps.bind(cache, heads, self.cos, self.signed_sin, positions, step.slots)
+        # arguments checked once (fused_c.StepOps, attention_c.bind); the same C calls as below, less Python
+        ops = (fused_c.StepOps.bind(cache, heads, self.cos, self.signed_sin, positions, step.slots)
                if fused_rope and fused_norm and fused_silu and not any(lw.o_bias is not None for lw in self.layers)
                else None)
         attend = attention_torch.bound(cache, step, heads, 1.0 / math.sqrt(d)) if ops is not None else None
         rope_write = ops.rope_write if ops is not None else None
-        add_rms_norm = ops.add_rms_norm if ops is not None else fused.add_rms_norm
-        silu_mul = ops.silu_mul if ops is not None else fused.silu_mul
+        add_rms_norm = ops.add_rms_norm if ops is not None else fused_c.add_rms_norm
+        silu_mul = ops.silu_mul if ops is not None else fused_c.silu_mul
         if fused_norm:
             x = x.contiguous()
             h = add_rms_norm(x, None, self.layers[0].attn_norm, eps) if self.layers else None
@@ -233,10 +213,10 @@ class TorchLlama:
             if rope_write is not None:
                 q = rope_write(qkv, i)
             elif fused_rope:
-                q = fused.rope_write(qkv, self.cos, self.signed_sin, positions, step.slots, cache, i, heads)
+                q = fused_c.rope_write(qkv, self.cos, self.signed_sin, positions, step.slots, cache, i, heads)
             else:
                 qk = apply_rope(qkv[:, :(heads + kv) * d].reshape(n, heads + kv, d).float(), cos, sin)  # q, k at once
-                cache.write(i, step.slots, qk[:, heads:], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
+                write_kv(cache, i, step.slots, qk[:, heads:], qkv[:, (heads + kv) * d:].reshape(n, kv, d))
                 q = qk[:, :heads].to(self.dtype).contiguous()
             out = attention_rows(q, cache, i, step, keep) if prune and i == last else None
             if out is not None:  # the kept rows alone from here on
@@ -269,13 +249,13 @@ class TorchLlama:
         return x if keep is None else x[keep]
 
     def _fused_norm(self) -> bool:
-        """Whether the residual adds and RMSNorms run in C (bf16 on a CPU; fast/engine/fused.py)."""
-        return fused.norm_applies(self.dtype, self.device)
+        """Whether the residual adds and RMSNorms run in C (bf16 on a CPU; fast/engine/fused_c.py)."""
+        return fused_c.norm_applies(self.dtype, self.device)
 
     def _fused(self, cache: PagedKVCache) -> bool:
         """Whether this step's RoPE and cache write run as one C pass (bf16 on a CPU, no q/k/v bias)."""
         return (self.dtype == torch.bfloat16 and self.device.type == "cpu"
-                and fused.applies(self.dtype, self.device, cache))
+                and fused_c.applies(self.dtype, self.device, cache))
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
@@ -285,7 +265,7 @@ class TorchLlama:
     def _head(self, rows: torch.Tensor) -> torch.Tensor:
         """Final norm and output head on every row of ``rows`` (float32 [m, hidden]): float32 [m, vocab]."""
         if self._fused_norm():
-            last = fused.add_rms_norm(rows.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
+            last = fused_c.add_rms_norm(rows.contiguous(), None, self.final_norm, self.config.rms_norm_eps)
         else:
             last = rms_norm(rows, self.final_norm, self.config.rms_norm_eps).to(self.dtype)
         return self.head(last).float()
@@ -299,8 +279,8 @@ def stored_projections(src: WeightSource, num_layers: int, which: Sequence[str],
     """The single matrices (o, down) to serve compressed that a container holds in the Huffman form,
     transcoded to the palette form (FORMAT.md section 5), without a bf16 copy on the way."""
     from fast.codec.convert import huffman_from_reference
+    from fast.codec.decode_torch import transcode_torch
     from fast.codec.linear import UnweightLinear
-    from fast.codec.torch_ops import transcode_torch
     from reference.codec import CompressedTensor
 
     out: dict[tuple[int, str], CompressedLinear] = {}

@@ -6,7 +6,7 @@ codes dequantized (times their block's power-of-two scale: exact), and positions
 chunk's length are zeroed, so unused cache slots (which may hold anything, NaN included) never
 reach a result.
 
-* bf16 queries on a bf16 cache, on a CPU with AVX-512: the C kernel of ``fast/kv/native_attention.py``,
+* bf16 queries on a bf16 cache, on a CPU with AVX-512: the C kernel of ``fast/kv/attention_c.py``,
   for every row of a step (decode rows, and each row of a prefill chunk up to its own position), which
   reads each sequence's blocks in place (no gather, no padding); 2-6x faster than what follows, which
   remains the path for every other case (and with ``UNFIRE_NATIVE_ATTENTION=0``).
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fast.kv import attention_c
 from fast.kv import fp8_torch as fp8
-from fast.kv import native_attention
 from fast.kv.cache import PagedKVCache
 from fast.kv.step import KVStep
 
@@ -254,10 +254,10 @@ def _one_token_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, batches: l
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, scale: float) -> torch.Tensor:
     """q [B, H, D] (one token per chunk) -> [B, H, D] in q's dtype."""
-    if native_attention.applies(q, cache):  # bf16 on a CPU: the C kernel, straight over the block tables
+    if attention_c.applies(q, cache):  # bf16 on a CPU: the C kernel, straight over the block tables
         chunks, rows, lengths, longest = native_rows(step)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        native_attention.decode_rows(q, cache, layer, step, chunks, rows, scale, out, lengths, longest)
+        attention_c.decode_rows(q, cache, layer, step, chunks, rows, scale, out, lengths, longest)
         return out
     if "decode" not in step.memo:
         every = list(range(step.num_chunks))
@@ -295,10 +295,10 @@ def native_rows(step: KVStep) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
 
 def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, scale: float) -> torch.Tensor:
     """q [T, H, D] for the step's chunks concatenated -> [T, H, D] in q's dtype."""
-    if native_attention.applies(q, cache):  # bf16 on a CPU: every row by the C kernel, each up to its position
+    if attention_c.applies(q, cache):  # bf16 on a CPU: every row by the C kernel, each up to its position
         chunk, rows, lengths, longest = row_layout(step)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        native_attention.decode_rows(q, cache, layer, step, chunk, rows, scale, out, lengths, longest)
+        attention_c.decode_rows(q, cache, layer, step, chunk, rows, scale, out, lengths, longest)
         return out
     if "prefill" not in step.memo:
         offsets = [0]
@@ -355,6 +355,6 @@ def _chunk_bf16(q: torch.Tensor, cache: PagedKVCache, layer: int, batch: _Batch,
 
 def bound(cache: PagedKVCache, step: KVStep, heads: int,
           scale: float) -> Callable[[torch.Tensor, int], torch.Tensor] | None:
-    """The C kernel bound to one step for all its layers (``native_attention.bind``): every row of the step, as
+    """The C kernel bound to one step for all its layers (``attention_c.bind``): every row of the step, as
     ``decode_attention`` / ``prefill_attention`` run it; None where they would not take the C kernel."""
-    return native_attention.bind(cache, step, heads, scale, *native_rows(step))
+    return attention_c.bind(cache, step, heads, scale, *native_rows(step))

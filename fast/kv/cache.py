@@ -37,8 +37,8 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=DTYPES[dtype], device=self.device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=DTYPES[dtype], device=self.device) for _ in range(num_layers)]
         self.scratch: dict[str, torch.Tensor] = {}  # reusable buffers of the torch attention path
-        # called with the layer after each write of new tokens' K/V (by ``write`` or the fused RoPE write of
-        # fast/engine/fused.py): a disaggregated prefill worker sends that layer's KV then
+        # called with the layer after each write of new tokens' K/V (``wrote``: by ``write``, the Triton write
+        # or the fused RoPE write of fast/engine/fused_c.py): a disaggregated prefill worker sends that layer's KV then
         self.on_write: Callable[[int], None] | None = None
         self.k_exp: list[torch.Tensor] = []
         self.v_exp: list[torch.Tensor] = []
@@ -53,31 +53,26 @@ class PagedKVCache:
         return self.dtype == "fp8"
 
     # -- writes -----------------------------------------------------------------------------
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              backend: str | None = None) -> None:
-        """Store K and V of new tokens (each [n, kv_heads, head_dim], float32 or bfloat16) at int64 ``slots`` [n].
-
-        Slots must be distinct (one token per slot per step). ``backend``: "torch", "triton" or None
-        (Triton on CUDA, torch elsewhere; see ``fast.kv.ops.pick_backend``).
-        """
-        from fast.kv.ops import pick_backend
-
-        self._check_write(layer, slots, k, v)
-        if pick_backend(self.device, backend) == "triton":
-            from fast.kv import triton_write
-
-            triton_write.write(self, layer, slots, k, v)
-        elif not self.is_fp8:
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K and V of new tokens (each [n, kv_heads, head_dim], float32 or bfloat16) at int64 ``slots`` [n],
+        in torch (any device). Slots must be distinct (one token per slot per step). ``fast.kv.ops.write_kv``
+        picks between this and the Triton kernel."""
+        self.check_write(layer, slots, k, v)
+        if not self.is_fp8:
             flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
             self.k[layer].view(flat)[slots] = to_store(k, self.k[layer].dtype)
             self.v[layer].view(flat)[slots] = to_store(v, self.v[layer].dtype)
         else:
             write_fp8(self.k[layer], self.k_exp[layer], slots, k)
             write_fp8(self.v[layer], self.v_exp[layer], slots, v)
+        self.wrote(layer)
+
+    def wrote(self, layer: int) -> None:
+        """Announce that new tokens' K/V of ``layer`` are stored (``on_write``), whoever stored them."""
         if self.on_write is not None:
             self.on_write(layer)
 
-    def _check_write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def check_write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         if not 0 <= layer < self.num_layers:
             raise KernelInputError(f"layer {layer} is outside [0, {self.num_layers})")
         if slots.dtype != torch.int64 or slots.dim() != 1:

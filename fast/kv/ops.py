@@ -1,7 +1,7 @@
 """The KV kernels' entry points, and which implementation runs them.
 
-``backend``: "triton" (the kernels in ``triton_write.py`` / ``triton_attention.py``; CUDA tensors, or CPU
-tensors under TRITON_INTERPRET=1), "torch" (``attention_torch.py`` and ``cache.write_fp8``), or None:
+``backend``: "triton" (the kernels in ``write_triton.py`` / ``attention_triton.py``; CUDA tensors, or CPU
+tensors under TRITON_INTERPRET=1), "torch" (``attention_torch.py`` and ``PagedKVCache.write``), or None:
 the environment variable ``UNFIRE_KV_BACKEND`` if set, else Triton on CUDA and torch elsewhere.
 """
 
@@ -25,6 +25,20 @@ def pick_backend(device: torch.device, backend: str | None = None) -> str:
     if choice not in BACKENDS:
         raise KernelInputError(f"KV backend must be one of {BACKENDS}, got {choice!r}")
     return choice
+
+
+def write_kv(cache: PagedKVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             backend: str | None = None) -> None:
+    """Store K and V of new tokens (each [n, kv_heads, head_dim], float32 or bfloat16) at int64 ``slots`` [n]
+    of cache layer ``layer``: the Triton kernel (``write_triton.py``) or ``PagedKVCache.write`` (torch)."""
+    if pick_backend(cache.device, backend) != "triton":
+        cache.write(layer, slots, k, v)
+        return
+    from fast.kv import write_triton
+
+    cache.check_write(layer, slots, k, v)
+    write_triton.write(cache, layer, slots, k, v)
+    cache.wrote(layer)
 
 
 def _check_q(q: torch.Tensor, cache: PagedKVCache, step: KVStep, rows: int) -> None:
@@ -51,9 +65,9 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVS
     _check_q(q, cache, step, step.num_chunks)
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
     if pick_backend(cache.device, backend) == "triton":
-        from fast.kv import triton_attention
+        from fast.kv import attention_triton
 
-        return triton_attention.decode_attention(q, cache, layer, step, scale)
+        return attention_triton.decode_attention(q, cache, layer, step, scale)
     from fast.kv import attention_torch
 
     return attention_torch.decode_attention(q, cache, layer, step, scale)
@@ -70,9 +84,9 @@ def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KV
     _check_q(q, cache, step, step.num_tokens)
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
     if pick_backend(cache.device, backend) == "triton":
-        from fast.kv import triton_attention
+        from fast.kv import attention_triton
 
-        return triton_attention.prefill_attention(q, cache, layer, step, scale)
+        return attention_triton.prefill_attention(q, cache, layer, step, scale)
     from fast.kv import attention_torch
 
     return attention_torch.prefill_attention(q, cache, layer, step, scale)
@@ -90,11 +104,11 @@ def attention_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVSte
                    scale: float | None = None, backend: str | None = None) -> torch.Tensor | None:
     """The attention of some query rows only: q [T, H, D] (the step's rows, their K/V already written), ``rows``
     int64 indices into it -> [len(rows), H, D], each row exactly as ``paged_attention`` computes it (causal within
-    its chunk). Only the CPU's C kernel takes rows one by one (``fast/kv/native_attention.py``); elsewhere None:
+    its chunk). Only the CPU's C kernel takes rows one by one (``fast/kv/attention_c.py``); elsewhere None:
     the caller runs ``paged_attention`` on every row."""
-    from fast.kv import attention_torch, native_attention
+    from fast.kv import attention_c, attention_torch
 
-    if pick_backend(cache.device, backend) != "torch" or not native_attention.applies(q, cache):
+    if pick_backend(cache.device, backend) != "torch" or not attention_c.applies(q, cache):
         return None
     _check_q(q, cache, step, step.num_tokens)
     scale = 1.0 / math.sqrt(cache.head_dim) if scale is None else scale
@@ -102,5 +116,5 @@ def attention_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVSte
     rows = rows.to(torch.int64).contiguous()
     chunks, lengths = chunk_of[rows], length_of[rows]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # only the chosen rows are written
-    native_attention.decode_rows(q.contiguous(), cache, layer, step, chunks, rows, scale, out, lengths)
+    attention_c.decode_rows(q.contiguous(), cache, layer, step, chunks, rows, scale, out, lengths)
     return out[rows]

@@ -7,12 +7,12 @@
 
 or ``python -m serve --model smollm2 --pipeline cpu:1,cpu:1x2``. The split is ``best_split``'s
 (``reference/cluster/placement.py``) for the chain (``chain.py``); the engine is the reference engine
-loop (the one control plane) over a ``PipelineRunner`` (``runner.py``), whose stage 0 runs in the
+loop (the one control plane) over a ``PipelineRunner`` (``pipeline_runner.py``), whose stage 0 runs in the
 engine's process and the others as processes (``stage.py``) joined by torch.distributed (gloo on
 loopback); ``wire.py`` is what travels between them.
 """
 
 from fast.pipeline.chain import Node, PipelineError, Plan, parse_chain, plan
-from fast.pipeline.runner import PipelineModel, PipelineRunner, load_engine
+from fast.pipeline.pipeline_runner import PipelineModel, PipelineRunner, load_engine
 
 __all__ = ["Node", "PipelineError", "PipelineModel", "PipelineRunner", "Plan", "load_engine", "parse_chain", "plan"]

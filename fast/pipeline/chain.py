@@ -11,7 +11,7 @@ each) or nodes in pipeline order, comma-separated:
 A node's speed is its threads divided by its slowdown (assumed linear in threads). The split comes
 from ``best_split`` over one of two problems. Calibrated (the default of ``fast.pipeline``): one
 layer and the output head are timed on this machine at the micro-batch shape (``calibrate`` in
-``runner.py``), and each node runs them in that time over its speed. Nominal: each node is
+``pipeline_runner.py``), and each node runs them in that time over its speed. Nominal: each node is
 described to the placement model (``reference/cluster/pipeline.chain_problem``: the roofline of
 ``reference.engine.cost`` per layer, the output head on the last stage, activations sent to the next
 stage) as a device with that share of nominal CPU rates (``CPU_TFLOPS``, ``CPU_TBPS`` per thread), all on

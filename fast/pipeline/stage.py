@@ -3,7 +3,7 @@
 ``StageModel`` holds layers ``first .. last - 1`` as a ``TorchLlama`` of that many layers (the
 embedding only on the first stage, final norm and output head only on the last) and a paged KV
 cache of those layers, indexed by the same block ids the control plane hands out. Stage 0 lives in
-the engine's process (``fast/pipeline/runner.py``); every other stage is a process of its own:
+the engine's process (``fast/pipeline/pipeline_runner.py``); every other stage is a process of its own:
 
     python -m fast.pipeline.stage --rank 1 --world 2 --store-port P --model smollm2 --bounds 0,20,30 ...
 

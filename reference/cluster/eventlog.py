@@ -13,7 +13,7 @@ import hashlib
 import struct
 import zlib
 
-from reference.cluster.fleet import Request
+from reference.cluster.build import Request
 from reference.cluster.replica import Replica
 
 HASH_MASK = (1 << 128) - 1

@@ -19,10 +19,12 @@ Each of the k steps is priced by the cost model on its own shape (the sequences 
 context one token longer than the step before). Block boundaries are kept exactly: in the step where a
 sequence needs a new block, the block manager's ``may_append`` is called for it at that step's start,
 in the scheduler's order; in the step where a block fills, ``cache_full_blocks`` registers it in the prefix cache at
-that step's end. Busy time and FLOPs are counted at each step's start, as ``Replica.start_step`` does.
+that step's end. A plan changes only the scheduler and the sequences it planned; what the replica counts (busy time
+and FLOPs at each step's start, as ``Replica.start_step`` does; decode tokens still to generate) it hands back as
+deltas (``Progress``) that the replica applies (``Replica.advance_macro``).
 
 What a plan cannot know is the future: a request that joins the replica, a KV import or a failure at
-time t in the middle of it. The simulator then calls ``advance(t)``, which applies every step that
+time t in the middle of it. The simulator then calls ``Replica.advance_macro(t)``, which applies every step that
 ended before t and the start of the step in flight at t (events at the same time as a step's end
 come before it), and ``cut``, which ends the plan with that step; from there the real scheduler
 takes over, exactly where single steps would have admitted the newcomer. The simulator's switch
@@ -34,14 +36,15 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from reference.engine.cost import StepShape
 from reference.sched.policy import FCFS, Policy
 
 if TYPE_CHECKING:
-    from reference.cluster.replica import Replica
-    from reference.sched import Sequence
+    from collections.abc import Callable
+
+    from reference.sched import Scheduler, Sequence
 
 PLACEHOLDER_TOKEN = 0  # what the simulator "samples" (Replica.finish_step hands the scheduler the same)
 NEVER = 1 << 62  # the finish step of a sequence that outlives the plan
@@ -59,13 +62,21 @@ class DecodeShape(StepShape):
         return self.pairs
 
 
+class Progress(NamedTuple):
+    """What one ``MacroStep.advance`` means for the replica: steps ``started[0]+1 .. started[1]`` began (their
+    busy time and FLOPs count now) and ``sampled`` decode tokens were generated."""
+
+    started: tuple[int, int]
+    sampled: int
+
+
 class MacroStep:
     """k planned decode steps of one replica (see the module docstring); steps are numbered from 1."""
 
-    def __init__(self, rep: Replica, seqs: list[Sequence], finish: list[int], start: float,
+    def __init__(self, seqs: list[Sequence], finish: list[int], start: float,
                  computed0: list[int] | None = None) -> None:
         """``computed0``: the sequences' computed tokens now, if the caller has them at hand (else read here)."""
-        self.rep, self.seqs, self.finish_step, self.start = rep, seqs, finish, start
+        self.seqs, self.finish_step, self.start = seqs, finish, start
         self.computed0 = computed0 if computed0 is not None else [s.num_computed_tokens for s in seqs]  # before step 1
         self.length0 = [c + 1 for c in self.computed0]  # a decoding sequence has one token left to compute
         self.k = 0
@@ -88,22 +99,23 @@ class MacroStep:
     def _ended(self, now: float) -> int:
         return bisect.bisect_left(self.ends, now, hi=self.k)  # steps that ended before now
 
-    def pending_decode_at(self, now: float) -> int:
-        """The replica's decode tokens still to generate, as single steps would show them at ``now``."""
-        return max(0, self.rep.pending_decode - (self.sampled[self._ended(now)] - self.sampled[self.completed]))
+    def sampled_by(self, now: float) -> int:
+        """Decode tokens that steps ended before ``now`` sampled and ``advance`` has not yet handed back."""
+        return self.sampled[self._ended(now)] - self.sampled[self.completed]
 
-    def live_at(self, now: float) -> int:
-        """The replica's live requests, as single steps would show them at ``now``."""
-        return self.rep.scheduler.num_unfinished - (self.finished[self._ended(now)] - self.finished[self.completed])
+    def finished_by(self, now: float) -> int:
+        """Sequences that steps ended before ``now`` finished and ``advance`` has not yet retired."""
+        return self.finished[self._ended(now)] - self.finished[self.completed]
 
-    def advance(self, t: float) -> None:
-        """Apply every step that ended before ``t``, and the start of the one in flight at ``t``."""
+    def advance(self, t: float, sched: Scheduler) -> Progress:
+        """Apply every step that ended before ``t``, and the start of the one in flight at ``t``, to ``sched``
+        and the planned sequences; returns what the replica's counters gain."""
         ended = self._ended(t)
         started = min(self.k, ended + 1)
         if started <= self.scheduled and ended <= self.completed:
-            return
-        self._count_busy(self.scheduled, started)
-        bm, sched = self.rep.scheduler.block_manager, self.rep.scheduler
+            return Progress((self.scheduled, self.scheduled), 0)
+        progress = Progress((self.scheduled, started), self.sampled[ended] - self.sampled[self.completed])
+        bm = sched.block_manager
         steps = self.event_steps
         while self.next_event < len(steps) and steps[self.next_event] <= started:
             i = steps[self.next_event]
@@ -122,14 +134,10 @@ class MacroStep:
                 if finished:
                     sched.finish_running(seq, "length", self.ends[i - 1])
             self.next_event += 1
-        self.rep.pending_decode = max(0, self.rep.pending_decode - (self.sampled[ended] - self.sampled[self.completed]))
         self.scheduled, self.completed = started, ended
         if ended == self.k:  # in between, a sequence is brought up to date when an event touches it
             self._set_all(ended)
-
-    def finish(self) -> None:
-        """Apply all k steps (at the end event of the last one)."""
-        self.advance(float("inf"))
+        return progress
 
     def cut(self) -> bool:
         """End the plan with the step in flight (call after ``advance``); True if that shortened it."""
@@ -138,21 +146,6 @@ class MacroStep:
         self.k = max(self.scheduled, 1)
         self.version += 1
         return True
-
-    def _count_busy(self, first: int, last: int) -> None:
-        """Busy time and FLOPs of steps first+1 .. last, counted at each step's start (as ``start_step`` does)."""
-        rep = self.rep
-        for i in range(first, last):  # 0-based: step i + 1
-            seconds = self.seconds[i]
-            room = rep.measure_until - (self.ends[i - 1] if i else self.start)  # only inside the measured window
-            counted = seconds if room >= seconds else room if room > 0 else 0.0
-            rep.busy_s += counted
-            if counted > 0:
-                shape, n = self.shapes[i], self.sizes[i]
-                flops = rep.flops(shape) if shape is not None else rep.flops_of(n, self.context_sums[i], n)
-                rep.flops_done += flops * (counted / seconds)
-            else:
-                rep.flops_done += 0.0
 
     def _set_all(self, steps: int) -> None:
         """``_set`` for every sequence of the plan (one loop, as the plan ends)."""
@@ -179,10 +172,10 @@ def static_order(policy: Policy) -> bool:
     return type(policy) in (FCFS, Policy)
 
 
-def plan_macro(rep: Replica, now: float, cap: int) -> MacroStep | None:
-    """Up to ``cap`` decode steps of ``rep`` from ``now`` as one macro step, or None if fewer than 2 qualify."""
-    sched = rep.scheduler
-    if cap < 2 or rep.role == "prefill" or sched.waiting or not sched.running or not static_order(sched.policy):
+def plan_macro(sched: Scheduler, cost: Callable[[StepShape], float], now: float, cap: int) -> MacroStep | None:
+    """Up to ``cap`` decode steps of the replica whose scheduler is ``sched`` and step cost model ``cost``, from
+    ``now``, as one macro step, or None if fewer than 2 qualify."""
+    if cap < 2 or sched.waiting or not sched.running or not static_order(sched.policy):
         return None
     bm, limit, key = sched.block_manager, sched.config.max_model_len, sched.policy.key
     bs, prefix_cache, ref_count, cached = bm.block_size, bm.enable_prefix_cache, bm.ref_count, bm.block_key
@@ -218,9 +211,9 @@ def plan_macro(rep: Replica, now: float, cap: int) -> MacroStep | None:
         k = min(k, allocs[bm.num_free_blocks][0] - 1)  # the step that would run out of blocks (and preempt)
     if k < 2:
         return None
-    p = MacroStep(rep, seqs, [f if f <= k else NEVER for f in finish], now, computed0)
+    p = MacroStep(seqs, [f if f <= k else NEVER for f in finish], now, computed0)
     # price each step: by the shape's sums where the cost model can (the same number, without the shape)
-    seconds_of = getattr(rep.cost, "seconds_of", None)
+    seconds_of = getattr(cost, "seconds_of", None)
     t, running, finish_steps = now, p.computed0, set(finish)
     n, base = len(running), sum(running)
     for i in range(1, k + 1):
@@ -236,7 +229,7 @@ def plan_macro(rep: Replica, now: float, cap: int) -> MacroStep | None:
         else:
             context = tuple(c + i for c in running)
             shape = DecodeShape(new_tokens=(1,) * n, context_lens=context, num_sampled=n, pairs=context_sum)
-            seconds = rep.cost(shape)
+            seconds = cost(shape)
         if not seconds > 0:
             break
         t += seconds

@@ -93,10 +93,11 @@ class Replica:
     def est_wait_s(self, now: float = 0.0) -> float:
         """Estimated queueing before a new request's prefill starts, from the tokens in flight at ``now``."""
         cap = self.config.max_num_seqs
-        n = self.num_live if self.macro is None else self.macro.live_at(now)
+        plan = self.macro  # in flight: the counters as single steps would show them at ``now``
+        n = self.num_live if plan is None else self.num_live - plan.finished_by(now)
         wait = self.pending_prefill * self._tok_s
         if n + 1 > cap:
-            decode = self.pending_decode if self.macro is None else self.macro.pending_decode_at(now)
+            decode = self.pending_decode if plan is None else max(0, self.pending_decode - plan.sampled_by(now))
             wait += (n + 1 - cap) / cap * (decode / max(n, 1)) * self._decode_s
         return wait
 
@@ -124,11 +125,11 @@ class Replica:
         ``macro_cap`` >= 2, up to that many plain decode steps may come back as one ``MacroStep`` instead."""
         if self.stepping or not self.alive or not self.scheduler.has_unfinished():
             return None
-        if macro_cap >= 2:
-            plan = plan_macro(self, now, macro_cap)
+        if macro_cap >= 2 and self.role != "prefill":
+            plan = plan_macro(self.scheduler, self.cost, now, macro_cap)
             if plan is not None:
                 self.macro, self.stepping = plan, True
-                plan.advance(now)  # the first step starts now: its blocks, its busy time
+                self.advance_macro(now)  # the first step starts now: its blocks, its busy time
                 return plan, plan.ends[plan.k - 1]
         batch = self.scheduler.schedule(now)
         if not batch.entries:
@@ -161,9 +162,32 @@ class Replica:
                 self.pending_decode = max(0, self.pending_decode - 1)
         return batch.entries
 
+    def advance_macro(self, now: float) -> None:
+        """Bring the macro step in flight up to ``now`` (``MacroStep.advance``) and apply what it hands back."""
+        plan = self.macro
+        progress = plan.advance(now, self.scheduler)
+        self._count_macro_busy(plan, *progress.started)
+        self.pending_decode = max(0, self.pending_decode - progress.sampled)
+
+    def _count_macro_busy(self, plan: MacroStep, first: int, last: int) -> None:
+        """Busy time and FLOPs of planned steps first+1 .. last, counted at each step's start (as ``start_step``
+        does for a single step)."""
+        for i in range(first, last):  # 0-based: step i + 1
+            seconds = plan.seconds[i]
+            room = self.measure_until - (plan.ends[i - 1] if i else plan.start)  # only inside the measured window
+            counted = seconds if room >= seconds else room if room > 0 else 0.0
+            self.busy_s += counted
+            if counted > 0:
+                shape, n = plan.shapes[i], plan.sizes[i]
+                flops = self.flops(shape) if shape is not None else self.flops_of(n, plan.context_sums[i], n)
+                self.flops_done += flops * (counted / seconds)
+            else:
+                self.flops_done += 0.0
+
     def finish_macro(self, plan: MacroStep) -> None:
         """The last step of a macro step ended: apply all of it (the caller hands out its tokens)."""
-        plan.finish()
+        assert plan is self.macro, "the plan that ended is the one in flight"
+        self.advance_macro(float("inf"))
         self.macro, self.stepping = None, False
 
     def drop(self, decode_left: int) -> None:

@@ -36,9 +36,9 @@ from typing import IO
 
 import numpy as np
 
+from reference.cluster.build import Request, RequestSource, build_replicas
 from reference.cluster.costs import kv_bytes_per_token
 from reference.cluster.eventlog import EventLog, event_id
-from reference.cluster.fleet import Request, RequestSource, build_replicas
 from reference.cluster.macro import MacroStep
 from reference.cluster.network import Network, Path
 from reference.cluster.replica import Replica
@@ -213,7 +213,7 @@ class Simulator:
         plan = rep.macro
         if plan is None:
             return
-        plan.advance(self.now)
+        rep.advance_macro(self.now)
         if tokens:
             self._macro_tokens(rep, plan, plan.completed)
         if plan.cut():

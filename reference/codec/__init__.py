@@ -33,7 +33,8 @@ inspect FILE``.
 """
 
 from reference.codec.codec import decode, encode
-from reference.codec.container import Container, compress_checkpoint, decompress_checkpoint
+from reference.codec.container_read import Container
+from reference.codec.container_write import compress_checkpoint, decompress_checkpoint
 from reference.codec.errors import CodecError
 from reference.codec.format import CompressedTensor
 from reference.codec.huffman import canonical_codes, code_lengths, decode_table

@@ -21,17 +21,8 @@ import numpy as np
 
 from reference.bf16 import field_stats
 from reference.codec.codec import CHUNK_SIZE, CHUNKS_PER_GROUP, MAX_CODE_LENGTH, PALETTE_SIZE, encode
-from reference.codec.container import (
-    MIN_ELEMENTS,
-    MODES,
-    Container,
-    Encoder,
-    HuffmanDecoder,
-    RansDecoder,
-    compress_checkpoint,
-    decompress_checkpoint,
-    weight_count,
-)
+from reference.codec.container_read import Container, Encoder, HuffmanDecoder, RansDecoder, weight_count
+from reference.codec.container_write import MIN_ELEMENTS, MODES, compress_checkpoint, decompress_checkpoint
 from reference.codec.errors import CodecError
 from reference.codec.rans import BLOCK_SIZE, LANES, MANTISSA_BITS, PROB_BITS, TABLES, RansTensor
 from reference.model.names import tensor_kind

@@ -5,8 +5,8 @@
 
 IN: one JSON object per line, ``{"id": str, "prompt_token_ids": [int], "max_tokens": int}`` (greedy).
 OUT: one line per input line, in order, whatever happens: ``{"id", "output_token_ids", "finish_reason",
-"error"}`` (if the cluster itself fails, every request not yet answered gets that failure as its error).
-The coordinator and cluster are those of the endpoint (``python -m serve --prefill-workers P --decode-workers
+"error"}`` (if the pool itself fails, every request not yet answered gets that failure as its error).
+The coordinator and pool are those of the endpoint (``python -m serve --prefill-workers P --decode-workers
 D``): the same routing, faults, request migration, worker leases and restarts (``PROTOCOL.md`` section 6).
 ``--prefill 0 --decode 0`` runs the same prompts colocated, in one engine in this process. At the end
 one line says what was written: how many requests finished and failed, and the first error.
@@ -25,7 +25,7 @@ from typing import Any
 from reference import jsonsafe
 from reference.disagg.faults import FAULTS
 
-SECRET_ENV = "UNFIRE_DISAGG_SECRET"  # the same name as reference.disagg.cluster's (imported lazily there)
+SECRET_ENV = "UNFIRE_DISAGG_SECRET"  # the same name as reference.disagg.pool's (imported lazily there)
 
 EPILOG = ("faults for --inject (the workers then use short timeouts: handshake 0.5 s x 3, stream 3 s):\n"
           + "\n".join(f"  {name:13s} {what}" for name, what in FAULTS.items()))
@@ -120,22 +120,22 @@ def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: li
     from rich.progress import Progress
 
     from reference.disagg.batch import ProcessFaults, run_requests
-    from reference.disagg.cluster import FAST_FAULTS, InProcessCluster, ProcessCluster, WorkerOptions
     from reference.disagg.faults import FaultInjector
+    from reference.disagg.pool import FAST_FAULTS, InProcessPool, ProcessPool, WorkerOptions
 
     injector = FaultInjector(faults, args.seed) if faults else None
-    kind = InProcessCluster if args.in_process else ProcessCluster
+    kind = InProcessPool if args.in_process else ProcessPool
     good = [r for r in requests if "_error" not in r]
     opts = WorkerOptions(wire=args.kv_wire, **(FAST_FAULTS if faults else {}))
     total = sum(len(r.get("prompt_token_ids") or []) + (r.get("max_tokens") or 0) for r in good
                 if isinstance(r.get("max_tokens"), int) and isinstance(r.get("prompt_token_ids"), list))
     seconds = args.deadline if args.deadline is not None else 120.0 + 0.05 * total
     with kind(args.model, args.prefill, args.decode, opts=opts, injector=injector, deadline=lambda p, o: seconds,
-              lease_s=args.worker_lease) as cluster:
-        ProcessFaults(cluster, faults, args.seed, len(good))
+              lease_s=args.worker_lease) as pool:
+        ProcessFaults(pool, faults, args.seed, len(good))
         with Progress(transient=True) as progress:
             task = progress.add_task("requests", total=len(good))
-            done = run_requests(cluster, good, on_progress=lambda n: progress.advance(task, n))
+            done = run_requests(pool, good, on_progress=lambda n: progress.advance(task, n))
     by_index = iter(done)
     return [{"id": r.get("id"), "output_token_ids": [], "finish_reason": "error", "error": r["_error"]}
             if "_error" in r else next(by_index) for r in requests]
@@ -144,8 +144,8 @@ def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: li
 def worker_main(args: argparse.Namespace, load: Any = None) -> int:
     """One worker process. ``load(options) -> (model, digest)`` loads another engine's model (the fast
     worker's); without it the worker steps on the NumPy runner."""
-    from reference.disagg.cluster import WorkerOptions, hello, make_worker, read_secret, serve
     from reference.disagg.models import digest_of, load_model
+    from reference.disagg.pool import WorkerOptions, hello, make_worker, read_secret, serve
     from reference.disagg.transport import Link, connect
 
     if args.engine != "reference" and load is None:
@@ -198,7 +198,7 @@ def listen_main(args: argparse.Namespace, secret: bytes, opts: Any, loaded: tupl
     import secrets
     import socket
 
-    from reference.disagg.cluster import hello, make_worker, serve
+    from reference.disagg.pool import hello, make_worker, serve
     from reference.disagg.transport import Link, LinkClosed, SocketEndpoint, listen
 
     host, _, port = args.listen.rpartition(":")  # checked by worker_main
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_colocated(args.model, requests)
         else:
             results = run_disaggregated(args, requests, faults)
-    except Exception as e:  # noqa: BLE001 (the cluster failed as a whole: still answer every line)
+    except Exception as e:  # noqa: BLE001 (the pool failed as a whole: still answer every line)
         why = f"the batch failed: {type(e).__name__}: {e}"
         print(f"error: {why}", file=sys.stderr)
         results = [{"id": r.get("id"), "output_token_ids": [], "finish_reason": "error", "error": why}

@@ -15,7 +15,7 @@ Dynamo's request migration does): a new attempt (new stream) on a live decode wo
 plus the tokens already streamed as its prompt, and its tokens are appended to those, so none is
 counted twice; up to ``max_attempts``, else they fail with an error. A worker that sends nothing, not
 even a heartbeat, for ``lease_s`` seconds (stopped, hung) is lost the same way (``on_lease_expired``
-first: the cluster kills its process). A request past its deadline -> aborted everywhere and
+first: the pool kills its process). A request past its deadline -> aborted everywhere and
 answered with an error. A FINISH for an ended request or an old attempt is ignored (counted), so
 nothing is answered twice. Per worker, ``accounting`` counts KV bytes, handoffs and recomputes.
 
@@ -100,8 +100,8 @@ class Coordinator:
         self.waiting: list[RequestState] = []  # accepted, not yet routed (no live worker)
         self.counters: dict[str, int] = {}
         self._streams = itertools.count(1)
-        self.on_worker_lost: Callable[[Worker], None] | None = None  # the cluster restarts it
-        self.on_lease_expired: Callable[[Worker], None] | None = None  # the cluster kills its process
+        self.on_worker_lost: Callable[[Worker], None] | None = None  # the pool restarts it
+        self.on_lease_expired: Callable[[Worker], None] | None = None  # the pool kills its process
         self.shutting_down = False
         self.on_stream_frame: Callable[[RequestState, Frame], None] | None = None  # fault hooks (kill, abort)
 

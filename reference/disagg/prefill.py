@@ -25,7 +25,7 @@ from reference.disagg import messages
 from reference.disagg.frames import Frame, Kind
 from reference.disagg.transport import Link
 from reference.disagg.wire import KVLayout, encode_kv, kv_digest
-from reference.disagg.worker import WorkerBase
+from reference.disagg.worker_base import WorkerBase
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
 from reference.model.llama import LlamaModel

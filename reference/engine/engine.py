@@ -16,7 +16,7 @@ Typical use::
     for event in engine.stream("Tell me a story", SamplingParams(temperature=0.8, seed=1)):
         print(event.text, end="")
 
-The model runner (``reference/model/runner.py``) is the only part that differs between the NumPy
+The model runner (``model_runner.py``) is the only part that differs between the NumPy
 engine and the fast one: ``model.make_runner(...)`` gives the data plane, everything else here is
 the one control plane both share.
 """
@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from reference.engine.cost import StepShape
+from reference.engine.model_runner import ModelRunner, RunnableModel
 from reference.engine.params import (
     EngineError,
     RequestRejected,
@@ -44,7 +45,6 @@ from reference.engine.request import Request, RequestMetrics, RequestOutput, Tok
 from reference.engine.sampling import sample
 from reference.kv.block_manager import BlockManager
 from reference.model.llama import Chunk
-from reference.model.runner import ModelRunner, RunnableModel
 from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError, Tenants, make_policy
 from reference.sched import Sequence as SchedSequence
 

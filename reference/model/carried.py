@@ -97,7 +97,7 @@ class ContainerFile:
     ``reference.codec.Container``, for loaders that take the compressed forms themselves."""
 
     def __init__(self, path: str | Path, **decoders: Any):
-        from reference.codec.container import Container
+        from reference.codec.container_read import Container
         from reference.codec.errors import CodecError
 
         self.path = Path(path)
@@ -105,7 +105,7 @@ class ContainerFile:
             self.container = Container(self.path, **decoders)
         except CodecError as e:
             raise WeightError(str(e)) from None
-        text = self.container.model_entry
+        text = self.container.metadata.get(MODEL_KEY)
         self.entry = None if text is None else parse_entry(text, str(self.path))
 
     def names(self) -> list[str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -26,9 +25,6 @@ from reference.model.config import LlamaConfig
 from reference.model.loader import LlamaWeights, load_llama
 from reference.model.rope import apply_rope, inverse_frequencies, rope_tables
 from reference.model.weights import WeightSource
-
-if TYPE_CHECKING:
-    from reference.model.runner import NumpyRunner
 
 
 @dataclass
@@ -92,8 +88,6 @@ class LlamaModel:
 
     def make_runner(self, num_blocks: int, block_size: int = 16, kv_dtype: str = "float32") -> NumpyRunner:
         """The engine's data plane for this model: a ``NumpyRunner`` owning a new KV cache."""
-        from reference.model.runner import NumpyRunner  # runner.py imports this module
-
         return NumpyRunner(self, num_blocks, block_size, kv_dtype)
 
     def new_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "float32") -> KVCache:
@@ -176,3 +170,21 @@ class LlamaModel:
             x = x + linear(attention(q, k, v, 0).reshape(len(ids), -1), layer.wo, layer.bo)
             x = x + self._mlp(rms_norm(x, layer.mlp_norm, c.rms_norm_eps), i)
         return rms_norm(x, w.final_norm, c.rms_norm_eps) @ w.lm_head.T
+
+
+class NumpyRunner:
+    """The reference runner: ``LlamaModel.forward`` over a NumPy ``KVCache``."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16, kv_dtype: str = "float32"):
+        self.model, self.config = model, model.config
+        self.cache: KVCache = model.new_cache(num_blocks, block_size, kv_dtype)
+
+    def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
+        for src, dst in copies:
+            self.cache.copy_block(src, dst)
+
+    def forward(self, chunks: Sequence[Chunk],
+                on_layer: Callable[[int], None] | None = None) -> list[np.ndarray | None]:
+        """``on_layer(i)``: called once layer i's K/V of this step are in the cache (the disaggregated
+        prefill worker sends them then)."""
+        return self.model.forward(chunks, self.cache, on_layer=on_layer)

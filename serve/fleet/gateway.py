@@ -34,8 +34,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from reference.cluster.fleet import AFFINITY_BLOCKS
-from reference.cluster.fleet import Request as Trip
+from reference.cluster.build import AFFINITY_BLOCKS
+from reference.cluster.build import Request as Trip
 from reference.cluster.network import Network
 from reference.cluster.report import SimResult, trace_record
 from reference.cluster.router import Decision, Router, RouteRequest

@@ -1,6 +1,6 @@
 /* The Unweight decoder for the CPU, in C (FORMAT.md sections 3.4-3.6): Huffman form -> bf16.
  *
- * fast/codec/decode_native.py builds this file with the system C compiler on first use (as the
+ * fast/codec/decode_c.py builds this file with the system C compiler on first use (as the
  * encoder, native/encode.c), loads it with ctypes and calls:
  *
  *   unw_crc32          CRC-32 (IEEE, the value zlib.crc32 gives) of a buffer, in threads (crc32.h)

@@ -1,6 +1,6 @@
 /* The Unweight encoder for the CPU, in C (FORMAT.md sections 2 and 3).
  *
- * fast/codec/encode_native.py builds this file with the system C compiler on first use, loads it
+ * fast/codec/encode_c.py builds this file with the system C compiler on first use, loads it
  * with ctypes and calls, per tensor:
  *
  *   unw_scan           pass 1: sm byte of every weight, exponent counts, each chunk's min and max exponent

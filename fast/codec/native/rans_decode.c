@@ -1,6 +1,6 @@
 /* The rANS-mode decoder for the CPU, in C (FORMAT.md section 9): rANS form -> bf16.
  *
- * fast/codec/rans_native.py builds this file with the system C compiler on first use (as decode.c),
+ * fast/codec/decode_rans_c.py builds this file with the system C compiler on first use (as decode.c),
  * loads it with ctypes and calls unw_rans_decode (and, in the tests, unw_rans_use). Python checks
  * first what is cheap and small (RansTensor.check_header: parameters, every array's dtype and length; check_index: alphabet, tables
  * summing to M, block_table < K, block_words and block_escapes rising from 0 to W and E, escapes per

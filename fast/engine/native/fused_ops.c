@@ -1,4 +1,4 @@
-/* Element-wise steps of a bf16 Llama layer on a CPU, each in one pass (fast/engine/fused.py says why).
+/* Element-wise steps of a bf16 Llama layer on a CPU, each in one pass (fast/engine/fused_c.py says why).
  *
  *   unf_rope_write_bf16    q, k of a fused qkv row rotated by RoPE (x cos + roll(x, d/2) signed_sin, float32,
  *                          the same three roundings as torch), q into out, k and v into their cache slots
@@ -15,7 +15,7 @@
  *                          in float32 (torch's scalar loop); AVX-512 only
  * Rounding to bf16 is to nearest even (NaN stays a quiet NaN): bit for bit torch's.
  *
- * Built by fast/codec/native_build.py (-O3 -std=c99: no contraction into FMAs, so each product and sum is
+ * Built by fast/build_c.py (-O3 -std=c99: no contraction into FMAs, so each product and sum is
  * rounded as torch rounds it). On x86-64 with GCC or Clang the loops also exist in AVX-512 (target attributes),
  * taken when the CPU has it (simd != 0); they perform the very same float32 operations in the same order as the
  * plain loops, so both give the same bits (the tests check).
@@ -68,7 +68,7 @@ static void rope_write_plain(const uint16_t *qkv, int64_t n, int64_t heads, int6
  * tensor is its sum divided by the row length, and its sum of a contiguous row (aten/src/ATen/native/cpu/
  * SumKernel.cpp, cascade_sum) adds in this order, where a "group" is one vector of `lanes` floats (the width of
  * the sum kernel torch runs: 8 for its AVX2 kernel, which torch 2.13 runs even on an AVX-512 CPU since the sum has
- * no AVX512 registration; fast/engine/fused.py finds the width on a probe), or one float for a row shorter than
+ * no AVX512 registration; fast/engine/fused_c.py finds the width on a probe), or one float for a row shorter than
  * a vector:
  *   - the groups are read four at a time (a "row" of four independent accumulators, for instruction parallelism);
  *   - rows are added into level 0; every `step` rows (step = 2^max(4, ceil(log2(rows)) / 4)) level 0 is added

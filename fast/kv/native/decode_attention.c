@@ -9,7 +9,7 @@
  * ``exp_f32`` below, within 2 ulp of expf); o = sum_j p_j v_j / sum_j p_j in float32, rounded once to
  * bf16 (nearest even). Every bf16 input is widened exactly to float32.
  *
- * Built by fast/codec/native_build.py (-O3 -std=c99); on x86-64 with GCC or Clang the hot loops also exist in
+ * Built by fast/build_c.py (-O3 -std=c99); on x86-64 with GCC or Clang the hot loops also exist in
  * AVX-512 (target attributes), taken when the CPU has it; otherwise plain C loops that the compiler vectorises
  * (UNFIRE_NATIVE_SIMD=0 takes those everywhere).
  */
@@ -446,7 +446,7 @@ DEFINE_SEQ_KERNEL(4, 4)
 DEFINE_SEQ_KERNEL(8, 2)
 #endif
 
-/* 1 where the AVX-512 loops run (without them the torch path is faster: fast/kv/native_attention.py). */
+/* 1 where the AVX-512 loops run (without them the torch path is faster: fast/kv/attention_c.py). */
 int unf_decode_attention_simd(void) {
 #ifdef HAVE_AVX512_PATH
     return __builtin_cpu_supports("avx512f") != 0;

@@ -8,9 +8,9 @@ tables, lockstep encoder and decoder), ``model.py`` (what is coded: joint values
 packing, the alphabet, clustered tables), ``format.py`` (``RansTensor``: header, arrays, every check),
 ``codec.py`` (``encode_rans``, ``decode_rans`` and their many-tensor forms).
 
-The container (``reference/codec/container.py``) uses only what this file exports: ``FORM`` (the
-header's ``form`` value), ``ARRAY_DTYPES``, ``RansTensor``, ``encode_rans_many``, ``decode_rans_many``
-and ``ENCODE_BATCH``.
+The container (``reference/codec/container_read.py``, ``container_write.py``) uses only what this
+file exports: ``FORM`` (the header's ``form`` value), ``ARRAY_DTYPES``, ``RansTensor``,
+``encode_rans_many``, ``decode_rans_many`` and ``ENCODE_BATCH``.
 """
 
 from reference.codec.rans.codec import (

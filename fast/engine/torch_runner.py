@@ -1,4 +1,4 @@
-"""``TorchRunner``: the fast engine's data plane, with the interface of ``reference/model/runner.py``.
+"""``TorchRunner``: the fast engine's data plane, with the interface of ``reference/engine/model_runner.py``.
 
 Per step it turns the engine's chunks into tensors once (token ids, positions, a ``KVStep`` with the
 block tables and cache slots), runs ``TorchLlama.forward`` over all of them together, and hands the

@@ -17,7 +17,7 @@ with AVX-512 BF16 (Zen 4/5, Sapphire Rapids) and head sizes 16/32/64/128, VDPBF1
 positions at a time (exact bf16 products, float32 sums; 2.2x the float32 AVX-512 loops on SmolLM2's
 decode, where it then runs at the memory's speed); AVX-512 float32 loops (``=2``); plain C (``=0``).
 
-Built on first use by ``fast.codec.native_build`` with the system compiler; no compiler, a failed
+Built on first use by ``fast.build_c`` with the system compiler; no compiler, a failed
 build, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_ATTENTION=0``: ``decode_rows`` returns False and the
 torch path runs. Single-threaded (the engine's benchmark runs one thread; with more threads the rows
 are split between them, each call releasing the GIL).
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from fast.codec import native_build
+from fast import build_c
 from fast.errors import KernelInputError
 from fast.kv.cache import PagedKVCache
 from fast.kv.step import KVStep
@@ -57,7 +57,7 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None if it cannot be (or native code is switched off)."""
     if os.environ.get("UNFIRE_NATIVE_ATTENTION", "1") == "0":
         return None
-    return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the C decode attention", "the torch path")
+    return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the C decode attention", "the torch path")
 
 
 def applies(q: torch.Tensor, cache: PagedKVCache) -> bool:

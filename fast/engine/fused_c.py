@@ -47,7 +47,8 @@ from pathlib import Path
 
 import torch
 
-from fast.codec import native_build
+from fast import build_c
+from fast.engine.elementwise_torch import rms_norm  # the torch lines the C norm replaces
 from fast.errors import KernelInputError
 from fast.kv.cache import PagedKVCache
 
@@ -75,7 +76,7 @@ def library() -> ctypes.CDLL | None:
     """The compiled library, built on first use; None if it cannot be (or is switched off)."""
     if os.environ.get("UNFIRE_NATIVE_FUSED", "1") == "0":
         return None
-    return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the fused C ops", "the torch lines")
+    return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the fused C ops", "the torch lines")
 
 
 def _simd() -> int:
@@ -101,8 +102,6 @@ def norm_lanes() -> int | None:
 
 
 def _probe_lanes() -> int | None:
-    from fast.engine.model import rms_norm  # the torch lines the C norm replaces
-
     lib = library()
     if lib is None:
         return None
@@ -243,8 +242,9 @@ def _rows(x: torch.Tensor, dtype: torch.dtype, name: str) -> None:
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, positions: torch.Tensor,
                slots: torch.Tensor, cache: PagedKVCache, layer: int, heads: int) -> torch.Tensor:
     """From a fused projection qkv (bf16 [n, (heads + 2 kv) d]): q and k rotated by RoPE at ``positions``
-    (tables float32 [max_position, d]: cos and the sine with its first half negated, ``model.signed``), k and v
-    stored at ``slots`` of cache layer ``layer``; returns q (bf16 [n, heads, d])."""
+    (tables float32 [max_position, d]: cos and the sine with its first half negated,
+    ``elementwise_torch.signed``), k and v stored at ``slots`` of cache layer ``layer``; returns q
+    (bf16 [n, heads, d])."""
     kv, d = cache.num_kv_heads, cache.head_dim
     qkv = qkv.contiguous()
     _rows(qkv, torch.bfloat16, "qkv")
@@ -272,8 +272,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, p
     bad = next((c for c in codes if c), 0)
     if bad:
         raise KernelInputError(f"rope_write (C): {ROPE_ERRORS.get(bad, f'error {bad}')}")
-    if cache.on_write is not None:  # as PagedKVCache.write does
-        cache.on_write(layer)
+    cache.wrote(layer)
     return q
 
 
@@ -409,8 +408,7 @@ class StepOps:
                                            slots, nslots, self.k[layer], self.v[layer], q.data_ptr(), self.simd)
         if bad:
             raise KernelInputError(f"rope_write (C): {ROPE_ERRORS.get(bad, f'error {bad}')}")
-        if self.cache.on_write is not None:  # as PagedKVCache.write does
-            self.cache.on_write(layer)
+        self.cache.wrote(layer)
         return q
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor | None, eps: float,

@@ -88,7 +88,8 @@ def _copy_kernel(x_ptr, store_ptr, slots_ptr, ROW: tl.constexpr, ROW_P2: tl.cons
 
 
 def write(cache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """``PagedKVCache.write`` on the Triton kernels (the cache has checked shapes, dtypes and devices)."""
+    """What ``PagedKVCache.write`` does, on the Triton kernels (``ops.write_kv`` has checked shapes, dtypes
+    and devices)."""
     n = slots.shape[0]
     if n == 0:
         return

@@ -1,6 +1,6 @@
 """The engine's own thread: it alone touches the engine, so HTTP handling never waits for a step.
 
-The engine is single-threaded. ``EngineWorker`` runs it on a thread that owns it: HTTP handlers put
+The engine is single-threaded. ``EngineThread`` runs it on a thread that owns it: HTTP handlers put
 commands on a queue (add a request, abort one, run a function on the engine, drain, stop), and the
 thread steps the engine whenever requests are unfinished, handing each token to the request's
 ``asyncio.Queue`` with ``loop.call_soon_threadsafe``. Between steps it takes every queued command,
@@ -85,7 +85,7 @@ class Stats:
     prefix_lookup_tokens: int = 0
 
 
-class EngineWorker:
+class EngineThread:
     """Owns an engine on a thread of its own. Start with ``start()``; stop with ``stop()``."""
 
     def __init__(self, engine: Any, *, idle_poll_s: float = 0.05, keep_steps: int = 4096) -> None:

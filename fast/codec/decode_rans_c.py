@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from pathlib import Path
 
 import numpy as np
 
-from fast.codec import native_build
+from fast import build_c
 from reference.codec.errors import CodecError
 from reference.codec.rans import RansTensor, decode_rans
 from reference.codec.rans.model import field_group, unpack_fields
 
-SOURCE = native_build.NATIVE_DIR / "rans_decode.c"
+SOURCE = Path(__file__).with_name("native") / "rans_decode.c"
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -51,7 +52,7 @@ CRC_ORDER = ("raw", "stream", "escapes", "data")
 
 def library() -> ctypes.CDLL | None:
     """The compiled decoder, built on first use; None if it cannot be (or ``UNFIRE_NATIVE=0``)."""
-    return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the C rANS decoder", "the NumPy rANS decoder")
+    return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the C rANS decoder", "the NumPy rANS decoder")
 
 
 def _ptr(a: np.ndarray) -> int:

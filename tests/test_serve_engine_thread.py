@@ -9,7 +9,7 @@ import pytest
 
 from reference.engine.params import EngineError, SamplingParams
 from reference.engine.request import RequestMetrics, RequestOutput, TokenEvent
-from serve.worker import EngineWorker, Failed, Finished, Rejected, Submission
+from serve.engine_thread import EngineThread, Failed, Finished, Rejected, Submission
 
 
 class ScriptedEngine:
@@ -50,13 +50,13 @@ class ScriptedEngine:
         return RequestOutput(rid, [1], list(self.finished), "", "length", "default", RequestMetrics(0.0), 0)
 
 
-async def collect(worker: EngineWorker, max_tokens: int) -> list:
+async def collect(worker: EngineThread, max_tokens: int) -> list:
     ticket = await worker.submit(Submission([1, 2], SamplingParams(max_tokens=max_tokens)))
     return [item async for item in ticket]
 
 
 def test_tokens_arrive_in_order_then_finished_and_refusals_are_400():
-    worker = EngineWorker(ScriptedEngine())
+    worker = EngineThread(ScriptedEngine())
     worker.start()
     try:
         items = asyncio.run(collect(worker, 3))
@@ -70,7 +70,7 @@ def test_tokens_arrive_in_order_then_finished_and_refusals_are_400():
 
 
 def test_an_engine_fault_fails_every_request_and_later_ones():
-    worker = EngineWorker(ScriptedEngine(fail_at=3))
+    worker = EngineThread(ScriptedEngine(fail_at=3))
     worker.start()
     try:
         items = asyncio.run(collect(worker, 50))
@@ -85,7 +85,7 @@ def test_an_engine_fault_fails_every_request_and_later_ones():
 
 def test_drain_aborts_what_outlives_the_grace_period():
     engine = ScriptedEngine()
-    worker = EngineWorker(engine, idle_poll_s=0.01)
+    worker = EngineThread(engine, idle_poll_s=0.01)
     worker.start()
 
     async def run() -> list:
@@ -112,7 +112,7 @@ def test_a_real_engine_forgets_answered_requests_and_trims_its_step_log():
     from tests.test_engine_intake import tiny_model
 
     engine = Engine(tiny_model(), num_blocks=16, block_size=4)
-    worker = EngineWorker(engine, keep_steps=3)
+    worker = EngineThread(engine, keep_steps=3)
     worker.start()
 
     async def run() -> None:

@@ -11,7 +11,7 @@ in all, Python included, at one thread (``experiments/results/bench_encode.json`
 speed at one thread, 1.4x at two, on MiniLM). Tensors of at least ``2 * MIN_WEIGHTS_PER_THREAD``
 weights are split into ``torch.get_num_threads()`` ranges of groups, encoded in POSIX threads.
 
-The build (``native_build.py``): the system C compiler on first use, cached in ``$UNFIRE_CACHE``. No
+The build (``build_c.py``): the system C compiler on first use, cached in ``$UNFIRE_CACHE``. No
 compiler, a failed build or ``UNFIRE_NATIVE=0``: ``library()`` returns None and
 ``fast.codec.encode.encode`` uses the torch encoder, which gives the same bytes (both are tested
 against the reference encoder).
@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from fast.codec import native_build
+from fast import build_c
 from fast.codec.encode_words import _empty, fast_code_lengths
 from fast.codec.forms import HuffmanForm
 from fast.errors import KernelInputError
 from reference.codec.layout import Layout
 
-SOURCE = native_build.NATIVE_DIR / "encode.c"
+SOURCE = Path(__file__).with_name("native") / "encode.c"
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 
@@ -49,10 +50,10 @@ MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than
 
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first use; None if they cannot be (or ``UNFIRE_NATIVE=0``)."""
-    return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the C encoder", "the torch encoder")
+    return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the C encoder", "the torch encoder")
 
 
-def encode_native(bits: torch.Tensor, g: Layout, max_code_length: int, palette_size: int) -> HuffmanForm:
+def encode_c(bits: torch.Tensor, g: Layout, max_code_length: int, palette_size: int) -> HuffmanForm:
     """The Huffman form of a tensor's int16 bits (flat, contiguous, on the CPU, at least one weight).
 
     Buffers are torch tensors: ``data_ptr()`` is far cheaper than NumPy's ``ctypes.data`` (about
@@ -60,7 +61,7 @@ def encode_native(bits: torch.Tensor, g: Layout, max_code_length: int, palette_s
     """
     lib = library()
     if lib is None:
-        raise KernelInputError("encode_native: the C encoder is not available")
+        raise KernelInputError("encode_c: the C encoder is not available")
     rows, cols, cs, cpg = g.rows, g.cols, g.chunk_size, g.chunks_per_group
     threads = max(1, min(torch.get_num_threads(), g.n // MIN_WEIGHTS_PER_THREAD, g.n_groups, 64))
     x = bits.data_ptr()
@@ -92,9 +93,9 @@ def encode_native(bits: torch.Tensor, g: Layout, max_code_length: int, palette_s
     packed = lib.unw_pack(x, rows, cols, cs, cpg, threads, flags, palette.data_ptr(), p, lengths.data_ptr(),
                           coded.data_ptr(), stream.data_ptr(), offsets.data_ptr())  # pass 2
     if packed < 0:
-        raise MemoryError("encode_native: out of memory for the stream")
+        raise MemoryError("encode_c: out of memory for the stream")
     if packed != stream_bits:
-        raise AssertionError(f"encode_native: packed {packed} bits, expected {stream_bits}")
+        raise AssertionError(f"encode_c: packed {packed} bits, expected {stream_bits}")
     return HuffmanForm(layout=g, max_code_length=max_code_length, palette=palette[:p].tolist(),
                        code_lengths=lengths.tolist(), sm=sm, stream=stream[: (stream_bits + 31) // 32 + 1],
                        stream_bits=stream_bits, offsets=offsets, vchunks=vchunks, vexp=vexp)

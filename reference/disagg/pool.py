@@ -1,14 +1,14 @@
-"""Clusters: a coordinator and its workers, in one process (queues) or as OS processes (sockets).
+"""Pools: a coordinator and its workers, in one process (queues) or as OS processes (sockets).
 
-    with ProcessCluster("smollm2", num_prefill=1, num_decode=1) as cluster:   # run_requests: batch.py
-        results = run_requests(cluster, [{"id": "a", "prompt_token_ids": [...], "max_tokens": 16}])
+    with ProcessPool("smollm2", num_prefill=1, num_decode=1) as pool:   # run_requests: batch.py
+        results = run_requests(pool, [{"id": "a", "prompt_token_ids": [...], "max_tokens": 16}])
 
 Both kinds have ``coordinator``, ``pump()`` (one round of work), ``kill(node)`` and ``close()``. A lost
 worker (its link closed, or its lease ran out: then it is killed first) is restarted, at most 8 times a
-minute, and rejoins with a fresh node id; ``ProcessCluster`` also serves workers already running on other
+minute, and rejoins with a fresh node id; ``ProcessPool`` also serves workers already running on other
 hosts (``remote``: ``python -m reference.disagg worker --listen HOST:PORT``), reconnecting to a lost one
 every second until it answers. The batch command and the endpoint (``serve/disagg.py``) both run on
-``ProcessCluster``. Worker processes are started with ``python -m reference.disagg worker --secret-stdin
+``ProcessPool``. Worker processes are started with ``python -m reference.disagg worker --secret-stdin
 ...``, read the shared secret from a pipe on their stdin (never the command line, nor the environment,
 which other users' tools read in ``/proc/PID/environ``), load their model, connect to 127.0.0.1, and exit
 when the link closes, so none outlives its coordinator. ``close()`` asks each to stop, then kills and
@@ -86,7 +86,7 @@ FAST_FAULTS = {"handshake_timeout": 0.5, "handshake_retries": 2, "stream_timeout
 def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions,
                 loaded: tuple[Any, str] | None = None) -> PrefillWorker | DecodeWorker:
     """A worker stepping on ``model_spec``'s NumPy runner, or on ``loaded`` = (a model that makes runners,
-    its digest): the fast engine's (``fast/disagg/runner.py``), which reference/ never imports."""
+    its digest): the fast engine's (``fast/disagg/worker_runner.py``), which reference/ never imports."""
     model, digest = loaded if loaded is not None else (load_model(model_spec), digest_of(model_spec))
     common = {"model_digest": digest, "num_blocks": opts.num_blocks, "block_size": opts.block_size,
               "max_num_batched_tokens": opts.max_num_batched_tokens, "max_num_seqs": opts.max_num_seqs}
@@ -143,7 +143,7 @@ def serve(worker: PrefillWorker | DecodeWorker, link: Link, heartbeat_s: float =
             next_beat = time.monotonic() + heartbeat_s
 
 
-class Cluster:
+class WorkerPool:
     """What both kinds share: the coordinator, node ids, restarts, process faults."""
 
     max_restarts_per_minute = 8  # a worker that dies at once, again and again, is not restarted forever
@@ -197,7 +197,7 @@ class Cluster:
         self.byes = self.coordinator.shutdown(wait, pump=self.pump)
         return self.byes
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> WorkerPool:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -207,7 +207,7 @@ class Cluster:
         raise NotImplementedError
 
 
-class InProcessCluster(Cluster):
+class InProcessPool(WorkerPool):
     """Everything in this thread: the coordinator and every worker take turns (deterministic)."""
 
     def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
@@ -258,7 +258,7 @@ class InProcessCluster(Cluster):
             self.kill(node)
 
 
-class ProcessCluster(Cluster):
+class ProcessPool(WorkerPool):
     """Workers as OS processes over TCP on 127.0.0.1 (and ``remote`` ones, already running elsewhere);
     the coordinator runs in this process."""
 

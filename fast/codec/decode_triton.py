@@ -11,7 +11,7 @@ no invalid table entry; the wrapper raises CodecError otherwise.
 
 Limits of this layout: lanes write scattered addresses (a group is 2,048 weights apart from its
 neighbour), so the stores do not coalesce. The Huffman form is the storage form; inference reads
-the palette form, decoded by ``palette_decode`` or fused into the matmul.
+the palette form, decoded by ``palette_triton`` or fused into the matmul.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The fast engine's model runner under the disaggregated workers of ``reference/disagg``.
 
 The prefill and decode workers are the engine's control plane (scheduler, block manager, prefix cache)
-over a model runner (``reference/disagg/worker.py``); on the NumPy runner they read and write its
+over a model runner (``reference/disagg/worker_base.py``); on the NumPy runner they read and write its
 ``KVCache`` to move KV over the wire. ``WorkerRunner`` is the fast engine's ``TorchRunner`` (the same
 runner the colocated fast engine steps on) with what the workers add to it:
 
@@ -31,8 +31,8 @@ import torch
 
 from fast.engine.engine import FastModel
 from fast.engine.model import DTYPES, PROJECTIONS, TorchLlama, stored_projections
-from fast.engine.runner import TorchRunner
-from fast.kv import PagedKVCache
+from fast.engine.torch_runner import TorchRunner
+from fast.kv import PagedKVCache, write_kv
 from reference.disagg.models import load_model
 from reference.disagg.wire import model_digest
 from reference.kv.errors import KVCacheError
@@ -67,7 +67,7 @@ class HostCache:
         def put(a: np.ndarray, dtype: type) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype)).to(device)
 
-        self.torch_cache.write(layer, put(slots, np.int64), put(k, np.float32), put(v, np.float32))
+        write_kv(self.torch_cache, layer, put(slots, np.int64), put(k, np.float32), put(v, np.float32))
 
     def read(self, layer: int, block_table: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
         """K and V of positions [0, length) as float32 NumPy arrays [length, kv_heads, head_dim]."""

@@ -1,4 +1,5 @@
-"""Build a C file of ``fast/codec/native/`` with the system compiler on first use, and load it.
+"""Build a C file of fast/ (``codec/native/``, ``kv/native/``, ``engine/native/``) with the system compiler on
+first use, and load it.
 
 ``$CC`` (default ``cc``) ``-O3 -std=c99 -pthread -shared -fPIC``, into ``$UNFIRE_CACHE`` (default
 ``~/.cache/unfire``) under a name that hashes the source (and the headers beside it), the compiler and
@@ -21,7 +22,6 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-NATIVE_DIR = Path(__file__).with_name("native")
 Signatures = dict[str, tuple[Any, list[Any]]]  # function name: (return type, argument types)
 
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from fast.bf16 import bf16_bits_rne
 from fast.codec.forms import PaletteForm
-from fast.codec.palette_decode import check_palette_form, kernel_arrays, palette_tile, split_vstart
+from fast.codec.palette_triton import check_palette_form, kernel_arrays, palette_tile, split_vstart
 from fast.errors import KernelInputError
 from fast.triton_util import DeviceProps, cdiv, device_props, on_interpreter
 from fast.validate import check_tensor

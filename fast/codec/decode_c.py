@@ -25,17 +25,18 @@ import ctypes
 import functools
 import math
 import threading
+from pathlib import Path
 
 import numpy as np
 
-from fast.codec import native_build
+from fast import build_c
 from reference.codec.errors import CodecError
 from reference.codec.format import CompressedTensor
 from reference.codec.huffman import decode_table
 from reference.codec.layout import Layout
 from reference.codec.lockstep import decode_many
 
-SOURCE = native_build.NATIVE_DIR / "decode.c"
+SOURCE = Path(__file__).with_name("native") / "decode.c"
 _lock = threading.Lock()
 _state: dict[str, ctypes.CDLL | None] = {}
 _P, _I64, _INT, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
@@ -64,7 +65,7 @@ CRC_ORDER = ("sm", "stream", "offsets", "vchunks", "vexp", "data")
 
 def library() -> ctypes.CDLL | None:
     """The compiled decoder, built on first use; None if it cannot be (or ``UNFIRE_NATIVE=0``)."""
-    return native_build.load(_state, _lock, SOURCE, _SIGNATURES, "the C decoder", "the NumPy lockstep decoder")
+    return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the C decoder", "the NumPy lockstep decoder")
 
 
 def _ptr(a: np.ndarray) -> int:

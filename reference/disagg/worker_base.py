@@ -13,7 +13,7 @@ from reference.sched import WFQ, Tenants
 
 class WorkerBase:
     """A worker has ``link``, ``scheduler``, ``block_manager``, ``streams`` and ``counters``, and runs its
-    steps on the model runner the engines use (``reference/model/runner.py``; its ``cache`` is the runner's)."""
+    steps on the model runner the engines use (``reference/engine/model_runner.py``; its ``cache`` is the runner's)."""
 
     link: Any
     model: Any

@@ -1,4 +1,4 @@
-"""``PipelineRunner``: the runner interface of ``reference/model/runner.py`` over a chain of stage processes.
+"""``PipelineRunner``: the runner interface of ``reference/engine/model_runner.py`` over a chain of stage processes.
 
 The engine (the one control plane: scheduler, block manager, prefix cache) runs in this process and
 calls ``copy_blocks`` and ``forward`` as it would on ``TorchRunner``. Stage 0 (the first layers and the
