@@ -24,83 +24,48 @@ import socket
 import sys
 from types import FrameType
 
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
-# the colocated engine's step: a burst into an idle engine is prefilled in few large steps, while a step
-# that carries decodes takes at most PREFILL_CAP prompt tokens (README, "The step budget"; chosen with
-# experiments/bench_serve_vllm.py). --pipeline and disaggregated workers keep the earlier 256, and a
-# budget given on the command line gets no cap unless one is given too (the scheduler as before).
-BUDGET, PREFILL_CAP, OTHER_BUDGET = 2048, 256, 256
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's own options: where it listens, what it calls the model, how it shuts down."""
+    g = p.add_argument_group("server")
+    g.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; others need --api-keys)")
+    g.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
+    g.add_argument("--max-pending", type=int, default=256,
+                   help="requests in flight before new ones get 503 + Retry-After")
+    g.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds requests in flight may finish after SIGTERM before they are aborted")
+    g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
+                   help="uvicorn's and the server's log level (default warning)")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serve", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2", help="packaged model name or checkpoint path (default smollm2)")
-    p.add_argument("--served-model-name", help="the model name clients send (default: --model)")
-    p.add_argument("--engine", choices=["auto", "reference", "fast"], default="auto",
-                   help="auto (default): the fast engine (torch) when torch imports, else the reference (NumPy)")
-    p.add_argument("--compressed", nargs="?", const="all", default="",
-                   help="projection matrices served compressed (fast engine): qkv,o,gate_up,down; bare: all")
-    p.add_argument("--dtype", default="bfloat16", help="weights dtype of the fast engine")
-    p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on (default 127.0.0.1; others need --api-keys)")
-    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed at start)")
-    p.add_argument("--api-keys", help="TOML file: [keys] key = { tenant = ..., plan = ... }, optional [plans]")
-    p.add_argument("--allow-unauthenticated", action="store_true",
-                   help="without --api-keys, allow binding to a non-loopback address")
-    p.add_argument("--policy", default="sjf+wfq", help="scheduling policy: fcfs, sjf, wfq, sjf+wfq (default)")
-    p.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in one engine step (default 32)")
-    p.add_argument("--max-num-batched-tokens", type=int,
-                   help=f"tokens in one engine step, prefill chunks included (default {BUDGET}; 256 with "
-                        "--pipeline or disaggregated workers)")
-    p.add_argument("--max-prefill-tokens-with-decodes", type=int, metavar="N",
-                   help=f"prompt tokens a step may take when it also carries decodes: bounds the inter-token "
-                        f"latency a new prompt adds to running streams, while a step without decodes still takes "
-                        f"prompts up to the whole budget (default {PREFILL_CAP} with the default budget; none "
-                        "with a --max-num-batched-tokens of your own, --pipeline or disaggregated workers)")
-    p.add_argument("--max-model-len", type=int,
-                   help="context length in tokens (default: the model's, capped by the KV cache)")
-    p.add_argument("--max-pending", type=int, default=256,
-                   help="requests in flight before new ones get 503 + Retry-After")
-    p.add_argument("--shutdown-grace", type=float, default=10.0,
-                   help="seconds requests in flight may finish after SIGTERM before they are aborted")
-    p.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
-    p.add_argument("--threads", type=int,
-                   help="torch threads of the fast engine (default: the cores this process may run on)")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
-                   help="uvicorn's and the server's log level (default warning)")
-    p.add_argument("--pipeline", metavar="STAGES",
-                   help="split the model over stage processes: a number of equal CPU stages (2) or a chain "
-                        "cpu:THREADS[xSLOWDOWN],... (e.g. cpu:1,cpu:1x2); layers by the placement's best split")
-    p.add_argument("--micro-batches", type=int, default=2, help="pieces a pipeline step is cut into (default 2)")
-    p.add_argument("--pipeline-step-timeout", type=float, default=120.0,
-                   help="seconds a pipeline step may take before its stages count as hung (default 120)")
-    from serve import disagg, disagg_dist
+    """Each option group is defined and checked by the part it configures: the server (here), the engine
+    (serve/engines.py), the pipeline (serve/pipeline.py), API keys (serve/keys.py), disaggregated workers
+    (serve/disagg.py, serve/disagg_dist.py)."""
+    from serve import disagg, disagg_dist, engines, keys, pipeline
 
+    p = argparse.ArgumentParser(prog="python -m serve", description=__doc__.split("\n")[0])
+    engines.add_arguments(p)
+    add_arguments(p)
+    keys.add_arguments(p)
+    pipeline.add_arguments(p)
     disagg.add_arguments(p)
     disagg_dist.add_arguments(p)
     args = p.parse_args(argv)
+    split = disagg.wanted(args)
     disagg.check_arguments(p, args)
-    if args.max_num_batched_tokens is None:  # the defaults come as a pair: a budget given alone gets no cap
-        colocated = not (disagg.wanted(args) or args.pipeline)
-        args.max_num_batched_tokens = BUDGET if colocated else OTHER_BUDGET
-        if args.max_prefill_tokens_with_decodes is None and colocated:
-            args.max_prefill_tokens_with_decodes = PREFILL_CAP
-    if disagg.wanted(args) and args.pipeline:
+    if split and args.pipeline:
         p.error("--pipeline serves a colocated engine; it does not combine with disaggregated workers")
-    disagg_dist.check_arguments(p, args, others=disagg.wanted(args))
-    if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
-        p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
-                "give --api-keys KEYS.toml, or --allow-unauthenticated if that is what you want")
-    for name in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_pending", "micro_batches",
-                 "max_prefill_tokens_with_decodes", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    disagg_dist.check_arguments(p, args, others=split)
+    keys.check_arguments(p, args)
+    engines.check_arguments(p, args, colocated=not (split or args.pipeline))
+    pipeline.check_arguments(p, args)
+    if args.max_pending < 1:
+        p.error("--max-pending must be >= 1")
     if args.shutdown_grace < 0:
         p.error("--shutdown-grace must be >= 0")
-    if args.pipeline_step_timeout <= 0:
-        p.error("--pipeline-step-timeout must be > 0")
     return args
 
 
@@ -123,18 +88,17 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the server needs the serve extra: pip install -e '.[serve]'", file=sys.stderr)
         return 2
 
+    from serve import pipeline
     from serve.app import create_app
     from serve.engine_thread import EngineThread
-    from serve.engines import EngineUnavailable, load_engine
-    from serve.keys import KeysError, KeyTable
+    from serve.engines import EngineUnavailable, engine_options, load_engine, pick_engine
+    from serve.keys import KeysError, key_table
 
     try:
-        keys = KeyTable.load(args.api_keys) if args.api_keys else None
+        keys = key_table(args)
     except KeysError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from serve.engines import parse_compressed, pick_engine
-
     split = disagg.wanted(args) or ranks
     if ranks and args.engine == "auto":  # the torchrun ranks' workers: the reference runner only (so far)
         args.engine, why = "reference", "reference engine: the torchrun worker ranks run the reference runner"
@@ -149,18 +113,14 @@ def main(argv: list[str] | None = None) -> int:
         from threadpoolctl import threadpool_limits
 
         threadpool_limits(args.blas_threads, user_api="blas")
+    tenants = keys.tenants if keys else None
     try:
         if split:
-            engine = disagg_dist.build(args) if ranks else disagg.build(args, tenants=keys.tenants if keys else None)
+            engine = disagg_dist.build(args) if ranks else disagg.build(args, tenants=tenants)
             worker = disagg.DisaggEngineThread(engine)
         else:
-            engine = load_engine(args.model, args.engine, tenants=keys.tenants if keys else None,
-                                 policy=args.policy, dtype=args.dtype, compressed=parse_compressed(args.compressed),
-                                 num_blocks=args.num_blocks, block_size=args.block_size,
-                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                 max_model_len=args.max_model_len, pipeline=args.pipeline, threads=args.threads,
-                                 max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
-                                 micro_batches=args.micro_batches, pipeline_step_timeout_s=args.pipeline_step_timeout)
+            engine = load_engine(args.model, args.engine, tenants=tenants, **engine_options(args),
+                                 **pipeline.options(args))
             worker = EngineThread(engine)
     except (EngineUnavailable, ValueError, OSError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -43,7 +43,8 @@ FOREVER = datetime.timedelta(days=365)  # a worker rank waits for its next frame
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dist-workers", type=int, metavar="P",
+    g = p.add_argument_group("disaggregated workers under torchrun (see serve/disagg_dist.py)")
+    g.add_argument("--dist-workers", type=int, metavar="P",
                    help="under torchrun: rank 0 serves, ranks 1..P are prefill workers, the rest decode workers "
                         f"(torch.distributed, gloo; shared secret in ${SECRET_ENV} on every rank)")
 

@@ -11,11 +11,20 @@ engine serves in the palette form (``fast.engine.Engine.load``).
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 from typing import Any
 
 from reference.sched import Tenants
+
+# the colocated engine's step: a burst into an idle engine is prefilled in few large steps, while a step
+# that carries decodes takes at most PREFILL_CAP prompt tokens (README, "The step budget"; chosen with
+# experiments/bench_serve_vllm.py). --pipeline and disaggregated workers keep the earlier 256, and a
+# budget given on the command line gets no cap unless one is given too (the scheduler as before).
+BUDGET, PREFILL_CAP, OTHER_BUDGET = 2048, 256, 256
+AT_LEAST_ONE = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                "max_prefill_tokens_with_decodes", "threads")
 
 
 class EngineUnavailable(RuntimeError):
@@ -93,3 +102,52 @@ def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None 
         return fast_engine.Engine.load(model=model, dtype=dtype, compressed=tuple(compressed), threads=threads,
                                        **options)
     raise EngineUnavailable(f"unknown engine {kind!r}: use 'reference' or 'fast'")
+
+
+# -- the command line ------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the engine ``python -m serve`` builds (the model, its runner, the scheduler)."""
+    g = p.add_argument_group("engine (see serve/engines.py)")
+    g.add_argument("--model", default="smollm2", help="packaged model name or checkpoint path (default smollm2)")
+    g.add_argument("--engine", choices=["auto", "reference", "fast"], default="auto",
+                   help="auto (default): the fast engine (torch) when torch imports, else the reference (NumPy)")
+    g.add_argument("--compressed", nargs="?", const="all", default="",
+                   help="projection matrices served compressed (fast engine): qkv,o,gate_up,down; bare: all")
+    g.add_argument("--dtype", default="bfloat16", help="weights dtype of the fast engine")
+    g.add_argument("--policy", default="sjf+wfq", help="scheduling policy: fcfs, sjf, wfq, sjf+wfq (default)")
+    g.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (default 16)")
+    g.add_argument("--max-num-seqs", type=int, default=32, help="sequences in one engine step (default 32)")
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   help=f"tokens in one engine step, prefill chunks included (default {BUDGET}; {OTHER_BUDGET} "
+                        "with --pipeline or disaggregated workers)")
+    g.add_argument("--max-prefill-tokens-with-decodes", type=int, metavar="N",
+                   help=f"prompt tokens a step may take when it also carries decodes: bounds the inter-token "
+                        f"latency a new prompt adds to running streams, while a step without decodes still takes "
+                        f"prompts up to the whole budget (default {PREFILL_CAP} with the default budget; none "
+                        "with a --max-num-batched-tokens of your own, --pipeline or disaggregated workers)")
+    g.add_argument("--max-model-len", type=int,
+                   help="context length in tokens (default: the model's, capped by the KV cache)")
+    g.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
+    g.add_argument("--threads", type=int,
+                   help="torch threads of the fast engine (default: the cores this process may run on)")
+
+
+def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, colocated: bool) -> None:
+    """Fill in the step budget's defaults (``colocated``: neither a pipeline nor disaggregated workers) and
+    refuse counts below 1."""
+    if args.max_num_batched_tokens is None:  # the defaults come as a pair: a budget given alone gets no cap
+        args.max_num_batched_tokens = BUDGET if colocated else OTHER_BUDGET
+        if args.max_prefill_tokens_with_decodes is None and colocated:
+            args.max_prefill_tokens_with_decodes = PREFILL_CAP
+    for name in AT_LEAST_ONE:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``load_engine``'s keywords from the engine options (the pipeline's come from ``serve.pipeline``)."""
+    return dict(policy=args.policy, dtype=args.dtype, compressed=parse_compressed(args.compressed),
+                num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                threads=args.threads, max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes)

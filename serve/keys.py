@@ -17,6 +17,7 @@ the lookup takes the same time whatever the key shares with a real one.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
 import tomllib
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from reference.sched import DEFAULT_PLAN_WEIGHTS, Tenants
+
+LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 
 
 class KeysError(ValueError):
@@ -101,3 +104,23 @@ class KeyTable:
 
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+# -- the command line ------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("API keys (see serve/keys.py)")
+    g.add_argument("--api-keys", help="TOML file: [keys] key = { tenant = ..., plan = ... }, optional [plans]")
+    g.add_argument("--allow-unauthenticated", action="store_true",
+                   help="without --api-keys, allow binding to a non-loopback address")
+
+
+def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Without keys, only a loopback ``--host`` (unless --allow-unauthenticated)."""
+    if args.api_keys is None and args.host not in LOOPBACK and not args.allow_unauthenticated:
+        p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it; "
+                "give --api-keys KEYS.toml, or --allow-unauthenticated if that is what you want")
+
+
+def key_table(args: argparse.Namespace) -> KeyTable | None:
+    """The keys of ``--api-keys`` (None: every request is accepted as tenant "default"); KeysError if bad."""
+    return KeyTable.load(args.api_keys) if args.api_keys else None

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CLIS = ["serve/__main__.py", "reference/disagg/__main__.py", "reference/cluster/__main__.py",
+CLIS = ["serve/__main__.py", "serve/engines.py", "serve/keys.py", "serve/pipeline.py", "serve/disagg.py",
+        "serve/disagg_dist.py", "reference/disagg/__main__.py", "reference/cluster/__main__.py",
         *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "experiments").glob("bench_*.py")),
         "experiments/gpu_check.py"]
 

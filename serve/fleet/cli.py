@@ -31,9 +31,8 @@ from reference.sched import DEFAULT_PLAN_WEIGHTS
 from serve.fleet.gateway import Gateway, create_gateway_app, load_site_keys
 from serve.fleet.sites import FleetError, Sites, plan_workers
 from serve.fleet.view import SiteReplica, site_replicas
-from serve.keys import KeysError, KeyTable
+from serve.keys import LOOPBACK, KeysError, KeyTable
 
-LOOPBACK = {"127.0.0.1", "::1", "localhost"}
 WARMUP = "fleet-warmup"  # the servers' tenant of the gateway's warm-up requests
 WARMUP_OUTPUT = 8  # tokens the warm-up request generates (its prompt fills one step's token budget)
 
