@@ -76,6 +76,11 @@ class Site:
     serve_model: str = "tiny"  # the packaged model its servers run: "tiny", "smollm2" or a checkpoint path
     workers: int = 0  # server processes for the site (0: one per replica of ``replicas``)
     address: tuple[str, ...] = ()  # host:port of servers already running elsewhere (then none is started)
+    # scaling with load (``--ray``: serve/fleet/ray_sites.py): between min and max servers, one more when the
+    # requests in flight per server pass target_ongoing_requests; 0: no scaling (without --ray: max servers)
+    min_workers: int = 0
+    max_workers: int = 0
+    target_ongoing_requests: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -268,6 +273,16 @@ def _check_serving(site: Site, where: str) -> None:
         raise ScenarioError(f"{where}.workers: {site.workers} is not in 0..{MAX_WORKERS}")
     if site.address and site.workers and site.workers != len(site.address):
         raise ScenarioError(f"{where}.workers: {site.workers} workers but {len(site.address)} addresses")
+    if site.max_workers or site.min_workers:
+        if not 1 <= site.min_workers <= site.max_workers <= MAX_WORKERS:
+            raise ScenarioError(f"{where}.min_workers, max_workers: {site.min_workers}, {site.max_workers}: "
+                                f"scaling needs 1 <= min_workers <= max_workers <= {MAX_WORKERS}")
+        if site.address or site.workers:
+            raise ScenarioError(f"{where}.max_workers: a scaled site has no fixed workers or address")
+        if any(r.role != "colocated" for r in site.replicas):
+            raise ScenarioError(f"{where}.max_workers: only a colocated site scales (this one has prefill/decode)")
+        if not site.target_ongoing_requests > 0:
+            raise ScenarioError(f"{where}.target_ongoing_requests: must be > 0")
     for a in site.address:
         host, _, port = a.rpartition(":")
         if not host or not port.isdigit() or not 0 < int(port) < 65536:

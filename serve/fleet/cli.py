@@ -2,7 +2,7 @@
 
     python -m serve fleet SCENARIO.toml [--host 127.0.0.1] [--port 8000] [--api-keys KEYS.toml]
                           [--site-keys KEYS.toml] [--trace trace.jsonl] [--delays] [--colocate]
-                          [--workdir DIR] [--num-blocks 256] [--poll-s 0.5]
+                          [--workdir DIR] [--num-blocks 256] [--poll-s 0.5] [--ray ADDRESS|local]
 
 The tenants of ``--api-keys`` (serve's keys file) must be the scenario's traffic class names, on the
 same plans. Without it the bearer token is the traffic class name, and only a loopback address is
@@ -53,6 +53,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks of each server")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between health/load polls of each server")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--ray", metavar="ADDRESS",
+                   help="run every site's servers as Ray actors placed by node labels (jurisdiction, tier), "
+                        "restarted and scaled by Ray: a running cluster's address, or `local` to start one here "
+                        "(serve/fleet/README.md; needs pip install -e '.[ray]')")
     args = p.parse_args(argv)
     if args.api_keys is None and args.host not in LOOPBACK:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it")
@@ -136,7 +140,8 @@ class Fleet:
     def __init__(self, scenario: Scenario | str | Path, *, workdir: str | Path | None = None,
                  keys: KeyTable | None = None, site_keys: Path | None = None, trace: IO[str] | None = None,
                  delays: bool = False, colocate: bool = False, num_blocks: int = 256, poll_s: float = 0.5,
-                 engine_args: list[str] | None = None) -> None:
+                 engine_args: list[str] | None = None, ray: str | None = None) -> None:
+        """``ray``: a Ray cluster's address (or ``local``) to run the servers on as actors (ray_sites.py)."""
         self.s = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="unfire-fleet-")
         self.workdir = Path(workdir or self._tmp.name)  # type: ignore[union-attr]
@@ -152,8 +157,13 @@ class Fleet:
             tenant_keys = write_site_keys(self.s, key_file)
         else:
             key_file, tenant_keys = None, {}
-        self.sites = Sites(self.s, self.workers, self.workdir, key_file,
-                           ["--num-blocks", str(num_blocks), *(engine_args or [])])
+        server_args = ["--num-blocks", str(num_blocks), *(engine_args or [])]
+        if ray:
+            from serve.fleet.ray_sites import RaySites
+
+            self.sites: Any = RaySites(self.s, self.workers, self.workdir, key_file, server_args, ray)
+        else:
+            self.sites = Sites(self.s, self.workers, self.workdir, key_file, server_args)
         self.replicas = site_replicas(self.s, self.workers)
         self.gateway = Gateway(self.s, self.replicas, _tokenizer(self.s, self.workdir), keys=keys,
                                site_keys=tenant_keys, trace=trace, delays=delays, poll_s=poll_s)
@@ -164,10 +174,12 @@ class Fleet:
     def start_sites(self) -> None:
         self.sites.start()
         try:
-            warm_up(self.replicas, self.tenant_keys, self.s)
+            warm_up([r for r in self.replicas if r.worker.address], self.tenant_keys, self.s)
         except (httpx.HTTPError, FleetError):
             self.sites.stop()
             raise
+        if hasattr(self.sites, "follow"):  # on Ray: addresses from the actors, scaling
+            self.sites.follow(self.replicas)
         self.gateway.t0 = time.monotonic()
 
     def bind(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -229,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
         fleet = Fleet(args.scenario, workdir=args.workdir, keys=keys,
                       site_keys=Path(args.site_keys) if args.site_keys else None, trace=trace, delays=args.delays,
-                      colocate=args.colocate, num_blocks=args.num_blocks, poll_s=args.poll_s)
+                      colocate=args.colocate, num_blocks=args.num_blocks, poll_s=args.poll_s, ray=args.ray)
     except (ScenarioError, KeysError, FleetError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -240,12 +252,16 @@ def main(argv: list[str] | None = None) -> int:
         url = fleet.bind(args.host, args.port)
         fleet.start_sites()
         for w in fleet.workers:
+            if not w.address:  # a scaled site's server not started yet
+                continue
             kind = f", disaggregated {w.prefill_workers}:{w.decode_workers}" if w.disaggregated else ""
-            print(f"  {w.site:12s} worker {w.index}: {w.model} ({w.serve_model}{kind}) at http://{w.address}",
+            where = fleet.sites.describe(w) if hasattr(fleet.sites, "describe") else ""
+            print(f"  {w.site:12s} worker {w.index}: {w.model} ({w.serve_model}{kind}) at http://{w.address}{where}",
                   flush=True)
         n_sites = len({w.site for w in fleet.workers})
-        print(f"fleet: {len(fleet.workers)} servers at {n_sites} sites; gateway on {url}/v1 "
-              f"(routing with reference.cluster.router)", flush=True)
+        on = f", on Ray ({args.ray})" if args.ray else ""
+        print(f"fleet: {sum(bool(w.address) for w in fleet.workers)} servers at {n_sites} sites{on}; gateway on "
+              f"{url}/v1 (routing with reference.cluster.router)", flush=True)
         fleet.serve(args.log_level)
     except (FleetError, httpx.HTTPError) as e:
         print(f"error: {e}", file=sys.stderr)

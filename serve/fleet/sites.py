@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from reference.cluster.scenario import Scenario, Site
 
@@ -47,16 +48,23 @@ class Worker:
     proc: subprocess.Popen | None = None
     prefill_workers: int = 0  # a disaggregated endpoint: its prefill and decode worker processes (P:D)
     decode_workers: int = 0
+    actor: Any = None  # the Ray actor that runs this server (serve/fleet/ray_sites.py), or None
+    ray_pid: int | None = None  # that server's process id, as its actor reports it
+    node: str = ""  # the Ray node it runs on
 
     @property
     def disaggregated(self) -> bool:
         return self.decode_workers > 0
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else self.ray_pid
+
 
 def site_workers(site: Site) -> list[str]:
     """The scenario model each server of ``site`` stands for, in order (see the module docstring)."""
     models = [r.model for r in site.replicas for _ in range(r.count)]
-    n = len(site.address) or site.workers or len(models)
+    n = len(site.address) or site.max_workers or site.workers or len(models)
     if not models:
         return []
     return [models[i % len(models)] for i in range(n)]
@@ -111,6 +119,19 @@ def disaggregated_endpoints(site: Site) -> list[tuple[str, int, int]]:
     return [(model, p, d) for model, (p, d) in counts.items()]
 
 
+def server_command(s: Scenario, w: Worker, model: str, host: str, keys_file: Path | str | None,
+                   engine_args: list[str]) -> list[str]:
+    """The ``python -m serve`` command line of worker ``w``, loading ``model``, listening on ``host``."""
+    cmd = [sys.executable, "-m", "serve", "--model", model, "--served-model-name", w.model, "--host", host,
+           "--port", "0", "--block-size", str(s.block_size), "--max-num-seqs", str(s.max_num_seqs),
+           "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--policy", s.policy, "--shutdown-grace", "0"]
+    if w.disaggregated:  # the endpoint's workers run the reference runner
+        cmd += ["--engine", "reference", "--prefill-workers", str(w.prefill_workers),
+                "--decode-workers", str(w.decode_workers)]
+    cmd += engine_args
+    return cmd + (["--api-keys", str(keys_file)] if keys_file else [])
+
+
 class Sites:
     """The local server processes of a fleet."""
 
@@ -126,15 +147,7 @@ class Sites:
             from serve.fleet.tiny import write_tiny_checkpoint
 
             model = str(write_tiny_checkpoint(self.workdir / "tiny"))
-        cmd = [sys.executable, "-m", "serve", "--model", model, "--served-model-name", w.model, "--host", "127.0.0.1",
-               "--port", "0", "--block-size", str(self.s.block_size), "--max-num-seqs", str(self.s.max_num_seqs),
-               "--max-num-batched-tokens", str(self.s.max_num_batched_tokens), "--policy", self.s.policy,
-               "--shutdown-grace", "0"]
-        if w.disaggregated:  # the endpoint's workers run the reference runner
-            cmd += ["--engine", "reference", "--prefill-workers", str(w.prefill_workers),
-                    "--decode-workers", str(w.decode_workers)]
-        cmd += self.engine_args
-        return cmd + (["--api-keys", str(self.keys_file)] if self.keys_file else [])
+        return server_command(self.s, w, model, "127.0.0.1", self.keys_file, self.engine_args)
 
     def start(self, only: list[Worker] | None = None) -> None:
         """Start the local workers (all, or ``only``) in parallel; returns once every one serves."""

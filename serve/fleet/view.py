@@ -69,7 +69,7 @@ class SiteReplica:
         return {"index": self.index, "site": self.site, "model": self.model, "tier": self.tier,
                 "disaggregated": f"{w.prefill_workers}:{w.decode_workers}" if w.disaggregated else None,
                 "jurisdiction": self.jurisdiction, "address": self.worker.address,
-                "pid": self.worker.proc.pid if self.worker.proc is not None else None, "alive": self.alive,
+                "pid": self.worker.pid, "node": self.worker.node or None, "alive": self.alive,
                 "live": self.live, "remote_live": self.remote_live, "pending_prefill": self.pending_prefill,
                 "pending_decode": self.pending_decode, "est_wait_ms": round(self.est_wait_s() * 1000, 3),
                 "tok_ms": round(self.tok_s * 1000, 4), "decode_step_ms": round(self.decode_s * 1000, 4)}
