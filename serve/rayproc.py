@@ -137,6 +137,7 @@ class Connection:
         """``nodes``: (labels, CPUs) of every node a ``local`` cluster starts (besides a head with no CPU)."""
         ray = need_ray()
         self.ray, self.cluster, self.address = ray, None, address
+        self.nodes: list[tuple[dict[str, str], Any]] = []  # a local cluster's nodes: (labels, ray's Node)
         try:
             if address == "local":
                 from ray.cluster_utils import Cluster
@@ -153,7 +154,15 @@ class Connection:
     def add_node(self, labels: dict[str, str], cpus: int) -> Any:
         """A node of the local cluster (tests remove them: ``self.cluster.remove_node``)."""
         assert self.cluster is not None, "only a local cluster takes nodes"
-        return self.cluster.add_node(num_cpus=cpus, labels=labels)
+        node = self.cluster.add_node(num_cpus=cpus, labels=labels)
+        self.nodes.append((labels, node))
+        return node
+
+    def remove_node(self, node: Any) -> None:
+        """Take a node of the local cluster away at once (its raylet and everything on it killed)."""
+        assert self.cluster is not None
+        self.nodes = [(labels, n) for labels, n in self.nodes if n is not node]
+        self.cluster.remove_node(node, allow_graceful=False)
 
     def nodes_with(self, selector: dict[str, str]) -> list[str]:
         """The live nodes whose labels are exactly ``selector``'s values (plain values only)."""

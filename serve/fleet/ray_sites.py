@@ -235,8 +235,8 @@ class RaySites:
                 since = self._low_since.setdefault(site.name, now)
                 if now - since >= self.down_delay_s:
                     self._low_since.pop(site.name, None)
-                    self._retire(up[-1], reps.get(up[-1].index))
                     self._event("scaled_down", up[-1], load=load, servers=len(up) - 1)
+                    self._retire(up[-1], reps.get(up[-1].index))
                     self._record()
             else:
                 self._low_since.pop(site.name, None)
