@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             engine = load_engine(args.model, args.engine, tenants=tenants, **engine_options(args),
                                  **pipeline.options(args))
-            worker = EngineThread(engine)
+            worker = EngineThread(engine, step_floor_s=args.emulate_step_ms / 1000)
     except (EngineUnavailable, ValueError, OSError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         sock.close()

@@ -88,8 +88,11 @@ class Stats:
 class EngineThread:
     """Owns an engine on a thread of its own. Start with ``start()``; stop with ``stop()``."""
 
-    def __init__(self, engine: Any, *, idle_poll_s: float = 0.05, keep_steps: int = 4096) -> None:
+    def __init__(self, engine: Any, *, idle_poll_s: float = 0.05, keep_steps: int = 4096,
+                 step_floor_s: float = 0.0) -> None:
+        """``step_floor_s``: every step lasts at least this long (the rest slept: ``--emulate-step-ms``)."""
         self.engine = engine
+        self.step_floor_s = step_floor_s
         self.idle_poll_s = idle_poll_s
         self.keep_steps = keep_steps  # the engine's step log is trimmed to its latest records (a server runs for days)
         self.max_model_len: int | None = getattr(engine, "max_model_len", None)
@@ -154,8 +157,11 @@ class EngineThread:
                 self._fail_all(503, "the server is shutting down; the request was aborted")
             if not (self._live and engine.has_unfinished()):
                 continue
+            started = time.monotonic()
             try:
                 events = engine.step()
+                if self.step_floor_s:  # an emulated device: a step takes its time whatever the CPU did
+                    time.sleep(max(0.0, started + self.step_floor_s - time.monotonic()))
             except Exception as e:  # an engine fault: tell every client, then refuse new work
                 self.error = f"engine step failed: {type(e).__name__}: {e}"
                 self._fail_all(503, self.error, abort=False)

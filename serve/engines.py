@@ -131,6 +131,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
     g.add_argument("--threads", type=int,
                    help="torch threads of the fast engine (default: the cores this process may run on)")
+    g.add_argument("--emulate-step-ms", type=float, default=0.0, metavar="MS",
+                   help="emulate a device whose every step takes at least MS ms (the rest slept), so that "
+                        "replicas on a machine with few cores scale as devices would (benchmarks of scaling)")
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, colocated: bool) -> None:
@@ -143,6 +146,8 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, coloca
     for name in AT_LEAST_ONE:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.emulate_step_ms <= 10_000:
+        p.error("--emulate-step-ms must be in 0..10000")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
