@@ -43,8 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Each option group is defined and checked by the part it configures: the server (here), the engine
     (serve/engines.py), the pipeline (serve/pipeline.py), API keys (serve/keys.py), disaggregated workers
-    (serve/disagg.py, serve/disagg_dist.py)."""
-    from serve import disagg, disagg_dist, engines, keys, pipeline
+    (serve/disagg.py, serve/disagg_dist.py, serve/disagg_ray.py)."""
+    from serve import disagg, disagg_dist, disagg_ray, engines, keys, pipeline
 
     p = argparse.ArgumentParser(prog="python -m serve", description=__doc__.split("\n")[0])
     engines.add_arguments(p)
@@ -53,9 +53,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pipeline.add_arguments(p)
     disagg.add_arguments(p)
     disagg_dist.add_arguments(p)
+    disagg_ray.add_arguments(p)
     args = p.parse_args(argv)
     split = disagg.wanted(args)
     disagg.check_arguments(p, args)
+    disagg_ray.check_arguments(p, args)
     if split and args.pipeline:
         p.error("--pipeline serves a colocated engine; it does not combine with disaggregated workers")
     disagg_dist.check_arguments(p, args, others=split)
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if split:
         kind = (f"disaggregated: {len(engine.coordinator.live('prefill'))} prefill + "
                 f"{len(engine.coordinator.live('decode'))} decode workers on the {args.engine} runner, "
-                f"{args.kv_wire} KV wire")
+                f"{args.kv_wire} KV wire" + (f", on Ray ({args.ray})" if args.ray else ""))
     else:
         kind = f"pipeline {_stages(engine)}" if args.pipeline else f"{args.engine} engine"
     banner = (f"serving {name} ({kind}, context {worker.max_model_len} tokens) on "

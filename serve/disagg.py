@@ -369,7 +369,12 @@ def build(args: argparse.Namespace, tenants: Tenants | None = None) -> DisaggEng
         raise ValueError(f"${SECRET_ENV} must be hex digits") from None
     opts = WorkerOptions(num_blocks=args.num_blocks, block_size=args.block_size, wire=args.kv_wire, kv_dtype=kv_dtype,
                          max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+    pool = None
+    if getattr(args, "ray", None):  # the workers as Ray actors (serve/disagg_ray.py)
+        from serve import disagg_ray
+
+        pool = disagg_ray.start(args, command, opts, secret, args.worker_lease)
     return DisaggEngine(args.model, load_tokenizer(args.model), num_prefill=args.prefill_workers,
                         num_decode=args.decode_workers, remote=parse_workers(args.workers), opts=opts,
                         secret=secret, lease_s=args.worker_lease, max_model_len=args.max_model_len,
-                        worker_command=command, tenants=tenants)
+                        worker_command=command, tenants=tenants, pool=pool)
