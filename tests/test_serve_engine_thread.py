@@ -129,3 +129,24 @@ def test_a_real_engine_forgets_answered_requests_and_trims_its_step_log():
         assert len(engine.step_log) <= 6
     finally:
         worker.stop()
+
+
+def test_an_emulated_device_step_lasts_at_least_its_floor():
+    """``--emulate-step-ms``: each step sleeps up to the floor (so replicas scale as devices would)."""
+    worker = EngineThread(ScriptedEngine(), step_floor_s=0.05)
+    worker.start()
+    try:
+        t0 = time.monotonic()
+        items = asyncio.run(collect(worker, 4))
+        assert isinstance(items[-1], Finished) and time.monotonic() - t0 >= 4 * 0.05
+    finally:
+        worker.stop()
+
+
+def test_emulate_step_ms_is_checked():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "serve", "--emulate-step-ms", "-1"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and "--emulate-step-ms must be in 0..10000" in r.stderr
