@@ -133,10 +133,10 @@ class RaySites:
         if self._thread is not None:
             self._thread.join(10)
         actors = [w.actor for w in self.workers if w.actor is not None]
-        try:
-            self.ray.get([a.stop.remote() for a in actors], timeout=20)
-        except Exception:  # noqa: BLE001 (an actor already dead or restarting: killed below)
-            pass
+        up = [w.actor for w in self.workers if w.actor is not None and w.address]  # the others: killed at once
+        refs = [a.stop.remote() for a in up]
+        if refs:  # a graceful stop of each server, 20 s at most in all
+            self.ray.wait(refs, num_returns=len(refs), timeout=20)
         for a in actors:
             self.ray.kill(a, no_restart=True)
         for w in self.workers:
