@@ -90,8 +90,10 @@ def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None 
         from reference.engine.engine import Engine
         from reference.model.llama import LlamaModel
         from reference.model.tokenizer import load_tokenizer
+        from reference.model.weights import open_weights
 
-        return Engine(LlamaModel.load(model), load_tokenizer(model), **options)
+        source = open_weights(model)  # opened once: the model and its tokenizer read the same files
+        return Engine(LlamaModel.load(source), load_tokenizer(source), **options)
     if kind == "fast":
         try:
             fast_engine = importlib.import_module("fast.engine")

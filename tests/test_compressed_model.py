@@ -286,3 +286,23 @@ def test_bench_compressed_serve_checks_its_arguments(capsys):
         with pytest.raises(SystemExit):
             main(bad)
         assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["reference", "fast"])
+def test_loading_opens_the_container_once(tiny, kind, monkeypatch):
+    """Model and tokenizer read one opened source: the container's headers and CRCs are checked once."""
+    if kind == "fast":
+        pytest.importorskip("torch")
+    from reference.codec import container_read
+    from serve.engines import load_engine
+
+    opened = []
+    real = container_read.Container.__init__
+
+    def counting(self, path, **kwargs):
+        opened.append(path)
+        real(self, path, **kwargs)
+
+    monkeypatch.setattr(container_read.Container, "__init__", counting)
+    engine = load_engine(str(tiny["unweight"]), kind, num_blocks=32, **({"threads": 1} if kind == "fast" else {}))
+    assert engine.tokenizer is not None and len(opened) == 1, opened

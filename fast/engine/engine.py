@@ -20,7 +20,7 @@ from fast.engine.model import TorchLlama
 from fast.engine.torch_runner import TorchRunner
 from reference.engine.engine import Engine as ReferenceEngine
 from reference.model.tokenizer import load_tokenizer
-from reference.model.weights import WeightSource
+from reference.model.weights import WeightSource, open_weights
 
 
 def usable_cores() -> int:
@@ -60,6 +60,7 @@ class Engine(ReferenceEngine):
         """
         torch.set_num_threads(threads or usable_cores())
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        torch_model = TorchLlama.load(model, dtype=dtype, device=device, compressed=compressed)
-        tok = load_tokenizer(model) if tokenizer else None
+        src = model if isinstance(model, WeightSource) else open_weights(model)  # opened once for both
+        torch_model = TorchLlama.load(src, dtype=dtype, device=device, compressed=compressed)
+        tok = load_tokenizer(src) if tokenizer else None
         return cls(FastModel(torch_model, cuda_graphs=cuda_graphs), tok, **engine_kwargs)

@@ -289,9 +289,9 @@ def stored_projections(src: WeightSource, num_layers: int, which: Sequence[str],
         for i in range(num_layers):
             names = (f"blk.{i}.{GGUF_NAMES[SINGLE[proj]]}.weight", f"model.layers.{i}.{HF_NAMES[SINGLE[proj]]}.weight")
             name = next((n for n in names if n in files), None)
-            if name is None or not files[name].container.is_compressed(name):
+            if name is None or not files[name].is_compressed(name):
                 continue
-            ct = files[name].container.compressed(name)  # every array checked (load_llama checked the data)
+            ct = files[name].compressed(name)  # every array checked (load_llama checked the data)
             if isinstance(ct, CompressedTensor) and len(ct.palette) <= 16 and len(ct.shape) == 2:
                 form = huffman_from_reference(ct, torch.device(device))
                 # on a CPU the torch transcode, never Triton's interpreter (far too slow for a model)

@@ -93,8 +93,8 @@ class ContainerFile:
     """A container read as a weight file: names, dtypes and shapes from its headers, tensors decoded on ``get``.
 
     Compressed tensors read as BF16 (uint16 bit patterns), passed-through ones as stored. ``entry`` is
-    the carried model entry (None in a container written without one). ``container`` is the open
-    ``reference.codec.Container``, for loaders that take the compressed forms themselves."""
+    the carried model entry (None in a container written without one). Loaders that take the compressed
+    forms themselves read them with ``is_compressed`` and ``compressed``."""
 
     def __init__(self, path: str | Path, **decoders: Any):
         from reference.codec.container_read import Container
@@ -102,20 +102,20 @@ class ContainerFile:
 
         self.path = Path(path)
         try:
-            self.container = Container(self.path, **decoders)
+            self._container = Container(self.path, **decoders)
         except CodecError as e:
             raise WeightError(str(e)) from None
-        text = self.container.metadata.get(MODEL_KEY)
+        text = self._container.metadata.get(MODEL_KEY)
         self.entry = None if text is None else parse_entry(text, str(self.path))
 
     def names(self) -> list[str]:
-        return list(self.container.names)
+        return list(self._container.names)
 
     def dtype(self, name: str) -> str:
-        return "BF16" if self.container.is_compressed(name) else self.container.headers[name]["dtype"]
+        return "BF16" if self._container.is_compressed(name) else self._container.headers[name]["dtype"]
 
     def shape(self, name: str) -> tuple[int, ...]:
-        shape = self.container.headers[name].get("shape")
+        shape = self._container.headers[name].get("shape")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
             raise WeightError(f"{self.path}: tensor {name!r}: bad shape {shape!r} in its header")
         return tuple(shape)
@@ -125,12 +125,26 @@ class ContainerFile:
         from reference.codec.errors import CodecError
 
         try:
-            return self.container.get(name).reshape(self.shape(name))
+            return self._container.get(name).reshape(self.shape(name))
+        except CodecError as e:
+            raise WeightError(str(e)) from None
+
+    def is_compressed(self, name: str) -> bool:
+        """Whether tensor ``name`` is stored compressed (else passed through as it was)."""
+        return self._container.is_compressed(name)
+
+    def compressed(self, name: str) -> Any:
+        """Tensor ``name`` in its stored compressed form (``reference.codec.CompressedTensor`` or
+        ``RansTensor``), every field and array checked; a damaged one raises ``WeightError``."""
+        from reference.codec.errors import CodecError
+
+        try:
+            return self._container.compressed(name)
         except CodecError as e:
             raise WeightError(str(e)) from None
 
     def close(self) -> None:
-        self.container.close()
+        self._container.close()
 
 
 def is_container(metadata: dict[str, str]) -> bool:
