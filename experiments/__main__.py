@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
                           "second process beside the timed ones; 1: every claim in this process, one after another")
     where.add_argument("--part-of", type=Path, help=argparse.SUPPRESS)  # --jobs 2's second process: the run's folder
     cmp = sub.add_parser("compare", help="print a rerun's agreement table against the stored results")
-    cmp.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    cmp.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the rerun's folder")
     cmp.add_argument("--against", type=Path, default=RESULTS_DIR, metavar="DIR",
                      help="the results to compare with (default experiments/results/)")
     sub.add_parser("table", help="print the table from stored results")

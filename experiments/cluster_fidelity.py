@@ -444,7 +444,8 @@ def main() -> None:
     from experiments.registry import Context
     from reference.provenance import commit, machine, now
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m experiments.cluster_fidelity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=10, help="requests per workload")
     parser.add_argument("--rounds", type=int, default=3, help="real-engine runs of each workload")
     parser.add_argument("--sweeps", type=int, default=1, help="times the profiling sweep runs, over the rounds")

@@ -262,11 +262,12 @@ def figure(sim_rows: list[dict], real_rows: list[dict], s: Scenario, downtime: l
 def main() -> None:
     from reference.provenance import commit, machine, now
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scenario", type=Path, default=DEFAULT_SCENARIO)
+    p = argparse.ArgumentParser(prog="python -m experiments.fleet_sim", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--scenario", type=Path, default=DEFAULT_SCENARIO, help="the fleet scenario (TOML)")
     p.add_argument("--runs", type=int, default=3, help="real-fleet runs of the same arrivals (for the spread)")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", type=Path, default=RESULTS / "R1_fleet.json")
+    p.add_argument("--seed", type=int, default=1, help="seed of the arrivals")
+    p.add_argument("--json", type=Path, default=RESULTS / "R1_fleet.json", help="where the results go")
     p.add_argument("--figure", type=Path, default=None, help="default: beside --json, .png")
     args = p.parse_args()
     if args.runs < 1:

@@ -33,9 +33,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from reference.provenance import commit, machine
 
     p = argparse.ArgumentParser(prog="python -m experiments.gpu_engine", description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="the tiny random model (a quick check)")
     p.add_argument("--budget", type=float, default=150.0, help="seconds after which no new row starts")
-    p.add_argument("--json", type=Path, default=RESULTS / "gpu_engine.json")
+    p.add_argument("--json", type=Path, default=RESULTS / "gpu_engine.json", help="where the results go")
     args = p.parse_args(argv)
     if args.tiny:
         from experiments.bench_engine import tiny_checkpoint

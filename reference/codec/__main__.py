@@ -57,10 +57,10 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m reference.code
     for flag, default in MODE_PARAMS["rans"].items():
         c.add_argument(f"--{flag}", type=int, default=None, help=f"rans mode (default {default})")
     d = sub.add_parser("decompress", help="write a container back as a plain bf16 safetensors file")
-    d.add_argument("container")
-    d.add_argument("out")
+    d.add_argument("container", help="the container file")
+    d.add_argument("out", help="the safetensors file to write")
     i = sub.add_parser("inspect", help="per-tensor table: form, shape, ratio, entropy bound, rare-exponent share")
-    i.add_argument("container")
+    i.add_argument("container", help="the container file")
     args = parser.parse_args(argv)
     try:
         with signals_raise():

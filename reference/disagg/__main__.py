@@ -8,7 +8,10 @@ OUT: one line per input line, in order, whatever happens: ``{"id", "output_token
 "error"}`` (if the pool itself fails, every request not yet answered gets that failure as its error).
 The coordinator and pool are those of the endpoint (``python -m serve --prefill-workers P --decode-workers
 D``): the same routing, faults, request migration, worker leases and restarts (``PROTOCOL.md`` section 6).
-``--prefill 0 --decode 0`` runs the same prompts colocated, in one engine in this process. At the end
+``--prefill 0 --decode 0`` runs the same prompts colocated, in one engine in this process. The carrier is
+an option: worker processes over sockets (default), ``--in-process`` (queues), ``--workers HOST:PORT,...``
+(workers already running elsewhere, on either runner); torch.distributed ranks serve the HTTP door
+(``torchrun ... -m serve --dist-workers P``). At the end
 one line says what was written: how many requests finished and failed, and the first error.
 Exit status: 0 when every request ended without error, 1 otherwise, 2 for bad arguments or input.
 """
@@ -53,6 +56,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           "killed, restarted, its requests migrated (default 15)")
     run.add_argument("--in-process", action="store_true", help="workers in this process (queues) instead of OS "
                                                                "processes (sockets)")
+    run.add_argument("--workers", default="", metavar="HOST:PORT,...",
+                     help="also workers already running elsewhere (`python -m reference.disagg worker --listen "
+                          f"HOST:PORT` or `python -m fast.disagg.worker ...`; shared secret in ${SECRET_ENV}); "
+                          "with --prefill 0 --decode 0, only those")
     add_worker_arguments(sub.add_parser("worker", help="(started by the coordinator) one worker process"))
     return parser.parse_args(argv)
 
@@ -121,17 +128,20 @@ def run_disaggregated(args: argparse.Namespace, requests: list[dict], faults: li
 
     from reference.disagg.batch import ProcessFaults, run_requests
     from reference.disagg.faults import FaultInjector
-    from reference.disagg.pool import FAST_FAULTS, InProcessPool, ProcessPool, WorkerOptions
+    from reference.disagg.pool import FAST_FAULTS, InProcessPool, ProcessPool, WorkerOptions, parse_workers
 
     injector = FaultInjector(faults, args.seed) if faults else None
     kind = InProcessPool if args.in_process else ProcessPool
+    carrier = {}
+    if args.workers:  # remote workers: over sockets, signed with the secret they were started with
+        carrier = {"remote": parse_workers(args.workers), "secret": bytes.fromhex(os.environ[SECRET_ENV])}
     good = [r for r in requests if "_error" not in r]
     opts = WorkerOptions(wire=args.kv_wire, **(FAST_FAULTS if faults else {}))
     total = sum(len(r.get("prompt_token_ids") or []) + (r.get("max_tokens") or 0) for r in good
                 if isinstance(r.get("max_tokens"), int) and isinstance(r.get("prompt_token_ids"), list))
     seconds = args.deadline if args.deadline is not None else 120.0 + 0.05 * total
     with kind(args.model, args.prefill, args.decode, opts=opts, injector=injector, deadline=lambda p, o: seconds,
-              lease_s=args.worker_lease) as pool:
+              lease_s=args.worker_lease, **carrier) as pool:
         ProcessFaults(pool, faults, args.seed, len(good))
         with Progress(transient=True) as progress:
             task = progress.add_task("requests", total=len(good))
@@ -233,8 +243,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if (args.prefill == 0) != (args.decode == 0) or args.prefill < 0 or args.decode < 0:
-        print("error: --prefill and --decode must both be 0 (colocated) or both >= 1", file=sys.stderr)
+        print("error: --prefill and --decode must both be 0 (colocated, or only --workers) or both >= 1",
+              file=sys.stderr)
         return 2
+    if args.workers:
+        from reference.disagg.pool import parse_workers
+
+        try:
+            parse_workers(args.workers)
+            secret = bytes.fromhex(os.environ.get(SECRET_ENV, ""))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        if len(secret) < 16:
+            print(f"error: --workers needs the workers' shared secret (at least 32 hex digits) in ${SECRET_ENV}",
+                  file=sys.stderr)
+            return 2
+        if args.in_process:
+            print("error: --in-process runs every worker here; it does not combine with --workers", file=sys.stderr)
+            return 2
     if args.worker_lease <= 0:
         print("error: --worker-lease must be > 0", file=sys.stderr)
         return 2
@@ -247,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot read {args.prompts}: {e}", file=sys.stderr)
         return 2
     try:
-        if args.prefill == 0:
+        if args.prefill == 0 and not args.workers:
             results = run_colocated(args.model, requests)
         else:
             results = run_disaggregated(args, requests, faults)

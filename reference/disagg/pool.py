@@ -43,8 +43,19 @@ from reference.disagg.prefill import PrefillWorker
 from reference.disagg.routing import Worker
 from reference.disagg.transport import Link, SocketEndpoint, listen, pipe, socket_peer
 
-SECRET_ENV = "UNFIRE_DISAGG_SECRET"  # torchrun's ranks (fast.disagg) still read it here; see read_secret
+SECRET_ENV = "UNFIRE_DISAGG_SECRET"  # workers started by hand (--listen) and torchrun ranks read it
 log = logging.getLogger("reference.disagg")
+
+
+def parse_workers(text: str) -> list[tuple[str, int]]:
+    """``--workers HOST:PORT,...`` of both doors as (host, port) pairs; ValueError naming a bad item."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--workers: {item!r} is not HOST:PORT")
+        out.append((host.strip("[]"), int(port)))
+    return out
 
 
 def read_secret(stream: Any) -> bytes:
