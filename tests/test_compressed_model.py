@@ -288,10 +288,11 @@ def test_bench_compressed_serve_checks_its_arguments(capsys):
         assert needle in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("kind", ["reference", "fast"])
+@pytest.mark.parametrize("kind", ["reference", "fast", "pipeline"])
 def test_loading_opens_the_container_once(tiny, kind, monkeypatch):
-    """Model and tokenizer read one opened source: the container's headers and CRCs are checked once."""
-    if kind == "fast":
+    """Model and tokenizer read one opened source: the container's headers and CRCs are checked once (a
+    pipeline's stage 0 sends the other stages their weights: they open nothing)."""
+    if kind != "reference":
         pytest.importorskip("torch")
     from reference.codec import container_read
     from serve.engines import load_engine
@@ -304,5 +305,9 @@ def test_loading_opens_the_container_once(tiny, kind, monkeypatch):
         real(self, path, **kwargs)
 
     monkeypatch.setattr(container_read.Container, "__init__", counting)
-    engine = load_engine(str(tiny["unweight"]), kind, num_blocks=32, **({"threads": 1} if kind == "fast" else {}))
-    assert engine.tokenizer is not None and len(opened) == 1, opened
+    extra = {"fast": {"threads": 1}, "pipeline": {"pipeline": "2", "dtype": "float32"}}.get(kind, {})
+    engine = load_engine(str(tiny["unweight"]), "fast" if kind == "pipeline" else kind, num_blocks=32, **extra)
+    try:
+        assert engine.tokenizer is not None and len(opened) == 1, opened
+    finally:
+        getattr(getattr(engine, "runner", None), "close", lambda: None)()  # a pipeline's stage processes

@@ -49,6 +49,7 @@ from fast.pipeline import wire
 from fast.pipeline.chain import Node, PipelineError, Plan, micro_batch_shape, parse_chain, plan
 from fast.pipeline.stage import FOREVER, StageModel, limits_of, load_checkpoint, now
 from reference.model.llama import Chunk
+from reference.model.weights import open_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -364,7 +365,10 @@ class PipelineModel:
         if impl not in ("torch", "numpy") or impl == "numpy" and dtype != "float32":
             raise PipelineError(f"impl {impl!r} with dtype {dtype!r}: use impl 'torch', or 'numpy' with float32")
         nodes = parse_chain(stages) if isinstance(stages, str) else list(stages)  # a bad chain fails before loading
-        self.config, self.weights = load_checkpoint(self.spec)
+        # opened once: the weights here, the tokenizer from the same source (load_engine)
+        tiny = self.spec == "tiny" or self.spec.startswith("tiny:")
+        self.source = None if tiny else open_weights(self.spec)
+        self.config, self.weights = load_checkpoint(self.source or self.spec)
         if len(nodes) < 2:
             raise PipelineError(f"a pipeline needs at least 2 stages, got {len(nodes)}")
         if len(nodes) > self.config.num_layers:
@@ -394,9 +398,9 @@ def load_engine(model: str = "smollm2", stages: str | Sequence[Node] = "2", *, d
                        max_num_seqs=engine_kwargs.get("max_num_seqs", 32), step_timeout_s=step_timeout_s,
                        calibrate=calibrate, impl=impl)
     tok = None
-    if tokenizer and not (pm.spec == "tiny" or pm.spec.startswith("tiny:")):
+    if tokenizer and pm.source is not None:
         from reference.model.tokenizer import load_tokenizer
 
-        tok = load_tokenizer(model)
+        tok = load_tokenizer(pm.source)
     engine_kwargs.setdefault("kv_dtype", dtype)
     return Engine(pm, tok, **engine_kwargs)

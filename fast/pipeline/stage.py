@@ -45,9 +45,10 @@ def now() -> float:
     return time.clock_gettime(time.CLOCK_MONOTONIC)
 
 
-def load_checkpoint(spec: str) -> tuple[Any, LlamaWeights]:
-    """(config, weights) of ``spec``: ``tiny`` / ``tiny:SEED`` (a small random Llama), a packaged name or a path."""
-    if spec == "tiny" or spec.startswith("tiny:"):
+def load_checkpoint(spec: Any) -> tuple[Any, LlamaWeights]:
+    """(config, weights) of ``spec``: ``tiny`` / ``tiny:SEED`` (a small random Llama), a packaged name, a path
+    or an open ``WeightSource``."""
+    if isinstance(spec, str) and (spec == "tiny" or spec.startswith("tiny:")):
         from reference.disagg.models import load_model
 
         m = load_model(spec)
