@@ -149,12 +149,14 @@ def figure(result: dict[str, Any], path: Path, before: float, load: float) -> No
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--before", type=float, default=6.0)
-    p.add_argument("--load", type=float, default=40.0)
-    p.add_argument("--after", type=float, default=30.0)
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--json", type=Path, default=RESULTS / "bench_ray_scale.json")
+    p = argparse.ArgumentParser(prog="python -m experiments.edge.bench_ray_scale",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--before", type=float, default=6.0, help="idle seconds before the load (default 6)")
+    p.add_argument("--load", type=float, default=40.0, help="seconds of load (default 40)")
+    p.add_argument("--after", type=float, default=30.0, help="idle seconds after the load (default 30)")
+    p.add_argument("--clients", type=int, default=8, help="closed-loop clients (default 8)")
+    p.add_argument("--json", type=Path, default=RESULTS / "bench_ray_scale.json",
+                   help="where the samples go (a figure is written beside it)")
     args = p.parse_args()
     result = run(args.before, args.load, args.after, args.clients)
     summary = summarize(result, args.before, args.load)
