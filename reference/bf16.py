@@ -70,13 +70,15 @@ def join_fields(sign: np.ndarray, exponent: np.ndarray, mantissa: np.ndarray) ->
 
 
 def sign_mantissa_byte(bits: np.ndarray) -> np.ndarray:
-    """The byte Unweight stores verbatim next to the coded exponent: sign bit, then 7 mantissa bits."""
+    """The byte Unweight stores verbatim next to the coded exponent: sign bit, then 7 mantissa
+    bits."""
     bits = _as_bf16_bits(bits)
     return (((bits >> 8) & 0x80) | (bits & MANTISSA_MASK)).astype(np.uint8)
 
 
 def join_sign_mantissa(sm: np.ndarray, exponent: np.ndarray) -> np.ndarray:
-    """Inverse of ``sign_mantissa_byte``: bf16 bits (uint16) from the sm byte and the 8-bit exponent.
+    """Inverse of ``sign_mantissa_byte``: bf16 bits (uint16) from the sm byte and the 8-bit
+    exponent.
 
     ``b = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)`` (FORMAT.md section 1).
     """
@@ -152,7 +154,8 @@ def exponent_frequencies(bits: np.ndarray) -> np.ndarray:
 
 
 def top_k_coverage(exponent_counts: np.ndarray, k: int = 16) -> float:
-    """Share of elements covered by the k most frequent exponent values (1.0 for an empty tensor)."""
+    """Share of elements covered by the k most frequent exponent values (1.0 for an empty
+    tensor)."""
     counts = np.asarray(exponent_counts, dtype=np.int64)
     total = counts.sum()
     if total == 0:

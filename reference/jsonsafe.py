@@ -29,8 +29,8 @@ class JsonError(ValueError):
 
 
 def nesting_depth(text: str, stop_above: int | None = None) -> int:
-    """The deepest nesting of arrays and objects in ``text`` (0 for a scalar); it stops counting (and
-    returns) as soon as it passes ``stop_above``."""
+    """The deepest nesting of arrays and objects in ``text`` (0 for a scalar); it stops counting
+    (and returns) as soon as it passes ``stop_above``."""
     if text.count("[") + text.count("{") <= (stop_above if stop_above is not None else -1):
         return text.count("[") + text.count("{")  # an upper bound that is already small enough
     depth = deepest = 0

@@ -18,11 +18,14 @@ def commit() -> str:
     """The git commit of the working tree, with '+dirty' if it has uncommitted changes."""
     try:
         sha = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
+            check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            # results and the paper are outputs of a run: rewriting them does not make the code dirty
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/results", ":!paper"],
+            # results and the paper are outputs of a run: rewriting them does not make the code
+            # dirty
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+             ":!experiments/results", ":!paper"],
             cwd=REPO, capture_output=True, text=True
         ).stdout.strip()
         return sha + ("+dirty" if dirty else "")
@@ -56,7 +59,8 @@ def machine() -> dict[str, object]:
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
     }
-    if hasattr(os, "getloadavg"):  # 1-minute load average when this is called (the measurement's own work included)
+    # 1-minute load average when this is called (the measurement's own work included)
+    if hasattr(os, "getloadavg"):
         info["load_average"] = round(os.getloadavg()[0], 2)
     for dist in ("numpy", "torch", "triton"):
         v = _version(dist)

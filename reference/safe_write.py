@@ -4,9 +4,9 @@ files never outlive the command that made them, however it ends.
 ``atomic_output(path)`` writes through a temporary file beside ``path`` and renames it at the end.
 ``signals_raise()`` turns SIGINT, SIGTERM and SIGHUP into an exception, ``Interrupted``, so that
 clean-up code runs. ``temporary_file(...)`` makes a temporary file and records it before such a
-signal can interrupt, so a command line can call ``remove_temporary_files()`` on the way out and leave
-no stray file, even when the signal came between the file's creation and the ``try`` that would
-have removed it.
+signal can interrupt, so a command line can call ``remove_temporary_files()`` on the way out and
+leave no stray file, even when the signal came between the file's creation and the ``try`` that
+would have removed it.
 """
 
 from __future__ import annotations
@@ -22,12 +22,13 @@ from typing import BinaryIO
 
 _LIVE: set[Path] = set()  # temporary files of this process, not yet renamed or removed
 _SIGNALS = [getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)]
-_creating = {"now": False, "pending": None}  # a signal that came while a temporary file was being made
+# a signal that came while a temporary file was being made
+_creating = {"now": False, "pending": None}
 
 
 class Interrupted(BaseException):
-    """A signal arrived (inside ``signals_raise``): unwinds the stack like Ctrl-C, so every ``finally``
-    and ``with`` removes its files."""
+    """A signal arrived (inside ``signals_raise``): unwinds the stack like Ctrl-C, so every
+    ``finally`` and ``with`` removes its files."""
 
     def __init__(self, signum: int):
         super().__init__(signum)
@@ -96,9 +97,9 @@ def atomic_output(path: str | Path) -> Iterator[BinaryIO]:
     """A file to write ``path`` through: it appears complete under ``path`` or not at all.
 
     The bytes go to a fresh temporary file in the same directory (so the rename stays on one file
-    system), are flushed to disk (fsync), and only then renamed over ``path`` (``os.replace``, atomic
-    on POSIX). On any exception, KeyboardInterrupt and SystemExit included, the temporary file is
-    removed and whatever was under ``path`` before stays as it was.
+    system), are flushed to disk (fsync), and only then renamed over ``path`` (``os.replace``,
+    atomic on POSIX). On any exception, KeyboardInterrupt and SystemExit included, the temporary
+    file is removed and whatever was under ``path`` before stays as it was.
     """
     path = Path(path)
     fd, tmp = temporary_file(path.parent, f".{path.name}.", ".tmp")
@@ -128,7 +129,7 @@ def atomic_output(path: str | Path) -> Iterator[BinaryIO]:
 
 
 def write_text(path: str | Path, text: str) -> None:
-    """``Path(path).write_text(text)`` (UTF-8) through ``atomic_output``: a results file, say, is replaced
-    whole or not at all, so an interrupted run never leaves the stored one half-written."""
+    """``Path(path).write_text(text)`` (UTF-8) through ``atomic_output``: a results file, say, is
+    replaced whole or not at all, so an interrupted run never leaves the stored one half-written."""
     with atomic_output(path) as f:
         f.write(text.encode("utf-8"))

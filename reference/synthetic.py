@@ -1,4 +1,5 @@
-"""Synthetic bf16 weights with a real exponent distribution, for tests, conformance cases and benchmarks.
+"""Synthetic bf16 weights with a real exponent distribution, for tests, conformance cases and
+benchmarks.
 
 Real weights are not always at hand (the GPU machine has no MiniLM package), so the exponent
 histogram of MiniLM's 12 MLP matrices is stored in ``reference/data`` and synthetic tensors draw
@@ -21,13 +22,15 @@ EXPONENTS_FILE = Path(__file__).resolve().parent / "data" / "minilm_mlp_exponent
 
 @functools.lru_cache(maxsize=1)
 def minilm_exponent_counts() -> np.ndarray:
-    """Exponent histogram (256 counts) pooled over MiniLM's 12 MLP matrices: a real exponent distribution."""
+    """Exponent histogram (256 counts) pooled over MiniLM's 12 MLP matrices: a real exponent
+    distribution."""
     return np.asarray(json.loads(EXPONENTS_FILE.read_text())["counts"], dtype=np.int64)
 
 
-def synthetic_weights(shape: tuple[int, ...], rng: np.random.Generator, counts: np.ndarray | None = None) -> np.ndarray:
-    """Random bf16 weights (uint16 bit patterns) whose exponents follow ``counts`` (default: MiniLM's
-    MLP histogram); sign and mantissa uniform."""
+def synthetic_weights(shape: tuple[int, ...], rng: np.random.Generator,
+                      counts: np.ndarray | None = None) -> np.ndarray:
+    """Random bf16 weights (uint16 bit patterns) whose exponents follow ``counts`` (default:
+    MiniLM's MLP histogram); sign and mantissa uniform."""
     counts = minilm_exponent_counts() if counts is None else counts
     p = counts / counts.sum()
     n = int(np.prod(shape))

@@ -92,6 +92,8 @@ def _first_turn(obj: object) -> Conversation | None:
     if first.get("from") != "human" or second.get("from") != "gpt":
         return None
     prompt, answer = first.get("value"), second.get("value")
-    if not (isinstance(prompt, str) and isinstance(answer, str) and prompt.strip() and answer.strip()):
+    if not (
+        isinstance(prompt, str) and isinstance(answer, str) and prompt.strip() and answer.strip()
+    ):
         return None
     return Conversation(str(obj.get("id", "")), prompt, answer)

@@ -11,4 +11,5 @@ See ``reference/cluster/README.md`` for the scenario format and the commands.
 from reference.cluster.scenario import Scenario, ScenarioError, load_scenario, scenario_from_dict
 from reference.cluster.simulator import Simulator, simulate
 
-__all__ = ["Scenario", "ScenarioError", "Simulator", "load_scenario", "scenario_from_dict", "simulate"]
+__all__ = ["Scenario", "ScenarioError", "Simulator", "load_scenario", "scenario_from_dict",
+           "simulate"]

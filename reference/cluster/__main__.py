@@ -1,6 +1,7 @@
 """Commands of the cluster layer.
 
-    python -m reference.cluster simulate SCENARIO [--seed N] [--json OUT] [--trace T.jsonl] [--single-steps]
+    python -m reference.cluster simulate SCENARIO [--seed N] [--json OUT] [--trace T.jsonl]
+    [--single-steps]
     python -m reference.cluster place SCENARIO --model NAME --chain H100,A100,L4 [--chain ...]
                                       [--nodes 0,0,1] [--batch 64 --context 1024 | --prefill 2048]
                                       [--kv-tokens 65536] [--brute-force] [--json OUT]
@@ -20,7 +21,13 @@ import sys
 from pathlib import Path
 
 from reference.cluster.pipeline import ChainGpu, chain_problem, tokens_per_s
-from reference.cluster.placement import PlacementError, best_split, brute_force_split, lp_upper_bound, uniform_split
+from reference.cluster.placement import (
+    PlacementError,
+    best_split,
+    brute_force_split,
+    lp_upper_bound,
+    uniform_split,
+)
 from reference.cluster.scenario import ScenarioError, load_scenario
 from reference.engine.cost import StepShape
 
@@ -31,20 +38,28 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="run a scenario in simulated time")
     sim.add_argument("scenario", type=Path, help="a scenario file (.toml or .json)")
-    sim.add_argument("--seed", type=int, default=0, help="seed of the arrivals and every random choice (default 0)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the arrivals and every random "
+                                                         "choice (default 0)")
     sim.add_argument("--json", type=Path, help="write the summary here")
     sim.add_argument("--trace", type=Path, help="write the decision trace (JSON lines) here")
-    sim.add_argument("--single-steps", action="store_true", help="one event per engine step (no macro steps)")
+    sim.add_argument("--single-steps", action="store_true", help="one event per engine step (no "
+                                                                 "macro steps)")
     place = sub.add_parser("place", help="split a model's layers over chains of unlike GPUs")
     place.add_argument("scenario", type=Path, help="a scenario file (for its gpu_types and models)")
     place.add_argument("--model", required=True, help="a model named in the scenario's models")
-    place.add_argument("--chain", action="append", required=True, help="GPU types in pipeline order, comma-separated")
-    place.add_argument("--nodes", action="append", help="node id per GPU of the matching --chain (default: one node)")
+    place.add_argument("--chain", action="append", required=True,
+                       help="GPU types in pipeline order, comma-separated")
+    place.add_argument("--nodes", action="append", help="node id per GPU of the matching --chain "
+                                                        "(default: one node)")
     place.add_argument("--batch", type=int, default=64, help="decode micro-batch: sequences")
-    place.add_argument("--context", type=int, default=1024, help="decode micro-batch: context tokens each")
-    place.add_argument("--prefill", type=int, default=0, help="instead, a prefill chunk of this many tokens")
-    place.add_argument("--kv-tokens", type=int, default=65_536, help="KV reserve per layer, in tokens")
-    place.add_argument("--brute-force", action="store_true", help="also check the DP against every split")
+    place.add_argument("--context", type=int, default=1024, help="decode micro-batch: context "
+                                                                 "tokens each")
+    place.add_argument("--prefill", type=int, default=0, help="instead, a prefill chunk of this "
+                                                              "many tokens")
+    place.add_argument("--kv-tokens", type=int, default=65_536,
+                       help="KV reserve per layer, in tokens")
+    place.add_argument("--brute-force", action="store_true",
+                       help="also check the DP against every split")
     place.add_argument("--json", type=Path, help="write the placement here")
     args = parser.parse_args(argv)
     try:
@@ -84,7 +99,8 @@ def simulate_command(args: argparse.Namespace) -> dict:
 def place_command(args: argparse.Namespace) -> dict:
     scenario = load_scenario(args.scenario)
     if args.model not in scenario.models:
-        raise PlacementError(f"unknown model {args.model!r}; the scenario has {sorted(scenario.models)}")
+        raise PlacementError(f"unknown model {args.model!r}; the scenario has "
+                             f"{sorted(scenario.models)}")
     model = scenario.models[args.model]
     if args.batch < 1 or args.context < 1 or args.prefill < 0 or args.kv_tokens < 0:
         raise PlacementError("--batch and --context must be >= 1, --prefill and --kv-tokens >= 0")
@@ -95,16 +111,21 @@ def place_command(args: argparse.Namespace) -> dict:
         gpus = [g.strip() for g in names.split(",") if g.strip()]
         unknown = [g for g in gpus if g not in scenario.gpu_types]
         if unknown:
-            raise PlacementError(f"--chain {names}: unknown GPU type(s) {unknown}; known: {sorted(scenario.gpu_types)}")
+            raise PlacementError(f"--chain {names}: unknown GPU type(s) {unknown}; known: "
+                                 f"{sorted(scenario.gpu_types)}")
         nodes = [0] * len(gpus)
         if args.nodes and n < len(args.nodes):
             try:
                 nodes = [int(x) for x in args.nodes[n].split(",")]
             except ValueError:
-                raise PlacementError(f"--nodes {args.nodes[n]}: node ids must be integers") from None
+                raise PlacementError(
+                    f"--nodes {args.nodes[n]}: node ids must be integers"
+                ) from None
             if len(nodes) != len(gpus):
-                raise PlacementError(f"--nodes {args.nodes[n]}: one node id per GPU of --chain {names}")
-        p = chain_problem(model, [ChainGpu(scenario.gpu_types[g], node) for g, node in zip(gpus, nodes, strict=True)],
+                raise PlacementError(f"--nodes {args.nodes[n]}: one node id per GPU of --chain "
+                                     f"{names}")
+        p = chain_problem(model, [ChainGpu(scenario.gpu_types[g], node) for g,
+                                  node in zip(gpus, nodes, strict=True)],
                           shape, kv_tokens=args.kv_tokens)
         best, uniform = best_split(p), uniform_split(p)
         row = {"chain": gpus, "nodes": nodes, "best_layers": best.layers,

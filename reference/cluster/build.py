@@ -32,10 +32,12 @@ def longest_request(s: Scenario) -> int:
 def build_replicas(s: Scenario, cost_override: Callable[[StepShape], float] | None = None,
                    num_blocks: int | None = None) -> list[Replica]:
     """Every replica of every site, in file order. ``cost_override``: one step-time model for all;
-    ``num_blocks``: this many KV blocks each (to mirror a real engine's cache), instead of from memory."""
+    ``num_blocks``: this many KV blocks each (to mirror a real engine's cache), instead of from
+    memory."""
     plans = sorted({t.plan for t in s.traffic})
     tenants = Tenants({p: p for p in plans}, {p: DEFAULT_PLAN_WEIGHTS.get(p, 1.0) for p in plans})
-    config = SchedulerConfig(max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs)
+    config = SchedulerConfig(max_num_batched_tokens=s.max_num_batched_tokens,
+                             max_num_seqs=s.max_num_seqs)
     cap = 2 * s.max_num_seqs * -(-longest_request(s) // s.block_size)
     replicas = []
     for site in s.sites.values():
@@ -45,12 +47,16 @@ def build_replicas(s: Scenario, cost_override: Callable[[StepShape], float] | No
             free = spec.gpus * gpu.memory_gb * 1e9 * s.kv_fraction - weight_bytes(model)
             blocks = int(free // (s.block_size * kv_bytes_per_token(model)))
             if blocks < -(-longest_request(s) // s.block_size):
-                raise ScenarioError(f"sites[{site.name}]: model {model.name} on {spec.gpus} x {gpu.name} leaves room "
-                                    f"for {max(blocks, 0)} KV blocks, less than the longest request needs")
+                raise ScenarioError(f"sites[{site.name}]: model {model.name} on {spec.gpus} x "
+                                    f"{gpu.name} leaves room "
+                                    f"for {max(blocks, 0)} KV blocks, less than the longest "
+                                    "request needs")
             for _ in range(spec.count):
                 replicas.append(Replica(
-                    index=len(replicas), site=site.name, jurisdiction=site.jurisdiction, tier=site.tier,
-                    model=model.name, role=spec.role, cost=cost_override or roofline, flops=roofline.flops,
+                    index=len(replicas), site=site.name, jurisdiction=site.jurisdiction,
+                    tier=site.tier,
+                    model=model.name, role=spec.role, cost=cost_override or roofline,
+                    flops=roofline.flops,
                     flops_of=roofline.flops_of, peak_flops_per_s=roofline.peak_flops_per_s,
                     num_blocks=num_blocks or min(blocks, cap),
                     block_size=s.block_size, config=config, policy=make_policy(s.policy, tenants),
@@ -88,7 +94,8 @@ class Request:
 
 
 class RequestSource:
-    """Arrivals of every traffic class, drawn lazily from one RNG (so a million requests fit in memory)."""
+    """Arrivals of every traffic class, drawn lazily from one RNG (so a million requests fit in
+    memory)."""
 
     def __init__(self, s: Scenario, rng: np.random.Generator, lengths: np.ndarray | None) -> None:
         self.s, self.rng, self.lengths = s, rng, lengths
@@ -98,7 +105,11 @@ class RequestSource:
 
     def gap(self, k: int) -> float:
         t = self.s.traffic[k]
-        return float(self.rng.exponential(1 / t.rate_per_s)) if t.arrival == "poisson" else 1 / t.rate_per_s
+        return (
+            float(self.rng.exponential(1 / t.rate_per_s))
+            if t.arrival == "poisson"
+            else 1 / t.rate_per_s
+        )
 
     def make(self, k: int, now: float) -> Request:
         t, rng = self.s.traffic[k], self.rng
@@ -114,11 +125,13 @@ class RequestSource:
         return self.make_from(k, now, prompt, output_len)
 
     def make_from(self, k: int, now: float, prompt: list[int], output_len: int) -> Request:
-        """A request of traffic class ``k`` with the given prompt and output length (also for replays)."""
+        """A request of traffic class ``k`` with the given prompt and output length (also for
+        replays)."""
         t, rng = self.s.traffic[k], self.rng
         origin = t.origins[int(rng.integers(len(t.origins)))]
         keys = prefix_keys(prompt[:AFFINITY_BLOCKS * self.s.block_size], self.s.block_size)
         self.next_id += 1
-        return Request(rid=self.next_id - 1, traffic=k, origin=origin, allowed=t.allowed, models=t.models,
+        return Request(rid=self.next_id - 1, traffic=k, origin=origin, allowed=t.allowed,
+                       models=t.models,
                        plan=t.plan, arrival=now, prompt=prompt, output_len=output_len,
                        access_s=t.access_rtt_ms / 2000, prefix_keys=tuple(keys))

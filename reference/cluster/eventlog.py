@@ -3,8 +3,8 @@
 Every event (virtual time, kind, subject id) is hashed with BLAKE2b (16 bytes, personalised) and the
 hashes are summed modulo 2**128. A sum does not depend on the order in which events are added, so
 events that happen at the same virtual time may be logged in any order (a macro step logs its steps
-when it ends, not as each one ends) and the hash is still that of the whole log. The same scenario and
-seed give the same hash; any change to what happened, when, or to whom changes it.
+when it ends, not as each one ends) and the hash is still that of the whole log. The same scenario
+and seed give the same hash; any change to what happened, when, or to whom changes it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from reference.cluster.replica import Replica
 
 HASH_MASK = (1 << 128) - 1
 EVENT = struct.Struct("<dBq")  # one logged event: time, kind, subject
-EVENT_HASHER = hashlib.blake2b(digest_size=16, person=b"unfire-cluster")  # copied per event, never updated
+# copied per event, never updated
+EVENT_HASHER = hashlib.blake2b(digest_size=16, person=b"unfire-cluster")
 
 
 class EventLog:
@@ -40,7 +41,8 @@ class EventLog:
 
 
 def event_id(subject: object) -> int:
-    """The id an event is logged under: a request's id, a replica's index, an int as is, else a CRC of its text."""
+    """The id an event is logged under: a request's id, a replica's index, an int as is, else a CRC
+    of its text."""
     if isinstance(subject, Request):
         return subject.rid
     if isinstance(subject, Replica):

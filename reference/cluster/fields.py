@@ -1,4 +1,5 @@
-"""Typed fields from plain data (a parsed TOML/JSON file): every value checked, errors name the field."""
+"""Typed fields from plain data (a parsed TOML/JSON file): every value checked, errors name the
+field."""
 
 from __future__ import annotations
 
@@ -22,8 +23,11 @@ def build(cls: type, table: Any, where: str) -> Any:
         raise ScenarioError(f"{where}: {e}") from None
     for name, f in fields.items():
         value, kind = getattr(obj, name), str(f.type)
-        if kind in ("float", "int") and (isinstance(value, bool) or not isinstance(value, int | float)
-                                         or not math.isfinite(value)):
+        if kind in ("float", "int") and (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
             raise ScenarioError(f"{where}.{name}: expected a finite number, got {value!r}")
         if kind == "int" and not isinstance(value, int):
             raise ScenarioError(f"{where}.{name}: expected an integer, got {value!r}")
@@ -33,7 +37,9 @@ def build(cls: type, table: Any, where: str) -> Any:
             raise ScenarioError(f"{where}.{name}: expected a table/object, got {value!r}"[:200])
         if kind == "bool" and not isinstance(value, bool):
             raise ScenarioError(f"{where}.{name}: expected true or false, got {value!r}")
-        if kind.startswith("tuple[str") and not (isinstance(value, tuple) and all(isinstance(v, str) for v in value)):
+        if kind.startswith("tuple[str") and not (
+            isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+        ):
             raise ScenarioError(f"{where}.{name}: expected a list of strings, got {value!r}")
     return obj
 
@@ -51,7 +57,8 @@ def as_list(data: dict[str, Any], key: str, where: str = "", required: bool = Tr
         return list(default or [])
     value = data.get(key)
     if not isinstance(value, list) or (required and not value):
-        raise ScenarioError(f"{where}{key}: expected a {'non-empty ' if required else ''}list, got {value!r}"[:200])
+        raise ScenarioError(f"{where}{key}: expected a {'non-empty ' if required else ''}list, got "
+                            f"{value!r}"[:200])
     return value
 
 

@@ -14,7 +14,8 @@ import numpy as np
 
 @functools.cache
 def sharegpt_lengths(n: int = 2000) -> np.ndarray:
-    """An (n, 2) int array: prompt and answer token counts of the first ``n`` ShareGPT conversations."""
+    """An (n, 2) int array: prompt and answer token counts of the first ``n`` ShareGPT
+    conversations."""
     from reference.model.tokenizer import load_tokenizer
     from reference.workload import iter_sharegpt
 

@@ -32,20 +32,25 @@ class Network:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.jurisdiction = {name: s.jurisdiction for name, s in scenario.sites.items()}
-        self.neighbours: dict[str, list[tuple[str, float, float]]] = {name: [] for name in scenario.sites}
+        self.neighbours: dict[str, list[tuple[str, float, float]]] = {
+            name: [] for name in scenario.sites
+        }
         for link in scenario.links:
             self.neighbours[link.a].append((link.b, link.rtt_ms, link.gbps))
             self.neighbours[link.b].append((link.a, link.rtt_ms, link.gbps))
         self._cache: dict[tuple[str, tuple[str, ...], str | None], dict[str, Path]] = {}
 
-    def paths_from(self, source: str, allowed: tuple[str, ...], also: str | None = None) -> dict[str, Path]:
-        """Shortest paths from ``source`` to every site reachable through allowed sites (and ``also``)."""
+    def paths_from(self, source: str, allowed: tuple[str, ...],
+                   also: str | None = None) -> dict[str, Path]:
+        """Shortest paths from ``source`` to every site reachable through allowed sites (and
+        ``also``)."""
         key = (source, allowed, also)
         if key not in self._cache:
             self._cache[key] = self._dijkstra(source, set(allowed), also)
         return self._cache[key]
 
-    def path(self, a: str, b: str, allowed: tuple[str, ...], also: str | None = None) -> Path | None:
+    def path(self, a: str, b: str, allowed: tuple[str, ...],
+             also: str | None = None) -> Path | None:
         return self.paths_from(a, allowed, also).get(b)
 
     def _dijkstra(self, source: str, allowed: set[str], also: str | None) -> dict[str, Path]:

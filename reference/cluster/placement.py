@@ -45,11 +45,17 @@ class Problem:
     def __post_init__(self) -> None:
         k, n = len(self.capacity), len(self.layer_mem)
         if k < 1 or n < k:
-            raise PlacementError(f"need at least one GPU and at least as many layers as GPUs; got {k} GPUs, "
+            raise PlacementError("need at least one GPU and at least as many layers as GPUs; got "
+                                 f"{k} GPUs, "
                                  f"{n} layers")
         if len(self.layer_time) != k or any(len(row) != n for row in self.layer_time):
             raise PlacementError("layer_time must have one row per GPU and one entry per layer")
-        if self.last_time and len(self.last_time) != k or self.comm_time and len(self.comm_time) != k:
+        if (
+            self.last_time
+            and len(self.last_time) != k
+            or self.comm_time
+            and len(self.comm_time) != k
+        ):
             raise PlacementError("last_time and comm_time need one entry per GPU")
 
     @property
@@ -63,7 +69,11 @@ class Problem:
     def stage_time(self, k: int, i: int, j: int) -> float:
         """Seconds of stage k holding layers i .. j-1, or INF if they do not fit its memory."""
         last = k == self.num_gpus - 1
-        mem = sum(self.layer_mem[i:j]) + (self.first_mem if k == 0 else 0.0) + (self.last_mem if last else 0.0)
+        mem = (
+            sum(self.layer_mem[i:j])
+            + (self.first_mem if k == 0 else 0.0)
+            + (self.last_mem if last else 0.0)
+        )
         if mem > self.capacity[k]:
             return INF
         t = sum(self.layer_time[k][i:j])
@@ -74,7 +84,8 @@ class Problem:
         return t
 
     def bottleneck(self, bounds: Sequence[int]) -> float:
-        """The slowest stage's time for a split given by its boundaries (0 = b_0 < ... < b_K = layers)."""
+        """The slowest stage's time for a split given by its boundaries (0 = b_0 < ... < b_K =
+        layers)."""
         return max(self.stage_time(k, bounds[k], bounds[k + 1]) for k in range(self.num_gpus))
 
 
@@ -95,7 +106,8 @@ class Split:
 def best_split(p: Problem) -> Split:
     """The split with the smallest bottleneck (exact dynamic programming, O(GPUs x layers^2))."""
     K, L = p.num_gpus, p.num_layers
-    f = [[INF] * (L + 1) for _ in range(K + 1)]  # f[k][j]: best bottleneck of stages 0..k-1 over layers 0..j-1
+    # f[k][j]: best bottleneck of stages 0..k-1 over layers 0..j-1
+    f = [[INF] * (L + 1) for _ in range(K + 1)]
     arg = [[-1] * (L + 1) for _ in range(K + 1)]
     f[0][0] = 0.0
     for k in range(1, K + 1):
@@ -136,7 +148,8 @@ def uniform_split(p: Problem) -> Split:
 
 
 def lp_upper_bound(problems: Sequence[Problem]) -> float:
-    """Upper bound on the summed throughput (micro-batches/s) of a pool of chains, from a linear program.
+    """Upper bound on the summed throughput (micro-batches/s) of a pool of chains, from a linear
+    program.
 
     Layer counts become real numbers: per chain, throughput tau, and z_k = tau * (layers on gpu k).
     Then sum_k z_k = L tau (every layer placed), z_k >= tau (a layer at least), and per GPU
@@ -147,7 +160,8 @@ def lp_upper_bound(problems: Sequence[Problem]) -> float:
     try:
         from scipy.optimize import linprog
     except ImportError:
-        raise PlacementError("the LP upper bound needs scipy: pip install 'scipy>=1.11' (in the [experiments] "
+        raise PlacementError("the LP upper bound needs scipy: pip install 'scipy>=1.11' (in the "
+                             "[experiments] "
                              "extra)") from None
 
     bound = 0.0
@@ -161,7 +175,11 @@ def lp_upper_bound(problems: Sequence[Problem]) -> float:
         for k in range(K):
             fixed = (p.last_time[k] if p.last_time and k == K - 1 else 0.0) + \
                 (p.comm_time[k] if p.comm_time and k < K - 1 else 0.0)
-            free = p.capacity[k] - (p.first_mem if k == 0 else 0.0) - (p.last_mem if k == K - 1 else 0.0)
+            free = (
+                p.capacity[k]
+                - (p.first_mem if k == 0 else 0.0)
+                - (p.last_mem if k == K - 1 else 0.0)
+            )
             row = [0.0] * (K + 1)
             row[k], row[K] = t[k], fixed
             a_ub.append(row), b_ub.append(1.0)
@@ -172,7 +190,8 @@ def lp_upper_bound(problems: Sequence[Problem]) -> float:
             row[k], row[K] = -1.0, 1.0
             a_ub.append(row), b_ub.append(0.0)
         a_eq = [[1.0] * K + [-float(L)]]
-        res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[0.0], bounds=[(0, None)] * (K + 1), method="highs")
+        res = linprog(c, A_ub=a_ub, b_ub=b_ub, A_eq=a_eq, b_eq=[0.0], bounds=[(0, None)] * (K + 1),
+                      method="highs")
         if res.status == 0:
             bound += -res.fun
         elif res.status != 2:  # 2: infeasible, this chain contributes nothing

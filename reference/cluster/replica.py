@@ -52,7 +52,8 @@ class Replica:
     role: str  # colocated | prefill | decode
     cost: Callable[[StepShape], float]
     flops: Callable[[StepShape], float]
-    flops_of: Callable[[int, int, int], float]  # the same from (new tokens, attention pairs, sampled sequences)
+    # the same from (new tokens, attention pairs, sampled sequences)
+    flops_of: Callable[[int, int, int], float]
     peak_flops_per_s: float
     num_blocks: int
     block_size: int
@@ -64,7 +65,8 @@ class Replica:
     stepping: bool = False
     busy_s: float = 0.0
     flops_done: float = 0.0
-    prefill_busy_s: float = 0.0  # time of steps that computed prompt tokens (for the pool's utilization)
+    # time of steps that computed prompt tokens (for the pool's utilization)
+    prefill_busy_s: float = 0.0
     prefill_flops: float = 0.0
     pending_prefill: int = 0
     pending_decode: int = 0
@@ -81,7 +83,8 @@ class Replica:
 
     def reset(self) -> None:
         """Empty memory and queues (a fresh start after a failure)."""
-        self.scheduler = Scheduler(BlockManager(self.num_blocks, self.block_size), self.config, self.policy)
+        self.scheduler = Scheduler(BlockManager(self.num_blocks, self.block_size), self.config,
+                                   self.policy)
         self.pending_prefill = self.pending_decode = 0
         self.stepping = False
         self.macro = None
@@ -91,13 +94,18 @@ class Replica:
         return self.scheduler.num_unfinished
 
     def est_wait_s(self, now: float = 0.0) -> float:
-        """Estimated queueing before a new request's prefill starts, from the tokens in flight at ``now``."""
+        """Estimated queueing before a new request's prefill starts, from the tokens in flight at
+        ``now``."""
         cap = self.config.max_num_seqs
         plan = self.macro  # in flight: the counters as single steps would show them at ``now``
         n = self.num_live if plan is None else self.num_live - plan.finished_by(now)
         wait = self.pending_prefill * self._tok_s
         if n + 1 > cap:
-            decode = self.pending_decode if plan is None else max(0, self.pending_decode - plan.sampled_by(now))
+            decode = (
+                self.pending_decode
+                if plan is None
+                else max(0, self.pending_decode - plan.sampled_by(now))
+            )
             wait += (n + 1 - cap) / cap * (decode / max(n, 1)) * self._decode_s
         return wait
 
@@ -108,7 +116,8 @@ class Replica:
         self.pending_decode += seq.max_tokens
 
     def import_kv(self, token_ids: list[int]) -> bool:
-        """Park a transferred prefix in the prefix cache (see the module docstring); False if no room."""
+        """Park a transferred prefix in the prefix cache (see the module docstring); False if no
+        room."""
         bm = self.scheduler.block_manager
         carrier = _Carrier(seq_id=-1, token_ids=token_ids)
         if not bm.can_allocate(carrier, keep_free=0):
@@ -122,7 +131,8 @@ class Replica:
 
     def start_step(self, now: float, macro_cap: int = 0) -> tuple[Batch | MacroStep, float] | None:
         """Plan the next step; returns (batch, end time), or None when there is nothing to run. With
-        ``macro_cap`` >= 2, up to that many plain decode steps may come back as one ``MacroStep`` instead."""
+        ``macro_cap`` >= 2, up to that many plain decode steps may come back as one ``MacroStep``
+        instead."""
         if self.stepping or not self.alive or not self.scheduler.has_unfinished():
             return None
         if macro_cap >= 2 and self.role != "prefill":
@@ -135,13 +145,15 @@ class Replica:
         if not batch.entries:
             return None
         tokens, pairs, sampled, context, prefill = step_sums(batch)
-        seconds_of = getattr(self.cost, "seconds_of", None)  # the step cost model's sums form, where it has one
+        # the step cost model's sums form, where it has one
+        seconds_of = getattr(self.cost, "seconds_of", None)
         if seconds_of is not None:
             seconds = seconds_of(tokens, pairs, sampled, context - tokens)
         else:
             seconds = self.cost(StepShape(tuple(e.num_new_tokens for e in batch.entries),
                                           tuple(e.context_len for e in batch.entries), sampled))
-        counted = max(0.0, min(seconds, self.measure_until - now))  # the part inside the measured window
+        # the part inside the measured window
+        counted = max(0.0, min(seconds, self.measure_until - now))
         flops = self.flops_of(tokens, pairs, sampled) * (counted / seconds if seconds > 0 else 0.0)
         self.busy_s += counted
         self.flops_done += flops
@@ -152,9 +164,11 @@ class Replica:
         return batch, now + seconds
 
     def finish_step(self, batch: Batch, now: float) -> list[Any]:
-        """Record the step; returns the scheduled entries (the caller reads which sampled, which finished)."""
+        """Record the step; returns the scheduled entries (the caller reads which sampled, which
+        finished)."""
         self.stepping = False
-        self.scheduler.postprocess(batch, [0 if e.needs_sample else None for e in batch.entries], now)
+        self.scheduler.postprocess(batch, [0 if e.needs_sample else None for e in batch.entries],
+                                   now)
         for e in batch.entries:
             if e.is_prefill:
                 self.pending_prefill = max(0, self.pending_prefill - e.num_new_tokens)
@@ -163,29 +177,36 @@ class Replica:
         return batch.entries
 
     def advance_macro(self, now: float) -> None:
-        """Bring the macro step in flight up to ``now`` (``MacroStep.advance``) and apply what it hands back."""
+        """Bring the macro step in flight up to ``now`` (``MacroStep.advance``) and apply what it
+        hands back."""
         plan = self.macro
         progress = plan.advance(now, self.scheduler)
         self._count_macro_busy(plan, *progress.started)
         self.pending_decode = max(0, self.pending_decode - progress.sampled)
 
     def _count_macro_busy(self, plan: MacroStep, first: int, last: int) -> None:
-        """Busy time and FLOPs of planned steps first+1 .. last, counted at each step's start (as ``start_step``
-        does for a single step)."""
+        """Busy time and FLOPs of planned steps first+1 .. last, counted at each step's start (as
+        ``start_step`` does for a single step)."""
         for i in range(first, last):  # 0-based: step i + 1
             seconds = plan.seconds[i]
-            room = self.measure_until - (plan.ends[i - 1] if i else plan.start)  # only inside the measured window
+            # only inside the measured window
+            room = self.measure_until - (plan.ends[i - 1] if i else plan.start)
             counted = seconds if room >= seconds else room if room > 0 else 0.0
             self.busy_s += counted
             if counted > 0:
                 shape, n = plan.shapes[i], plan.sizes[i]
-                flops = self.flops(shape) if shape is not None else self.flops_of(n, plan.context_sums[i], n)
+                flops = (
+                    self.flops(shape)
+                    if shape is not None
+                    else self.flops_of(n, plan.context_sums[i], n)
+                )
                 self.flops_done += flops * (counted / seconds)
             else:
                 self.flops_done += 0.0
 
     def finish_macro(self, plan: MacroStep) -> None:
-        """The last step of a macro step ended: apply all of it (the caller hands out its tokens)."""
+        """The last step of a macro step ended: apply all of it (the caller hands out its
+        tokens)."""
         assert plan is self.macro, "the plan that ended is the one in flight"
         self.advance_macro(float("inf"))
         self.macro, self.stepping = None, False
@@ -196,9 +217,10 @@ class Replica:
 
 
 def step_sums(batch: Batch) -> tuple[int, int, int, int, int]:
-    """A step's shape as the sums the step cost model reads, in one pass over its entries: new tokens,
-    attention pairs (a new token at position p attends to p + 1 keys, as ``StepShape.attention_pairs``),
-    sampled sequences, contexts after the step, and prompt tokens (prefill entries' new tokens)."""
+    """A step's shape as the sums the step cost model reads, in one pass over its entries: new
+    tokens, attention pairs (a new token at position p attends to p + 1 keys, as
+    ``StepShape.attention_pairs``), sampled sequences, contexts after the step, and prompt tokens
+    (prefill entries' new tokens)."""
     tokens = pairs = sampled = context = prefill = 0
     for e in batch.entries:
         n, start = e.num_new_tokens, e.start

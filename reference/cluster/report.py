@@ -1,4 +1,5 @@
-"""What a simulation measured: latencies per request, outcomes, utilization, and the residency audit."""
+"""What a simulation measured: latencies per request, outcomes, utilization, and the residency
+audit."""
 
 from __future__ import annotations
 
@@ -15,22 +16,26 @@ def percentiles(values: list[float], ps: tuple[int, ...] = (50, 90, 99)) -> dict
     if not values:
         return {**{f"p{p}": float("nan") for p in ps}, "mean": float("nan")}
     v = np.asarray(values, dtype=np.float64) * 1000
-    return {**{f"p{p}": round(float(np.percentile(v, p)), 3) for p in ps}, "mean": round(float(v.mean()), 3)}
+    return {**{f"p{p}": round(float(np.percentile(v, p)), 3) for p in ps},
+            "mean": round(float(v.mean()), 3)}
 
 
 @dataclass
 class SimResult:
     ttft: list[float] = field(default_factory=list)  # seconds, client side, completed requests
     e2e: list[float] = field(default_factory=list)
-    tpot: list[float] = field(default_factory=list)  # mean inter-token gap per request (>= 2 tokens)
+    # mean inter-token gap per request (>= 2 tokens)
+    tpot: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)  # every inter-token gap (when recorded)
-    ttft_by_id: dict[int, float] | None = None  # request id -> TTFT, when asked for (paired comparisons)
+    # request id -> TTFT, when asked for (paired comparisons)
+    ttft_by_id: dict[int, float] | None = None
     tier: Counter = field(default_factory=Counter)  # tier of the replica that took the prompt
     tier_by_traffic: dict[int, Counter] = field(default_factory=dict)
     ttft_by_traffic: dict[int, list[float]] = field(default_factory=dict)
     outcomes: Counter = field(default_factory=Counter)
     refusals: Counter = field(default_factory=Counter)
-    violations: list[int] = field(default_factory=list)  # request ids that touched a disallowed site
+    # request ids that touched a disallowed site
+    violations: list[int] = field(default_factory=list)
     retries: int = 0
     failures: int = 0
     requests: int = 0
@@ -48,7 +53,9 @@ class SimResult:
         if any(jurisdiction[site] not in r.allowed for site in r.visited):
             self.violations.append(r.rid)
         if r.outcome != "done":
-            self.refusals[r.reason.split(":")[0] + ": " + r.reason.split(":", 1)[-1].strip()[:60]] += 1
+            self.refusals[
+                r.reason.split(":")[0] + ": " + r.reason.split(":", 1)[-1].strip()[:60]
+            ] += 1
             return
         self.ttft.append(r.first_token - r.arrival)
         if self.ttft_by_id is not None:
@@ -62,8 +69,10 @@ class SimResult:
         self.tier_by_traffic.setdefault(r.traffic, Counter())[tier] += 1
         self.ttft_by_traffic.setdefault(r.traffic, []).append(r.first_token - r.arrival)
 
-    def finalize(self, replicas: list[Any], end_time: float, events: int, event_hash: str, window: float) -> None:
-        """Utilization is measured over [0, window): while requests arrive, not while the last ones drain."""
+    def finalize(self, replicas: list[Any], end_time: float, events: int, event_hash: str,
+                 window: float) -> None:
+        """Utilization is measured over [0, window): while requests arrive, not while the last ones
+        drain."""
         self.end_time, self.events, self.event_hash = end_time, events, event_hash
         span = max(min(end_time, window), 1e-9)
         by_role: dict[str, dict[str, float]] = {}
@@ -77,16 +86,26 @@ class SimResult:
             role["prefill_flops"] += rep.prefill_flops
             role["n"] += 1
         self.utilization = {
-            role: {"replicas": v["n"], "busy_share": round(v["busy_s"] / (v["n"] * span), 4),
-                   "compute_utilization": round(v["flops"] / (v["peak"] * span), 4),
-                   "compute_utilization_while_busy": round(v["flops"] / max(v["peak"] / v["n"] * v["busy_s"], 1e-12),
-                                                           4)}
-            for role, v in sorted(by_role.items())}
+            role: {
+                "replicas": v["n"],
+                "busy_share": round(v["busy_s"] / (v["n"] * span), 4),
+                "compute_utilization": round(v["flops"] / (v["peak"] * span), 4),
+                "compute_utilization_while_busy": round(
+                    v["flops"] / max(v["peak"] / v["n"] * v["busy_s"], 1e-12), 4
+                ),
+            }
+            for role, v in sorted(by_role.items())
+        }
         total_busy = sum(r.busy_s for r in replicas)
-        total_flops, total_peak = sum(r.flops_done for r in replicas), sum(r.peak_flops_per_s for r in replicas)
-        self.utilization["all"] = {"replicas": len(replicas),
-                                   "busy_share": round(total_busy / (len(replicas) * span), 4),
-                                   "compute_utilization": round(total_flops / (total_peak * span), 4)}
+        total_flops, total_peak = (
+            sum(r.flops_done for r in replicas),
+            sum(r.peak_flops_per_s for r in replicas),
+        )
+        self.utilization["all"] = {
+            "replicas": len(replicas),
+            "busy_share": round(total_busy / (len(replicas) * span), 4),
+            "compute_utilization": round(total_flops / (total_peak * span), 4),
+        }
 
     def summary(self) -> dict[str, Any]:
         done = self.outcomes.get("done", 0)
@@ -95,7 +114,8 @@ class SimResult:
             "refusal_reasons": dict(self.refusals.most_common(5)), "retries": self.retries,
             "failures": self.failures, "residency_violations": len(self.violations),
             "tier_share": {t: round(n / max(done, 1), 4) for t, n in sorted(self.tier.items())},
-            "ttft_ms": percentiles(self.ttft), "tpot_ms": percentiles(self.tpot), "e2e_ms": percentiles(self.e2e),
+            "ttft_ms": percentiles(self.ttft), "tpot_ms": percentiles(self.tpot),
+            "e2e_ms": percentiles(self.e2e),
             **({"itl_ms": percentiles(self.gaps)} if self.gaps else {}),
             "utilization": self.utilization, "events": self.events,
             "queue_events": self.queue_events, "simulated_s": round(self.end_time, 3),
@@ -113,7 +133,8 @@ def trace_record(r: Any, jurisdiction: dict[str, str]) -> str:
            "prefill_site": pre, "prefill_jurisdiction": jurisdiction.get(pre), "decode_site": dec,
            "decode_jurisdiction": jurisdiction.get(dec),
            "kv_path": list(d.kv_path.sites) if pre and d.kv_path else None,
-           "reason": r.reason, "outcome": r.outcome, "retries": r.retries, "ttft_ms": None, "e2e_ms": None}
+           "reason": r.reason, "outcome": r.outcome, "retries": r.retries, "ttft_ms": None,
+           "e2e_ms": None}
     if r.outcome == "done":
         rec["ttft_ms"] = round((r.first_token - r.arrival) * 1e3, 3)
         rec["e2e_ms"] = round((r.finish - r.arrival) * 1e3, 3)

@@ -1,8 +1,10 @@
-"""The router: residency first, then tiers (edge -> regional -> central) with spill, prefix affinity, load.
+"""The router: residency first, then tiers (edge -> regional -> central) with spill, prefix
+affinity, load.
 
 For each request, in this order:
 
-1. **Residency (hard filter).** Only replicas at sites whose jurisdiction the request allows, reached
+1. **Residency (hard filter).** Only replicas at sites whose jurisdiction the request allows,
+reached
    by a network path through allowed sites only, are candidates; a disaggregated prefill replica is
    a candidate only if a decode replica for the same model is reachable from it inside the allowed
    jurisdictions too (so the request's KV never travels outside them). Nothing later can add a
@@ -55,7 +57,8 @@ class Decision:
 
 
 class Router:
-    def __init__(self, scenario: Scenario, replicas: list[Replica], network: Network, nearest: int = 16) -> None:
+    def __init__(self, scenario: Scenario, replicas: list[Replica], network: Network,
+                 nearest: int = 16) -> None:
         self.scenario, self.network = scenario, network
         self.entry = [r for r in replicas if r.role in ("colocated", "prefill")]
         self.decoders = [r for r in replicas if r.role == "decode"]
@@ -65,13 +68,20 @@ class Router:
         self._decoders: dict[tuple, list[Replica]] = {}
 
     def candidates(self, req: RouteRequest) -> dict[str, list[Replica]]:
-        """Per tier, the replicas that pass the residency filter, nearest first (at most ``nearest``)."""
+        """Per tier, the replicas that pass the residency filter, nearest first (at most
+        ``nearest``)."""
         key = (req.origin, req.allowed, req.models)
         if key not in self._candidates:
             paths = self.network.paths_from(req.origin, req.allowed, also=req.origin)
-            ok = [r for r in self.entry if r.model in req.models and r.jurisdiction in req.allowed and r.site in paths]
+            ok = [
+                r
+                for r in self.entry
+                if r.model in req.models and r.jurisdiction in req.allowed and r.site in paths
+            ]
             ok.sort(key=lambda r: (paths[r.site].one_way_s, r.index))
-            self._candidates[key] = {t: [r for r in ok if r.tier == t][:self.nearest] for t in TIERS}
+            self._candidates[key] = {
+                t: [r for r in ok if r.tier == t][: self.nearest] for t in TIERS
+            }
         return self._candidates[key]
 
     def route(self, req: RouteRequest, now: float = 0.0) -> Decision:
@@ -81,7 +91,8 @@ class Router:
         by_tier = self.candidates(req)
         if not any(by_tier.values()):
             return Decision(None, None, None, None, refused=True,
-                            reason=f"refused: no replica of {list(req.models)} in allowed jurisdictions "
+                            reason=f"refused: no replica of {list(req.models)} in allowed "
+                                   "jurisdictions "
                                    f"{list(req.allowed)} reachable from {req.origin}")
         notes: list[str] = []
         live_all: list[tuple] = []
@@ -89,35 +100,45 @@ class Router:
             live = []
             for r in by_tier[tier]:
                 if r.alive:
-                    partner = (r, None) if r.role == "colocated" else self._decoder(r, req.allowed, now)
+                    partner = (
+                        (r, None) if r.role == "colocated" else self._decoder(r, req.allowed, now)
+                    )
                     if partner is not None:
                         live.append((r, *partner))
             if not live:
-                notes.append(f"{tier}: model absent" if not by_tier[tier] else f"{tier}: no live replica")
+                notes.append(f"{tier}: model absent" if not by_tier[tier] else f"{tier}: no live "
+                                                                               "replica")
                 continue
             live_all += live
             limit = self.scenario.spill_wait_ms.get(tier, math.inf) / 1000
             choice = self._affine(live, req, limit, now)
             if choice is not None:
                 return self._decide(choice, paths, req, f"{tier}: prefix affinity", notes)
-            best = min(live, key=lambda c: (rank[c[0].model], 2 * paths[c[0].site].one_way_s + c[0].est_wait_s(now),
+            best = min(live, key=lambda c: (rank[c[0].model],
+                                            2 * paths[c[0].site].one_way_s + c[0].est_wait_s(now),
                                             c[0].index))
             wait = best[0].est_wait_s(now)
             if wait <= limit:
-                return self._decide(best, paths, req, f"{tier}: least loaded (est wait {wait * 1000:.0f} ms)", notes)
+                return self._decide(best, paths, req, f"{tier}: least loaded (est wait "
+                                                      f"{wait * 1000:.0f} ms)", notes)
             notes.append(f"{tier}: overloaded (est wait {wait * 1000:.0f} ms)")
         if not live_all:
             return Decision(None, None, None, None, wait=True,
-                            reason=f"wait: no live replica (with a live decode partner) in {list(req.allowed)}")
-        best = min(live_all, key=lambda c: (2 * paths[c[0].site].one_way_s + c[0].est_wait_s(now), c[0].index))
+                            reason="wait: no live replica (with a live decode partner) in "
+                                   f"{list(req.allowed)}")
+        best = min(live_all, key=lambda c: (2 * paths[c[0].site].one_way_s + c[0].est_wait_s(now),
+                                            c[0].index))
         wait = best[0].est_wait_s(now)
         if wait > self.scenario.max_wait_s:
             return Decision(None, None, None, None, refused=True,
-                            reason=f"refused: overloaded; best estimated wait {wait:.1f} s > max_wait_s "
+                            reason=f"refused: overloaded; best estimated wait {wait:.1f} s > "
+                                   "max_wait_s "
                                    f"{self.scenario.max_wait_s} s in {list(req.allowed)}")
-        return self._decide(best, paths, req, "all tiers over threshold: least loaded overall", notes)
+        return self._decide(best, paths, req, "all tiers over threshold: least loaded overall",
+                            notes)
 
-    def _decoder(self, prefill: Replica, allowed: tuple[str, ...], now: float) -> tuple[Replica, Path] | None:
+    def _decoder(self, prefill: Replica, allowed: tuple[str, ...],
+                 now: float) -> tuple[Replica, Path] | None:
         """The best live decode replica for ``prefill``'s model reachable inside ``allowed``."""
         key = (prefill.site, prefill.model, allowed)
         paths = self.network.paths_from(prefill.site, allowed)
@@ -134,13 +155,18 @@ class Router:
                     best = (rank, d, paths[d.site])
         return None if best is None else (best[1], best[2])
 
-    def _affine(self, cands: list[tuple], req: RouteRequest, limit: float, now: float) -> tuple | None:
+    def _affine(self, cands: list[tuple], req: RouteRequest, limit: float,
+                now: float) -> tuple | None:
         if not self.scenario.prefix_affinity:
             return None
         by_index = {c[0].index: c for c in cands}
         for key in reversed(req.prefix_keys):
             index = self.affinity.get(key)
-            if index is not None and index in by_index and by_index[index][0].est_wait_s(now) <= limit:
+            if (
+                index is not None
+                and index in by_index
+                and by_index[index][0].est_wait_s(now) <= limit
+            ):
                 return by_index[index]
         return None
 

@@ -2,7 +2,8 @@
 
 The file format is documented in ``reference/cluster/README.md`` with a worked example in
 ``examples/``. Nothing read from the file is trusted: every missing, mistyped or inconsistent field
-raises ``ScenarioError`` naming the field (``sites[2].replicas[0].gpus: ...``), before anything runs.
+raises ``ScenarioError`` naming the field (``sites[2].replicas[0].gpus: ...``), before anything
+runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from reference.cluster.fields import ScenarioError, as_list, as_table, build, ch
 
 TIERS = ("edge", "regional", "central")  # routing order: nearest and smallest first
 ROLES = ("colocated", "prefill", "decode")
-# Upper bounds on what a scenario may ask for, so that a typo cannot make the simulator run forever or
+# Upper bounds on what a scenario may ask for, so that a typo cannot make the simulator run forever
+# or
 # allocate without end (a rate of 1e30 requests/s, a prompt of 10**12 tokens, ...).
 MAX_REQUESTS = 100_000_000  # sum over traffic classes of rate_per_s x duration_s
 MAX_TOKENS = 1_000_000  # any one prompt / output / system prompt / step budget
@@ -73,11 +75,15 @@ class Site:
     replicas: tuple[ReplicaSpec, ...] = ()
     local_gbps: float = 400.0  # bandwidth between replicas inside the site (KV transfer)
     # what a real run (``python -m serve fleet``) needs; the simulator ignores these
-    serve_model: str = "tiny"  # the packaged model its servers run: "tiny", "smollm2" or a checkpoint path
+    # the packaged model its servers run: "tiny", "smollm2" or a checkpoint path
+    serve_model: str = "tiny"
     workers: int = 0  # server processes for the site (0: one per replica of ``replicas``)
-    address: tuple[str, ...] = ()  # host:port of servers already running elsewhere (then none is started)
-    # scaling with load (``--ray``: serve/fleet/ray_sites.py): between min and max servers, one more when the
-    # requests in flight per server pass target_ongoing_requests; 0: no scaling (without --ray: max servers)
+    # host:port of servers already running elsewhere (then none is started)
+    address: tuple[str, ...] = ()
+    # scaling with load (``--ray``: serve/fleet/ray_sites.py): between min and max servers, one more
+    # when the
+    # requests in flight per server pass target_ongoing_requests; 0: no scaling (without --ray: max
+    # servers)
     min_workers: int = 0
     max_workers: int = 0
     target_ongoing_requests: float = 2.0
@@ -100,13 +106,15 @@ class Traffic:
     allowed: tuple[str, ...]  # jurisdictions where its data may be processed or stored
     plan: str = "free"
     arrival: str = "poisson"  # or "uniform" (evenly spaced)
-    lengths: str = "sharegpt"  # "sharegpt": (prompt, answer) token counts of ShareGPT; "fixed": the two below
+    # "sharegpt": (prompt, answer) token counts of ShareGPT; "fixed": the two below
+    lengths: str = "sharegpt"
     prompt_tokens: int = 256
     output_tokens: int = 64
     max_prompt: int = 1024
     max_output: int = 256
     output_scale: float = 1.0  # ShareGPT answer length multiplier
-    access_rtt_ms: float = 0.0  # user <-> origin site round trip (last mile), added to every latency
+    # user <-> origin site round trip (last mile), added to every latency
+    access_rtt_ms: float = 0.0
     system_prompts: int = 0  # size of the pool of shared system prompts (0: none)
     system_prompt_tokens: int = 0
 
@@ -131,7 +139,9 @@ class Scenario:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     policy: str = "fcfs"
-    spill_wait_ms: dict[str, float] = field(default_factory=lambda: {"edge": 50.0, "regional": 100.0})
+    spill_wait_ms: dict[str, float] = field(
+        default_factory=lambda: {"edge": 50.0, "regional": 100.0}
+    )
     max_wait_s: float = 30.0  # a request whose best estimated wait is longer is refused
     prefix_affinity: bool = True
     kv_fraction: float = 0.9  # share of replica memory for weights + KV
@@ -147,7 +157,9 @@ def load_scenario(path: str | Path) -> Scenario:
     try:
         data = jsonsafe.loads(raw) if path.suffix == ".json" else tomllib.loads(raw.decode("utf-8"))
     except (jsonsafe.JsonError, tomllib.TOMLDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise ScenarioError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}") from None
+        raise ScenarioError(
+            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'TOML'}: {e}"
+        ) from None
     try:
         return scenario_from_dict(data)
     except ScenarioError as e:
@@ -169,11 +181,15 @@ def scenario_from_dict(data: dict[str, Any]) -> Scenario:
     sites = {}
     for i, t in enumerate(as_list(data, "sites")):
         t = dict(as_table(t, f"sites[{i}]"))
-        t["replicas"] = tuple(build(ReplicaSpec, r, f"sites[{i}].replicas[{k}]")
-                              for k, r in enumerate(as_list(t, "replicas", f"sites[{i}].", required=False)))
+        t["replicas"] = tuple(
+            build(ReplicaSpec, r, f"sites[{i}].replicas[{k}]")
+            for k, r in enumerate(as_list(t, "replicas", f"sites[{i}].", required=False))
+        )
         t["address"] = tuple(as_list(t, "address", f"sites[{i}].", required=False))
         sites[t.get("name")] = build(Site, t, f"sites[{i}]")
-    links = tuple(build(Link, t, f"links[{i}]") for i, t in enumerate(as_list(data, "links", required=False)))
+    links = tuple(
+        build(Link, t, f"links[{i}]") for i, t in enumerate(as_list(data, "links", required=False))
+    )
     traffic = []
     for i, t in enumerate(as_list(data, "traffic")):
         t = dict(as_table(t, f"traffic[{i}]"))
@@ -183,8 +199,10 @@ def scenario_from_dict(data: dict[str, Any]) -> Scenario:
     failures = tuple(build(Failure, t, f"failures[{i}]")
                      for i, t in enumerate(as_list(data, "failures", required=False)))
     routing = as_table(data.get("routing", {}), "routing")
-    scenario = build(Scenario, {**sim, **routing, "gpu_types": gpu_types, "models": models, "sites": sites,
-                                "links": links, "traffic": tuple(traffic), "failures": failures}, "simulation")
+    scenario = build(Scenario, {**sim, **routing, "gpu_types": gpu_types, "models": models,
+                                "sites": sites,
+                                "links": links, "traffic": tuple(traffic), "failures": failures},
+                     "simulation")
     check(scenario)
     return scenario
 
@@ -197,11 +215,14 @@ def check(s: Scenario) -> None:
         if g.mfu > 1 or g.mbu > 1:
             raise ScenarioError(f"gpu_types[{g.name}]: mfu and mbu are shares of peak, at most 1")
     for m in s.models.values():
-        check_positive(f"models[{m.name}]", layers=m.layers, hidden=m.hidden, intermediate=m.intermediate,
+        check_positive(f"models[{m.name}]", layers=m.layers, hidden=m.hidden,
+                       intermediate=m.intermediate,
                        heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim, vocab=m.vocab,
                        bytes_per_param=m.bytes_per_param)
-        if m.heads % m.kv_heads or m.head_dim % 2 or max(m.layers, m.hidden, m.intermediate, m.vocab) > MAX_TOKENS:
-            raise ScenarioError(f"models[{m.name}]: heads must be a multiple of kv_heads, head_dim even, and "
+        if m.heads % m.kv_heads or m.head_dim % 2 or max(m.layers, m.hidden, m.intermediate,
+                                                         m.vocab) > MAX_TOKENS:
+            raise ScenarioError(f"models[{m.name}]: heads must be a multiple of kv_heads, head_dim "
+                                "even, and "
                                 f"layers/hidden/intermediate/vocab at most {MAX_TOKENS:,}")
     for site in s.sites.values():
         where = f"sites[{site.name}]"
@@ -209,24 +230,29 @@ def check(s: Scenario) -> None:
             raise ScenarioError(f"{where}.tier: {site.tier!r} is not one of {TIERS}")
         for gpu, n in site.gpus.items():
             if gpu not in s.gpu_types or isinstance(n, bool) or not isinstance(n, int) or n < 0:
-                raise ScenarioError(f"{where}.gpus: {gpu!r} = {n!r}; need a known GPU type and a count >= 0")
+                raise ScenarioError(f"{where}.gpus: {gpu!r} = {n!r}; need a known GPU type and a "
+                                    "count >= 0")
         _check_serving(site, where)
         used: dict[str, int] = {}
         for r in site.replicas:
             if r.model not in s.models:
-                raise ScenarioError(f"{where}.replicas: unknown model {r.model!r}; known: {sorted(s.models)}")
+                raise ScenarioError(f"{where}.replicas: unknown model {r.model!r}; known: "
+                                    f"{sorted(s.models)}")
             if not s.models[r.model].may_live_at(site.name):
-                raise ScenarioError(f"{where}.replicas: model {r.model!r} may not be held at this site "
+                raise ScenarioError(f"{where}.replicas: model {r.model!r} may not be held at this "
+                                    "site "
                                     f"(its sites: {list(s.models[r.model].sites)})")
             if r.gpu not in s.gpu_types:
-                raise ScenarioError(f"{where}.replicas: unknown GPU type {r.gpu!r}; known: {sorted(s.gpu_types)}")
+                raise ScenarioError(f"{where}.replicas: unknown GPU type {r.gpu!r}; known: "
+                                    f"{sorted(s.gpu_types)}")
             if r.role not in ROLES:
                 raise ScenarioError(f"{where}.replicas: role {r.role!r} is not one of {ROLES}")
             check_positive(f"{where}.replicas", gpus=r.gpus, count=r.count)
             used[r.gpu] = used.get(r.gpu, 0) + r.gpus * r.count
         for gpu, n in used.items():
             if n > site.gpus.get(gpu, 0):
-                raise ScenarioError(f"{where}: replicas use {n} {gpu} GPUs, the site has {site.gpus.get(gpu, 0)}")
+                raise ScenarioError(f"{where}: replicas use {n} {gpu} GPUs, the site has "
+                                    f"{site.gpus.get(gpu, 0)}")
     for k, link in enumerate(s.links):
         for end in (link.a, link.b):
             if end not in s.sites:
@@ -242,45 +268,63 @@ def check(s: Scenario) -> None:
             if m not in s.models:
                 raise ScenarioError(f"{where}.models: unknown model {m!r}")
         if not t.origins or not t.models or not t.allowed:
-            raise ScenarioError(f"{where}: origins, models and allowed must each name at least one entry")
+            raise ScenarioError(f"{where}: origins, models and allowed must each name at least one "
+                                "entry")
         if t.lengths not in ("sharegpt", "fixed"):
             raise ScenarioError(f"{where}.lengths: {t.lengths!r} is not 'sharegpt' or 'fixed'")
         if t.arrival not in ("poisson", "uniform"):
             raise ScenarioError(f"{where}.arrival: {t.arrival!r} is not 'poisson' or 'uniform'")
-        check_positive(where, rate_per_s=t.rate_per_s, max_prompt=t.max_prompt, max_output=t.max_output,
-                       output_scale=t.output_scale, prompt_tokens=t.prompt_tokens, output_tokens=t.output_tokens)
+        check_positive(where, rate_per_s=t.rate_per_s, max_prompt=t.max_prompt,
+                       max_output=t.max_output,
+                       output_scale=t.output_scale, prompt_tokens=t.prompt_tokens,
+                       output_tokens=t.output_tokens)
         if t.system_prompts < 0 or t.system_prompt_tokens < 0 or t.access_rtt_ms < 0:
-            raise ScenarioError(f"{where}: system_prompts, system_prompt_tokens and access_rtt_ms must be >= 0")
+            raise ScenarioError(f"{where}: system_prompts, system_prompt_tokens and access_rtt_ms "
+                                "must be >= 0")
     for tier, ms in s.spill_wait_ms.items() if isinstance(s.spill_wait_ms, dict) else [("?", None)]:
-        if tier not in TIERS or isinstance(ms, bool) or not isinstance(ms, int | float) or not ms >= 0:
-            raise ScenarioError(f"routing.spill_wait_ms: {tier} = {ms!r}; need a table of tier = milliseconds >= 0 "
+        if (
+            tier not in TIERS
+            or isinstance(ms, bool)
+            or not isinstance(ms, int | float)
+            or not ms >= 0
+        ):
+            raise ScenarioError(f"routing.spill_wait_ms: {tier} = {ms!r}; need a table of tier = "
+                                "milliseconds >= 0 "
                                 f"with tiers from {TIERS}")
     if not isinstance(s.prefix_affinity, bool):
-        raise ScenarioError(f"routing.prefix_affinity: expected true or false, got {s.prefix_affinity!r}")
+        raise ScenarioError("routing.prefix_affinity: expected true or false, got "
+                            f"{s.prefix_affinity!r}")
     for f in s.failures:
         if f.site not in s.sites or not (f.at_s >= 0 and f.duration_s > 0):
-            raise ScenarioError(f"failures: site {f.site!r} unknown, or at_s < 0, or duration_s <= 0")
+            raise ScenarioError(f"failures: site {f.site!r} unknown, or at_s < 0, or duration_s <= "
+                                "0")
     _check_limits(s)
-    check_positive("simulation", duration_s=s.duration_s, block_size=s.block_size, max_wait_s=s.max_wait_s,
+    check_positive("simulation", duration_s=s.duration_s, block_size=s.block_size,
+                   max_wait_s=s.max_wait_s,
               max_num_batched_tokens=s.max_num_batched_tokens, max_num_seqs=s.max_num_seqs)
 
 
 def _check_serving(site: Site, where: str) -> None:
     """The fields only a real run reads: a model to serve, a worker count, well-formed addresses."""
     if not site.serve_model.strip():
-        raise ScenarioError(f"{where}.serve_model: must name a model (tiny, smollm2 or a checkpoint path)")
+        raise ScenarioError(f"{where}.serve_model: must name a model (tiny, smollm2 or a "
+                            "checkpoint path)")
     if site.workers < 0 or site.workers > MAX_WORKERS:
         raise ScenarioError(f"{where}.workers: {site.workers} is not in 0..{MAX_WORKERS}")
     if site.address and site.workers and site.workers != len(site.address):
-        raise ScenarioError(f"{where}.workers: {site.workers} workers but {len(site.address)} addresses")
+        raise ScenarioError(f"{where}.workers: {site.workers} workers but {len(site.address)} "
+                            "addresses")
     if site.max_workers or site.min_workers:
         if not 1 <= site.min_workers <= site.max_workers <= MAX_WORKERS:
-            raise ScenarioError(f"{where}.min_workers, max_workers: {site.min_workers}, {site.max_workers}: "
+            raise ScenarioError(f"{where}.min_workers, max_workers: {site.min_workers}, "
+                                f"{site.max_workers}: "
                                 f"scaling needs 1 <= min_workers <= max_workers <= {MAX_WORKERS}")
         if site.address or site.workers:
-            raise ScenarioError(f"{where}.max_workers: a scaled site has no fixed workers or address")
+            raise ScenarioError(f"{where}.max_workers: a scaled site has no fixed workers or "
+                                "address")
         if any(r.role != "colocated" for r in site.replicas):
-            raise ScenarioError(f"{where}.max_workers: only a colocated site scales (this one has prefill/decode)")
+            raise ScenarioError(f"{where}.max_workers: only a colocated site scales (this one has "
+                                "prefill/decode)")
         if not site.target_ongoing_requests > 0:
             raise ScenarioError(f"{where}.target_ongoing_requests: must be > 0")
     for a in site.address:
@@ -295,13 +339,20 @@ def _check_limits(s: Scenario) -> None:
         raise ScenarioError(f"traffic: rate_per_s x duration_s asks for ~{expected:.3g} requests; "
                             f"at most {MAX_REQUESTS:,}")
     for t in s.traffic:
-        for name in ("max_prompt", "max_output", "prompt_tokens", "output_tokens", "system_prompt_tokens"):
+        for name in ("max_prompt", "max_output", "prompt_tokens", "output_tokens",
+                     "system_prompt_tokens"):
             if getattr(t, name) > MAX_TOKENS:
-                raise ScenarioError(f"traffic[{t.name}].{name}: {getattr(t, name)} is more than {MAX_TOKENS:,} tokens")
+                raise ScenarioError(f"traffic[{t.name}].{name}: {getattr(t, name)} is more than "
+                                    f"{MAX_TOKENS:,} tokens")
         if t.system_prompts > MAX_SEQS:
             raise ScenarioError(f"traffic[{t.name}].system_prompts: at most {MAX_SEQS:,}")
-    if s.max_num_batched_tokens > MAX_TOKENS or s.block_size > MAX_TOKENS or s.max_num_seqs > MAX_SEQS:
-        raise ScenarioError(f"simulation: max_num_batched_tokens and block_size must be <= {MAX_TOKENS:,}, "
+    if (
+        s.max_num_batched_tokens > MAX_TOKENS
+        or s.block_size > MAX_TOKENS
+        or s.max_num_seqs > MAX_SEQS
+    ):
+        raise ScenarioError("simulation: max_num_batched_tokens and block_size must be <= "
+                            f"{MAX_TOKENS:,}, "
                             f"max_num_seqs <= {MAX_SEQS:,}")
     replicas = sum(r.count for site in s.sites.values() for r in site.replicas)
     if replicas > MAX_REPLICAS:

@@ -3,19 +3,19 @@
 Events live in one heap ordered by virtual time; at equal times the end of a replica's step comes
 after every other event (so a request that reaches a replica exactly when a step ends joins the next
 step), steps ending together go in replica order, and other events in the order they were pushed. An
-idle replica that a request reaches while more events are due at that same time starts its step after
-them too (a ``KICK`` event): a burst of requests joins one step, as the engine takes in every request
-that has arrived before it plans a step. A
+idle replica that a request reaches while more events are due at that same time starts its step
+after them too (a ``KICK`` event): a burst of requests joins one step, as the engine takes in every
+request that has arrived before it plans a step. A
 run is a pure function of (scenario, seed): the only randomness is one ``numpy`` Generator, and
 nothing reads the wall clock (a test runs a whole simulation with ``time.time``/``monotonic``/
 ``perf_counter`` made to raise). Every event (time, kind, subject) is hashed with BLAKE2b and the
-hashes are summed modulo 2**128 (``eventlog.py``): the **event-log hash**, a fingerprint of the whole
-log that the same scenario and seed reproduce.
+hashes are summed modulo 2**128 (``eventlog.py``): the **event-log hash**, a fingerprint of the
+whole log that the same scenario and seed reproduce.
 
-Macro steps (``macro.py``, on unless ``macro_steps=False``): when a replica's next steps are provably
-plain decode steps, one queued event stands for up to ``macro_cap`` of them. The run is the same
-either way: the same per-request times, the same event-log hash and event count (each planned step
-is logged as the step event it stands for); only the queue holds fewer events.
+Macro steps (``macro.py``, on unless ``macro_steps=False``): when a replica's next steps are
+provably plain decode steps, one queued event stands for up to ``macro_cap`` of them. The run is the
+same either way: the same per-request times, the same event-log hash and event count (each planned
+step is logged as the step event it stands for); only the queue holds fewer events.
 
 A request's life: it arrives at its origin site; the router (``router.py``) picks a replica; after
 the network delay it joins that replica's scheduler; each step of that replica takes the time the
@@ -56,15 +56,18 @@ MACRO_CAP = 256  # most plain decode steps one macro step stands for
 
 class Simulator:
     def __init__(self, scenario: Scenario, seed: int = 0, *, lengths: np.ndarray | None = None,
-                 cost_override: Callable[[StepShape], float] | None = None, num_blocks: int | None = None,
-                 replay: list[tuple[float, list[int], int]] | None = None, trace: IO[str] | None = None,
-                 record_gaps: bool = False, record_ids: bool = False, macro_steps: bool = True) -> None:
-        """``replay``: instead of drawing arrivals, replay these (arrival time, prompt ids, output length)
-        as traffic class 0 (to mirror a workload run on a real engine); see ``build_replicas`` for the
-        overrides. ``record_gaps``/``record_ids``: keep every inter-token gap / each request's TTFT by id.
-        ``macro_steps=False``: one event per step (the same run, more slowly; see the module docstring).
-        Requests are drawn from the RNG before any routing, so two runs of scenarios that differ only in
-        routing rules see the same requests under the same ids."""
+                 cost_override: Callable[[StepShape], float] | None = None,
+                 num_blocks: int | None = None,
+                 replay: list[tuple[float, list[int], int]] | None = None,
+                 trace: IO[str] | None = None, record_gaps: bool = False, record_ids: bool = False,
+                 macro_steps: bool = True) -> None:
+        """``replay``: instead of drawing arrivals, replay these (arrival time, prompt ids, output
+        length) as traffic class 0 (to mirror a workload run on a real engine); see
+        ``build_replicas`` for the overrides. ``record_gaps``/``record_ids``: keep every inter-token
+        gap / each request's TTFT by id.
+        ``macro_steps=False``: one event per step (the same run, more slowly; see the module
+        docstring). Requests are drawn from the RNG before any routing, so two runs of scenarios
+        that differ only in routing rules see the same requests under the same ids."""
         if lengths is None and any(t.lengths == "sharegpt" for t in scenario.traffic):
             from reference.cluster.lengths import sharegpt_lengths
 
@@ -82,17 +85,20 @@ class Simulator:
         self.now = 0.0
         self.kick_due: set[int] = set()  # replicas with a deferred step start queued (``_admit``)
         self.macro_steps = macro_steps
-        # each replica's next macro-step length: halved towards what a cut plan used, doubled after a whole
-        # plan ran (steps planned past a cut are wasted work; the run is the same whatever the length)
+        # each replica's next macro-step length: halved towards what a cut plan used, doubled after
+        # a whole
+        # plan ran (steps planned past a cut are wasted work; the run is the same whatever the
+        # length)
         self.caps = [8] * len(self.replicas)
-        self.event_log = EventLog()  # every event logged (a macro step logs each step it stands for)
+        # every event logged (a macro step logs each step it stands for)
+        self.event_log = EventLog()
         self.queue_events = 0  # events taken from the queue
         self.result = SimResult(ttft_by_id={} if record_ids else None)
         self.kv_bytes = {m.name: kv_bytes_per_token(m) for m in scenario.models.values()}
 
     def push(self, t: float, kind: int, a: object = None, b: object = None) -> None:
-        """Queue an event; a step's end (or a deferred step start) sorts after the other events at its time,
-        then by replica."""
+        """Queue an event; a step's end (or a deferred step start) sorts after the other events at
+        its time, then by replica."""
         if kind in (STEP, KICK):
             heapq.heappush(self.heap, (t, 1, a.index, self.count, kind, a, b))
         else:
@@ -100,7 +106,8 @@ class Simulator:
         self.count += 1
 
     def run(self, on_progress: Callable[[float], None] | None = None) -> SimResult:
-        """Process every event; returns the metrics. ``on_progress(virtual time)`` every 10,000 events."""
+        """Process every event; returns the metrics. ``on_progress(virtual time)`` every 10,000
+        events."""
         if self.replay is None:
             for k in range(len(self.s.traffic)):
                 self.push(self.source.gap(k), ARRIVE, k)
@@ -110,13 +117,27 @@ class Simulator:
         for f in self.s.failures:
             self.push(f.at_s, FAIL, f.site)
             self.push(f.at_s + f.duration_s, RECOVER, f.site)
-        handlers = {ARRIVE: self._arrive, REACH: self._reach, STEP: self._step, KV: self._kv, KICK: self._kicked,
-                    FAIL: self._fail, RECOVER: self._recover, RETRY: lambda r, _: self._route(r),
-                    REPLAY: lambda i, _: self._route(self.source.make_from(0, self.now, *self.replay[i][1:]))}
+        handlers = {
+            ARRIVE: self._arrive,
+            REACH: self._reach,
+            STEP: self._step,
+            KV: self._kv,
+            KICK: self._kicked,
+            FAIL: self._fail,
+            RECOVER: self._recover,
+            RETRY: lambda r, _: self._route(r),
+            REPLAY: lambda i, _: self._route(
+                self.source.make_from(0, self.now, *self.replay[i][1:])
+            ),
+        }
         thresholds = gc.get_threshold()
-        gc.set_threshold(50_000, *thresholds[1:])  # the loop allocates fast and makes no garbage cycles to speak of:
-        freeze = gc.get_freeze_count() == 0          # a young-generation sweep every 50,000 allocations, not 700;
-        if freeze:  # and what exists now (the replicas' block tables: millions of slots) is left out of full sweeps
+        # the loop allocates fast and makes no garbage cycles to speak of:
+        gc.set_threshold(50_000, *thresholds[1:])
+        # a young-generation sweep every 50,000 allocations, not 700;
+        freeze = gc.get_freeze_count() == 0
+        # and what exists now (the replicas' block tables: millions of slots) is left out of full
+        # sweeps
+        if freeze:
             gc.freeze()
         try:
             self._loop(handlers, on_progress)
@@ -124,8 +145,8 @@ class Simulator:
             gc.set_threshold(*thresholds)
             if freeze:
                 gc.unfreeze()
-        self.result.finalize(self.replicas, self.now, self.event_log.events, self.event_log.hexdigest(),
-                             self.s.duration_s)
+        self.result.finalize(self.replicas, self.now, self.event_log.events,
+                             self.event_log.hexdigest(), self.s.duration_s)
         self.result.queue_events = self.queue_events
         return self.result
 
@@ -151,27 +172,31 @@ class Simulator:
         self._route(r)
 
     def _route(self, r: Request) -> None:
-        d: Decision = self.router.route(RouteRequest(r.origin, r.allowed, r.models, r.prefix_keys), self.now)
+        d: Decision = self.router.route(RouteRequest(r.origin, r.allowed, r.models, r.prefix_keys),
+                                        self.now)
         r.decision, r.reason = d, d.reason
         if d.refused:
             self._done(r, "refused")
         elif d.wait:
             if self.now + RETRY_AFTER_S - r.arrival > self.s.max_wait_s:
-                r.reason = f"refused: no live replica in {list(r.allowed)} within max_wait_s {self.s.max_wait_s} s"
+                r.reason = (f"refused: no live replica in {list(r.allowed)} within max_wait_s "
+                            f"{self.s.max_wait_s} s")
                 self._done(r, "refused")
             else:
                 self.push(self.now + RETRY_AFTER_S, RETRY, r)
         else:
-            self.push(self.now + r.access_s + d.path_in.one_way_s, REACH, r, (d.prefill, d.prefill.epoch))
+            self.push(self.now + r.access_s + d.path_in.one_way_s, REACH, r,
+                      (d.prefill, d.prefill.epoch))
 
     def _reach(self, r: Request, target: tuple[Replica, int]) -> None:
         rep, epoch = target
         if not rep.alive or rep.epoch != epoch:
             return self._reroute(r)
-        r.visited.extend(r.decision.path_in.sites[1:-1])  # sites the prompt crossed on its way (not the origin)
+        # sites the prompt crossed on its way (not the origin)
+        r.visited.extend(r.decision.path_in.sites[1:-1])
         disagg = rep.role == "prefill"
-        seq = SchedSequence(prompt_token_ids=r.prompt, max_tokens=1 if disagg else r.output_len, tenant=r.plan,
-                            arrival_time=self.now, request=r)
+        seq = SchedSequence(prompt_token_ids=r.prompt, max_tokens=1 if disagg else r.output_len,
+                            tenant=r.plan, arrival_time=self.now, request=r)
         self._admit(r, rep, seq)
 
     def _admit(self, r: Request, rep: Replica, seq: SchedSequence) -> None:
@@ -182,9 +207,14 @@ class Simulator:
             r.reason = f"refused by {rep.site}: {e}"
             return self._done(r, "refused")
         r.visited.append(rep.site)
-        r.back_s = r.decision.path_in.one_way_s if rep is r.decision.prefill else self._path(rep.site, r).one_way_s
+        r.back_s = (
+            r.decision.path_in.one_way_s
+            if rep is r.decision.prefill
+            else self._path(rep.site, r).one_way_s
+        )
         if self.heap and self.heap[0][0] == self.now and self.heap[0][1] == 0:
-            # more requests (or KV) are due at this very time, e.g. a burst: like the engine, which takes in every
+            # more requests (or KV) are due at this very time, e.g. a burst: like the engine, which
+            # takes in every
             # request that has arrived before it plans a step, start the step once they are all in
             if rep.index not in self.kick_due and not rep.stepping:
                 self.kick_due.add(rep.index)
@@ -207,9 +237,11 @@ class Simulator:
             self.push(end, STEP, rep, (work, rep.epoch))
 
     def _sync(self, rep: Replica, tokens: bool = False) -> None:
-        """Something is about to change ``rep`` (a request joins, KV arrives, the site fails): bring a macro
-        step in flight up to now, and end it with the step in flight (the next one must see the change).
-        ``tokens``: also hand out the tokens of the steps that ended (else they go at the plan's end)."""
+        """Something is about to change ``rep`` (a request joins, KV arrives, the site fails): bring
+        a macro step in flight up to now, and end it with the step in flight (the next one must see
+        the change).
+        ``tokens``: also hand out the tokens of the steps that ended (else they go at the plan's
+        end)."""
         plan = rep.macro
         if plan is None:
             return
@@ -221,14 +253,16 @@ class Simulator:
             self.push(plan.ends[plan.k - 1], STEP, rep, (plan, rep.epoch, plan.version))
 
     def _macro_tokens(self, rep: Replica, plan: MacroStep, upto: int) -> None:
-        """Steps plan.emitted+1 .. upto of a macro step ended: log each as its step event, hand out its
-        tokens, and close the requests that finished in them. Nothing reads a running request's token
-        times or a finished request's record before the plan ends or its site fails, so this waits."""
+        """Steps plan.emitted+1 .. upto of a macro step ended: log each as its step event, hand out
+        its tokens, and close the requests that finished in them. Nothing reads a running request's
+        token times or a finished request's record before the plan ends or its site fails, so this
+        waits."""
         done = plan.emitted
         if upto <= done:
             return
         plan.emitted = upto
-        for i in range(done, upto - 1 if upto == plan.k else upto):  # the last step's event is the queued one,
+        # the last step's event is the queued one,
+        for i in range(done, upto - 1 if upto == plan.k else upto):
             self.event_log.add(plan.ends[i], STEP, rep.index)  # logged by run()
         ends, record_gaps = plan.ends, self.record_gaps
         for seq, last in zip(plan.seqs, plan.finish_step, strict=True):
@@ -291,7 +325,8 @@ class Simulator:
         lost = []
         for rep in self.replicas:
             if rep.site == site:
-                self._sync(rep, tokens=True)  # tokens of the steps that ended before the failure reached clients
+                # tokens of the steps that ended before the failure reached clients
+                self._sync(rep, tokens=True)
                 lost += [seq.request for seq in (*rep.scheduler.running, *rep.scheduler.waiting)]
                 rep.alive = False
                 rep.epoch += 1

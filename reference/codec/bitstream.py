@@ -11,7 +11,8 @@ import numpy as np
 
 
 def pack_codes(acc: np.ndarray, codes: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> None:
-    """OR codes (uint64 values of ``lengths`` bits) into a uint64 word accumulator at bit ``starts``.
+    """OR codes (uint64 values of ``lengths`` bits) into a uint64 word accumulator at bit
+    ``starts``.
 
     ``acc`` holds one 32-bit word per entry. A code of <= 16 bits starting at bit ``s`` lies in the
     64-bit window made of words ``s >> 5`` and ``(s >> 5) + 1``: shift it into place in that window,

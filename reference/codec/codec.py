@@ -3,8 +3,8 @@
     ct = encode(bits)          # bits: uint16 array of bf16 patterns, any shape
     assert (decode(ct) == bits).all()
 
-``decode`` is the plain decoder (``decoder.py``); ``decode_many`` (``lockstep.py``) decodes a list of
-tensors in one lockstep pass, with the same result, much faster.
+``decode`` is the plain decoder (``decoder.py``); ``decode_many`` (``lockstep.py``) decodes a list
+of tensors in one lockstep pass, with the same result, much faster.
 """
 
 from __future__ import annotations
@@ -68,17 +68,19 @@ def encode(
     ct = CompressedTensor(
         shape=layout.shape, chunk_size=chunk_size, chunks_per_group=chunks_per_group,
         max_code_length=max_code_length, palette=tuple(palette), code_lengths=tuple(lengths),
-        stream_bits=stream_bits, crc={}, sm=sign_mantissa_byte(flat), stream=stream, offsets=offsets,
-        vchunks=np.flatnonzero(verbatim).astype(np.uint32), vexp=vexp, name=name,
+        stream_bits=stream_bits, crc={}, sm=sign_mantissa_byte(flat), stream=stream,
+        offsets=offsets, vchunks=np.flatnonzero(verbatim).astype(np.uint32), vexp=vexp, name=name,
     )
     ct.crc = {key: crc32(a) for key, a in ct.arrays().items()} | {"data": crc32(flat)}
     return ct
 
 
 def _write_stream(
-    exponent: np.ndarray, symbol_of: np.ndarray, verbatim: np.ndarray, lengths: list[int], layout: Layout
+    exponent: np.ndarray, symbol_of: np.ndarray, verbatim: np.ndarray, lengths: list[int],
+    layout: Layout
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """The Huffman codes of every coded chunk's exponents: (stream words, group offsets, bit count)."""
+    """The Huffman codes of every coded chunk's exponents: (stream words, group offsets, bit
+    count)."""
     codes = np.array(canonical_codes(lengths) or [0], np.uint64)
     length_of = np.array(lengths or [0], np.int64)
     group_bits = np.zeros(layout.n_groups, np.int64)
@@ -97,7 +99,8 @@ def _write_stream(
         pieces.append((codes[s], n, starts))
         position += int(n.sum())
     if position >= UINT32_LIMIT:
-        raise CodecError(f"the Huffman stream would be {position} bits, beyond the format's 2^32 - 1")
+        raise CodecError(f"the Huffman stream would be {position} bits, beyond the format's 2^32 - "
+                         "1")
     acc = np.zeros(-(-position // 32) + 1, np.uint64)
     for piece_codes, piece_lengths, starts in pieces:
         pack_codes(acc, piece_codes, piece_lengths, starts)
@@ -118,7 +121,8 @@ def as_bf16(bits: np.ndarray, name: str) -> np.ndarray:
     """``bits`` as a C-order uint16 array of bf16 patterns; CodecError for any other dtype."""
     bits = np.asarray(bits)
     if bits.dtype.newbyteorder("=") != np.dtype(np.uint16):
-        raise CodecError(f"tensor {name!r}: bf16 tensors are uint16 bit patterns, got dtype {bits.dtype}")
+        raise CodecError(f"tensor {name!r}: bf16 tensors are uint16 bit patterns, got dtype "
+                         f"{bits.dtype}")
     return np.asarray(bits, dtype=np.uint16, order="C")  # (ascontiguousarray makes 0-D 1-D)
 
 
@@ -127,12 +131,15 @@ def check_parameters(layout: Layout, palette_size: int, max_code_length: int) ->
     if not 1 <= layout.chunk_size <= MAX_CHUNK_SIZE:
         raise CodecError(f"chunk_size must be 1..{MAX_CHUNK_SIZE}, got {layout.chunk_size}")
     if not 1 <= layout.chunks_per_group <= MAX_CHUNKS_PER_GROUP:
-        raise CodecError(f"chunks_per_group must be 1..{MAX_CHUNKS_PER_GROUP}, got {layout.chunks_per_group}")
+        raise CodecError(f"chunks_per_group must be 1..{MAX_CHUNKS_PER_GROUP}, got "
+                         f"{layout.chunks_per_group}")
     if layout.chunk_size * layout.chunks_per_group > MAX_GROUP_WEIGHTS:
         raise CodecError(f"chunk_size * chunks_per_group must be <= {MAX_GROUP_WEIGHTS}")
     if not 1 <= palette_size <= 256:
         raise CodecError(f"palette_size must be 1..256, got {palette_size}")
-    if not 1 <= max_code_length <= MAX_SUPPORTED_LENGTH or 2**max_code_length < min(palette_size, 256):
+    if not 1 <= max_code_length <= MAX_SUPPORTED_LENGTH or 2**max_code_length < min(
+        palette_size, 256
+    ):
         raise CodecError(f"max_code_length {max_code_length} cannot code {palette_size} symbols "
                          f"(needs 2^L >= palette size, L <= {MAX_SUPPORTED_LENGTH})")
     if layout.n_chunks >= UINT32_LIMIT:

@@ -4,10 +4,10 @@
         bits = c.get("encoder.layer.0.intermediate.dense.weight")   # bf16 bits, verified
 
 Any safetensors tool opens the container: each compressed tensor is a few plain arrays
-(``name::sm`` ...), its header is a JSON string in ``__metadata__``. ``container_write.py`` writes it.
-A container may hold the Unweight Huffman form and the rANS form (FORMAT.md section 9); each tensor's
-header says which. Each header carries a CRC-32 of itself and the tensor's name (``header_crc32``,
-FORMAT.md section 6.1), so a changed shape or dtype is caught, not decoded.
+(``name::sm`` ...), its header is a JSON string in ``__metadata__``. ``container_write.py`` writes
+it. A container may hold the Unweight Huffman form and the rANS form (FORMAT.md section 9); each
+tensor's header says which. Each header carries a CRC-32 of itself and the tensor's name
+(``header_crc32``, FORMAT.md section 6.1), so a changed shape or dtype is caught, not decoded.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ SEP = "::"
 CONTAINER_VERSION = 2  # version 2 added each tensor's header_crc32 (FORMAT.md section 6.1)
 HEADER_CRC = "header_crc32"
 Encoder = Callable[..., CompressedTensor]  # encode(bits, name=..., **params): the Huffman form
-HuffmanDecoder = Callable[[list[CompressedTensor]], list[np.ndarray]]  # Huffman-form tensors -> their bits
+# Huffman-form tensors -> their bits
+HuffmanDecoder = Callable[[list[CompressedTensor]], list[np.ndarray]]
 RansDecoder = Callable[[list[rans.RansTensor]], list[np.ndarray]]  # rANS-form tensors -> their bits
 Compressed = CompressedTensor | rans.RansTensor
 
@@ -43,8 +44,9 @@ class Form(NamedTuple):
     """What the container needs of a compressed form; FORMS maps the header's ``form`` value to it.
 
     The tensor type has ``from_parts(header, arrays, name=...)``, ``header()``, ``arrays()``, ``n``
-    and ``nbytes``; ``encode_many(bit arrays, names=..., **params)`` and ``decode_many(tensors)`` work
-    on lists; the container gathers ``batch_weights`` weights before it encodes (0: one at a time)."""
+    and ``nbytes``; ``encode_many(bit arrays, names=..., **params)`` and ``decode_many(tensors)``
+    work on lists; the container gathers ``batch_weights`` weights before it encodes (0: one at a
+    time)."""
 
     arrays: dict[str, type]
     tensor: type
@@ -55,13 +57,16 @@ class Form(NamedTuple):
 
 def huffman_form(encoder: Encoder = encode, decoder: HuffmanDecoder = decode_many) -> Form:
     """The Unweight Huffman form (FORMAT.md sections 3-6), with a given encoder and decoder."""
-    def encode_many(tensors: list[np.ndarray], *, names: list[str], **params: Any) -> list[CompressedTensor]:
-        return [encoder(bits, name=name, **params) for bits, name in zip(tensors, names, strict=True)]
+    def encode_many(tensors: list[np.ndarray], *, names: list[str],
+                    **params: Any) -> list[CompressedTensor]:
+        return [encoder(bits, name=name, **params) for bits,
+                name in zip(tensors, names, strict=True)]
 
     return Form(ARRAY_DTYPES, CompressedTensor, encode_many, decoder, 0)
 
 
-RANS_FORM = Form(rans.ARRAY_DTYPES, rans.RansTensor, rans.encode_rans_many, rans.decode_rans_many, rans.ENCODE_BATCH)
+RANS_FORM = Form(rans.ARRAY_DTYPES, rans.RansTensor, rans.encode_rans_many, rans.decode_rans_many,
+                 rans.ENCODE_BATCH)
 FORMS = {"huffman": huffman_form(), rans.FORM: RANS_FORM}
 
 
@@ -70,9 +75,9 @@ class Container:
 
     def __init__(self, path: str | Path, *, decoder: HuffmanDecoder | None = None,
                  rans_decoder: RansDecoder | None = None):
-        """``decoder``: decodes a list of Huffman-form tensors whose headers are checked but whose arrays
-        are not (it checks them itself, as the C decoder does); None: the arrays are checked here and
-        the lockstep NumPy decoder runs. ``rans_decoder``: the same for the rANS form."""
+        """``decoder``: decodes a list of Huffman-form tensors whose headers are checked but whose
+        arrays are not (it checks them itself, as the C decoder does); None: the arrays are checked
+        here and the lockstep NumPy decoder runs. ``rans_decoder``: the same for the rANS form."""
         self.forms = dict(FORMS)
         if decoder is not None:
             self.forms["huffman"] = huffman_form(decoder=decoder)
@@ -89,22 +94,31 @@ class Container:
             top = jsonsafe.loads(meta[FORMAT_NAME])
             assert isinstance(top, dict) and isinstance(top.get("tensors"), list)
         except (KeyError, ValueError, AssertionError):
-            raise CodecError(f"{self.path}: no valid '{FORMAT_NAME}' entry in the metadata: not a container") from None
+            raise CodecError(f"{self.path}: no valid '{FORMAT_NAME}' entry in the metadata: not a "
+                             "container") from None
         if top.get("format") == FORMAT_NAME and top.get("version") == 1:
-            raise CodecError(f"{self.path}: container version 1 has no header checks (FORMAT.md section 6.1); "
+            raise CodecError(f"{self.path}: container version 1 has no header checks (FORMAT.md "
+                             "section 6.1); "
                              "compress the original checkpoint again")
         if top.get("format") != FORMAT_NAME or top.get("version") != CONTAINER_VERSION:
             raise CodecError(f"{self.path}: unsupported container version {top.get('version')!r} "
                              f"(this reader: {CONTAINER_VERSION})")
         self.names: list[str] = top["tensors"]
-        if not all(isinstance(n, str) for n in self.names) or len(set(self.names)) != len(self.names):
+        if not all(isinstance(n, str) for n in self.names) or len(set(self.names)) != len(
+            self.names
+        ):
             raise CodecError(f"{self.path}: the tensor list must hold distinct names")
         self.headers = {n: self._header(n) for n in self.names}
         expected: set[str] = set()
         for n in self.names:
-            expected |= {f"{n}{SEP}{k}" for k in self._arrays_of(n)} if self.is_compressed(n) else {n}
+            expected |= (
+                {f"{n}{SEP}{k}" for k in self._arrays_of(n)} if self.is_compressed(n) else {n}
+            )
         if set(self._file) != expected:
-            extra, missing = sorted(set(self._file) - expected)[:3], sorted(expected - set(self._file))[:3]
+            extra, missing = (
+                sorted(set(self._file) - expected)[:3],
+                sorted(expected - set(self._file))[:3],
+            )
             raise CodecError(f"{self.path}: stored tensors do not match the metadata "
                              f"(extra: {extra}, missing: {missing})")
         self.user_metadata = {k: v for k, v in meta.items() if not k.startswith(FORMAT_NAME)}
@@ -113,12 +127,15 @@ class Container:
         try:
             header = jsonsafe.loads(self._file.metadata[f"{FORMAT_NAME}{SEP}{name}"])
         except (KeyError, ValueError):
-            raise CodecError(f"{self.path}: tensor {name!r} has no valid header in the metadata") from None
+            raise CodecError(
+                f"{self.path}: tensor {name!r} has no valid header in the metadata"
+            ) from None
         if not isinstance(header, dict):
             raise CodecError(f"{self.path}: tensor {name!r}: header must be a JSON object")
         stored = header.pop(HEADER_CRC, None)
         if type(stored) is not int or stored != header_crc(name, header):
-            raise CodecError(f"{self.path}: tensor {name!r}: its header fails its CRC-32 check ({HEADER_CRC}): "
+            raise CodecError(f"{self.path}: tensor {name!r}: its header fails its CRC-32 check "
+                             f"({HEADER_CRC}): "
                              "the header was changed or damaged")
         return header
 
@@ -128,7 +145,8 @@ class Container:
     def _form_of(self, name: str) -> Form:
         form = self.headers[name].get("form")
         if form not in self.forms:
-            raise CodecError(f"{self.path}: tensor {name!r}: unknown form {form!r} (this reader knows "
+            raise CodecError(f"{self.path}: tensor {name!r}: unknown form {form!r} (this reader "
+                             "knows "
                              f"{sorted(self.forms)} and 'raw')")
         return self.forms[form]
 
@@ -149,14 +167,17 @@ class Container:
     def get(self, name: str) -> np.ndarray:
         return next(a for _, a, _ in self.items([name]))
 
-    def items(self, names: list[str] | None = None, progress: bool = False) -> Iterator[tuple[str, np.ndarray, str]]:
+    def items(
+        self, names: list[str] | None = None, progress: bool = False
+    ) -> Iterator[tuple[str, np.ndarray, str]]:
         """(name, array, safetensors dtype) for each tensor, decoded and verified, in file order."""
         from tqdm import tqdm
 
         names = self.names if names is None else names
         pending: list[str] = []  # names read but not yet yielded: their batch is not decoded yet
         batch: list[Compressed] = []
-        for i, name in enumerate(tqdm(names, desc=f"decompress {self.path.name}", disable=not progress, unit="tensor")):
+        for i, name in enumerate(tqdm(names, desc=f"decompress {self.path.name}",
+                                      disable=not progress, unit="tensor")):
             pending.append(name)
             if self.is_compressed(name):
                 checks_itself = self._checks_itself.get(self.headers[name].get("form"), False)
@@ -164,7 +185,11 @@ class Container:
             if i + 1 == len(names) or sum(weight_count(ct) for ct in batch) >= DECODE_BATCH:
                 decoded = self._decode(batch)
                 for n in pending:
-                    yield (n, decoded[n], "BF16") if n in decoded else (n, self._raw(n), self.headers[n]["dtype"])
+                    yield (
+                        (n, decoded[n], "BF16")
+                        if n in decoded
+                        else (n, self._raw(n), self.headers[n]["dtype"])
+                    )
                 pending, batch = [], []
 
     def _decode(self, batch: list[Compressed]) -> dict[str, np.ndarray]:
@@ -172,7 +197,8 @@ class Container:
         out: dict[str, np.ndarray] = {}
         for form in self.forms.values():
             mine = [ct for ct in batch if type(ct) is form.tensor]
-            out |= {ct.name: bits for ct, bits in zip(mine, form.decode_many(mine) if mine else [], strict=True)}
+            out |= {ct.name: bits for ct, bits in zip(mine, form.decode_many(mine) if mine else [],
+                                                      strict=True)}
         return out
 
     def _raw(self, name: str) -> np.ndarray:
@@ -181,14 +207,17 @@ class Container:
         expected = {"format": FORMAT_NAME, "version": VERSION, "form": "raw", "dtype": info.dtype,
                     "shape": list(info.shape), "crc32": header.get("crc32")}
         if header != expected:
-            raise CodecError(f"{self.path}: tensor {name!r}: raw header {header} does not match the stored tensor")
+            raise CodecError(f"{self.path}: tensor {name!r}: raw header {header} does not match "
+                             "the stored tensor")
         if header["crc32"] != {"data": crc32(array)}:
-            raise CodecError(f"{self.path}: tensor {name!r} fails its CRC-32 check: the data is corrupt")
+            raise CodecError(f"{self.path}: tensor {name!r} fails its CRC-32 check: the data is "
+                             "corrupt")
         return np.array(array)
 
     @property
     def metadata(self) -> dict[str, str]:
-        """The file's whole safetensors metadata (the carried model entry, FORMAT.md section 6.2, among it)."""
+        """The file's whole safetensors metadata (the carried model entry, FORMAT.md section 6.2,
+        among it)."""
         return self._file.metadata
 
     def close(self) -> None:
@@ -207,7 +236,9 @@ def weight_count(ct: Compressed) -> int:
 
 
 def header_crc(name: str, header: dict[str, Any]) -> int:
-    """CRC-32 of a tensor's name and header (every key but ``header_crc32``) in a canonical JSON form:
+    """CRC-32 of a tensor's name and header (every key but ``header_crc32``) in a canonical JSON
+    form:
     keys sorted, no spaces, ASCII only (FORMAT.md section 6.1)."""
     entry = {"name": name, "header": {k: v for k, v in header.items() if k != HEADER_CRC}}
-    return zlib.crc32(json.dumps(entry, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii"))
+    return zlib.crc32(json.dumps(entry, sort_keys=True, separators=(",", ":"),
+                                 ensure_ascii=True).encode("ascii"))

@@ -44,17 +44,24 @@ from reference.codec.format import FORMAT_NAME, VERSION, crc32
 from reference.codec.paths import check_output, input_paths
 from reference.model.carried import MODEL_KEY, ContainerFile, model_entry
 from reference.model.errors import WeightError
-from reference.model.safetensors_io import DTYPES, SafetensorsError, SafetensorsFile, write_safetensors
+from reference.model.safetensors_io import (
+    DTYPES,
+    SafetensorsError,
+    SafetensorsFile,
+    write_safetensors,
+)
 from reference.model.weights import open_weights
 from reference.safe_write import discard, temporary_file
 
-MIN_ELEMENTS = 4096  # smaller tensors (norms, biases) pass through: their header would cost more than they save
+# smaller tensors (norms, biases) pass through: their header would cost more than they save
+MIN_ELEMENTS = 4096
 MODES = {"unweight": "huffman", "rans": rans.FORM}  # a mode (the CLI's --mode) writes one form
 STORED_DTYPE = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32"}
 
 
 def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = False,
-                        min_elements: int = MIN_ELEMENTS, progress: bool = False, mode: str = "unweight",
+                        min_elements: int = MIN_ELEMENTS, progress: bool = False,
+                        mode: str = "unweight",
                         encoder: Encoder = encode, **params: Any) -> dict[str, int]:
     """Compress every bf16 tensor of ``source`` (anything ``open_weights`` accepts) into ``out``.
 
@@ -80,7 +87,8 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
         metadata[MODEL_KEY] = carried
     names, counts = weights.names(), {"compressed": 0, "passed": 0, "castable_passed": 0}
     with _Scratch(out) as scratch:
-        pending: list[tuple[str, np.ndarray, str]] = []  # tensors waiting to be encoded as one batch
+        # tensors waiting to be encoded as one batch
+        pending: list[tuple[str, np.ndarray, str]] = []
 
         def store(ct: Compressed, source_dtype: str) -> None:
             for key, a in ct.arrays().items():
@@ -89,15 +97,21 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
             metadata[f"{FORMAT_NAME}{SEP}{ct.name}"] = _header_json(ct.name, header)
 
         def flush() -> None:
-            batch = form.encode_many([a for _, a, _ in pending], names=[n for n, _, _ in pending], **params)
+            batch = form.encode_many([a for _, a, _ in pending], names=[n for n, _, _ in pending],
+                                     **params)
             for ct, (_, _, source_dtype) in zip(batch, pending, strict=True):
                 store(ct, source_dtype)
             pending.clear()
 
-        for name in tqdm(names, desc=f"compress {weights.label}", disable=not progress, unit="tensor"):
+        for name in tqdm(names, desc=f"compress {weights.label}", disable=not progress,
+                         unit="tensor"):
             array, dtype = np.asarray(weights.get(name)), weights.dtype(name)
             if dtype in CASTABLE and to_bf16:
-                array, source_dtype, dtype = float32_to_bf16(array.astype(np.float32)), dtype, "BF16"
+                array, source_dtype, dtype = (
+                    float32_to_bf16(array.astype(np.float32)),
+                    dtype,
+                    "BF16",
+                )
             else:
                 source_dtype = dtype
             if dtype == "BF16" and array.size >= min_elements:
@@ -112,16 +126,19 @@ def compress_checkpoint(source: str | Path, out: str | Path, *, to_bf16: bool = 
                 counts["castable_passed"] += dtype in CASTABLE
         if pending:
             flush()
-        metadata[FORMAT_NAME] = json.dumps({"format": FORMAT_NAME, "version": CONTAINER_VERSION, "tensors": names})
+        metadata[FORMAT_NAME] = json.dumps({"format": FORMAT_NAME, "version": CONTAINER_VERSION,
+                                            "tensors": names})
         scratch.write(out, metadata)
     return counts
 
 
 def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool = False,
-                          decoder: HuffmanDecoder | None = None, rans_decoder: RansDecoder | None = None) -> int:
+                          decoder: HuffmanDecoder | None = None,
+                          rans_decoder: RansDecoder | None = None) -> int:
     """Write every tensor of a container back as a plain safetensors file (compressed ones as BF16).
 
-    ``decoder`` and ``rans_decoder`` decode the Huffman-form and rANS-form tensors (see ``Container``)."""
+    ``decoder`` and ``rans_decoder`` decode the Huffman-form and rANS-form tensors (see
+    ``Container``)."""
     out = Path(out)
     check_output(out, [Path(path)])
     with Container(path, decoder=decoder, rans_decoder=rans_decoder) as c, _Scratch(out) as scratch:
@@ -137,7 +154,8 @@ def _header_json(name: str, header: dict[str, Any]) -> str:
 
 
 def _raw_header(name: str, array: np.ndarray, dtype: str) -> str:
-    return _header_json(name, {"format": FORMAT_NAME, "version": VERSION, "form": "raw", "dtype": dtype,
+    return _header_json(name, {"format": FORMAT_NAME, "version": VERSION, "form": "raw",
+                               "dtype": dtype,
                                "shape": list(array.shape), "crc32": {"data": crc32(array)}})
 
 
@@ -150,11 +168,13 @@ def _source_metadata(weights: Any) -> dict[str, str]:
     meta: dict[str, str] = {}
     for f in weights.files:
         if isinstance(f, ContainerFile):
-            raise CodecError(f"{f.path} is already an {FORMAT_NAME} container: compress the original "
+            raise CodecError(f"{f.path} is already an {FORMAT_NAME} container: compress the "
+                             "original "
                              "checkpoint, or decompress this file first")
         if isinstance(f, SafetensorsFile):
             if any(k == FORMAT_NAME or k.startswith(FORMAT_NAME + SEP) for k in f.metadata):
-                raise CodecError(f"{f.path} is already an {FORMAT_NAME} container: compress the original "
+                raise CodecError(f"{f.path} is already an {FORMAT_NAME} container: compress the "
+                                 "original "
                                  "checkpoint, or decompress this file first")
             for k, v in f.metadata.items():
                 if not k.startswith(FORMAT_NAME):
@@ -166,7 +186,8 @@ class _Scratch:
     """Arrays parked in a temporary file beside the output, then memory-mapped back for writing."""
 
     def __init__(self, out: Path):
-        fd, self.path = temporary_file(out.parent, out.name + ".", ".scratch")  # removed by remove_temporary_files
+        # removed by remove_temporary_files
+        fd, self.path = temporary_file(out.parent, out.name + ".", ".scratch")
         self._f = os.fdopen(fd, "wb")
         self.entries: dict[str, tuple[int, np.dtype, tuple[int, ...], str]] = {}
 
@@ -179,9 +200,11 @@ class _Scratch:
 
     def write(self, out: Path, metadata: dict[str, str]) -> None:
         self._f.close()
-        arrays = {name: np.memmap(self.path, dtype, "r", offset, shape) if np.prod(shape) else np.zeros(shape, dtype)
+        arrays = {name: np.memmap(self.path, dtype, "r", offset,
+                                  shape) if np.prod(shape) else np.zeros(shape, dtype)
                   for name, (offset, dtype, shape, _) in self.entries.items()}
-        write_safetensors(out, arrays, dtypes={n: e[3] for n, e in self.entries.items()}, metadata=metadata)
+        write_safetensors(out, arrays, dtypes={n: e[3] for n, e in self.entries.items()},
+                          metadata=metadata)
 
     def __enter__(self) -> _Scratch:
         return self

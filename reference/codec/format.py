@@ -2,7 +2,8 @@
 
 ``CompressedTensor`` is what ``encode`` returns and ``decode`` takes. Its arrays are plain NumPy
 (uint8 / uint32) so that kernels and the container can take them as they are. ``check()`` validates
-everything that can be validated before decoding (FORMAT.md section 3.6); the decoder checks the rest.
+everything that can be validated before decoding (FORMAT.md section 3.6); the decoder checks the
+rest.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from reference.codec.palette import NOT_IN_PALETTE, symbol_table
 
 FORMAT_NAME = "unweight"
 VERSION = 1
-ARRAY_DTYPES = {"sm": np.uint8, "stream": np.uint32, "offsets": np.uint32, "vchunks": np.uint32, "vexp": np.uint8}
+ARRAY_DTYPES = {"sm": np.uint8, "stream": np.uint32, "offsets": np.uint32, "vchunks": np.uint32,
+                "vexp": np.uint8}
 CRC_KEYS = (*ARRAY_DTYPES, "data")
-HEADER_KEYS = ("format", "version", "form", "shape", "chunk_size", "chunks_per_group", "max_code_length",
-               "palette", "code_lengths", "n_verbatim", "stream_bits", "crc32")
+HEADER_KEYS = ("format", "version", "form", "shape", "chunk_size", "chunks_per_group",
+               "max_code_length", "palette", "code_lengths", "n_verbatim", "stream_bits", "crc32")
 MAX_CHUNK_SIZE, MAX_CHUNKS_PER_GROUP = 4096, 65536
-MAX_GROUP_WEIGHTS = 65536  # chunk_size * chunks_per_group: bounds the sequential work of decoding a group
+# chunk_size * chunks_per_group: bounds the sequential work of decoding a group
+MAX_GROUP_WEIGHTS = 65536
 UINT32_LIMIT = 2**32
 MAX_WEIGHTS = 2**48  # far above any real tensor; keeps every size computation inside int64
 
@@ -42,7 +45,8 @@ def crc32(array: np.ndarray) -> int:
 
 
 class StoredForm:
-    """What every stored form (Huffman, rANS) shares: a header dict and named arrays make the container entry."""
+    """What every stored form (Huffman, rANS) shares: a header dict and named arrays make the
+    container entry."""
 
     def header(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -61,7 +65,8 @@ class StoredForm:
 
 @dataclass
 class CompressedTensor(StoredForm):
-    """A bf16 tensor in Huffman form (FORMAT.md section 3). Build it with ``encode`` or ``from_parts``."""
+    """A bf16 tensor in Huffman form (FORMAT.md section 3). Build it with ``encode`` or
+    ``from_parts``."""
 
     shape: tuple[int, ...]
     chunk_size: int
@@ -96,7 +101,8 @@ class CompressedTensor(StoredForm):
                 "vchunks": self.vchunks, "vexp": self.vexp}
 
     def header(self) -> dict[str, Any]:
-        return {"format": FORMAT_NAME, "version": VERSION, "form": "huffman", "shape": list(self.shape),
+        return {"format": FORMAT_NAME, "version": VERSION, "form": "huffman",
+                "shape": list(self.shape),
                 "chunk_size": self.chunk_size, "chunks_per_group": self.chunks_per_group,
                 "max_code_length": self.max_code_length, "palette": list(self.palette),
                 "code_lengths": list(self.code_lengths), "n_verbatim": self.n_verbatim,
@@ -104,12 +110,13 @@ class CompressedTensor(StoredForm):
 
     @classmethod
     def from_parts(
-        cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "", *, check_arrays: bool = True
+        cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "", *,
+        check_arrays: bool = True
     ) -> CompressedTensor:
         """Build from a parsed header and the five arrays, checking every field (raises CodecError).
 
-        ``check_arrays=False`` leaves the checks of the arrays' contents to the decoder (the C decoder
-        does them in its own pass); such a tensor must not be used before it is decoded."""
+        ``check_arrays=False`` leaves the checks of the arrays' contents to the decoder (the C
+        decoder does them in its own pass); such a tensor must not be used before it is decoded."""
         where = f"tensor {name!r}: " if name else ""
         if not isinstance(header, Mapping):
             raise CodecError(f"{where}header must be a JSON object")
@@ -117,10 +124,12 @@ class CompressedTensor(StoredForm):
         unknown = set(header) - set(HEADER_KEYS)
         missing = set(HEADER_KEYS) - set(header)
         if unknown or missing:
-            raise CodecError(f"{where}header has unknown keys {sorted(unknown)} / lacks keys {sorted(missing)}")
+            raise CodecError(f"{where}header has unknown keys {sorted(unknown)} / lacks keys "
+                             f"{sorted(missing)}")
         shape = _int_list(header["shape"], "shape", 0, MAX_WEIGHTS, where)
         if math.prod(shape) > MAX_WEIGHTS:  # Python ints: no overflow before the check
-            raise CodecError(f"{where}shape {shape} holds more than 2^48 weights: not a tensor this format stores")
+            raise CodecError(f"{where}shape {shape} holds more than 2^48 weights: not a tensor "
+                             "this format stores")
         palette = _int_list(header["palette"], "palette", 0, 255, where)
         crc = header["crc32"]
         if not isinstance(crc, Mapping) or set(crc) != set(CRC_KEYS):
@@ -131,47 +140,59 @@ class CompressedTensor(StoredForm):
         ct = cls(
             shape=tuple(shape),
             chunk_size=_int(header["chunk_size"], "chunk_size", 1, MAX_CHUNK_SIZE, where),
-            chunks_per_group=_int(header["chunks_per_group"], "chunks_per_group", 1, MAX_CHUNKS_PER_GROUP, where),
-            max_code_length=_int(header["max_code_length"], "max_code_length", 1, MAX_SUPPORTED_LENGTH, where),
+            chunks_per_group=_int(header["chunks_per_group"], "chunks_per_group", 1,
+                                  MAX_CHUNKS_PER_GROUP, where),
+            max_code_length=_int(header["max_code_length"], "max_code_length", 1,
+                                 MAX_SUPPORTED_LENGTH, where),
             palette=tuple(palette),
-            code_lengths=tuple(_int_list(header["code_lengths"], "code_lengths", 0, MAX_SUPPORTED_LENGTH, where)),
+            code_lengths=tuple(_int_list(header["code_lengths"], "code_lengths", 0,
+                                         MAX_SUPPORTED_LENGTH, where)),
             stream_bits=_int(header["stream_bits"], "stream_bits", 0, UINT32_LIMIT - 1, where),
             crc={k: _int(crc[k], f"crc32.{k}", 0, UINT32_LIMIT - 1, where) for k in CRC_KEYS},
             name=name,
             **{k: np.asarray(arrays[k]) for k in ARRAY_DTYPES},
         )
         if _int(header["n_verbatim"], "n_verbatim", 0, None, where) != ct.n_verbatim:
-            raise CodecError(f"{where}header says {header['n_verbatim']} verbatim chunks, vchunks has {ct.n_verbatim}")
+            raise CodecError(f"{where}header says {header['n_verbatim']} verbatim chunks, vchunks "
+                             f"has {ct.n_verbatim}")
         ct.check_header()
         if check_arrays:
             ct.check_arrays()
         return ct
 
     def check(self) -> None:
-        """Validate header ranges, array dtypes and lengths, offsets, verbatim ids and array CRCs."""
+        """Validate header ranges, array dtypes and lengths, offsets, verbatim ids and array
+        CRCs."""
         self.check_header()
         self.check_arrays()
 
     def check_header(self) -> None:
-        """The checks that read no array's contents: header ranges, palette, code lengths, array dtypes
-        and lengths. A decoder that does the content checks itself (the C one) runs only these."""
+        """The checks that read no array's contents: header ranges, palette, code lengths, array
+        dtypes and lengths. A decoder that does the content checks itself (the C one) runs only
+        these."""
         where = f"tensor {self.name!r}: " if self.name else ""
         layout = self.layout
         if self.chunk_size * self.chunks_per_group > MAX_GROUP_WEIGHTS:
             raise CodecError(f"{where}chunk_size * chunks_per_group must be <= {MAX_GROUP_WEIGHTS}")
         if len(set(self.palette)) != len(self.palette) or len(self.palette) > 256:
-            raise CodecError(f"{where}palette must hold distinct exponents, got {list(self.palette)}")
+            raise CodecError(f"{where}palette must hold distinct exponents, got "
+                             f"{list(self.palette)}")
         if len(self.code_lengths) != len(self.palette):
-            raise CodecError(f"{where}{len(self.code_lengths)} code lengths for a palette of {len(self.palette)}")
+            raise CodecError(f"{where}{len(self.code_lengths)} code lengths for a palette of "
+                             f"{len(self.palette)}")
         try:
             check_lengths(self.code_lengths, self.max_code_length)
         except CodecError as e:
             raise CodecError(f"{where}{e}") from None
         if layout.n_chunks >= UINT32_LIMIT:
             raise CodecError(f"{where}shape {self.shape} has too many chunks for 32-bit chunk ids")
-        expected = {"sm": (layout.n,), "stream": (self.stream_bits // 32 + (self.stream_bits % 32 > 0) + 1,),
-                    "offsets": (layout.n_groups + 1,), "vchunks": (self.n_verbatim,),
-                    "vexp": (self.n_verbatim, self.chunk_size)}
+        expected = {
+            "sm": (layout.n,),
+            "stream": (self.stream_bits // 32 + (self.stream_bits % 32 > 0) + 1,),
+            "offsets": (layout.n_groups + 1,),
+            "vchunks": (self.n_verbatim,),
+            "vexp": (self.n_verbatim, self.chunk_size),
+        }
         arrays = self.arrays()
         for key, dtype in ARRAY_DTYPES.items():
             a = arrays[key]
@@ -180,7 +201,8 @@ class CompressedTensor(StoredForm):
                                  f"{np.dtype(dtype)}{list(expected[key])} (truncated or corrupt)")
 
     def check_arrays(self) -> None:
-        """The checks on the arrays' contents (FORMAT.md 3.6): CRCs, offsets, verbatim ids and chunks, tail bits.
+        """The checks on the arrays' contents (FORMAT.md 3.6): CRCs, offsets, verbatim ids and
+        chunks, tail bits.
 
         Call ``check_header`` first: these read the arrays at the lengths it checked."""
         where = f"tensor {self.name!r}: " if self.name else ""
@@ -190,24 +212,31 @@ class CompressedTensor(StoredForm):
                 raise CodecError(f"{where}array {key} fails its CRC-32 check: the data is corrupt")
         offsets = self.offsets.astype(np.int64)
         if offsets[0] != 0 or offsets[-1] != self.stream_bits or np.any(np.diff(offsets) < 0):
-            raise CodecError(f"{where}group offsets must rise from 0 to stream_bits={self.stream_bits}")
+            raise CodecError(f"{where}group offsets must rise from 0 to "
+                             f"stream_bits={self.stream_bits}")
         v = self.vchunks.astype(np.int64)
         if v.size and (np.any(np.diff(v) <= 0) or v[-1] >= layout.n_chunks):
-            raise CodecError(f"{where}verbatim chunk ids must be increasing and < {layout.n_chunks}")
+            raise CodecError(
+                f"{where}verbatim chunk ids must be increasing and < {layout.n_chunks}"
+            )
         pad = np.arange(self.chunk_size) >= layout.chunk_length(v)[:, None]
         if np.any(self.vexp[pad]):
             raise CodecError(f"{where}padding bytes of short verbatim chunks must be 0")
         outside = (symbol_table(self.palette)[self.vexp] == NOT_IN_PALETTE) & ~pad
         if not outside.any(axis=1).all():
-            raise CodecError(f"{where}a verbatim chunk holds only palette exponents (the verbatim rule is iff)")
+            raise CodecError(f"{where}a verbatim chunk holds only palette exponents (the verbatim "
+                             "rule is iff)")
         n_coded = layout.n - int(layout.chunk_length(v).sum())
         if n_coded > 0 and not any(self.code_lengths):
             raise CodecError(f"{where}{n_coded} weights are coded but no symbol has a code")
         used = [length for length in self.code_lengths if length]
         if not min(used, default=0) * n_coded <= self.stream_bits <= max(used, default=0) * n_coded:
-            raise CodecError(f"{where}stream_bits={self.stream_bits} impossible for {n_coded} coded weights")
+            raise CodecError(f"{where}stream_bits={self.stream_bits} impossible for {n_coded} "
+                             "coded weights")
         tail = self.stream_bits % 32
-        if (tail and self.stream[self.stream_bits // 32] & ((1 << (32 - tail)) - 1)) or self.stream[-1]:
+        if (tail and self.stream[self.stream_bits // 32] & ((1 << (32 - tail)) - 1)) or self.stream[
+            -1
+        ]:
             raise CodecError(f"{where}bits after the end of the stream must be 0")
 
 
@@ -215,14 +244,16 @@ def _check_identity(header: Mapping[str, Any], where: str) -> None:
     if header.get("format") != FORMAT_NAME:
         raise CodecError(f"{where}not an {FORMAT_NAME} header (format={header.get('format')!r})")
     if header.get("version") != VERSION:
-        raise CodecError(f"{where}unsupported format version {header.get('version')!r}; this reader knows {VERSION}")
+        raise CodecError(f"{where}unsupported format version {header.get('version')!r}; this "
+                         f"reader knows {VERSION}")
     if header.get("form") != "huffman":
         raise CodecError(f"{where}expected form 'huffman', got {header.get('form')!r}")
 
 
 def _int(x: object, what: str, lo: int, hi: int | None, where: str) -> int:
     if not isinstance(x, int) or isinstance(x, bool) or x < lo or (hi is not None and x > hi):
-        raise CodecError(f"{where}{what} must be an integer in [{lo}, {hi if hi is not None else 'inf'}], got {x!r}")
+        raise CodecError(f"{where}{what} must be an integer in [{lo}, "
+                         f"{hi if hi is not None else 'inf'}], got {x!r}")
     return x
 
 

@@ -7,7 +7,8 @@ Three steps, each a small function:
    2^max_length entries needs a bound. Package-merge (Larmore and Hirschberg, 1990) finds the
    optimal lengths *under* that bound.
 2. ``canonical_codes(lengths)``: the bit patterns. A canonical code is fully determined by its
-   lengths (symbols sorted by (length, symbol) get consecutive codes), so only the lengths are stored.
+   lengths (symbols sorted by (length, symbol) get consecutive codes), so only the lengths are
+   stored.
 3. ``decode_table(lengths, max_length)``: a lookup table indexed by the next ``max_length`` bits of
    the stream that gives the symbol those bits start with and its length, in one step.
 
@@ -60,7 +61,9 @@ def code_lengths(counts: Sequence[int] | np.ndarray, max_length: int) -> list[in
     singles = sorted(([counts[s], [s]] for s in used), key=lambda e: (e[0], e[1][0]))
     current = list(singles)
     for _ in range(max_length - 1):
-        packages = [[a[0] + b[0], a[1] + b[1]] for a, b in zip(current[0::2], current[1::2], strict=False)]
+        packages = [
+            [a[0] + b[0], a[1] + b[1]] for a, b in zip(current[0::2], current[1::2], strict=False)
+        ]
         current = _merge(singles, packages)
     for entry in current[: 2 * len(used) - 2]:
         for s in entry[1]:
@@ -94,7 +97,8 @@ def check_lengths(lengths: Sequence[int], max_length: int) -> None:
         kraft = sum(2 ** (max_length - length) for length in used)  # sum of 2^-l, scaled by 2^L
         if kraft != 2**max_length:
             state = "over-subscribed" if kraft > 2**max_length else "incomplete"
-            raise CodecError(f"code lengths {list(lengths)} do not form a complete prefix code ({state})")
+            raise CodecError(f"code lengths {list(lengths)} do not form a complete prefix code "
+                             f"({state})")
 
 
 def canonical_codes(lengths: Sequence[int]) -> list[int]:

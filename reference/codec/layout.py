@@ -46,7 +46,8 @@ class Layout:
 
     @property
     def aligned(self) -> bool:
-        """True when every chunk is full (chunk_size divides cols): chunks are then a plain reshape."""
+        """True when every chunk is full (chunk_size divides cols): chunks are then a plain
+        reshape."""
         return self.cols % self.chunk_size == 0
 
     def chunk_start(self, k: np.ndarray) -> np.ndarray:
@@ -60,7 +61,8 @@ class Layout:
         return np.minimum(self.chunk_size, self.cols - (k % self.chunks_per_row) * self.chunk_size)
 
     def flat_range(self, k0: int, k1: int) -> tuple[int, int]:
-        """The flat weights [begin, end) that chunks k0 .. k1-1 cover (chunks tile the tensor in order)."""
+        """The flat weights [begin, end) that chunks k0 .. k1-1 cover (chunks tile the tensor in
+        order)."""
         begin = int(self.chunk_start(k0)) if k0 < self.n_chunks else self.n
         end = int(self.chunk_start(k1)) if k1 < self.n_chunks else self.n
         return begin, end
@@ -75,7 +77,9 @@ class Layout:
             return flat[begin:end].reshape(k1 - k0, self.chunk_size)
         if k1 <= k0:
             return np.full((0, self.chunk_size), fill, flat.dtype)
-        index = self.chunk_start(np.arange(k0, k1, dtype=np.int64))[:, None] + np.arange(self.chunk_size)
+        index = self.chunk_start(np.arange(k0, k1, dtype=np.int64))[:, None] + np.arange(
+            self.chunk_size
+        )
         valid = self.column_mask(k0, k1)
         return np.where(valid, flat[np.where(valid, index, 0)], fill).astype(flat.dtype, copy=False)
 

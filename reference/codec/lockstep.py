@@ -18,8 +18,10 @@ from reference.codec.errors import CodecError
 from reference.codec.format import CompressedTensor, crc32
 from reference.codec.huffman import decode_table
 
-INVALID_ADVANCE = 1 << 40  # what an invalid table entry adds to a position: past any real stream end
-TRANSPOSE_BLOCK = 16  # steps decoded into a small buffer before moving them to the group-major result
+# what an invalid table entry adds to a position: past any real stream end
+INVALID_ADVANCE = 1 << 40
+# steps decoded into a small buffer before moving them to the group-major result
+TRANSPOSE_BLOCK = 16
 
 
 def decode_many(tensors: Sequence[CompressedTensor]) -> list[np.ndarray]:
@@ -30,7 +32,9 @@ def decode_many(tensors: Sequence[CompressedTensor]) -> list[np.ndarray]:
     return [_assemble(ct, e) for ct, e in zip(tensors, exponents, strict=True)]
 
 
-def decode_symbols(tensors: Sequence[CompressedTensor], as_exponents: bool = False) -> list[np.ndarray]:
+def decode_symbols(
+    tensors: Sequence[CompressedTensor], as_exponents: bool = False
+) -> list[np.ndarray]:
     """The Huffman symbols (palette indices) of each tensor's coded weights, in stream order.
 
     With ``as_exponents`` the decoding tables hold palette[symbol], so what comes out is exponents.
@@ -52,15 +56,26 @@ def decode_symbols(tensors: Sequence[CompressedTensor], as_exponents: bool = Fal
         counts.append(_coded_weights_per_group(ct))
         table_of_group.append(np.full(ct.layout.n_groups, i, np.int64))
         symbols, lengths = decode_table(ct.code_lengths, window_bits)
-        tables.append((np.asarray(ct.palette, np.uint8)[symbols] if as_exponents and ct.palette else symbols, lengths))
+        tables.append(
+            (
+                np.asarray(ct.palette, np.uint8)[symbols]
+                if as_exponents and ct.palette
+                else symbols,
+                lengths,
+            )
+        )
         word_base += len(ct.stream)
     try:
         decoded = read_groups(
-            np.concatenate([ct.stream for ct in tensors]), np.concatenate(starts), np.concatenate(ends),
-            np.concatenate(counts), window_bits, np.stack([s for s, _ in tables]), np.stack([n for _, n in tables]),
+            np.concatenate([ct.stream for ct in tensors]), np.concatenate(starts),
+            np.concatenate(ends),
+            np.concatenate(counts), window_bits, np.stack([s for s, _ in tables]),
+            np.stack([n for _, n in tables]),
             np.concatenate(table_of_group) if len(tensors) > 1 else None)
     except CodecError as e:
-        names = ", ".join(repr(ct.name) for ct in tensors[:4]) + (" ..." if len(tensors) > 4 else "")
+        names = ", ".join(repr(ct.name) for ct in tensors[:4]) + (
+            " ..." if len(tensors) > 4 else ""
+        )
         raise CodecError(f"tensor(s) {names}: {e}") from None
     return np.split(decoded, np.cumsum([int(c.sum()) for c in counts])[:-1])
 
@@ -76,18 +91,22 @@ def _coded_weights_per_group(ct: CompressedTensor) -> np.ndarray:
 
 
 def _assemble(ct: CompressedTensor, exponents: np.ndarray) -> np.ndarray:
-    """Rebuild the bf16 bits from the coded weights' exponents, the verbatim chunks and sm; check the CRC."""
+    """Rebuild the bf16 bits from the coded weights' exponents, the verbatim chunks and sm; check
+    the CRC."""
     layout = ct.layout
     chunks = place_chunks(ct, exponents.astype(np.uint8), ct.vexp)
     bits = join_sign_mantissa(ct.sm, layout.unchunk(chunks, 0, layout.n_chunks))
     if crc32(bits) != ct.crc["data"]:
-        raise CodecError(f"tensor {ct.name!r}: decoded data fails its CRC-32 check (corrupt header or stream)")
+        raise CodecError(f"tensor {ct.name!r}: decoded data fails its CRC-32 check (corrupt header "
+                         "or stream)")
     return bits.reshape(ct.shape)
 
 
-def place_chunks(ct: CompressedTensor, coded_values: np.ndarray, verbatim_values: np.ndarray) -> np.ndarray:
-    """A (n_chunks, chunk_size) matrix: ``coded_values`` (one per coded weight, in order) in the coded
-    chunks, the rows of ``verbatim_values`` in the verbatim chunks; slots past a row's end are 0."""
+def place_chunks(ct: CompressedTensor, coded_values: np.ndarray,
+                 verbatim_values: np.ndarray) -> np.ndarray:
+    """A (n_chunks, chunk_size) matrix: ``coded_values`` (one per coded weight, in order) in the
+    coded chunks, the rows of ``verbatim_values`` in the verbatim chunks; slots past a row's end are
+    0."""
     layout = ct.layout
     if layout.aligned and ct.n_verbatim == 0:  # the common case: a reshape, no copy
         return coded_values.reshape(layout.n_chunks, layout.chunk_size)
@@ -129,7 +148,9 @@ def read_groups(
     # every 64-bit window of two neighbouring words, so a peek is one gather and two shifts
     windows = (stream[:-1].astype(np.uint64) << np.uint64(32)) | stream[1:].astype(np.uint64)
     symbols = table_symbols.reshape(-1)
-    advance = np.where(table_lengths == 0, INVALID_ADVANCE, table_lengths).astype(np.int64).reshape(-1)
+    advance = (
+        np.where(table_lengths == 0, INVALID_ADVANCE, table_lengths).astype(np.int64).reshape(-1)
+    )
     drop = np.uint64(64 - window_bits)
 
     # Longest groups first: then the groups still decoding at step t are a prefix of the arrays.
@@ -137,14 +158,16 @@ def read_groups(
     pos = starts[order].astype(np.int64)  # int64, not uint64: NumPy indexes fastest with int64
     base = None if table_of_group is None else table_of_group[order].astype(np.int64) << window_bits
     steps = int(counts.max())
-    active = np.searchsorted(-counts[order], -np.arange(steps), side="left")  # groups with count > t
+    # groups with count > t
+    active = np.searchsorted(-counts[order], -np.arange(steps), side="left")
     by_group = np.zeros((n_groups, steps), np.uint8)  # row j: the symbols of group order[j]
     block = np.zeros((TRANSPOSE_BLOCK, n_groups), np.uint8)  # the last few steps, one row per step
     try:
         for t in range(steps):
             k = active[t]
             p = pos[:k]  # a view: updating p updates pos
-            # the next window_bits bits (the views only relabel non-negative values, they copy nothing)
+            # the next window_bits bits (the views only relabel non-negative values, they copy
+            # nothing)
             entry = ((windows[p >> 5] << (p & 31).view(np.uint64)) >> drop).view(np.int64)
             if base is not None:
                 entry += base[:k]
@@ -152,11 +175,14 @@ def read_groups(
             p += advance[entry]
             if t % TRANSPOSE_BLOCK == TRANSPOSE_BLOCK - 1 or t == steps - 1:
                 # move the block into the group-major result (a small transpose stays in cache;
-                # transposing the whole steps x groups matrix at the end would be several times slower)
+                # transposing the whole steps x groups matrix at the end would be several times
+                # slower)
                 t0 = t - t % TRANSPOSE_BLOCK
                 by_group[:, t0 : t + 1] = block[: t + 1 - t0].T
     except IndexError:  # a corrupt group ran off the end of the stream
-        raise CodecError("Huffman stream is corrupt: a group ran past the end of the stream") from None
+        raise CodecError(
+            "Huffman stream is corrupt: a group ran past the end of the stream"
+        ) from None
     bad = np.flatnonzero(pos != ends[order])
     if bad.size:
         g = int(order[bad[0]])

@@ -11,7 +11,8 @@ import numpy as np
 
 from reference.codec.layout import Layout
 
-NOT_IN_PALETTE = 0x100  # "this exponent is not in the palette": above every palette index (0 ... 255)
+# "this exponent is not in the palette": above every palette index (0 ... 255)
+NOT_IN_PALETTE = 0x100
 SLICE_WEIGHTS = 1 << 22  # the encoder walks big tensors in slices of about this many weights
 
 
@@ -21,7 +22,8 @@ def exponent_field(bits: np.ndarray) -> np.ndarray:
 
 
 def choose_palette(exponent_counts: np.ndarray, palette_size: int) -> list[int]:
-    """The palette: the most frequent exponents that occur, by count descending, then value ascending."""
+    """The palette: the most frequent exponents that occur, by count descending, then value
+    ascending."""
     counts = np.asarray(exponent_counts, np.int64)
     order = np.lexsort((np.arange(256), -counts))  # last key is the primary one
     return [int(e) for e in order[:palette_size] if counts[e] > 0]
@@ -35,7 +37,8 @@ def symbol_table(palette: list[int] | tuple[int, ...]) -> np.ndarray:
 
 
 def chunk_slices(layout: Layout) -> list[tuple[int, int]]:
-    """Chunk ranges [k0, k1) of whole groups, each about SLICE_WEIGHTS weights (for bounded memory)."""
+    """Chunk ranges [k0, k1) of whole groups, each about SLICE_WEIGHTS weights (for bounded
+    memory)."""
     group_weights = layout.chunks_per_group * layout.chunk_size
     step = max(1, SLICE_WEIGHTS // group_weights) * layout.chunks_per_group
     return [(k0, min(k0 + step, layout.n_chunks)) for k0 in range(0, layout.n_chunks, step)]

@@ -41,37 +41,46 @@ class PaletteTensor:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.palette, self.idx, self.sm, self.vchunks, self.vexp, self.row_vstart))
+        return sum(a.nbytes for a in (self.palette, self.idx, self.sm, self.vchunks, self.vexp,
+                                      self.row_vstart))
 
 
 def to_palette(ct: CompressedTensor, verify: bool = True) -> PaletteTensor:
     """Huffman form -> palette form. With ``verify`` the result is checked against the data CRC."""
     ct.check()
     if len(ct.palette) > PALETTE_FORM_SLOTS:
-        raise CodecError(f"tensor {ct.name!r}: a palette of {len(ct.palette)} does not fit 4-bit indices")
+        raise CodecError(f"tensor {ct.name!r}: a palette of {len(ct.palette)} does not fit 4-bit "
+                         "indices")
     layout = ct.layout
     symbols = decode_symbols([ct])[0]
-    verbatim_nibbles = np.zeros((ct.n_verbatim, ct.chunk_size), np.uint8)  # verbatim weights get index 0
+    # verbatim weights get index 0
+    verbatim_nibbles = np.zeros((ct.n_verbatim, ct.chunk_size), np.uint8)
     nibbles = layout.unchunk(place_chunks(ct, symbols, verbatim_nibbles), 0, layout.n_chunks)
     palette = np.zeros(PALETTE_FORM_SLOTS, np.uint8)
     palette[: len(ct.palette)] = ct.palette
     pt = PaletteTensor(
         shape=ct.shape, chunk_size=ct.chunk_size, palette_size=len(ct.palette), palette=palette,
-        idx=pack_nibbles(nibbles.reshape(layout.rows, layout.cols)), sm=ct.sm.reshape(layout.rows, layout.cols),
-        vchunks=ct.vchunks.copy(), vexp=ct.vexp.copy(), row_vstart=row_vstart(layout, ct.vchunks), name=ct.name,
+        idx=pack_nibbles(nibbles.reshape(layout.rows, layout.cols)),
+        sm=ct.sm.reshape(layout.rows, layout.cols),
+        vchunks=ct.vchunks.copy(), vexp=ct.vexp.copy(), row_vstart=row_vstart(layout, ct.vchunks),
+        name=ct.name,
     )
     if verify and crc32(palette_to_bf16(pt)) != ct.crc["data"]:
-        raise CodecError(f"tensor {ct.name!r}: palette form fails the data CRC-32 check (corrupt header)")
+        raise CodecError(f"tensor {ct.name!r}: palette form fails the data CRC-32 check (corrupt "
+                         "header)")
     return pt
 
 
 def from_palette(
-    pt: PaletteTensor, *, chunks_per_group: int = CHUNKS_PER_GROUP, max_code_length: int = MAX_CODE_LENGTH
+    pt: PaletteTensor, *, chunks_per_group: int = CHUNKS_PER_GROUP,
+    max_code_length: int = MAX_CODE_LENGTH
 ) -> CompressedTensor:
-    """Palette form -> Huffman form, keeping the palette. Byte-identical to the original encoding."""
+    """Palette form -> Huffman form, keeping the palette. Byte-identical to the original
+    encoding."""
     bits = palette_to_bf16(pt)
     return encode(bits, chunk_size=pt.chunk_size, chunks_per_group=chunks_per_group,
-                  max_code_length=max_code_length, palette=pt.palette[: pt.palette_size].tolist(), name=pt.name)
+                  max_code_length=max_code_length, palette=pt.palette[: pt.palette_size].tolist(),
+                  name=pt.name)
 
 
 def palette_to_bf16(pt: PaletteTensor) -> np.ndarray:
@@ -79,8 +88,9 @@ def palette_to_bf16(pt: PaletteTensor) -> np.ndarray:
     check_palette_tensor(pt)
     layout = pt.layout
     exponent = pt.palette[unpack_nibbles(pt.idx, layout.cols)].reshape(-1)
-    exponent[_verbatim_weights(layout, pt.vchunks)] = pt.vexp[layout.column_mask(0, layout.n_chunks)[
-        pt.vchunks.astype(np.int64)]]
+    exponent[_verbatim_weights(layout, pt.vchunks)] = pt.vexp[
+        layout.column_mask(0, layout.n_chunks)[pt.vchunks.astype(np.int64)]
+    ]
     sm = pt.sm.reshape(-1).astype(np.uint16)
     exponent = exponent.astype(np.uint16)
     return (((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)).reshape(pt.shape)
@@ -103,7 +113,8 @@ def unpack_nibbles(idx: np.ndarray, cols: int) -> np.ndarray:
 
 
 def row_vstart(layout: Layout, vchunks: np.ndarray) -> np.ndarray:
-    """CSR index over rows: row r's verbatim chunks are vchunks[row_vstart[r] : row_vstart[r + 1]]."""
+    """CSR index over rows: row r's verbatim chunks are vchunks[row_vstart[r] : row_vstart[r +
+    1]]."""
     row_first_chunk = np.arange(layout.rows + 1, dtype=np.int64) * layout.chunks_per_row
     return np.searchsorted(vchunks.astype(np.int64), row_first_chunk).astype(np.uint32)
 
@@ -116,12 +127,18 @@ def _verbatim_weights(layout: Layout, vchunks: np.ndarray) -> np.ndarray:
 
 
 def check_palette_tensor(pt: PaletteTensor) -> None:
-    """Raise CodecError unless the palette form's arrays have the dtypes and shapes FORMAT.md gives."""
+    """Raise CodecError unless the palette form's arrays have the dtypes and shapes FORMAT.md
+    gives."""
     layout = pt.layout
     v = len(pt.vchunks)
-    expected = {"palette": (np.uint8, (16,)), "idx": (np.uint8, (layout.rows, -(-layout.cols // 2))),
-                "sm": (np.uint8, (layout.rows, layout.cols)), "vchunks": (np.uint32, (v,)),
-                "vexp": (np.uint8, (v, pt.chunk_size)), "row_vstart": (np.uint32, (layout.rows + 1,))}
+    expected = {
+        "palette": (np.uint8, (16,)),
+        "idx": (np.uint8, (layout.rows, -(-layout.cols // 2))),
+        "sm": (np.uint8, (layout.rows, layout.cols)),
+        "vchunks": (np.uint32, (v,)),
+        "vexp": (np.uint8, (v, pt.chunk_size)),
+        "row_vstart": (np.uint32, (layout.rows + 1,)),
+    }
     for key, (dtype, shape) in expected.items():
         a = getattr(pt, key)
         if a.dtype != np.dtype(dtype) or a.shape != shape:

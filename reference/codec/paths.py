@@ -24,7 +24,8 @@ def check_output(out: Path, inputs: list[Path]) -> None:
         raise CodecError(f"{out}: the directory {out.parent} is not writable")
     for p in inputs:
         if same_file(out, p):
-            raise CodecError(f"{out} is the input {p}: write the output to another path (the input would be lost)")
+            raise CodecError(f"{out} is the input {p}: write the output to another path (the input "
+                             "would be lost)")
 
 
 def same_file(a: Path, b: Path) -> bool:

@@ -1,9 +1,10 @@
-"""What the coordinator counts per worker, from the frames it relays (the endpoint's ``/metrics`` shows it).
+"""What the coordinator counts per worker, from the frames it relays (the endpoint's ``/metrics``
+shows it).
 
-KV payload bytes a prefill worker sent and a decode worker was forwarded, handoffs (prefill: DONE frames
-sent; decode: requests finished on received KV), recomputes (decode: requests whose prompt, or part of it,
-it computed itself), and the exposed transfer time: from the prefill worker's DONE forwarded to the decode
-worker's first token back, the part of the handoff the client waits for.
+KV payload bytes a prefill worker sent and a decode worker was forwarded, handoffs (prefill: DONE
+frames sent; decode: requests finished on received KV), recomputes (decode: requests whose prompt,
+or part of it, it computed itself), and the exposed transfer time: from the prefill worker's DONE
+forwarded to the decode worker's first token back, the part of the handoff the client waits for.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 from reference.disagg import messages
 from reference.disagg.frames import Frame, Kind
 
-MAX_OPEN_TRANSFERS = 65536  # streams whose DONE was forwarded but whose first token has not come back
+# streams whose DONE was forwarded but whose first token has not come back
+MAX_OPEN_TRANSFERS = 65536
 
 
 @dataclass
@@ -32,7 +34,8 @@ class NodeStats:
 
 
 class Accounting:
-    """``stats[node]`` for every worker that said HELLO; ``count`` is called on each frame of a live request."""
+    """``stats[node]`` for every worker that said HELLO; ``count`` is called on each frame of a live
+    request."""
 
     def __init__(self) -> None:
         self.stats: dict[int, NodeStats] = {}
@@ -42,7 +45,8 @@ class Accounting:
         self.stats[node] = NodeStats(role, pid)
 
     def count(self, sender: Any, decode_node: int | None, frame: Frame, now: float) -> None:
-        """``sender``: the worker that sent ``frame`` (``routing.Worker``); ``decode_node``: the request's."""
+        """``sender``: the worker that sent ``frame`` (``routing.Worker``); ``decode_node``: the
+        request's."""
         mine = self.stats.get(sender.node)
         if mine is None:
             return
@@ -54,7 +58,8 @@ class Accounting:
         elif sender.role == "prefill" and frame.kind is Kind.DONE:
             mine.handoffs += 1
             self.done_at.setdefault(frame.stream, now)
-            if len(self.done_at) > MAX_OPEN_TRANSFERS:  # first tokens that never came: forget the oldest half
+            # first tokens that never came: forget the oldest half
+            if len(self.done_at) > MAX_OPEN_TRANSFERS:
                 for stream in list(self.done_at)[:MAX_OPEN_TRANSFERS // 2]:
                     del self.done_at[stream]
         elif sender.role == "decode" and frame.kind is Kind.TOKEN and frame.stream in self.done_at:

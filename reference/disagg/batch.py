@@ -14,10 +14,12 @@ from reference.disagg.pool import WorkerPool
 
 
 class ProcessFaults:
-    """Process-level faults on one request chosen by the seed: kill its prefill worker when its first
-    KV frame passes, kill its decode worker at its second token, or cancel it after its first KV frame."""
+    """Process-level faults on one request chosen by the seed: kill its prefill worker when its
+    first KV frame passes, kill its decode worker at its second token, or cancel it after its first
+    KV frame."""
 
-    def __init__(self, pool: WorkerPool, faults: Sequence[str], seed: int, num_requests: int) -> None:
+    def __init__(self, pool: WorkerPool, faults: Sequence[str], seed: int,
+                 num_requests: int) -> None:
         self.pool, self.faults = pool, set(faults)
         self.target = random.Random(seed).randrange(max(1, min(num_requests, 4)))
         self.seen: list[str] = []
@@ -29,23 +31,35 @@ class ProcessFaults:
             self.seen.append(req.id)
         if len(self.seen) <= self.target or req.id != self.seen[self.target]:
             return
-        if "kill-prefill" in self.faults and "kill-prefill" not in self.done and frame.kind is Kind.KV \
-                and req.prefill is not None:
+        if (
+            "kill-prefill" in self.faults
+            and "kill-prefill" not in self.done
+            and frame.kind is Kind.KV
+            and req.prefill is not None
+        ):
             self.done.add("kill-prefill")
             self.pool.kill(req.prefill)
         if "abort" in self.faults and "abort" not in self.done and frame.kind is Kind.KV:
             self.done.add("abort")
             self.pool.coordinator.cancel(req.id)
-        if "kill-decode" in self.faults and "kill-decode" not in self.done and frame.kind is Kind.TOKEN \
-                and len(req.tokens) >= 2 and req.decode is not None:
+        if (
+            "kill-decode" in self.faults
+            and "kill-decode" not in self.done
+            and frame.kind is Kind.TOKEN
+            and len(req.tokens) >= 2
+            and req.decode is not None
+        ):
             self.done.add("kill-decode")
             self.pool.kill(req.decode)
 
 
-def run_requests(pool: WorkerPool, requests: Sequence[dict], *, arrivals: Sequence[float] | None = None,
-                 on_progress: Callable[[int], None] | None = None, timeout: float = 3600.0) -> list[dict]:
-    """Submit every request (at ``arrivals[i]`` seconds from now, if given), run until each has ended, and
-    return one result per request, in order: ``{"id", "output_token_ids", "finish_reason", "error"}``."""
+def run_requests(pool: WorkerPool, requests: Sequence[dict], *,
+                 arrivals: Sequence[float] | None = None,
+                 on_progress: Callable[[int], None] | None = None,
+                 timeout: float = 3600.0) -> list[dict]:
+    """Submit every request (at ``arrivals[i]`` seconds from now, if given), run until each has
+    ended, and return one result per request, in order:
+    ``{"id", "output_token_ids", "finish_reason", "error"}``."""
     coord = pool.coordinator
     results: list[dict | None] = [None] * len(requests)
     start = time.monotonic()

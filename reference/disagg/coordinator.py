@@ -6,26 +6,27 @@ KV, DONE from the prefill worker; ACK, ABORT from the decode worker) are forward
 tag and all, so the decode worker checks the prefill worker's signature itself. The fault injector,
 when there is one, sits on this forwarding path (``faults.py``).
 
-Routing (``routing.py``): prefill by prefix affinity, then fewest in-flight prefill tokens; decode by
-fewest in-flight decode tokens, then most free blocks.
+Routing (``routing.py``): prefill by prefix affinity, then fewest in-flight prefill tokens; decode
+by fewest in-flight decode tokens, then most free blocks.
 
 Faults and their outcomes (``PROTOCOL.md`` section 6): a prefill worker lost -> its decode workers
 are told to compute those prompts themselves; a decode worker lost -> its requests *migrate* (as
 Dynamo's request migration does): a new attempt (new stream) on a live decode worker gets the prompt
 plus the tokens already streamed as its prompt, and its tokens are appended to those, so none is
-counted twice; up to ``max_attempts``, else they fail with an error. A worker that sends nothing, not
-even a heartbeat, for ``lease_s`` seconds (stopped, hung) is lost the same way (``on_lease_expired``
-first: the pool kills its process). A request past its deadline -> aborted everywhere and
-answered with an error. A FINISH for an ended request or an old attempt is ignored (counted), so
-nothing is answered twice. Per worker, ``accounting`` counts KV bytes, handoffs and recomputes.
+counted twice; up to ``max_attempts``, else they fail with an error. A worker that sends nothing,
+not even a heartbeat, for ``lease_s`` seconds (stopped, hung) is lost the same way
+(``on_lease_expired`` first: the pool kills its process). A request past its deadline -> aborted
+everywhere and answered with an error. A FINISH for an ended request or an old attempt is ignored
+(counted), so nothing is answered twice. Per worker, ``accounting`` counts KV bytes, handoffs and
+recomputes.
 
 A peer's bad input never escapes the loop: a frame that fails its checks is refused (counted, logged
 with the reason); a correctly signed frame whose payload breaks its schema drops the peer that sent
-it (logged, counted in ``peers_dropped``), which is then handled as a lost worker. A link that has not
-said HELLO may send only handshake-sized frames (``transport.HANDSHAKE_PAYLOAD``), and a socket link
-is closed if no HELLO comes within ``hello_timeout`` seconds (a worker connects once its model is
-loaded); at most ``max_pending_links`` such links are kept (the listener refuses more); closed links
-are forgotten.
+it (logged, counted in ``peers_dropped``), which is then handled as a lost worker. A link that has
+not said HELLO may send only handshake-sized frames (``transport.HANDSHAKE_PAYLOAD``), and a socket
+link is closed if no HELLO comes within ``hello_timeout`` seconds (a worker connects once its model
+is loaded); at most ``max_pending_links`` such links are kept (the listener refuses more); closed
+links are forgotten.
 """
 
 from __future__ import annotations
@@ -64,34 +65,47 @@ class RequestState:
     prefill: int | None = None
     decode: int | None = None
     attempts: int = 0
-    tokens: list[int] = field(default_factory=list)  # every token streamed so far, over all attempts
+    # every token streamed so far, over all attempts
+    tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    token_cpu: list[float] = field(default_factory=list)  # the decode worker's CPU seconds at each token
+    # the decode worker's CPU seconds at each token
+    token_cpu: list[float] = field(default_factory=list)
     offset: int = 0  # tokens of ``tokens`` that the current attempt was given as part of its prompt
     result: dict | None = None  # {"id", "output_token_ids", "finish_reason", "error"} once ended
     recomputed: bool = False
     first_kv_seen: bool = False
-    tenant: str = "default"  # carried to the workers (REQUEST, revision 1): their schedulers' weight
+    # carried to the workers (REQUEST, revision 1): their schedulers' weight
+    tenant: str = "default"
     cache_salt: str | None = None  # and their prefix caches' salt
     weight: float = 1.0
 
     def attempt_prompt(self) -> list[int]:
-        """The current attempt's prompt: the client's, then the tokens streamed before this attempt."""
+        """The current attempt's prompt: the client's, then the tokens streamed before this
+        attempt."""
         return self.prompt + self.tokens[:self.offset]
 
 
 class Coordinator:
-    def __init__(self, secret: bytes, *, deadline: Callable[[int, int], float] = lambda p, o: 60.0 + 0.5 * o,
-                 max_attempts: int = 2, injector: Any = None, clock: Callable[[], float] = time.monotonic,
-                 hello_timeout: float = 10.0, max_pending_links: int = 16, lease_s: float | None = 15.0) -> None:
+    def __init__(self, secret: bytes, *, deadline: Callable[[int, int], float] = lambda p,
+                 o: 60.0 + 0.5 * o, max_attempts: int = 2, injector: Any = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 hello_timeout: float = 10.0, max_pending_links: int = 16,
+                 lease_s: float | None = 15.0) -> None:
         self.secret = secret
         self.lease_s = lease_s  # None: no lease (a silent worker is lost only when its link closes)
         self.last_seen: dict[Endpoint, float] = {}  # when each link last sent a frame
         self.accounting = Accounting()
         self.hello_timeout, self.max_pending_links = hello_timeout, max_pending_links
-        self.opened: dict[Endpoint, float] = {}  # when each link that has not said HELLO yet was attached
-        self.vocab_size, self.eos, self.max_context = 0, (), 0  # the model's, from the workers' HELLO
-        self.deadline_for, self.max_attempts, self.injector, self.clock = deadline, max_attempts, injector, clock
+        # when each link that has not said HELLO yet was attached
+        self.opened: dict[Endpoint, float] = {}
+        # the model's, from the workers' HELLO
+        self.vocab_size, self.eos, self.max_context = 0, (), 0
+        self.deadline_for, self.max_attempts, self.injector, self.clock = (
+            deadline,
+            max_attempts,
+            injector,
+            clock,
+        )
         self.inbox: queue.Queue = queue.Queue()
         self.links: dict[Endpoint, Link] = {}
         self.workers: dict[int, Worker] = {}
@@ -103,24 +117,28 @@ class Coordinator:
         self.on_worker_lost: Callable[[Worker], None] | None = None  # the pool restarts it
         self.on_lease_expired: Callable[[Worker], None] | None = None  # the pool kills its process
         self.shutting_down = False
-        self.on_stream_frame: Callable[[RequestState, Frame], None] | None = None  # fault hooks (kill, abort)
+        # fault hooks (kill, abort)
+        self.on_stream_frame: Callable[[RequestState, Frame], None] | None = None
 
     # -- workers --------------------------------------------------------------------------
     def attach(self, endpoint: Endpoint) -> Link:
         """A new worker link (its HELLO names it). Its frames arrive in ``self.inbox``."""
         link = Link(endpoint, self.secret, node=0, counters=self.counters)
-        if hasattr(endpoint, "max_payload"):  # a socket anyone may open: a handshake's worth, for a while
+        # a socket anyone may open: a handshake's worth, for a while
+        if hasattr(endpoint, "max_payload"):
             endpoint.max_payload = HANDSHAKE_PAYLOAD
             self.opened[endpoint] = self.clock()
         self.links[endpoint] = link
         return link
 
     def pending_links(self) -> int:
-        """Links attached that have not said HELLO yet (a listener refuses new ones past ``max_pending_links``)."""
+        """Links attached that have not said HELLO yet (a listener refuses new ones past
+        ``max_pending_links``)."""
         return len(self.opened)
 
     def drop(self, link: Link, counter: str, reason: str) -> None:
-        """Close a peer's link for ``reason`` (logged, counted); a worker behind it is handled as lost."""
+        """Close a peer's link for ``reason`` (logged, counted); a worker behind it is handled as
+        lost."""
         self.counters[counter] = self.counters.get(counter, 0) + 1
         log.warning("dropping %s: %s", link.peer_name(), reason)
         w = link.peer
@@ -139,33 +157,45 @@ class Coordinator:
         return [w for w in self.workers.values() if w.alive and w.role == role]
 
     # -- requests -------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt: list[int], max_tokens: int, *, tenant: str = "default",
-               cache_salt: str | None = None, weight: float = 1.0) -> None:
+    def submit(self, request_id: str, prompt: list[int], max_tokens: int, *,
+               tenant: str = "default", cache_salt: str | None = None, weight: float = 1.0) -> None:
         """Accept a request (greedy). Raises CoordinatorError, changing nothing, on bad input.
-        ``tenant``, ``cache_salt`` and ``weight`` go to the workers: sequences with other salts never share
-        prefix-cached blocks there, and the workers' fair queuing gives the tenant ``weight``."""
+        ``tenant``, ``cache_salt`` and ``weight`` go to the workers: sequences with other salts
+        never share prefix-cached blocks there, and the workers' fair queuing gives the tenant
+        ``weight``."""
         if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
-            raise CoordinatorError("request id must be a non-empty string of at most 256 characters")
+            raise CoordinatorError(
+                "request id must be a non-empty string of at most 256 characters"
+            )
         if not self.workers:
-            raise CoordinatorError("no worker has said HELLO yet: the model's vocabulary and context are unknown")
+            raise CoordinatorError("no worker has said HELLO yet: the model's vocabulary and "
+                                   "context are unknown")
         if request_id in self.requests:
             raise CoordinatorError(f"request id {request_id!r} is already in use")
-        if not isinstance(prompt, list) or not prompt or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in prompt):
-            raise CoordinatorError(f"prompt_token_ids must be a non-empty list of integers in [0, {self.vocab_size})")
+        if (
+            not isinstance(prompt, list)
+            or not prompt
+            or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size
+                for t in prompt
+            )
+        ):
+            raise CoordinatorError("prompt_token_ids must be a non-empty list of integers in [0, "
+                                   f"{self.vocab_size})")
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise CoordinatorError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         if len(prompt) >= self.max_context:
-            raise CoordinatorError(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_context}")
+            raise CoordinatorError(f"prompt of {len(prompt)} tokens does not fit the context of "
+                                   f"{self.max_context}")
         tenant_fields = {"tenant": tenant, "cache_salt": cache_salt, "weight": weight}
         try:
-            messages.check(Kind.REQUEST, {"id": "", "prompt": [], "max_tokens": 1, "eos_token_ids": [],
-                                          **tenant_fields})
+            messages.check(Kind.REQUEST, {"id": "", "prompt": [], "max_tokens": 1,
+                                          "eos_token_ids": [], **tenant_fields})
         except MessageError as e:
             raise CoordinatorError(f"tenant, cache salt or weight: {e}") from None
         now = self.clock()
-        req = RequestState(request_id, prompt, max_tokens, now, now + self.deadline_for(len(prompt), max_tokens),
-                           **tenant_fields)
+        req = RequestState(request_id, prompt, max_tokens, now,
+                           now + self.deadline_for(len(prompt), max_tokens), **tenant_fields)
         self.requests[request_id] = req
         self._route(req)
 
@@ -189,10 +219,16 @@ class Coordinator:
         done = req.tokens
         if req.attempts:  # a retry (migration): it goes on from the tokens already streamed
             if len(done) >= req.max_tokens or (done and done[-1] in self.eos):
-                return self._end(req, done, "length" if len(done) >= req.max_tokens else "stop", None)
+                return self._end(req, done, "length" if len(done) >= req.max_tokens else "stop",
+                                 None)
             self.counters["requests_migrated"] = self.counters.get("requests_migrated", 0) + 1
         d = choose_decode(decoders)
-        req.stream, req.attempts, req.decode, req.offset = next(self._streams), req.attempts + 1, d.node, len(done)
+        req.stream, req.attempts, req.decode, req.offset = (
+            next(self._streams),
+            req.attempts + 1,
+            d.node,
+            len(done),
+        )
         self.by_stream[req.stream] = req
         d.inflight_tokens += len(req.prompt) + req.max_tokens
         if not self._send(d, Kind.REQUEST, req.stream, self._request_body(req, d)):
@@ -204,18 +240,19 @@ class Coordinator:
                 "reason": "no prefill worker alive", "action": "recompute"}))
             return
         prompt = req.attempt_prompt()
-        p = choose_prefill(prefillers, prefix_keys(prompt, prefillers[0].block_size, req.cache_salt))
+        p = choose_prefill(prefillers, prefix_keys(prompt, prefillers[0].block_size,
+                                                   req.cache_salt))
         req.prefill = p.node
         p.inflight_tokens += len(prompt)
         self._send(p, Kind.REQUEST, req.stream, self._request_body(req, p))
 
     def _request_body(self, req: RequestState, w: Worker) -> bytes:
-        """The REQUEST payload for ``w``: the attempt's prompt and token budget (after a migration, the prompt
-        goes on with the tokens already streamed), with the tenant's fields for a worker of revision >= 1 (a
-        revision-0 worker refuses fields it does not know, so it gets the old REQUEST; it then shares its
-        prefix cache across tenants: logged when it says HELLO)."""
-        body = {"id": req.id, "prompt": req.attempt_prompt(), "max_tokens": req.max_tokens - req.offset,
-                "eos_token_ids": list(self.eos)}
+        """The REQUEST payload for ``w``: the attempt's prompt and token budget (after a migration,
+        the prompt goes on with the tokens already streamed), with the tenant's fields for a worker
+        of revision >= 1 (a revision-0 worker refuses fields it does not know, so it gets the old
+        REQUEST; it then shares its prefix cache across tenants: logged when it says HELLO)."""
+        body = {"id": req.id, "prompt": req.attempt_prompt(),
+                "max_tokens": req.max_tokens - req.offset, "eos_token_ids": list(self.eos)}
         if w.revision >= 1:
             body.update(tenant=req.tenant, cache_salt=req.cache_salt, weight=req.weight)
         return messages.dump(Kind.REQUEST, body)
@@ -224,9 +261,12 @@ class Coordinator:
         if req.result is not None:
             self.counters["late_finish"] = self.counters.get("late_finish", 0) + 1
             return
-        req.result = {"id": req.id, "output_token_ids": list(output), "finish_reason": reason, "error": error}
-        if req.prefill in self.workers:  # let the prefill worker close its side now (its ACK may have been lost)
-            self._send(self.workers[req.prefill], Kind.ABORT, req.stream, messages.dump(Kind.ABORT, {
+        req.result = {"id": req.id, "output_token_ids": list(output), "finish_reason": reason,
+                      "error": error}
+        # let the prefill worker close its side now (its ACK may have been lost)
+        if req.prefill in self.workers:
+            self._send(self.workers[req.prefill], Kind.ABORT, req.stream,
+                       messages.dump(Kind.ABORT, {
                 "reason": "request ended", "action": "cancel"}))
         self._release(req)
         if req in self.waiting:
@@ -235,7 +275,8 @@ class Coordinator:
     def _release(self, req: RequestState) -> None:
         """Forget the current attempt's load on its workers."""
         prompt_len = len(req.prompt) + req.offset
-        for node, tokens in ((req.prefill, prompt_len), (req.decode, len(req.prompt) + req.max_tokens)):
+        for node, tokens in ((req.prefill, prompt_len), (req.decode,
+                                                         len(req.prompt) + req.max_tokens)):
             w = self.workers.get(node) if node is not None else None
             if w is not None:
                 w.inflight_tokens = max(0, w.inflight_tokens - tokens)
@@ -270,14 +311,24 @@ class Coordinator:
         now = self.clock()
         for endpoint, since in list(self.opened.items()):
             if now - since > self.hello_timeout and endpoint in self.links:
-                self.drop(self.links[endpoint], "links_idle", f"no HELLO within {self.hello_timeout:.0f} s")
+                self.drop(self.links[endpoint], "links_idle",
+                          f"no HELLO within {self.hello_timeout:.0f} s")
         if self.injector is not None:
             self.injector.pump(now)
         for w in list(self.workers.values()):
             seen = self.last_seen.get(w.link.endpoint)
-            if self.lease_s and w.alive and w.bye is None and seen is not None and now - seen > self.lease_s:
-                self.counters["worker_leases_expired"] = self.counters.get("worker_leases_expired", 0) + 1
-                log.warning("node %d (%s) sent nothing for %.0f s: treated as lost", w.node, w.role, self.lease_s)
+            if (
+                self.lease_s
+                and w.alive
+                and w.bye is None
+                and seen is not None
+                and now - seen > self.lease_s
+            ):
+                self.counters["worker_leases_expired"] = (
+                    self.counters.get("worker_leases_expired", 0) + 1
+                )
+                log.warning("node %d (%s) sent nothing for %.0f s: treated as lost", w.node, w.role,
+                            self.lease_s)
                 if self.on_lease_expired is not None:
                     self.on_lease_expired(w)
                 self._lost(w)
@@ -285,7 +336,8 @@ class Coordinator:
             if req.result is None and now > req.deadline:
                 self.counters["deadline_exceeded"] = self.counters.get("deadline_exceeded", 0) + 1
                 self._abort_stream(req, "cancel", "deadline exceeded")
-                self._end(req, req.tokens, "error", f"deadline of {req.deadline - req.arrival:.1f} s exceeded")
+                self._end(req, req.tokens, "error", f"deadline of {req.deadline - req.arrival:.1f} "
+                                                    "s exceeded")
         for req in list(self.waiting):
             if self.live("decode"):
                 self.waiting.remove(req)
@@ -316,7 +368,8 @@ class Coordinator:
             return self._hello(link, frame)
         w = link.peer
         if not isinstance(w, Worker) or frame.src != w.node:
-            link.refuse("frames_from_unknown_node", f"a {frame.kind.name} frame from node {frame.src}, "
+            link.refuse("frames_from_unknown_node", f"a {frame.kind.name} frame from node "
+                                                    f"{frame.src}, "
                         f"which is not this link's worker")
             return
         if frame.kind is Kind.HEARTBEAT:
@@ -336,8 +389,12 @@ class Coordinator:
             link.refuse("hello_refused", f"HELLO from node {frame.src} (body says {body['node']}): "
                         "a node id that is taken or does not match")
             return
-        if self.workers and (body["vocab_size"], tuple(body["eos_token_ids"])) != (self.vocab_size, self.eos):
-            link.refuse("hello_refused", f"HELLO from node {frame.src} for another model (vocabulary "
+        if self.workers and (body["vocab_size"], tuple(body["eos_token_ids"])) != (
+            self.vocab_size,
+            self.eos,
+        ):
+            link.refuse("hello_refused", f"HELLO from node {frame.src} for another model "
+                                         "(vocabulary "
                         f"{body['vocab_size']}, eos {body['eos_token_ids']})")
             return
         self.vocab_size, self.eos = body["vocab_size"], tuple(body["eos_token_ids"])
@@ -345,8 +402,10 @@ class Coordinator:
         w = Worker(frame.src, body["role"], link, body["layout"]["block_size"], body["num_blocks"],
                    free_blocks=body["num_blocks"], revision=body.get("revision", 0))
         if w.revision < 1:
-            log.warning("worker %d speaks revision %d of the control payloads: it is not told requests' tenants, "
-                        "so tenants share its prefix cache and its scheduler weighs them alike", w.node, w.revision)
+            log.warning("worker %d speaks revision %d of the control payloads: it is not told "
+                        "requests' tenants, "
+                        "so tenants share its prefix cache and its scheduler weighs them alike",
+                        w.node, w.revision)
         link.peer = w
         self.workers[w.node] = w
         self.accounting.joined(w.node, w.role, body["pid"])
@@ -357,7 +416,9 @@ class Coordinator:
     def _stream_frame(self, w: Worker, frame: Frame) -> None:
         req = self.by_stream.get(frame.stream)
         if req is None or req.result is not None:
-            self.counters["frames_for_old_streams"] = self.counters.get("frames_for_old_streams", 0) + 1
+            self.counters["frames_for_old_streams"] = (
+                self.counters.get("frames_for_old_streams", 0) + 1
+            )
             return
         self.accounting.count(w, req.decode, frame, self.clock())
         if w.role == "prefill" and frame.kind in (Kind.MANIFEST, Kind.KV, Kind.DONE, Kind.ABORT):
@@ -371,7 +432,8 @@ class Coordinator:
             self._forward(req.prefill, frame)
         elif w.role == "decode" and frame.kind is Kind.TOKEN:
             body = messages.load(Kind.TOKEN, frame.payload)
-            if body["index"] == len(req.tokens) - req.offset:  # the attempt counts from its own first token
+            # the attempt counts from its own first token
+            if body["index"] == len(req.tokens) - req.offset:
                 req.tokens.append(body["token"])
                 req.token_times.append(self.clock())
                 req.token_cpu.append(body["cpu_us"] / 1e6)
@@ -380,7 +442,8 @@ class Coordinator:
             req.recomputed = bool(body["recomputed"])
             if body["finish_reason"] == "error":
                 self._abort_stream(req, "cancel", "decode worker failed the request")
-            self._end(req, req.tokens[:req.offset] + body["output"], body["finish_reason"], body["error"])
+            self._end(req, req.tokens[:req.offset] + body["output"], body["finish_reason"],
+                      body["error"])
         if self.on_stream_frame is not None and req.result is None:
             self.on_stream_frame(req, frame)
 
@@ -397,7 +460,8 @@ class Coordinator:
             self._lost(w)
 
     def _lost(self, w: Worker) -> None:
-        """A worker's link closed: it died or was killed. Its requests go on elsewhere (see module doc)."""
+        """A worker's link closed: it died or was killed. Its requests go on elsewhere (see module
+        doc)."""
         if not w.alive:
             return
         w.alive = False
@@ -421,7 +485,8 @@ class Coordinator:
                     self.counters["requests_retried"] = self.counters.get("requests_retried", 0) + 1
                     self._route(req)
                 else:
-                    self._end(req, req.tokens, "error", f"decode worker lost after {req.attempts} attempts")
+                    self._end(req, req.tokens, "error", f"decode worker lost after {req.attempts} "
+                                                        "attempts")
         if self.on_worker_lost is not None and not self.shutting_down:
             self.on_worker_lost(w)
 

@@ -14,19 +14,19 @@ Per request (a *stream*), ``PROTOCOL.md`` section 5:
   ABORT(recompute) from the sender or the coordinator, or ``stream_timeout`` without a frame while
   receiving: recompute locally. ABORT(cancel): drop the request and free its blocks.
 
-Installing a prompt's KV (decoding each KV frame into the cache, then the digest over every layer) is
-work in the decode loop, between two decode steps: done all at once, it lengthens the gap between two
-tokens of every running sequence (measured for SmolLM2 at 384 prompt tokens, fp32: ~35 ms next to a
-~60 ms decode step). So KV and DONE frames are acknowledged at once but installed from a queue, a
-bounded share of the last step's time before each step (``install_share``; each KV frame and each
-layer of the digest is one unit): the running sequences' gaps grow by at most that share, and the new
-sequence joins a few steps later. With nothing running there is nobody to delay, and the queue is
-drained at once. ``install_share=None`` installs each frame as it arrives. The worker counts what
+Installing a prompt's KV (decoding each KV frame into the cache, then the digest over every layer)
+is work in the decode loop, between two decode steps: done all at once, it lengthens the gap between
+two tokens of every running sequence (measured for SmolLM2 at 384 prompt tokens, fp32: ~35 ms next
+to a ~60 ms decode step). So KV and DONE frames are acknowledged at once but installed from a queue,
+a bounded share of the last step's time before each step (``install_share``; each KV frame and each
+layer of the digest is one unit): the running sequences' gaps grow by at most that share, and the
+new sequence joins a few steps later. With nothing running there is nobody to delay, and the queue
+is drained at once. ``install_share=None`` installs each frame as it arrives. The worker counts what
 installing cost and where: ``kv_install_us`` (CPU microseconds in all), and of it what ran while
-sequences waited for their next token: ``kv_install_blocking_us``, ``kv_install_blocking_steps`` (steps
-it delayed) and ``kv_install_blocking_us_max`` (the most before one step), next to ``decode_step_us``
-and ``decode_steps`` (the steps themselves); ``kv_install_deferred`` counts the units queued because
-sequences were running.
+sequences waited for their next token: ``kv_install_blocking_us``, ``kv_install_blocking_steps``
+(steps it delayed) and ``kv_install_blocking_us_max`` (the most before one step), next to
+``decode_step_us`` and ``decode_steps`` (the steps themselves); ``kv_install_deferred`` counts the
+units queued because sequences were running.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ class DecodeStream:
     seq: SchedSequence
     state: str = "expected"  # -> "receiving" -> "running" -> removed
     layout: KVLayout | None = None
-    covered: np.ndarray | None = None  # bool [layers, prompt_len]: which K/V have landed (or were cached)
+    # bool [layers, prompt_len]: which K/V have landed (or were cached)
+    covered: np.ndarray | None = None
     cached: int = 0
     last_activity: float = 0.0
     recomputed: bool = False
@@ -67,9 +68,11 @@ class DecodeWorker(WorkerBase):
     role = "decode"
 
     def __init__(self, model: LlamaModel, link: Link, *, model_digest: str, num_blocks: int = 512,
-                 block_size: int = 16, kv_dtype: str = "float32", wires: tuple[str, ...] = ("fp32", "bf16", "fp8"),
-                 max_num_batched_tokens: int = 256, max_num_seqs: int = 32, stream_timeout: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic, install_share: float | None = 0.25) -> None:
+                 block_size: int = 16, kv_dtype: str = "float32",
+                 wires: tuple[str, ...] = ("fp32", "bf16", "fp8"),
+                 max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
+                 stream_timeout: float = 60.0, clock: Callable[[], float] = time.monotonic,
+                 install_share: float | None = 0.25) -> None:
         self.model, self.link, self.digest, self.clock = model, link, model_digest, clock
         c = model.config
         self.block_size, self.wires = block_size, wires
@@ -77,13 +80,17 @@ class DecodeWorker(WorkerBase):
         self.cache = self.runner.cache  # KV lands here from the wire
         self.block_manager = BlockManager(num_blocks, block_size)
         self.max_model_len = min(c.max_position, num_blocks * block_size)
-        self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_batched_tokens, max_num_seqs,
-                                                                       self.max_model_len), self.fair_queuing())
+        self.scheduler = Scheduler(
+            self.block_manager,
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len),
+            self.fair_queuing(),
+        )
         self.streams: dict[int, DecodeStream] = {}
         self.stream_timeout = stream_timeout
         self.counters = link.counters
         self.install_share = install_share
-        self.installs: deque[Iterator[None]] = deque()  # KV and DONE work not done yet, in arrival order
+        # KV and DONE work not done yet, in arrival order
+        self.installs: deque[Iterator[None]] = deque()
         self.install_s = 0.0  # CPU seconds of install work since the last step
         self.last_step_s = 0.0
 
@@ -124,10 +131,12 @@ class DecodeWorker(WorkerBase):
                                 **self.tenant_of(body))
             if max(seq.prompt_token_ids) >= self.model.config.vocab_size or \
                     seq.num_prompt_tokens >= self.max_model_len:
-                raise RequestError(f"prompt ids must be < {self.model.config.vocab_size} and the prompt shorter "
+                raise RequestError(f"prompt ids must be < {self.model.config.vocab_size} and the "
+                                   "prompt shorter "
                                    f"than {self.max_model_len} tokens")
         except RequestError as e:
-            return self._finish_message(frame.stream, body["id"], [], "error", f"decode worker refused: {e}")
+            return self._finish_message(frame.stream, body["id"], [], "error",
+                                        f"decode worker refused: {e}")
         st = DecodeStream(frame.stream, body["id"], seq, last_activity=self.clock())
         seq.request = st
         self.streams[st.stream] = st
@@ -143,15 +152,21 @@ class DecodeWorker(WorkerBase):
             problem = "no free KV blocks on the decode worker"
         if problem is not None:
             self.link.count("manifests_refused")
-            self.link.send(Kind.ABORT, st.stream, messages.dump(Kind.ABORT, {"reason": problem, "action": "refused"}))
+            self.link.send(
+                Kind.ABORT,
+                st.stream,
+                messages.dump(Kind.ABORT, {"reason": problem, "action": "refused"}),
+            )
             return self._admit(st, first_token=None)
         lay = body["layout"]
-        st.layout = KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"], lay["block_size"], lay["wire"])
+        st.layout = KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"],
+                             lay["block_size"], lay["wire"])
         bm, seq = self.block_manager, st.seq
         bm.allocate(seq)
         seq.num_computed_tokens = seq.num_cached_tokens
         for src, dst in bm.may_append(seq, seq.num_prompt_tokens - seq.num_computed_tokens):
-            self.cache.copy_block(src, dst)  # a cached block that the received positions would write into
+            # a cached block that the received positions would write into
+            self.cache.copy_block(src, dst)
         st.cached = seq.num_cached_tokens
         st.covered = np.zeros((st.layout.num_layers, seq.num_prompt_tokens), dtype=bool)
         st.covered[:, :st.cached] = True
@@ -169,13 +184,18 @@ class DecodeWorker(WorkerBase):
             if lay[name] != value:
                 return f"layout mismatch: {name} is {lay[name]} there, {value} here"
         if lay["wire"] not in self.wires:
-            return f"wire dtype {lay['wire']!r} not accepted here (accepted: {', '.join(self.wires)})"
+            return (
+                f"wire dtype {lay['wire']!r} not accepted here (accepted: {', '.join(self.wires)})"
+            )
         expected_rule = "pow2-per-block-head" if lay["wire"] == "fp8" else "none"
         if lay["scale_rule"] != expected_rule:
             return f"scale rule {lay['scale_rule']!r} does not go with wire dtype {lay['wire']!r}"
         if body["id"] != st.request_id or body["prompt_len"] != st.seq.num_prompt_tokens:
-            return "manifest does not describe the request this stream carries (id or prompt length)"
-        keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.block_size, st.seq.cache_salt)]
+            return (
+                "manifest does not describe the request this stream carries (id or prompt length)"
+            )
+        keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.block_size,
+                                             st.seq.cache_salt)]
         if body["prefix_keys"] != keys:
             return "prefix-block keys disagree with the keys computed here from the prompt"
         return None
@@ -183,14 +203,16 @@ class DecodeWorker(WorkerBase):
     # -- installing received KV -----------------------------------------------------------
     def _queue(self, work: Iterator[None]) -> None:
         self.installs.append(work)
-        if self.install_share is None or not self.scheduler.running:  # nobody's next token waits for it
+        # nobody's next token waits for it
+        if self.install_share is None or not self.scheduler.running:
             self._install(float("inf"))
         else:
             self.link.count("kv_install_deferred")
 
     def _install(self, budget_s: float) -> None:
-        """Run queued install work for up to ``budget_s`` CPU seconds (at least one unit, if any). Its time
-        counts as ``kv_install_us``; with sequences running, also as blocking their next token."""
+        """Run queued install work for up to ``budget_s`` CPU seconds (at least one unit, if any).
+        Its time counts as ``kv_install_us``; with sequences running, also as blocking their next
+        token."""
         if not self.installs:
             return
         start = time.process_time()
@@ -232,7 +254,8 @@ class DecodeWorker(WorkerBase):
             self.link.count("done_refused")
             return self._admit(st, first_token=None)
         if st.layout.wire == "fp32" and self._landed(st) == st.seq.num_prompt_tokens:
-            mine = yield from kv_digest_by_layer(self.cache, st.seq.block_table, st.seq.num_prompt_tokens)
+            mine = yield from kv_digest_by_layer(self.cache, st.seq.block_table,
+                                                 st.seq.num_prompt_tokens)
             if st.state != "receiving":  # aborted or cancelled while the digest was computed
                 return
             if mine != body["kv_digest"]:
@@ -286,30 +309,38 @@ class DecodeWorker(WorkerBase):
 
     # -- frames out -----------------------------------------------------------------------
     def _ack(self, st: DecodeStream, of: str) -> None:
-        self.link.send(Kind.ACK, st.stream, messages.dump(Kind.ACK, {"of": of, "cached_tokens": st.cached}))
+        self.link.send(
+            Kind.ACK, st.stream, messages.dump(Kind.ACK, {"of": of, "cached_tokens": st.cached})
+        )
 
     def _token(self, st: DecodeStream, token: int) -> None:
         self.link.send(Kind.TOKEN, st.stream, messages.dump(Kind.TOKEN, {
-            "index": st.seq.num_output_tokens - 1, "token": token, "cpu_us": int(time.process_time() * 1e6)}))
+            "index": st.seq.num_output_tokens - 1, "token": token,
+            "cpu_us": int(time.process_time() * 1e6)}))
 
     def _end(self, st: DecodeStream, reason: str, error: str | None) -> None:
         """The request is over here: free what it holds, tell the coordinator."""
         if self.scheduler.abort(st.seq.seq_id, self.clock()) is None and st.seq.block_table:
             self.block_manager.free(st.seq)
-        self._finish_message(st.stream, st.request_id, st.seq.output_token_ids, reason, error, st.recomputed)
+        self._finish_message(st.stream, st.request_id, st.seq.output_token_ids, reason, error,
+                             st.recomputed)
         self.streams.pop(st.stream, None)
 
-    def _finish_message(self, stream: int, request_id: str, output: list[int], reason: str, error: str | None,
-                        recomputed: bool = False) -> None:
+    def _finish_message(self, stream: int, request_id: str, output: list[int], reason: str,
+                        error: str | None, recomputed: bool = False) -> None:
         self.link.send(Kind.FINISH, stream, messages.dump(Kind.FINISH, {
             "id": request_id, "output": list(output), "finish_reason": reason, "error": error,
             "recomputed": int(recomputed)}))
 
     # -- the loop -------------------------------------------------------------------------
     def tick(self) -> bool:
-        running = bool(self.scheduler.running)  # whose tokens an install before the step would delay
-        self._install(self.install_share * self.last_step_s if running and self.install_share is not None
-                      else float("inf"))
+        # whose tokens an install before the step would delay
+        running = bool(self.scheduler.running)
+        self._install(
+            self.install_share * self.last_step_s
+            if running and self.install_share is not None
+            else float("inf")
+        )
         now = self.clock()
         for st in list(self.streams.values()):
             if st.state == "receiving" and now - st.last_activity > self.stream_timeout:
@@ -326,10 +357,13 @@ class DecodeWorker(WorkerBase):
             us = int(self.install_s * 1e6)
             self.link.count("kv_install_blocking_us", us)
             self.link.count("kv_install_blocking_steps")
-            self.counters["kv_install_blocking_us_max"] = max(self.counters.get("kv_install_blocking_us_max", 0), us)
+            self.counters["kv_install_blocking_us_max"] = max(
+                self.counters.get("kv_install_blocking_us_max", 0), us
+            )
             self.install_s = 0.0
         batch, logits = ran
-        tokens = [int(np.argmax(lg)) if e.needs_sample else None for e, lg in zip(batch.entries, logits, strict=True)]
+        tokens = [int(np.argmax(lg)) if e.needs_sample else None for e,
+                  lg in zip(batch.entries, logits, strict=True)]
         self.scheduler.postprocess(batch, tokens, self.clock())
         for e, token in zip(batch.entries, tokens, strict=True):
             st: DecodeStream = e.seq.request
@@ -337,8 +371,8 @@ class DecodeWorker(WorkerBase):
                 continue
             self._token(st, token)
             if e.seq.is_finished:
-                self._finish_message(st.stream, st.request_id, e.seq.output_token_ids, e.seq.finish_reason,
-                                     None, st.recomputed)
+                self._finish_message(st.stream, st.request_id, e.seq.output_token_ids,
+                                     e.seq.finish_reason, None, st.recomputed)
                 del self.streams[st.stream]
         self.last_step_s = time.process_time() - start
         self.link.count("decode_step_us", int(self.last_step_s * 1e6))
@@ -346,4 +380,7 @@ class DecodeWorker(WorkerBase):
         return True
 
     def inflight_tokens(self) -> int:
-        return sum(s.num_prompt_tokens + s.max_tokens for s in (*self.scheduler.waiting, *self.scheduler.running))
+        return sum(
+            s.num_prompt_tokens + s.max_tokens
+            for s in (*self.scheduler.waiting, *self.scheduler.running)
+        )

@@ -14,26 +14,33 @@ from reference.disagg.frames import HEADER_SIZE, Frame, Kind
 from reference.disagg.transport import Link
 
 FAULTS: dict[str, str] = {
-    "drop": "a handoff frame is lost -> the decode worker computes what is missing itself (same output)",
+    "drop": "a handoff frame is lost -> the decode worker computes what is missing itself (same "
+            "output)",
     "delay": "a handoff frame arrives late (up to 50 ms) -> no effect on the output",
     "duplicate": "a handoff frame arrives twice -> the copy is refused by its sequence number",
     "reorder": "a handoff frame overtakes the next one -> KV frames land by position; no effect",
     "flip": "one bit of a handoff frame flips -> the tag check refuses it; as drop",
-    "stall": "the handshake stalls (MANIFEST held 2 s) -> the prefill worker gives up (ABORT) and the decode "
+    "stall": "the handshake stalls (MANIFEST held 2 s) -> the prefill worker gives up (ABORT) and "
+             "the decode "
              "worker computes the prompt itself",
-    "kill-prefill": "a prefill worker is killed (SIGKILL) mid-transfer and restarted -> its requests are "
+    "kill-prefill": "a prefill worker is killed (SIGKILL) mid-transfer and restarted -> its "
+                    "requests are "
                     "computed by their decode workers",
-    "kill-decode": "a decode worker is killed (SIGKILL) while decoding and restarted -> its requests migrate "
-                   "to a live decode worker, going on from the tokens already streamed (2 attempts), else fail "
+    "kill-decode": "a decode worker is killed (SIGKILL) while decoding and restarted -> its "
+                   "requests migrate "
+                   "to a live decode worker, going on from the tokens already streamed (2 "
+                   "attempts), else fail "
                    "with an error",
-    "abort": "a request is cancelled after its transfer started -> it ends with finish_reason 'abort'; "
+    "abort": "a request is cancelled after its transfer started -> it ends with finish_reason "
+             "'abort'; "
              "every worker frees its blocks",
 }
 FRAME_FAULTS = ("drop", "delay", "duplicate", "reorder", "flip", "stall")
 
 
 def parse_faults(spec: str | None) -> list[str]:
-    """``"drop,flip"`` -> ["drop", "flip"]; an unknown name raises ValueError listing the known ones."""
+    """``"drop,flip"`` -> ["drop", "flip"]; an unknown name raises ValueError listing the known
+    ones."""
     names = [s.strip() for s in (spec or "").split(",") if s.strip()]
     for n in names:
         if n not in FAULTS:
@@ -42,7 +49,8 @@ def parse_faults(spec: str | None) -> list[str]:
 
 
 class FaultInjector:
-    """Forwards handoff frames, sometimes not as asked. ``rate``: chance per frame of each frame fault."""
+    """Forwards handoff frames, sometimes not as asked. ``rate``: chance per frame of each frame
+    fault."""
 
     def __init__(self, faults: list[str], seed: int, rate: float = 0.15, delay_s: float = 0.05,
                  stall_s: float = 2.0) -> None:
@@ -69,7 +77,8 @@ class FaultInjector:
         if fault == "drop":
             return
         if fault == "flip":
-            bit = self.rng.randrange(HEADER_SIZE * 8, len(data) * 8)  # past the header: framing stays intact
+            # past the header: framing stays intact
+            bit = self.rng.randrange(HEADER_SIZE * 8, len(data) * 8)
             flipped = bytearray(data)
             flipped[bit // 8] ^= 1 << (bit % 8)
             return self._send(link, bytes(flipped))

@@ -6,9 +6,9 @@ A frame is a 28-byte header, a payload and a 32-byte HMAC-SHA256 tag:
     payload (length bytes)
     tag = HMAC-SHA256(secret, header || payload)
 
-all integers little-endian. ``src`` is the sender's node id, ``stream`` the request attempt the frame
-belongs to (0 for link-level frames), ``seq`` counts the sender's frames from 0, ``crc32`` is zlib's
-CRC-32 of the payload. A receiver checks, in this order and before it reads the payload: the
+all integers little-endian. ``src`` is the sender's node id, ``stream`` the request attempt the
+frame belongs to (0 for link-level frames), ``seq`` counts the sender's frames from 0, ``crc32`` is
+zlib's CRC-32 of the payload. A receiver checks, in this order and before it reads the payload: the
 magic, the version, the kind, that length <= MAX_PAYLOAD and that exactly that many bytes came,
 the tag (constant-time compare), the CRC. Any failure raises ``FrameError`` naming the field.
 """
@@ -62,23 +62,28 @@ class Frame:
     raw: bytes = b""  # the frame's bytes as received (a coordinator forwards them unchanged)
 
 
-def encode_frame(*, kind: Kind, src: int, stream: int, seq: int, payload: bytes, secret: bytes) -> bytes:
+def encode_frame(*, kind: Kind, src: int, stream: int, seq: int, payload: bytes,
+                 secret: bytes) -> bytes:
     """The bytes of one frame, tag included."""
     if len(payload) > MAX_PAYLOAD:
         raise FrameError(f"payload of {len(payload)} bytes exceeds the limit of {MAX_PAYLOAD}")
-    header = HEADER.pack(MAGIC, VERSION, int(kind), src, stream, seq, len(payload), zlib.crc32(payload))
+    header = HEADER.pack(MAGIC, VERSION, int(kind), src, stream, seq, len(payload),
+                         zlib.crc32(payload))
     return header + payload + hmac.new(secret, header + payload, hashlib.sha256).digest()
 
 
 def parse_header(header: bytes) -> tuple[Kind, int, int, int, int, int]:
-    """(kind, src, stream, seq, payload length, crc) of a header; checks magic, version, kind, length."""
+    """(kind, src, stream, seq, payload length, crc) of a header; checks magic, version, kind,
+    length."""
     if len(header) < HEADER_SIZE:
         raise FrameError(f"truncated header: {len(header)} of {HEADER_SIZE} bytes")
     magic, version, kind, src, stream, seq, length, crc = HEADER.unpack_from(header)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}: not a frame of this protocol")
     if version != VERSION:
-        raise FrameError(f"protocol version {version} is not supported (this side speaks {VERSION})")
+        raise FrameError(
+            f"protocol version {version} is not supported (this side speaks {VERSION})"
+        )
     try:
         kind = Kind(kind)
     except ValueError:
@@ -89,18 +94,22 @@ def parse_header(header: bytes) -> tuple[Kind, int, int, int, int, int]:
 
 
 def frame_size(header: bytes) -> int:
-    """Total bytes of the frame that starts with ``header`` (validated): what a stream reader reads."""
+    """Total bytes of the frame that starts with ``header`` (validated): what a stream reader
+    reads."""
     return HEADER_SIZE + parse_header(header)[4] + TAG_SIZE
 
 
 def decode_frame(data: bytes, secret: bytes) -> Frame:
-    """Check and parse one whole frame. Raises FrameError; never returns an unauthenticated frame."""
+    """Check and parse one whole frame. Raises FrameError; never returns an unauthenticated
+    frame."""
     kind, src, stream, seq, length, crc = parse_header(data)
     if len(data) != HEADER_SIZE + length + TAG_SIZE:
-        raise FrameError(f"frame of {len(data)} bytes, its header says {HEADER_SIZE + length + TAG_SIZE}")
+        raise FrameError(f"frame of {len(data)} bytes, its header says "
+                         f"{HEADER_SIZE + length + TAG_SIZE}")
     body, tag = data[:HEADER_SIZE + length], data[HEADER_SIZE + length:]
     if not hmac.compare_digest(tag, hmac.new(secret, body, hashlib.sha256).digest()):
-        raise FrameError("authentication failed: the tag does not match (other secret, or corrupted)")
+        raise FrameError("authentication failed: the tag does not match (other secret, or "
+                         "corrupted)")
     payload = body[HEADER_SIZE:]
     if zlib.crc32(payload) != crc:
         raise FrameError("payload checksum mismatch")
@@ -108,7 +117,8 @@ def decode_frame(data: bytes, secret: bytes) -> Frame:
 
 
 class ReplayGuard:
-    """Refuses a frame whose (src, seq) was already accepted, or is too old to tell (duplicates, replays).
+    """Refuses a frame whose (src, seq) was already accepted, or is too old to tell (duplicates,
+    replays).
 
     Frames may arrive out of order: per sender it keeps the highest seq seen and the set of seqs
     accepted within ``window`` below it.

@@ -42,7 +42,9 @@ def text(max_len: int = 256) -> Check:
 
 def number(lo: float, hi: float) -> Check:
     """A finite int or float in (lo, hi]."""
-    return lambda v: isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and lo < v <= hi
+    return lambda v: (
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and lo < v <= hi
+    )
 
 
 def integers(lo: int = 0, hi: int = U32, max_len: int = MAX_TOKENS_IN_MESSAGE) -> Check:
@@ -52,8 +54,16 @@ def integers(lo: int = 0, hi: int = U32, max_len: int = MAX_TOKENS_IN_MESSAGE) -
 
 def hex_keys(nbytes: int = 16) -> Check:
     def check(v: Any) -> bool:
-        return isinstance(v, list) and len(v) <= MAX_TOKENS_IN_MESSAGE and all(
-            isinstance(x, str) and len(x) == 2 * nbytes and all(c in "0123456789abcdef" for c in x) for x in v)
+        return (
+            isinstance(v, list)
+            and len(v) <= MAX_TOKENS_IN_MESSAGE
+            and all(
+                isinstance(x, str)
+                and len(x) == 2 * nbytes
+                and all(c in "0123456789abcdef" for c in x)
+                for x in v
+            )
+        )
     return check
 
 
@@ -66,11 +76,17 @@ def optional(check: Check) -> Check:
 
 
 def counters(v: Any) -> bool:
-    return isinstance(v, dict) and len(v) <= 64 and all(isinstance(k, str) and len(k) <= 64 and integer(0, 1 << 62)(x)
-                                                        for k, x in v.items())
+    return (
+        isinstance(v, dict)
+        and len(v) <= 64
+        and all(
+            isinstance(k, str) and len(k) <= 64 and integer(0, 1 << 62)(x) for k, x in v.items()
+        )
+    )
 
 
-LAYOUT = {"num_layers": integer(1, 4096), "num_kv_heads": integer(1, 4096), "head_dim": integer(1, 65536),
+LAYOUT = {"num_layers": integer(1, 4096), "num_kv_heads": integer(1, 4096),
+          "head_dim": integer(1, 65536),
           "block_size": integer(1, 65536), "wire": one_of("fp32", "bf16", "fp8"),
           "scale_rule": one_of("none", "pow2-per-block-head")}
 
@@ -80,25 +96,54 @@ def layout_check(v: Any) -> bool:
 
 
 SCHEMAS: dict[Kind, dict[str, Check]] = {
-    Kind.HELLO: {"role": one_of("prefill", "decode"), "node": integer(1, 65535), "model_digest": text(64),
-                 "layout": layout_check, "num_blocks": integer(1, U32), "pid": integer(0, U32),
-                 "vocab_size": integer(1, U32), "max_context": integer(1, U32), "eos_token_ids": integers(max_len=64),
-                 "revision": integer(0, 255)},
-    Kind.REQUEST: {"id": text(), "prompt": integers(), "max_tokens": integer(1, U32),
-                   "eos_token_ids": integers(max_len=64), "tenant": text(), "cache_salt": optional(text()),
-                   "weight": number(0.0, 1e6)},
-    Kind.MANIFEST: {"id": text(), "prompt_len": integer(1, U32), "prefix_keys": hex_keys(),
-                    "model_digest": text(64), "layout": layout_check},
+    Kind.HELLO: {
+        "role": one_of("prefill", "decode"),
+        "node": integer(1, 65535),
+        "model_digest": text(64),
+        "layout": layout_check,
+        "num_blocks": integer(1, U32),
+        "pid": integer(0, U32),
+        "vocab_size": integer(1, U32),
+        "max_context": integer(1, U32),
+        "eos_token_ids": integers(max_len=64),
+        "revision": integer(0, 255),
+    },
+    Kind.REQUEST: {
+        "id": text(),
+        "prompt": integers(),
+        "max_tokens": integer(1, U32),
+        "eos_token_ids": integers(max_len=64),
+        "tenant": text(),
+        "cache_salt": optional(text()),
+        "weight": number(0.0, 1e6),
+    },
+    Kind.MANIFEST: {
+        "id": text(),
+        "prompt_len": integer(1, U32),
+        "prefix_keys": hex_keys(),
+        "model_digest": text(64),
+        "layout": layout_check,
+    },
     Kind.DONE: {"first_token": integer(), "kv_frames": integer(), "kv_digest": text(64)},
     Kind.ABORT: {"reason": text(512), "action": one_of("cancel", "recompute", "refused")},
     Kind.ACK: {"of": one_of("manifest", "done"), "cached_tokens": integer()},
     Kind.HEARTBEAT: {"free_blocks": integer(), "inflight_tokens": integer()},
     Kind.TOKEN: {"index": integer(), "token": integer(), "cpu_us": integer(0, 1 << 62)},
-    Kind.FINISH: {"id": text(), "output": integers(), "finish_reason": one_of("stop", "length", "abort", "error"),
-                  "error": optional(text(1024)), "recomputed": integer(0, 1)},
+    Kind.FINISH: {
+        "id": text(),
+        "output": integers(),
+        "finish_reason": one_of("stop", "length", "abort", "error"),
+        "error": optional(text(1024)),
+        "recomputed": integer(0, 1),
+    },
     Kind.SHUTDOWN: {},
-    Kind.BYE: {"free_blocks": integer(), "total_blocks": integer(), "live_streams": integer(),
-               "live_sequences": integer(), "counters": counters},
+    Kind.BYE: {
+        "free_blocks": integer(),
+        "total_blocks": integer(),
+        "live_streams": integer(),
+        "live_sequences": integer(),
+        "counters": counters,
+    },
 }
 
 # fields of revision 1 that a payload may leave out (a revision-0 peer never sends them)
@@ -107,7 +152,8 @@ OPTIONAL: dict[Kind, frozenset[str]] = {Kind.HELLO: frozenset({"revision"}),
 
 
 def dump(kind: Kind, body: dict[str, Any]) -> bytes:
-    """The payload of a control frame (checked here too, so a bug never sends what a peer refuses)."""
+    """The payload of a control frame (checked here too, so a bug never sends what a peer
+    refuses)."""
     check(kind, body)
     return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
@@ -128,9 +174,14 @@ def check(kind: Kind, body: Any) -> None:
         raise MessageError(f"{kind.name} frames carry no JSON payload")
     if not isinstance(body, dict):
         raise MessageError(f"{kind.name} payload must be a JSON object")
-    extra, missing = set(body) - set(schema), set(schema) - set(body) - OPTIONAL.get(kind, frozenset())
+    extra, missing = (
+        set(body) - set(schema),
+        set(schema) - set(body) - OPTIONAL.get(kind, frozenset()),
+    )
     if extra or missing:
-        raise MessageError(f"{kind.name} payload: unexpected fields {sorted(extra)}, missing {sorted(missing)}")
+        raise MessageError(f"{kind.name} payload: unexpected fields {sorted(extra)}, missing "
+                           f"{sorted(missing)}")
     for name, ok in schema.items():
         if name in body and not ok(body[name]):
-            raise MessageError(f"{kind.name} payload: field {name!r} has a bad value {str(body[name])[:80]!r}")
+            raise MessageError(f"{kind.name} payload: field {name!r} has a bad value "
+                               f"{str(body[name])[:80]!r}")

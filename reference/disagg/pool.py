@@ -3,17 +3,18 @@
     with ProcessPool("smollm2", num_prefill=1, num_decode=1) as pool:   # run_requests: batch.py
         results = run_requests(pool, [{"id": "a", "prompt_token_ids": [...], "max_tokens": 16}])
 
-Both kinds have ``coordinator``, ``pump()`` (one round of work), ``kill(node)`` and ``close()``. A lost
-worker (its link closed, or its lease ran out: then it is killed first) is restarted, at most 8 times a
-minute, and rejoins with a fresh node id; ``ProcessPool`` also serves workers already running on other
-hosts (``remote``: ``python -m reference.disagg worker --listen HOST:PORT``), reconnecting to a lost one
-every second until it answers. The batch command and the endpoint (``serve/disagg.py``) both run on
-``ProcessPool``. Worker processes are started with ``python -m reference.disagg worker --secret-stdin
-...``, read the shared secret from a pipe on their stdin (never the command line, nor the environment,
-which other users' tools read in ``/proc/PID/environ``), load their model, connect to 127.0.0.1, and exit
-when the link closes, so none outlives its coordinator. ``close()`` asks each to stop, then kills and
-reaps what is left. The listener refuses a connection (logged) while ``max_pending_links`` links have not
-said HELLO.
+Both kinds have ``coordinator``, ``pump()`` (one round of work), ``kill(node)`` and ``close()``. A
+lost worker (its link closed, or its lease ran out: then it is killed first) is restarted, at most 8
+times a minute, and rejoins with a fresh node id; ``ProcessPool`` also serves workers already
+running on other hosts (``remote``: ``python -m reference.disagg worker --listen HOST:PORT``),
+reconnecting to a lost one every second until it answers. The batch command and the endpoint
+(``serve/disagg.py``) both run on
+``ProcessPool``. Worker processes are started with
+``python -m reference.disagg worker --secret-stdin ...``, read the shared secret from a pipe on
+their stdin (never the command line, nor the environment, which other users' tools read in
+``/proc/PID/environ``), load their model, connect to 127.0.0.1, and exit when the link closes, so
+none outlives its coordinator. ``close()`` asks each to stop, then kills and reaps what is left. The
+listener refuses a connection (logged) while ``max_pending_links`` links have not said HELLO.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ log = logging.getLogger("reference.disagg")
 
 
 def parse_workers(text: str) -> list[tuple[str, int]]:
-    """``--workers HOST:PORT,...`` of both doors as (host, port) pairs; ValueError naming a bad item."""
+    """``--workers HOST:PORT,...`` of both doors as (host, port) pairs; ValueError naming a bad
+    item."""
     out = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         host, sep, port = item.rpartition(":")
@@ -67,7 +69,8 @@ def read_secret(stream: Any) -> bytes:
     except ValueError:
         raise ValueError("the shared secret on stdin is not hex") from None
     if len(secret) < 16:
-        raise ValueError(f"the shared secret on stdin has {len(secret)} bytes; at least 16 are needed")
+        raise ValueError(f"the shared secret on stdin has {len(secret)} bytes; at least 16 are "
+                         "needed")
     return secret
 
 
@@ -79,15 +82,19 @@ class WorkerOptions:
     kv_dtype: str = "float32"  # the decode worker's cache
     max_num_batched_tokens: int = 256
     max_num_seqs: int = 32
-    # resend an unacknowledged MANIFEST / DONE every handshake_timeout s, give up after handshake_retries
-    # resends; a decode worker recomputes a stream that is silent for stream_timeout s. Generous, because a
+    # resend an unacknowledged MANIFEST / DONE every handshake_timeout s, give up after
+    # handshake_retries
+    # resends; a decode worker recomputes a stream that is silent for stream_timeout s. Generous,
+    # because a
     # busy worker reads its frames only between steps (seconds on a loaded CPU); FAST_FAULTS is the
     # short profile that tests and --inject use so that faults resolve quickly.
     handshake_timeout: float = 1.0
     handshake_retries: int = 8
     stream_timeout: float = 60.0
-    # the decode worker installs received KV for at most this share of its last step's time before each
-    # step while sequences are running (DecodeWorker.install_share); 0: install each frame as it arrives
+    # the decode worker installs received KV for at most this share of its last step's time before
+    # each
+    # step while sequences are running (DecodeWorker.install_share); 0: install each frame as it
+    # arrives
     install_share: float = 0.25
 
 
@@ -96,11 +103,14 @@ FAST_FAULTS = {"handshake_timeout": 0.5, "handshake_retries": 2, "stream_timeout
 
 def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions,
                 loaded: tuple[Any, str] | None = None) -> PrefillWorker | DecodeWorker:
-    """A worker stepping on ``model_spec``'s NumPy runner, or on ``loaded`` = (a model that makes runners,
-    its digest): the fast engine's (``fast/disagg/worker_runner.py``), which reference/ never imports."""
-    model, digest = loaded if loaded is not None else (load_model(model_spec), digest_of(model_spec))
+    """A worker stepping on ``model_spec``'s NumPy runner, or on ``loaded`` = (a model that makes
+    runners, its digest): the fast engine's (``fast/disagg/worker_runner.py``), which reference/
+    never imports."""
+    model, digest = loaded if loaded is not None else (load_model(model_spec),
+                                                       digest_of(model_spec))
     common = {"model_digest": digest, "num_blocks": opts.num_blocks, "block_size": opts.block_size,
-              "max_num_batched_tokens": opts.max_num_batched_tokens, "max_num_seqs": opts.max_num_seqs}
+              "max_num_batched_tokens": opts.max_num_batched_tokens,
+              "max_num_seqs": opts.max_num_seqs}
     if role == "prefill":
         return PrefillWorker(model, link, wire=opts.wire, handshake_timeout=opts.handshake_timeout,
                              retries=opts.handshake_retries, **common)
@@ -108,7 +118,8 @@ def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions,
                         install_share=opts.install_share or None, **common)
 
 
-def hello(worker: PrefillWorker | DecodeWorker, link: Link, model_spec: str, opts: WorkerOptions) -> None:
+def hello(worker: PrefillWorker | DecodeWorker, link: Link, model_spec: str,
+          opts: WorkerOptions) -> None:
     c = worker.model.config
     layout = {"num_layers": c.num_layers, "num_kv_heads": c.num_kv_heads, "head_dim": c.head_dim,
               "block_size": opts.block_size, "wire": opts.wire, "scale_rule": "pow2-per-block-head"
@@ -116,12 +127,13 @@ def hello(worker: PrefillWorker | DecodeWorker, link: Link, model_spec: str, opt
     link.send(Kind.HELLO, 0, messages.dump(Kind.HELLO, {
         "role": worker.role, "node": link.node, "model_digest": worker.digest, "layout": layout,
         "num_blocks": opts.num_blocks, "pid": os.getpid(), "vocab_size": c.vocab_size,
-        "max_context": min(c.max_position, opts.num_blocks * opts.block_size), "eos_token_ids": list(c.eos_token_ids),
-        "revision": messages.REVISION}))
+        "max_context": min(c.max_position, opts.num_blocks * opts.block_size),
+        "eos_token_ids": list(c.eos_token_ids), "revision": messages.REVISION}))
 
 
 def handle(worker: PrefillWorker | DecodeWorker, link: Link, data: bytes) -> bool:
-    """One arrived frame into the worker. False when it says to stop (SHUTDOWN, answered with BYE)."""
+    """One arrived frame into the worker. False when it says to stop (SHUTDOWN, answered with
+    BYE)."""
     frame = link.accept(data)
     if frame is None:
         return True
@@ -136,7 +148,8 @@ def handle(worker: PrefillWorker | DecodeWorker, link: Link, data: bytes) -> boo
 
 
 def serve(worker: PrefillWorker | DecodeWorker, link: Link, heartbeat_s: float = 0.25) -> None:
-    """A worker process's loop: frames in, one step, a heartbeat now and then; ends when told or cut off."""
+    """A worker process's loop: frames in, one step, a heartbeat now and then; ends when told or cut
+    off."""
     inbox, next_beat = link.endpoint.inbox, 0.0
     while True:
         try:
@@ -157,11 +170,14 @@ def serve(worker: PrefillWorker | DecodeWorker, link: Link, heartbeat_s: float =
 class WorkerPool:
     """What both kinds share: the coordinator, node ids, restarts, process faults."""
 
-    max_restarts_per_minute = 8  # a worker that dies at once, again and again, is not restarted forever
+    # a worker that dies at once, again and again, is not restarted forever
+    max_restarts_per_minute = 8
 
-    def __init__(self, model_spec: str, *, secret: bytes | None, opts: WorkerOptions, injector: FaultInjector | None,
+    def __init__(self, model_spec: str, *, secret: bytes | None, opts: WorkerOptions,
+                 injector: FaultInjector | None,
                  restart: bool, deadline: Callable[[int, int], float] | None,
-                 coordinator: type[Coordinator] = Coordinator, lease_s: float | None = 15.0) -> None:
+                 coordinator: type[Coordinator] = Coordinator,
+                 lease_s: float | None = 15.0) -> None:
         self.model_spec, self.opts, self.restart = model_spec, opts, restart
         self.secret = secret if secret is not None else secrets.token_bytes(32)
         kwargs: dict[str, Any] = {"deadline": deadline} if deadline is not None else {}
@@ -187,16 +203,22 @@ class WorkerPool:
     def kill(self, node: int) -> None:
         raise NotImplementedError
 
-    def wait_ready(self, num_prefill: int, num_decode: int, timeout: float, others: int = 0) -> None:
-        """Until that many workers of each role (and ``others`` more, of any role; one decode worker at
-        least) have said HELLO. Raises TimeoutError."""
+    def wait_ready(self, num_prefill: int, num_decode: int, timeout: float,
+                   others: int = 0) -> None:
+        """Until that many workers of each role (and ``others`` more, of any role; one decode worker
+        at least) have said HELLO. Raises TimeoutError."""
         end = time.monotonic() + timeout
         while True:
             p, d = len(self.coordinator.live("prefill")), len(self.coordinator.live("decode"))
-            if p >= num_prefill and d >= max(num_decode, 1) and p + d >= num_prefill + num_decode + others:
+            if (
+                p >= num_prefill
+                and d >= max(num_decode, 1)
+                and p + d >= num_prefill + num_decode + others
+            ):
                 return
             if time.monotonic() > end:
-                raise TimeoutError(f"{num_prefill + num_decode + others} workers did not all say HELLO "
+                raise TimeoutError(f"{num_prefill + num_decode + others} workers did not all say "
+                                   "HELLO "
                                    f"within {timeout} s")
             self.pump()
 
@@ -221,11 +243,13 @@ class WorkerPool:
 class InProcessPool(WorkerPool):
     """Everything in this thread: the coordinator and every worker take turns (deterministic)."""
 
-    def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
-                 opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None, restart: bool = True,
-                 deadline: Callable[[int, int], float] | None = None, lease_s: float | None = 15.0) -> None:
-        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline,
-                         lease_s=lease_s)
+    def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *,
+                 secret: bytes | None = None,
+                 opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None,
+                 restart: bool = True, deadline: Callable[[int, int], float] | None = None,
+                 lease_s: float | None = 15.0) -> None:
+        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart,
+                         deadline=deadline, lease_s=lease_s)
         self.workers: dict[int, tuple[PrefillWorker | DecodeWorker, Link]] = {}
         for role, n in (("prefill", num_prefill), ("decode", num_decode)):
             for _ in range(n):
@@ -270,23 +294,29 @@ class InProcessPool(WorkerPool):
 
 
 class ProcessPool(WorkerPool):
-    """Workers as OS processes over TCP on 127.0.0.1 (and ``remote`` ones, already running elsewhere);
-    the coordinator runs in this process."""
+    """Workers as OS processes over TCP on 127.0.0.1 (and ``remote`` ones, already running
+    elsewhere); the coordinator runs in this process."""
 
-    def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *, secret: bytes | None = None,
-                 opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None, restart: bool = True,
+    def __init__(self, model_spec: str, num_prefill: int = 1, num_decode: int = 1, *,
+                 secret: bytes | None = None,
+                 opts: WorkerOptions = WorkerOptions(), injector: FaultInjector | None = None,
+                 restart: bool = True,
                  deadline: Callable[[int, int], float] | None = None, ready_timeout: float = 120.0,
                  log: str | None = None, coordinator: type[Coordinator] = Coordinator,
                  remote: list[tuple[str, int]] | None = None, lease_s: float | None = 15.0,
                  worker_command: list[str] | None = None) -> None:
-        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart, deadline=deadline,
-                         coordinator=coordinator, lease_s=lease_s)
+        super().__init__(model_spec, secret=secret, opts=opts, injector=injector, restart=restart,
+                         deadline=deadline, coordinator=coordinator, lease_s=lease_s)
         self.procs: dict[int, subprocess.Popen] = {}
-        self.remote_addr: dict[Any, tuple[str, int]] = {}  # endpoint -> the address of the worker behind it
-        self.reconnect: dict[tuple[str, int], float] = {}  # address of a lost remote worker -> when to try next
-        # the program each local worker runs, with the options below (the fast runner's: fast.disagg.worker)
+        # endpoint -> the address of the worker behind it
+        self.remote_addr: dict[Any, tuple[str, int]] = {}
+        # address of a lost remote worker -> when to try next
+        self.reconnect: dict[tuple[str, int], float] = {}
+        # the program each local worker runs, with the options below (the fast runner's:
+        # fast.disagg.worker)
         self.worker_command = worker_command or [sys.executable, "-m", "reference.disagg", "worker"]
-        self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (closed in close())
+        # closed in close()
+        self.log = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115
         self.server = listen()
         self.port = self.server.getsockname()[1]
         self._closing = False
@@ -304,7 +334,8 @@ class ProcessPool(WorkerPool):
             raise
 
     def _connect(self, addr: tuple[str, int]) -> bool:
-        """Open a link to a remote worker (its HELLO names it); if it does not answer, try again in 1 s."""
+        """Open a link to a remote worker (its HELLO names it); if it does not answer, try again in
+        1 s."""
         try:
             sock = socket.create_connection(addr, timeout=5.0)
         except OSError:
@@ -320,8 +351,8 @@ class ProcessPool(WorkerPool):
         return True
 
     def housekeeping(self) -> None:
-        """Reconnect to lost remote workers whose time has come (and to those whose link was closed before
-        their HELLO came, e.g. for the HELLO timeout)."""
+        """Reconnect to lost remote workers whose time has come (and to those whose link was closed
+        before their HELLO came, e.g. for the HELLO timeout)."""
         now = time.monotonic()
         for endpoint, addr in list(self.remote_addr.items()):
             if endpoint not in self.coordinator.links:
@@ -350,7 +381,9 @@ class ProcessPool(WorkerPool):
             except OSError:
                 return
             if self.coordinator.pending_links() >= self.coordinator.max_pending_links:
-                self.coordinator.counters["links_refused"] = self.coordinator.counters.get("links_refused", 0) + 1
+                self.coordinator.counters["links_refused"] = (
+                    self.coordinator.counters.get("links_refused", 0) + 1
+                )
                 log.warning("refusing a connection from %s: %d links have not said HELLO yet",
                             socket_peer(sock), self.coordinator.pending_links())
                 sock.close()
@@ -367,7 +400,8 @@ class ProcessPool(WorkerPool):
         cmd = [*self.worker_command, "--secret-stdin", "--role", role, "--node",
                str(node), "--port", str(self.port), "--model", self.model_spec, "--kv-wire", o.wire,
                "--options", ",".join(f"{k}={v}" for k, v in asdict(o).items() if k != "wire")]
-        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=self.log, stderr=self.log)
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=self.log,
+                                stderr=self.log)
         self.procs[node] = proc
         try:
             assert proc.stdin is not None

@@ -1,4 +1,5 @@
-"""The prefill worker: runs prompts (chunked, continuous batching) and streams their KV layer by layer.
+"""The prefill worker: runs prompts (chunked, continuous batching) and streams their KV layer by
+layer.
 
 It is the engine loop (``reference/engine/engine.py``) with two changes: every request asks for one
 token only (the first output token, sampled greedily here), and the model's ``on_layer`` hook sends
@@ -42,7 +43,8 @@ class PrefillStream:
     state: str = "handshake"  # -> "streaming" (manifest acked) -> "done_sent" -> closed (removed)
     skip: int = 0  # leading tokens the decode side already holds
     sent_upto: list[int] = field(default_factory=list)  # per layer: positions emitted or buffered
-    pending: list[tuple[int, int, np.ndarray, np.ndarray]] = field(default_factory=list)  # before the ACK
+    # before the ACK
+    pending: list[tuple[int, int, np.ndarray, np.ndarray]] = field(default_factory=list)
     done: dict | None = None  # DONE body once the first token is sampled
     kv_frames: int = 0
     last_send: float = 0.0
@@ -57,14 +59,16 @@ class PrefillWorker(WorkerBase):
                  max_num_seqs: int = 32, handshake_timeout: float = 1.0, retries: int = 8,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model, self.link, self.digest, self.clock = model, link, model_digest, clock
-        self.layout = KVLayout(model.config.num_layers, model.config.num_kv_heads, model.config.head_dim,
-                               block_size, wire)
+        self.layout = KVLayout(model.config.num_layers, model.config.num_kv_heads,
+                               model.config.head_dim, block_size, wire)
         self.runner = model.make_runner(num_blocks, block_size)  # the engines' data plane
         self.cache = self.runner.cache  # read layer by layer for the wire
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.scheduler = Scheduler(self.block_manager, SchedulerConfig(max_num_batched_tokens, max_num_seqs,
-                                                                       model.config.max_position),
-                                   self.fair_queuing())
+        self.scheduler = Scheduler(
+            self.block_manager,
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs, model.config.max_position),
+            self.fair_queuing(),
+        )
         self.streams: dict[int, PrefillStream] = {}
         self.handshake_timeout, self.retries = handshake_timeout, retries
         self.counters = link.counters
@@ -81,7 +85,8 @@ class PrefillWorker(WorkerBase):
             body = messages.load(Kind.ACK, frame.payload)
             if body["of"] == "manifest" and st.state == "handshake":
                 if body["cached_tokens"] >= st.seq.num_prompt_tokens:
-                    return self._give_up(st, "decode side claims more cached tokens than the prompt has")
+                    return self._give_up(st, "decode side claims more cached tokens than the "
+                                             "prompt has")
                 st.skip, st.state = body["cached_tokens"], "streaming"
                 for layer, start, k, v in st.pending:
                     self._send_kv(st, layer, start, k, v)
@@ -99,7 +104,8 @@ class PrefillWorker(WorkerBase):
         if frame.stream in self.streams:
             return
         try:
-            seq = SchedSequence(prompt_token_ids=body["prompt"], max_tokens=1, request=None, **self.tenant_of(body))
+            seq = SchedSequence(prompt_token_ids=body["prompt"], max_tokens=1, request=None,
+                                **self.tenant_of(body))
             self.scheduler.add(seq, self.clock())
         except (RequestError, SchedulerError) as e:
             self.link.send(Kind.ABORT, frame.stream, messages.dump(Kind.ABORT, {
@@ -112,13 +118,15 @@ class PrefillWorker(WorkerBase):
 
     # -- frames out -----------------------------------------------------------------------
     def _send_manifest(self, st: PrefillStream) -> None:
-        keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.layout.block_size, st.seq.cache_salt)]
+        keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.layout.block_size,
+                                             st.seq.cache_salt)]
         self.link.send(Kind.MANIFEST, st.stream, messages.dump(Kind.MANIFEST, {
             "id": st.request_id, "prompt_len": st.seq.num_prompt_tokens, "prefix_keys": keys,
             "model_digest": self.digest, "layout": self.layout.as_message()}))
         st.last_send, st.tries = self.clock(), st.tries + 1
 
-    def _send_kv(self, st: PrefillStream, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
+    def _send_kv(self, st: PrefillStream, layer: int, start: int, k: np.ndarray,
+                 v: np.ndarray) -> None:
         if start + len(k) <= st.skip:
             return
         if start < st.skip:
@@ -128,13 +136,19 @@ class PrefillWorker(WorkerBase):
 
     def _send_done(self, st: PrefillStream) -> None:
         assert st.done is not None
-        self.link.send(Kind.DONE, st.stream, messages.dump(Kind.DONE, {**st.done, "kv_frames": st.kv_frames}))
+        self.link.send(
+            Kind.DONE, st.stream, messages.dump(Kind.DONE, {**st.done, "kv_frames": st.kv_frames})
+        )
         if st.state != "done_sent":
             st.tries = 0
         st.state, st.last_send, st.tries = "done_sent", self.clock(), st.tries + 1
 
     def _give_up(self, st: PrefillStream, reason: str) -> None:
-        self.link.send(Kind.ABORT, st.stream, messages.dump(Kind.ABORT, {"reason": reason, "action": "recompute"}))
+        self.link.send(
+            Kind.ABORT,
+            st.stream,
+            messages.dump(Kind.ABORT, {"reason": reason, "action": "recompute"}),
+        )
         self.link.count("handoffs_given_up")
         self._drop(st)
 
@@ -144,13 +158,18 @@ class PrefillWorker(WorkerBase):
 
     # -- the loop -------------------------------------------------------------------------
     def tick(self) -> bool:
-        """Retry or give up late handshakes, then run one step if there is work. True if it computed."""
+        """Retry or give up late handshakes, then run one step if there is work. True if it
+        computed."""
         now = self.clock()
         for st in list(self.streams.values()):
-            if st.state in ("handshake", "done_sent") and now - st.last_send > self.handshake_timeout:
+            if (
+                st.state in ("handshake", "done_sent")
+                and now - st.last_send > self.handshake_timeout
+            ):
                 if st.tries > self.retries:
                     if st.state == "handshake":
-                        self._give_up(st, f"no ACK of the manifest within {self.handshake_timeout} s, "
+                        self._give_up(st, f"no ACK of the manifest within {self.handshake_timeout} "
+                                          "s, "
                                           f"{self.retries} retries")
                     else:
                         self.link.count("done_unacked")
@@ -168,7 +187,8 @@ class PrefillWorker(WorkerBase):
         batch, logits = ran
         tokens: list[int | None] = []
         for e, lg in zip(batch.entries, logits, strict=True):
-            token = int(np.argmax(lg)) if e.needs_sample else None  # greedy, as reference.engine.sampling
+            # greedy, as reference.engine.sampling
+            token = int(np.argmax(lg)) if e.needs_sample else None
             tokens.append(token)
             if token is not None:
                 e.seq.request.done = {"first_token": token, "kv_digest": kv_digest(
@@ -196,4 +216,5 @@ class PrefillWorker(WorkerBase):
                 st.pending.append((layer, lo, k[lo:end].copy(), v[lo:end].copy()))
 
     def inflight_tokens(self) -> int:
-        return sum(s.num_uncomputed_tokens for s in (*self.scheduler.waiting, *self.scheduler.running))
+        return sum(s.num_uncomputed_tokens for s in (*self.scheduler.waiting,
+                                                     *self.scheduler.running))

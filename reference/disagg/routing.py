@@ -26,13 +26,15 @@ class Worker:
     alive: bool = True
     free_blocks: int = 0
     inflight_tokens: int = 0
-    recent_keys: OrderedDict = field(default_factory=OrderedDict)  # prefix keys routed here, oldest first
+    # prefix keys routed here, oldest first
+    recent_keys: OrderedDict = field(default_factory=OrderedDict)
     bye: dict | None = None
     revision: int = 0  # of the control payloads, from its HELLO (PROTOCOL.md section 3.1)
 
 
 def affinity(worker: Worker, keys: Sequence[bytes]) -> int:
-    """How many leading keys of the prompt were routed to this worker (and may still be cached there)."""
+    """How many leading keys of the prompt were routed to this worker (and may still be cached
+    there)."""
     n = 0
     while n < len(keys) and keys[n] in worker.recent_keys:
         n += 1

@@ -3,18 +3,19 @@
 An ``Endpoint`` is one end of a two-way link. ``send(data)`` queues the bytes of one frame and
 returns at once (a sender thread, where there is one, does the writing, so a worker's next layer
 computes while the last one is on the wire). What arrives is put, frame by frame, into the
-endpoint's ``inbox`` (a ``queue.Queue``) as ``(endpoint, bytes)``; ``(endpoint, None)`` means the link
-closed (the peer died, hung up, or sent bytes that are not a frame). Several endpoints may share one
-inbox: a coordinator waits on one queue for all its workers.
+endpoint's ``inbox`` (a ``queue.Queue``) as ``(endpoint, bytes)``; ``(endpoint, None)`` means the
+link closed (the peer died, hung up, or sent bytes that are not a frame). Several endpoints may
+share one inbox: a coordinator waits on one queue for all its workers.
 
 Carriers here: ``pipe()`` (in-process queues, for tests and teaching) and ``SocketEndpoint`` (TCP on
 127.0.0.1 by default; frames are length-prefixed by their own header). ``fast/disagg`` adds
 torch.distributed. ``Link`` puts the protocol on top: frame numbering, signing, checking.
 
-A socket reader trusts a header's length only up to the endpoint's ``max_payload``: a listener lowers
-it to ``HANDSHAKE_PAYLOAD`` for a peer that has not yet proved it holds the secret (its HELLO), so an
-unauthenticated peer can make it buffer at most one handshake, not a 64 MiB frame. Every refused frame
-is logged once, with the reason (after ``LOGGED_REFUSALS`` on one link, refusals are only counted).
+A socket reader trusts a header's length only up to the endpoint's ``max_payload``: a listener
+lowers it to ``HANDSHAKE_PAYLOAD`` for a peer that has not yet proved it holds the secret (its
+HELLO), so an unauthenticated peer can make it buffer at most one handshake, not a 64 MiB frame.
+Every refused frame is logged once, with the reason (after ``LOGGED_REFUSALS`` on one link, refusals
+are only counted).
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from reference.disagg.frames import (
 )
 
 Inbox = queue.Queue  # of (Endpoint, bytes | None)
-HANDSHAKE_PAYLOAD = 4096  # the largest frame a peer may send before its HELLO is accepted (a HELLO is ~400 B)
+# the largest frame a peer may send before its HELLO is accepted (a HELLO is ~400 B)
+HANDSHAKE_PAYLOAD = 4096
 LOGGED_REFUSALS = 20  # per link; later refusals are counted, not logged
 log = logging.getLogger("reference.disagg")
 
@@ -81,7 +83,9 @@ class QueueEndpoint(Endpoint):
                 self.peer.inbox.put((self.peer, None))
 
 
-def pipe(inbox_a: Inbox | None = None, inbox_b: Inbox | None = None) -> tuple[QueueEndpoint, QueueEndpoint]:
+def pipe(
+    inbox_a: Inbox | None = None, inbox_b: Inbox | None = None
+) -> tuple[QueueEndpoint, QueueEndpoint]:
     """Two connected in-process endpoints."""
     a, b = QueueEndpoint(inbox_a), QueueEndpoint(inbox_b)
     a.peer, b.peer = b, a
@@ -90,13 +94,15 @@ def pipe(inbox_a: Inbox | None = None, inbox_b: Inbox | None = None) -> tuple[Qu
 
 class SocketEndpoint(Endpoint):
     """A TCP connection. A reader thread cuts the byte stream into frames by their headers (the
-    header is checked before its length is trusted); a writer thread sends queued frames in order."""
+    header is checked before its length is trusted); a writer thread sends queued frames in
+    order."""
 
     def __init__(self, sock: socket.socket, inbox: Inbox | None = None, start: bool = True) -> None:
         super().__init__(inbox)
         self.sock = sock
         self.error: str | None = None
-        self.max_payload = MAX_PAYLOAD  # a header announcing more is refused before its payload is read
+        # a header announcing more is refused before its payload is read
+        self.max_payload = MAX_PAYLOAD
         self._out: queue.Queue[bytes | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read_loop, daemon=True)
         self._writer = threading.Thread(target=self._write_loop, daemon=True)
@@ -104,7 +110,8 @@ class SocketEndpoint(Endpoint):
             self.start()
 
     def start(self) -> None:
-        """Start the reader and writer threads (later than construction, once the owner can take frames)."""
+        """Start the reader and writer threads (later than construction, once the owner can take
+        frames)."""
         self._reader.start()
         self._writer.start()
 
@@ -145,7 +152,8 @@ class SocketEndpoint(Endpoint):
                     break
                 length = parse_header(header)[4]  # FrameError on a bad header
                 if length > self.max_payload:
-                    raise FrameError(f"a frame of {length} payload bytes exceeds this link's limit of "
+                    raise FrameError(f"a frame of {length} payload bytes exceeds this link's limit "
+                                     "of "
                                      f"{self.max_payload} (the peer has not said HELLO)")
                 rest = self._read_exact(length + TAG_SIZE)
                 if rest is None:
@@ -186,7 +194,8 @@ def socket_peer(sock: socket.socket) -> str:
 
 
 def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket (localhost by default; port 0: the OS picks one, see getsockname())."""
+    """A listening TCP socket (localhost by default; port 0: the OS picks one, see
+    getsockname())."""
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind((host, port))
@@ -194,7 +203,8 @@ def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return server
 
 
-def connect(port: int, host: str = "127.0.0.1", inbox: Inbox | None = None, timeout: float = 10.0) -> SocketEndpoint:
+def connect(port: int, host: str = "127.0.0.1", inbox: Inbox | None = None,
+            timeout: float = 10.0) -> SocketEndpoint:
     sock = socket.create_connection((host, port), timeout=timeout)
     sock.settimeout(None)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -208,8 +218,8 @@ class Link:
     secret, corrupt, or a duplicate/replay); refusals are counted in ``counters``, never raised.
     """
 
-    def __init__(self, endpoint: Endpoint, secret: bytes, node: int, counters: dict[str, int] | None = None,
-                 guard: ReplayGuard | None = None) -> None:
+    def __init__(self, endpoint: Endpoint, secret: bytes, node: int,
+                 counters: dict[str, int] | None = None, guard: ReplayGuard | None = None) -> None:
         self.endpoint, self.secret, self.node = endpoint, secret, node
         self.counters = counters if counters is not None else {}
         self.guard = guard if guard is not None else ReplayGuard()
@@ -218,8 +228,8 @@ class Link:
         self.peer: Any = None  # whatever the owner wants to remember about the other end
 
     def send(self, kind: Kind, stream: int, payload: bytes) -> None:
-        data = encode_frame(kind=kind, src=self.node, stream=stream, seq=self.next_seq, payload=payload,
-                            secret=self.secret)
+        data = encode_frame(kind=kind, src=self.node, stream=stream, seq=self.next_seq,
+                            payload=payload, secret=self.secret)
         self.next_seq += 1
         self.endpoint.send(data)
         self.count("frames_sent")
@@ -236,17 +246,24 @@ class Link:
             self.refuse("frames_refused", str(e))
             return None
         if not self.guard.accept(frame.src, frame.seq):
-            self.refuse("frames_duplicate", f"duplicate or replayed frame (src {frame.src}, seq {frame.seq})")
+            self.refuse("frames_duplicate", f"duplicate or replayed frame (src {frame.src}, seq "
+                                            f"{frame.seq})")
             return None
         return frame
 
     def refuse(self, counter: str, reason: str) -> None:
-        """Count a refused frame (or peer) and log why: one line each, up to LOGGED_REFUSALS per link."""
+        """Count a refused frame (or peer) and log why: one line each, up to LOGGED_REFUSALS per
+        link."""
         self.count(counter)
         self.refusals += 1
         if self.refusals <= LOGGED_REFUSALS:
-            more = "; further refusals on this link are only counted" if self.refusals == LOGGED_REFUSALS else ""
-            log.warning("node %d refused a frame from %s: %s%s", self.node, self.peer_name(), reason, more)
+            more = (
+                "; further refusals on this link are only counted"
+                if self.refusals == LOGGED_REFUSALS
+                else ""
+            )
+            log.warning("node %d refused a frame from %s: %s%s", self.node, self.peer_name(),
+                        reason, more)
 
     def peer_name(self) -> str:
         name = getattr(self.peer, "node", None)

@@ -67,22 +67,28 @@ class KVLayout:
 
 def layout_of(model_config: object, block_size: int, wire: str) -> KVLayout:
     c = model_config
-    return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size, wire)  # type: ignore[attr-defined]
+    return KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, block_size,
+                    wire)  # type: ignore[attr-defined]
 
 
 def encode_kv(layout: KVLayout, layer: int, start: int, k: np.ndarray, v: np.ndarray) -> bytes:
-    """Payload for K, V (float32 [count, kv_heads, head_dim]) of positions [start, start + count)."""
+    """Payload for K, V (float32 [count, kv_heads, head_dim]) of positions [start, start +
+    count)."""
     count = len(k)
     parts = [KV_HEADER.pack(layer, WIRE_CODES[layout.wire], 0, start, count)]
     if layout.wire == "fp32":
         parts += [np.ascontiguousarray(x, "<f4").tobytes() for x in (k, v)]
     elif layout.wire == "bf16":
-        parts += [float32_to_bf16(np.ascontiguousarray(x, np.float32)).astype("<u2").tobytes() for x in (k, v)]
+        parts += [
+            float32_to_bf16(np.ascontiguousarray(x, np.float32)).astype("<u2").tobytes()
+            for x in (k, v)
+        ]
     else:
         group = np.arange(start, start + count) // layout.block_size - start // layout.block_size
         exps = []
         for x in (k, v):
-            e = np.full((layout.groups(start, count), layout.num_kv_heads), fp8.MIN_SCALE_EXP, np.int32)
+            e = np.full((layout.groups(start, count), layout.num_kv_heads), fp8.MIN_SCALE_EXP,
+                        np.int32)
             np.maximum.at(e, group, fp8.scale_exponent(fp8.finite_abs_max(x, axis=-1)))
             parts.append(fp8.encode(x, e[group][:, :, None]).tobytes())
             exps.append(e.astype(np.int8).tobytes())
@@ -90,19 +96,25 @@ def encode_kv(layout: KVLayout, layer: int, start: int, k: np.ndarray, v: np.nda
     return b"".join(parts)
 
 
-def decode_kv(layout: KVLayout, prompt_len: int, payload: bytes) -> tuple[int, int, np.ndarray, np.ndarray]:
-    """(layer, start, K, V) as float32, after checking every field against the layout and the prompt."""
+def decode_kv(
+    layout: KVLayout, prompt_len: int, payload: bytes
+) -> tuple[int, int, np.ndarray, np.ndarray]:
+    """(layer, start, K, V) as float32, after checking every field against the layout and the
+    prompt."""
     if len(payload) < KV_HEADER.size:
-        raise WireError(f"KV payload of {len(payload)} bytes is shorter than its {KV_HEADER.size}-byte header")
+        raise WireError(f"KV payload of {len(payload)} bytes is shorter than its "
+                        f"{KV_HEADER.size}-byte header")
     layer, wire, reserved, start, count = KV_HEADER.unpack_from(payload)
     if wire != WIRE_CODES[layout.wire] or reserved:
         raise WireError(f"KV payload wire code {wire} does not match the stream's {layout.wire!r}")
     if layer >= layout.num_layers:
         raise WireError(f"KV payload for layer {layer}; the model has {layout.num_layers}")
     if count < 1 or start + count > prompt_len:
-        raise WireError(f"KV payload positions [{start}, {start + count}) outside the prompt of {prompt_len}")
+        raise WireError(f"KV payload positions [{start}, {start + count}) outside the prompt of "
+                        f"{prompt_len}")
     if len(payload) != layout.payload_size(start, count):
-        raise WireError(f"KV payload of {len(payload)} bytes, expected {layout.payload_size(start, count)}")
+        raise WireError(f"KV payload of {len(payload)} bytes, expected "
+                        f"{layout.payload_size(start, count)}")
     shape = (count, layout.num_kv_heads, layout.head_dim)
     n = count * layout.num_kv_heads * layout.head_dim
     off = KV_HEADER.size
@@ -112,7 +124,8 @@ def decode_kv(layout: KVLayout, prompt_len: int, payload: bytes) -> tuple[int, i
         return layer, start, k, v
     if layout.wire == "bf16":
         k = bf16_to_float32(np.frombuffer(payload, "<u2", n, off).astype(np.uint16)).reshape(shape)
-        v = bf16_to_float32(np.frombuffer(payload, "<u2", n, off + 2 * n).astype(np.uint16)).reshape(shape)
+        v = bf16_to_float32(np.frombuffer(payload, "<u2", n,
+                                          off + 2 * n).astype(np.uint16)).reshape(shape)
         return layer, start, k, v
     groups = layout.groups(start, count)
     group = np.arange(start, start + count) // layout.block_size - start // layout.block_size
@@ -120,10 +133,20 @@ def decode_kv(layout: KVLayout, prompt_len: int, payload: bytes) -> tuple[int, i
     out = []
     for i in range(2):
         codes = np.frombuffer(payload, np.uint8, n, off + i * n).reshape(shape)
-        exps = np.frombuffer(payload, np.int8, groups * layout.num_kv_heads,
-                             e_off + i * groups * layout.num_kv_heads).reshape(groups, -1).astype(np.int32)
+        exps = (
+            np.frombuffer(
+                payload,
+                np.int8,
+                groups * layout.num_kv_heads,
+                e_off + i * groups * layout.num_kv_heads,
+            )
+            .reshape(groups, -1)
+            .astype(np.int32)
+        )
         if exps.min() < fp8.MIN_SCALE_EXP or exps.max() > fp8.MAX_SCALE_EXP:
-            raise WireError(f"fp8 scale exponent outside [{fp8.MIN_SCALE_EXP}, {fp8.MAX_SCALE_EXP}]")
+            raise WireError(
+                f"fp8 scale exponent outside [{fp8.MIN_SCALE_EXP}, {fp8.MAX_SCALE_EXP}]"
+            )
         out.append(fp8.decode(codes, exps[group][:, :, None]))
     return layer, start, out[0], out[1]
 
@@ -131,11 +154,12 @@ def decode_kv(layout: KVLayout, prompt_len: int, payload: bytes) -> tuple[int, i
 def model_digest(config: object, weights: object) -> str:
     """BLAKE2b-256 (hex) of the config and every weight array: both ends must run the same model."""
     h = hashlib.blake2b(digest_size=32, person=b"unfire-model-v1")
-    h.update(json.dumps(asdict(config), sort_keys=True, default=str).encode())  # type: ignore[call-overload]
+    text = json.dumps(asdict(config), sort_keys=True, default=str)  # type: ignore[call-overload]
+    h.update(text.encode())
     arrays = [weights.embedding, weights.final_norm, weights.lm_head]  # type: ignore[attr-defined]
     for layer in weights.layers:  # type: ignore[attr-defined]
-        arrays += [layer.attn_norm, layer.wq, layer.wk, layer.wv, layer.wo, layer.mlp_norm, layer.w_gate,
-                   layer.w_up, layer.w_down]
+        arrays += [layer.attn_norm, layer.wq, layer.wk, layer.wv, layer.wo, layer.mlp_norm,
+                   layer.w_gate, layer.w_up, layer.w_down]
     for a in arrays:
         h.update(np.ascontiguousarray(a).tobytes())
     return h.hexdigest()
@@ -155,9 +179,10 @@ def kv_digest(cache: object, block_table: Sequence[int], length: int) -> str:
             return done.value
 
 
-def kv_digest_by_layer(cache: object, block_table: Sequence[int], length: int) -> Generator[None, None, str]:
-    """``kv_digest`` one layer at a time: it pauses after each layer (so a worker can run a step between
-    them); the digest is the generator's return value."""
+def kv_digest_by_layer(cache: object, block_table: Sequence[int],
+                       length: int) -> Generator[None, None, str]:
+    """``kv_digest`` one layer at a time: it pauses after each layer (so a worker can run a step
+    between them); the digest is the generator's return value."""
     h = hashlib.blake2b(digest_size=32, person=b"unfire-kvdig-v1")
     for layer in range(cache.num_layers):  # type: ignore[attr-defined]
         k, v = cache.read(layer, block_table, length)  # type: ignore[attr-defined]

@@ -5,8 +5,10 @@ Each ``step()``:
      running sequences first, then prefill chunks, admitting waiting requests while KV blocks last;
   2. the model runner applies the copy-on-write block copies it asks for to the KV cache;
   3. the model runner runs every scheduled chunk in one forward pass over the paged KV cache;
-  4. a token is sampled for each sequence whose prompt is complete, with the request's own generator;
-  5. the scheduler records the tokens and finishes requests (end token, stop id, max_tokens, context).
+  4. a token is sampled for each sequence whose prompt is complete, with the request's own
+  generator;
+  5. the scheduler records the tokens and finishes requests (end token, stop id, max_tokens,
+  context).
 
 Typical use::
 
@@ -45,7 +47,14 @@ from reference.engine.request import Request, RequestMetrics, RequestOutput, Tok
 from reference.engine.sampling import sample
 from reference.kv.block_manager import BlockManager
 from reference.model.llama import Chunk
-from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError, Tenants, make_policy
+from reference.sched import (
+    RequestError,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerError,
+    Tenants,
+    make_policy,
+)
 from reference.sched import Sequence as SchedSequence
 
 
@@ -67,28 +76,37 @@ class StepRecord:
 
 
 class Engine:
-    def __init__(self, model: RunnableModel, tokenizer: Any = None, *, num_blocks: int = 512, block_size: int = 16,
-                 kv_dtype: str = "float32", max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
-                 max_model_len: int | None = None, policy: Any = "fcfs", tenants: Tenants | None = None,
-                 aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0, seed: int = 0,
-                 clock: Callable[[], float] = time.monotonic, max_prefill_tokens_with_decodes: int | None = None):
-        check_engine_args(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=max_num_batched_tokens,
+    def __init__(self, model: RunnableModel, tokenizer: Any = None, *, num_blocks: int = 512,
+                 block_size: int = 16, kv_dtype: str = "float32", max_num_batched_tokens: int = 256,
+                 max_num_seqs: int = 32, max_model_len: int | None = None, policy: Any = "fcfs",
+                 tenants: Tenants | None = None,
+                 aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0,
+                 seed: int = 0, clock: Callable[[], float] = time.monotonic,
+                 max_prefill_tokens_with_decodes: int | None = None):
+        check_engine_args(num_blocks=num_blocks, block_size=block_size,
+                          max_num_batched_tokens=max_num_batched_tokens,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed)
-        if max_prefill_tokens_with_decodes is not None and (type(max_prefill_tokens_with_decodes) is not int
-                                                            or max_prefill_tokens_with_decodes < 1):
-            raise EngineError(f"max_prefill_tokens_with_decodes={max_prefill_tokens_with_decodes!r}: must be None "
+        if max_prefill_tokens_with_decodes is not None and (
+            type(max_prefill_tokens_with_decodes) is not int or max_prefill_tokens_with_decodes < 1
+        ):
+            value = max_prefill_tokens_with_decodes
+            raise EngineError(f"max_prefill_tokens_with_decodes={value!r}: must be None "
                               "(the whole step budget) or an integer >= 1")
         self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
-        # the context: the checkpoint's, or less if asked, and never more than the whole KV cache holds
-        limits = [model.config.max_position, num_blocks * block_size] + ([max_model_len] if max_model_len else [])
+        # the context: the checkpoint's, or less if asked, and never more than the whole KV cache
+        # holds
+        limits = [model.config.max_position, num_blocks * block_size] + (
+            [max_model_len] if max_model_len else []
+        )
         self.max_model_len = min(limits)
-        # the data plane: model.make_runner gives an object with ModelRunner's interface (it owns the KV cache)
+        # the data plane: model.make_runner gives an object with ModelRunner's interface (it owns
+        # the KV cache)
         self.runner: ModelRunner = model.make_runner(num_blocks, block_size, kv_dtype)
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_cache=prefix_cache)
         if isinstance(policy, str):
             policy = make_policy(policy, tenants, aging)
-        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len, watermark,
-                                 max_prefill_tokens_with_decodes)
+        config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len,
+                                 watermark, max_prefill_tokens_with_decodes)
         self.scheduler = Scheduler(self.block_manager, config, policy, tenants)
         self.requests: dict[str, Request] = {}
         self.step_log: list[StepRecord] = []
@@ -98,10 +116,12 @@ class Engine:
         self.eos_token_ids: tuple[int, ...] = tuple(eos)
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | dict | None = None, *,
-                    tenant: str = "default", request_id: str | None = None, arrival_time: float | None = None,
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | dict | None = None,
+                    *, tenant: str = "default", request_id: str | None = None,
+                    arrival_time: float | None = None,
                     cache_salt: str | None = None, predicted_output_len: int | None = None) -> str:
-        """Queue a request; returns its id. Raises ``EngineError`` and changes nothing on bad input."""
+        """Queue a request; returns its id. Raises ``EngineError`` and changes nothing on bad
+        input."""
         req = self._new_request(prompt, _as_params(params), tenant=tenant, request_id=request_id,
                                 arrival_time=arrival_time, cache_salt=cache_salt,
                                 predicted_output_len=predicted_output_len)
@@ -111,10 +131,11 @@ class Engine:
     def _new_request(self, prompt: str | Sequence[int], params: SamplingParams, *, tenant: str,
                      request_id: str | None, arrival_time: float | None, cache_salt: str | None,
                      predicted_output_len: int | None, pending: Sequence[Request] = ()) -> Request:
-        """Check one request completely and build it, without queuing it. ``pending``: requests built
-        for the same call, not queued yet. Raises ``RequestRejected``; changes nothing."""
+        """Check one request completely and build it, without queuing it. ``pending``: requests
+        built for the same call, not queued yet. Raises ``RequestRejected``; changes nothing."""
         ids = self._prompt_ids(prompt)
-        check_request_args(tenant=tenant, request_id=request_id, arrival_time=arrival_time, cache_salt=cache_salt,
+        check_request_args(tenant=tenant, request_id=request_id, arrival_time=arrival_time,
+                           cache_salt=cache_salt,
                             predicted_output_len=predicted_output_len)
         taken = set(self.requests) | {r.request_id for r in pending}
         number = max([self._next_number] + [r.number + 1 for r in pending])
@@ -129,10 +150,11 @@ class Engine:
         rng = np.random.default_rng(params.seed if params.seed is not None else [self.seed, number])
         req = Request(request_id, ids, params, tenant, rng, RequestMetrics(now), number=number)
         try:
-            req.seq = SchedSequence(ids, max_tokens=params.max_tokens, tenant=tenant, arrival_time=now,
-                                    predicted_output_len=predicted_output_len, eos_token_id=eos[0] if eos else None,
-                                    stop_token_ids=tuple(eos[1:]) + params.stop_token_ids, cache_salt=cache_salt,
-                                    request=req)
+            req.seq = SchedSequence(ids, max_tokens=params.max_tokens, tenant=tenant,
+                                    arrival_time=now, predicted_output_len=predicted_output_len,
+                                    eos_token_id=eos[0] if eos else None,
+                                    stop_token_ids=tuple(eos[1:]) + params.stop_token_ids,
+                                    cache_salt=cache_salt, request=req)
             self.scheduler.check(req.seq)
         except (RequestError, SchedulerError) as e:  # includes an unknown tenant
             raise RequestRejected(f"request {request_id!r} rejected: {e}") from e
@@ -148,17 +170,25 @@ class Engine:
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestRejected("a text prompt needs an engine with a tokenizer; pass token ids instead")
+                raise RequestRejected("a text prompt needs an engine with a tokenizer; pass token "
+                                      "ids instead")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, bytes | bytearray | memoryview):  # list(b"hi") would be [104, 105]: not token ids
-            raise RequestRejected("prompt must be a str or a list of token ids, not bytes: decode it to str first")
-        elif isinstance(prompt, np.ndarray) and prompt.ndim == 1 or isinstance(prompt, list | tuple | range):
+        # list(b"hi") would be [104, 105]: not token ids
+        elif isinstance(prompt, bytes | bytearray | memoryview):
+            raise RequestRejected("prompt must be a str or a list of token ids, not bytes: decode "
+                                  "it to str first")
+        elif (
+            isinstance(prompt, np.ndarray)
+            and prompt.ndim == 1
+            or isinstance(prompt, list | tuple | range)
+        ):
             ids = list(prompt)
             if not all(isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids):
                 raise RequestRejected("prompt token ids must be integers")
             ids = [int(t) for t in ids]
         else:
-            raise RequestRejected(f"prompt must be a str or a list of token ids, not {type(prompt).__name__}")
+            raise RequestRejected("prompt must be a str or a list of token ids, not "
+                                  f"{type(prompt).__name__}")
         if not ids:
             raise RequestRejected("empty prompt: a request needs at least one token")
         vocab = self.model.config.vocab_size
@@ -166,7 +196,8 @@ class Engine:
             raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise RequestRejected(f"prompt of {len(ids)} tokens is too long for the context of "
-                                  f"{self.max_model_len} tokens (at least one output token must fit)")
+                                  f"{self.max_model_len} tokens (at least one output token must "
+                                  "fit)")
         return ids
 
     def abort(self, request_id: str) -> bool:
@@ -182,12 +213,14 @@ class Engine:
     def release(self, request_id: str) -> RequestOutput:
         """Return a finished (or aborted) request's output and forget the request.
 
-        The engine keeps every request it was given so that ``output`` can be asked later; a server that
-        runs for days calls this once it has sent the answer. An unfinished request is refused: abort it first.
+        The engine keeps every request it was given so that ``output`` can be asked later; a server
+        that runs for days calls this once it has sent the answer. An unfinished request is refused:
+        abort it first.
         """
         out = self.output(request_id)
         if not self.requests[request_id].finished:
-            raise EngineError(f"request {request_id!r} has not finished; abort it before releasing it")
+            raise EngineError(f"request {request_id!r} has not finished; abort it before releasing "
+                              "it")
         del self.requests[request_id]
         return out
 
@@ -205,7 +238,8 @@ class Engine:
             return []
         model_started = self.clock()
         self.runner.copy_blocks(batch.block_copies)
-        chunks = [Chunk(e.token_ids, e.start, e.block_table, wants_logits=e.needs_sample) for e in batch.entries]
+        chunks = [Chunk(e.token_ids, e.start, e.block_table,
+                        wants_logits=e.needs_sample) for e in batch.entries]
         logits = self.runner.forward(chunks)
         model_time = self.clock() - model_started
         tokens = [sample(lg, e.seq.request.params, e.seq.request.rng) if e.needs_sample else None
@@ -221,9 +255,13 @@ class Engine:
             req.metrics.token_times.append(now)
             if e.seq.is_finished:
                 req.finish_reason, req.metrics.finish_time = e.seq.finish_reason, now
-            text = self.tokenizer.decode([token], skip_special=True) if self.tokenizer is not None else ""
-            events.append(TokenEvent(req.request_id, token, len(req.output_token_ids) - 1, now, req.finished,
-                                     req.finish_reason, text))
+            text = (
+                self.tokenizer.decode([token], skip_special=True)
+                if self.tokenizer is not None
+                else ""
+            )
+            events.append(TokenEvent(req.request_id, token, len(req.output_token_ids) - 1, now,
+                                     req.finished, req.finish_reason, text))
         self.step_log.append(StepRecord(time=now, duration=now - started, model_time=model_time,
                                         new_tokens=tuple(e.num_new_tokens for e in batch.entries),
                                         context_lens=tuple(e.context_len for e in batch.entries),
@@ -241,7 +279,8 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | dict | None = None,
                **kwargs: Any) -> Iterator[TokenEvent]:
         """Add one request now (bad input raises here) and return an iterator of its tokens, with
-        timestamps, as they come; other requests advance too. Closing the iterator early aborts it."""
+        timestamps, as they come; other requests advance too. Closing the iterator early aborts
+        it."""
         return self._follow(self.add_request(prompt, params, **kwargs))
 
     def _follow(self, request_id: str) -> Iterator[TokenEvent]:
@@ -254,20 +293,23 @@ class Engine:
         finally:
             self.abort(request_id)  # no-op when it finished
 
-    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | dict | None = None,
-                 **kwargs: Any) -> list[RequestOutput]:
-        """Run a list of prompts to completion (continuous batching) and return their outputs in order.
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | dict | None = None, **kwargs: Any) -> list[RequestOutput]:
+        """Run a list of prompts to completion (continuous batching) and return their outputs in
+        order.
 
         Every prompt and the parameters are checked before any request is queued: on bad input it
         raises ``EngineError`` and nothing is queued."""
         if isinstance(prompts, str | bytes) or not isinstance(prompts, Sequence | np.ndarray):
-            raise RequestRejected(f"prompts must be a list of prompts, not {type(prompts).__name__} "
+            raise RequestRejected("prompts must be a list of prompts, not "
+                                  f"{type(prompts).__name__} "
                                   "(for one prompt: [prompt])")
-        unknown = set(kwargs) - {"tenant", "request_id", "arrival_time", "cache_salt", "predicted_output_len"}
+        unknown = set(kwargs) - {"tenant", "request_id", "arrival_time", "cache_salt",
+                                 "predicted_output_len"}
         if unknown:
             raise EngineError(f"generate() got unknown arguments {sorted(unknown)}")
-        options = {"tenant": "default", "request_id": None, "arrival_time": None, "cache_salt": None,
-                   "predicted_output_len": None} | kwargs
+        options = {"tenant": "default", "request_id": None, "arrival_time": None,
+                   "cache_salt": None, "predicted_output_len": None} | kwargs
         params = _as_params(params)
         reqs: list[Request] = []
         for i, prompt in enumerate(prompts):
@@ -285,7 +327,11 @@ class Engine:
         req = self.requests.get(request_id) if isinstance(request_id, str) else None
         if req is None:
             raise UnknownRequestError(f"no request has the id {request_id!r}")
-        text = self.tokenizer.decode(req.output_token_ids, skip_special=True) if self.tokenizer is not None else ""
+        text = (
+            self.tokenizer.decode(req.output_token_ids, skip_special=True)
+            if self.tokenizer is not None
+            else ""
+        )
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                              req.finish_reason, req.tenant, req.metrics, req.seq.num_cached_tokens)
 
@@ -300,4 +346,5 @@ def _as_params(params: SamplingParams | dict | None) -> SamplingParams:
             return SamplingParams(**params)
         except TypeError as e:
             raise SamplingParamsError(f"unknown sampling parameter: {e}") from None
-    raise SamplingParamsError(f"params must be SamplingParams, a dict or None, not {type(params).__name__}")
+    raise SamplingParamsError("params must be SamplingParams, a dict or None, not "
+                              f"{type(params).__name__}")

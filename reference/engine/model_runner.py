@@ -5,12 +5,14 @@ implementation, ``engine.py`` beside this file. What it asks of the data plane e
 
   1. apply the copy-on-write block copies the scheduler asked for (``copy_blocks``);
   2. run the step's chunks (new tokens of each scheduled sequence, with its block table) over the
-     paged KV cache, and return the float32 logits of each chunk's last token where asked (``forward``).
+     paged KV cache, and return the float32 logits of each chunk's last token where asked
+     (``forward``).
 
 A runner owns its KV cache, created when the runner is made (``model.make_runner(num_blocks,
 block_size, kv_dtype)``). ``NumpyRunner`` (``reference/model/llama.py``) is the reference one;
-``fast/engine/torch_runner.py`` has a torch runner with the same interface, so the fast engine is the
-same engine loop with another runner. These protocols live here, beside the engine that consumes them.
+``fast/engine/torch_runner.py`` has a torch runner with the same interface, so the fast engine is
+the same engine loop with another runner. These protocols live here, beside the engine that consumes
+them.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ class ModelRunner(Protocol):
         """Copy each block ``src`` into ``dst`` (every layer, K and V, fp8 scales included)."""
 
     def forward(self, chunks: Sequence[Chunk]) -> list[np.ndarray | None]:
-        """Run one step; per chunk, the float32 logits [vocab] of its last token, or None if not wanted."""
+        """Run one step; per chunk, the float32 logits [vocab] of its last token, or None if not
+        wanted."""
 
 
 class RunnableModel(Protocol):
-    """What ``Engine`` is given: a model that knows its config and makes its runner (and KV cache)."""
+    """What ``Engine`` is given: a model that knows its config and makes its runner (and KV
+    cache)."""
 
     config: LlamaConfig
 

@@ -46,28 +46,45 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False  # keep going past the end-of-sequence token (benchmarks with fixed lengths)
+    # keep going past the end-of-sequence token (benchmarks with fixed lengths)
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:
             return SamplingParamsError(f"{name}={getattr(self, name)!r}: {why}")
 
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 1
+        ):
             raise bad("max_tokens", "must be an integer >= 1")
-        if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if (
+            not _is_number(self.temperature)
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad("top_k", "must be an integer >= 0 (0 means no top-k cut)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "must be in (0, 1]")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0):
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0
+        ):
             raise bad("seed", "must be None or an integer >= 0")
         if not isinstance(self.ignore_eos, bool | np.bool_):
             raise bad("ignore_eos", "must be True or False")
-        if isinstance(self.stop_token_ids, str | bytes | bytearray) or not isinstance(self.stop_token_ids, Iterable):
-            raise bad("stop_token_ids", "must be a list of non-negative integers (a single id: [id])")
+        if isinstance(self.stop_token_ids, str | bytes | bytearray) or not isinstance(
+            self.stop_token_ids, Iterable
+        ):
+            raise bad("stop_token_ids", "must be a list of non-negative integers (a single id: "
+                                        "[id])")
         stops = tuple(self.stop_token_ids)
-        if not all(isinstance(t, int | np.integer) and not isinstance(t, bool | np.bool_) and t >= 0 for t in stops):
+        if not all(
+            isinstance(t, int | np.integer) and not isinstance(t, bool | np.bool_) and t >= 0
+            for t in stops
+        ):
             raise bad("stop_token_ids", "must be non-negative integers")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
 
@@ -78,7 +95,9 @@ class SamplingParams:
 
 def _is_number(x: object) -> bool:
     """An int or float, not a bool (True would pass for 1: a mistake, not a temperature)."""
-    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool | np.bool_)
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(
+        x, bool | np.bool_
+    )
 
 
 def check_engine_args(*, max_model_len: int | None, seed: int, **counts: int) -> None:
@@ -87,22 +106,30 @@ def check_engine_args(*, max_model_len: int | None, seed: int, **counts: int) ->
         if type(value) is not int or value < 1:
             raise EngineError(f"{name}={value!r}: must be an integer >= 1")
     if max_model_len is not None and (type(max_model_len) is not int or max_model_len < 1):
-        raise EngineError(f"max_model_len={max_model_len!r}: must be None (the model's context) or an integer >= 1")
+        raise EngineError(f"max_model_len={max_model_len!r}: must be None (the model's context) or "
+                          "an integer >= 1")
     if type(seed) is not int or seed < 0:
         raise EngineError(f"seed={seed!r}: must be an integer >= 0")
 
 
-def check_request_args(*, tenant: object, request_id: object, arrival_time: object, cache_salt: object,
+def check_request_args(*, tenant: object, request_id: object, arrival_time: object,
+                       cache_salt: object,
                         predicted_output_len: object) -> None:
     """The types of add_request's keyword arguments (RequestRejected naming the argument)."""
     if not isinstance(tenant, str):
         raise RequestRejected(f"tenant={tenant!r}: must be a str")
-    if request_id is not None and (isinstance(request_id, bool) or not isinstance(request_id, str | int)):
+    if request_id is not None and (
+        isinstance(request_id, bool) or not isinstance(request_id, str | int)
+    ):
         raise RequestRejected(f"request_id={request_id!r}: must be None, a str or an int")
-    if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, int | float)
+    if arrival_time is not None and (isinstance(arrival_time,
+                                                bool) or not isinstance(arrival_time, int | float)
                                      or not math.isfinite(arrival_time)):
         raise RequestRejected(f"arrival_time={arrival_time!r}: must be None or a finite number")
     if cache_salt is not None and not isinstance(cache_salt, str):
         raise RequestRejected(f"cache_salt={cache_salt!r}: must be None or a str")
-    if predicted_output_len is not None and (type(predicted_output_len) is not int or predicted_output_len < 0):
-        raise RequestRejected(f"predicted_output_len={predicted_output_len!r}: must be None or an integer >= 0")
+    if predicted_output_len is not None and (
+        type(predicted_output_len) is not int or predicted_output_len < 0
+    ):
+        raise RequestRejected(f"predicted_output_len={predicted_output_len!r}: must be None or an "
+                              "integer >= 0")

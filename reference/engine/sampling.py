@@ -12,7 +12,8 @@ from reference.engine.params import SamplingParams
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution sampling draws from (float64, sums to 1), after temperature, top-k, top-p."""
+    """The distribution sampling draws from (float64, sums to 1), after temperature, top-k,
+    top-p."""
     z = np.asarray(logits, dtype=np.float64) / params.temperature
     z = z - z.max()
     if params.top_k and params.top_k < len(z):

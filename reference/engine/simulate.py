@@ -45,10 +45,13 @@ class SimStep:
     tokens_by_tenant: dict[str, int]
 
 
-def simulate(requests: Sequence[SimRequest], policy: object, cost_model: Callable[[StepShape], float], *,
-             num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
+def simulate(requests: Sequence[SimRequest], policy: object,
+             cost_model: Callable[[StepShape], float], *,
+             num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
+             max_num_seqs: int = 32,
              tenants: Tenants | None = None, seed: int = 0) -> list[SimStep]:
-    """Run every request to completion; fills each request's token_times/finish; returns the steps."""
+    """Run every request to completion; fills each request's token_times/finish; returns the
+    steps."""
     bm = BlockManager(num_blocks, block_size, enable_prefix_cache=False)
     sched = Scheduler(bm, SchedulerConfig(max_num_batched_tokens, max_num_seqs), policy, tenants)
     rng = np.random.default_rng(seed)
@@ -59,14 +62,17 @@ def simulate(requests: Sequence[SimRequest], policy: object, cost_model: Callabl
         while i < len(order) and order[i].arrival <= now:
             r = order[i]
             prompt = rng.integers(0, 30000, size=r.prompt_len).tolist()
-            sched.add(SchedSequence(prompt, max_tokens=r.output_len, tenant=r.tenant, arrival_time=r.arrival,
-                                    predicted_output_len=r.predicted_output_len, request=r), r.arrival)
+            sched.add(SchedSequence(prompt, max_tokens=r.output_len, tenant=r.tenant,
+                                    arrival_time=r.arrival,
+                                    predicted_output_len=r.predicted_output_len, request=r),
+                      r.arrival)
             i += 1
         if not sched.has_unfinished():
             now = order[i].arrival
             continue
         batch = sched.schedule(now)
-        shape = StepShape(tuple(e.num_new_tokens for e in batch.entries), tuple(e.context_len for e in batch.entries),
+        shape = StepShape(tuple(e.num_new_tokens for e in batch.entries),
+                          tuple(e.context_len for e in batch.entries),
                           sum(e.needs_sample for e in batch.entries))
         end = now + cost_model(shape)
         served: dict[str, int] = {}

@@ -1,9 +1,9 @@
 """Paged KV-cache bookkeeping: which fixed-size block holds which token of which sequence.
 
 The data plane owns the K/V arrays, shaped ``[num_blocks, block_size, ...]``; this class only hands
-out block ids. Token position ``p`` of a sequence lives in block ``seq.block_table[p // block_size]``
-at offset ``p % block_size``, so a sequence's cache need not be contiguous and at most one block per
-sequence is partly empty (the waste paged attention removes).
+out block ids. Token position ``p`` of a sequence lives in block
+``seq.block_table[p // block_size]`` at offset ``p % block_size``, so a sequence's cache need not be
+contiguous and at most one block per sequence is partly empty (the waste paged attention removes).
 
 Every block is in exactly one of three states:
 
@@ -16,15 +16,15 @@ Every block is in exactly one of three states:
 Prefix cache: a block that is full and whose K/V have been computed is registered under its chained
 key (``prefix_hash.block_key``). On admission a sequence reuses the cached blocks of its longest
 cached prefix. A cached or shared block is never written: a sequence that must write into one gets a
-private copy first (copy-on-write), and ``may_append`` returns the ``(src, dst)`` copies the data plane
-must perform before the step's forward pass. The model must compute at least the last prompt token
-(to get logits), so when the whole prompt is cached, ``num_cached_tokens = len(tokens) - 1`` and the
-last block is copied on write.
+private copy first (copy-on-write), and ``may_append`` returns the ``(src, dst)`` copies the data
+plane must perform before the step's forward pass. The model must compute at least the last prompt
+token (to get logits), so when the whole prompt is cached, ``num_cached_tokens = len(tokens) - 1``
+and the last block is copied on write.
 
 Call order for one sequence: ``can_allocate`` -> ``allocate`` (on admission); each step
 ``can_append(seq, n)`` -> ``may_append(seq, n)`` before computing ``n`` tokens, then
-``cache_full_blocks(seq)`` after ``seq.num_computed_tokens`` has advanced; ``free`` when it finishes,
-aborts or is preempted.
+``cache_full_blocks(seq)`` after ``seq.num_computed_tokens`` has advanced; ``free`` when it
+finishes, aborts or is preempted.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from reference.kv.prefix_hash import ROOT_KEY, block_key
 
 
 class KVSequence(Protocol):
-    """What the block manager reads from and writes to a sequence (``reference.sched.Sequence`` has it)."""
+    """What the block manager reads from and writes to a sequence (``reference.sched.Sequence`` has
+    it)."""
 
     seq_id: int
     token_ids: list[int]  # read: prompt + output tokens so far
@@ -49,7 +50,8 @@ class KVSequence(Protocol):
 
 
 class BlockManager:
-    """Reference-counted allocator of KV blocks with per-sequence block tables and a prefix cache."""
+    """Reference-counted allocator of KV blocks with per-sequence block tables and a prefix
+    cache."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True) -> None:
         for name, value in (("num_blocks", num_blocks), ("block_size", block_size)):
@@ -62,7 +64,8 @@ class BlockManager:
         self.block_key: list[bytes | None] = [None] * num_blocks  # key of a cached block, else None
         self.cached_blocks: dict[bytes, int] = {}  # key -> block id
         self.free_block_ids: deque[int] = deque(range(num_blocks))
-        self.evictable: OrderedDict[int, None] = OrderedDict()  # unreferenced cached blocks, LRU first
+        # unreferenced cached blocks, LRU first
+        self.evictable: OrderedDict[int, None] = OrderedDict()
         self.num_lookup_tokens = 0  # prompt tokens looked up in the prefix cache (statistics)
         self.num_hit_tokens = 0  # of which found cached
 
@@ -78,7 +81,8 @@ class BlockManager:
     # ---- admission ------------------------------------------------------------------------------
 
     def can_allocate(self, seq: KVSequence, keep_free: int = 0) -> bool:
-        """Whether ``allocate(seq)`` would succeed now and leave at least ``keep_free`` blocks free."""
+        """Whether ``allocate(seq)`` would succeed now and leave at least ``keep_free`` blocks
+        free."""
         return self._blocks_needed_to_allocate(seq) + keep_free <= self.num_free_blocks
 
     def allocate(self, seq: KVSequence) -> None:
@@ -88,11 +92,13 @@ class BlockManager:
         ``seq.num_computed_tokens = seq.num_cached_tokens``.
         """
         if seq.block_table:
-            raise KVCacheError(f"sequence {seq.seq_id} already has blocks; free it before allocating again")
+            raise KVCacheError(f"sequence {seq.seq_id} already has blocks; free it before "
+                               "allocating again")
         if not seq.token_ids:
             raise KVCacheError(f"sequence {seq.seq_id} has no tokens to allocate for")
         if not self.can_allocate(seq):
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {self._blocks_needed_to_allocate(seq)} "
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs "
+                                   f"{self._blocks_needed_to_allocate(seq)} "
                                    f"blocks, {self.num_free_blocks} free")
         keys, hits = self._cached_prefix(seq)
         for block in hits:  # take the hits first, so allocating new blocks cannot evict them
@@ -106,25 +112,28 @@ class BlockManager:
         self.num_lookup_tokens += len(seq.token_ids)
         self.num_hit_tokens += seq.num_cached_tokens
 
-    # ---- each step --------------------------------------------------------------------------------
+    # ---- each step
+    # --------------------------------------------------------------------------------
 
     def can_append(self, seq: KVSequence, num_new_tokens: int = 1) -> bool:
         """Whether ``may_append(seq, num_new_tokens)`` would succeed now."""
         new_blocks, copies = self._append_plan(seq, num_new_tokens)
         needed = new_blocks + len(copies)
-        return needed == 0 or needed <= self.num_free_blocks  # a decode into its own last block needs none
+        # a decode into its own last block needs none
+        return needed == 0 or needed <= self.num_free_blocks
 
     def may_append(self, seq: KVSequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
         """Make room for the K/V of the next ``num_new_tokens`` tokens of ``seq``.
 
-        Those are positions ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1``. Adds
-        blocks at the end of the table as needed, and replaces every block in that range that is
-        shared or cached by a private copy. Returns the ``(src, dst)`` block copies the data plane
-        must make (all layers, K and V) before writing.
+        Those are positions ``num_computed_tokens .. num_computed_tokens + num_new_tokens - 1``.
+        Adds blocks at the end of the table as needed, and replaces every block in that range that
+        is shared or cached by a private copy. Returns the ``(src, dst)`` block copies the data
+        plane must make (all layers, K and V) before writing.
         """
         new_blocks, cow = self._append_plan(seq, num_new_tokens)
         if not new_blocks and not cow:
-            return []  # the common decode step: the token goes into the last block, which is private
+            # the common decode step: the token goes into the last block, which is private
+            return []
         if new_blocks + len(cow) > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {new_blocks + len(cow)} blocks, "
                                    f"{self.num_free_blocks} free")
@@ -156,7 +165,8 @@ class BlockManager:
                 self.block_key[block] = key
 
     def free(self, seq: KVSequence) -> None:
-        """Drop the sequence's references (finish, abort or preemption). Cached blocks stay findable."""
+        """Drop the sequence's references (finish, abort or preemption). Cached blocks stay
+        findable."""
         for block in reversed(seq.block_table):  # the tail is least likely shared: evict it first
             self._release(block)
         seq.block_table = []
@@ -169,14 +179,16 @@ class BlockManager:
         write into a shared block by either of them is then copied on write.
         """
         if child.block_table:
-            raise KVCacheError(f"sequence {child.seq_id} already has blocks; free it before forking into it")
+            raise KVCacheError(f"sequence {child.seq_id} already has blocks; free it before "
+                               "forking into it")
         for block in parent.block_table:
             self.ref_count[block] += 1
         child.block_table = list(parent.block_table)
         child.block_keys = list(parent.block_keys)
         child.num_cached_tokens = parent.num_cached_tokens
 
-    # ---- internals --------------------------------------------------------------------------------
+    # ---- internals
+    # --------------------------------------------------------------------------------
 
     def _cached_prefix(self, seq: KVSequence) -> tuple[list[bytes], list[int]]:
         """Keys and block ids of the longest run of cached full blocks at the start of ``seq``."""
@@ -197,17 +209,20 @@ class BlockManager:
     def _blocks_needed_to_allocate(self, seq: KVSequence) -> int:
         _, hits = self._cached_prefix(seq)
         needed = self.blocks_for(len(seq.token_ids)) - len(hits)
-        needed += sum(1 for b in hits if self.ref_count[b] == 0)  # evictable hits leave the free pool
+        # evictable hits leave the free pool
+        needed += sum(1 for b in hits if self.ref_count[b] == 0)
         if len(hits) * self.block_size >= len(seq.token_ids):
             needed += 1  # the last token is recomputed into a copy of the last (cached) block
         return needed
 
     def _append_plan(self, seq: KVSequence, num_new_tokens: int) -> tuple[int, list[int]]:
-        """(blocks to add at the end, table indices of blocks to copy on write) for the next tokens."""
+        """(blocks to add at the end, table indices of blocks to copy on write) for the next
+        tokens."""
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         if num_new_tokens < 1 or end > len(seq.token_ids):
-            raise KVCacheError(f"sequence {seq.seq_id}: cannot compute {num_new_tokens} tokens from position "
+            raise KVCacheError(f"sequence {seq.seq_id}: cannot compute {num_new_tokens} tokens "
+                               "from position "
                                f"{start}, it has {len(seq.token_ids)} tokens")
         last = self.blocks_for(end)  # table length needed
         table = seq.block_table

@@ -7,9 +7,9 @@ belongs to whom is the control plane's business (``reference/kv/block_manager.py
 stores numbers where it is told to.
 
 Two storage kinds: ``"float32"`` (exact) and ``"fp8"`` (e4m3 codes with one power-of-two scale per
-(block, kv-head); rules in ``reference/kv/fp8.py``). The model writes a step's new K/V first and then
-reads every position back through the table, the new ones included, so with fp8 attention always
-sees the stored (rounded) values, in prefill and decode alike.
+(block, kv-head); rules in ``reference/kv/fp8.py``). The model writes a step's new K/V first and
+then reads every position back through the table, the new ones included, so with fp8 attention
+always sees the stored (rounded) values, in prefill and decode alike.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from reference.kv.errors import KVCacheError
 
 
 class KVCache:
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: str = "float32"):
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: str = "float32"):
         if dtype not in ("float32", "fp8"):
             raise KVCacheError(f"KV dtype must be 'float32' or 'fp8', got {dtype!r}")
         if min(num_layers, num_blocks, block_size, num_kv_heads, head_dim) <= 0:
@@ -35,16 +35,20 @@ class KVCache:
         store = np.float32 if dtype == "float32" else np.uint8
         self.k = [np.zeros(shape, dtype=store) for _ in range(num_layers)]
         self.v = [np.zeros(shape, dtype=store) for _ in range(num_layers)]
-        if dtype == "fp8":  # scale exponents per (block, kv-head), int8 as the fast path stores them
-            self.k_exp = [np.full((num_blocks, num_kv_heads), fp8.MIN_SCALE_EXP, np.int8) for _ in range(num_layers)]
-            self.v_exp = [np.full((num_blocks, num_kv_heads), fp8.MIN_SCALE_EXP, np.int8) for _ in range(num_layers)]
+        # scale exponents per (block, kv-head), int8 as the fast path stores them
+        if dtype == "fp8":
+            self.k_exp = [np.full((num_blocks, num_kv_heads), fp8.MIN_SCALE_EXP,
+                                  np.int8) for _ in range(num_layers)]
+            self.v_exp = [np.full((num_blocks, num_kv_heads), fp8.MIN_SCALE_EXP,
+                                  np.int8) for _ in range(num_layers)]
 
     # -- addressing -------------------------------------------------------------------------
     def slots(self, block_table: Sequence[int], start: int, count: int) -> np.ndarray:
         """Slot ids of positions [start, start + count) of a sequence with this block table."""
         pos = np.arange(start, start + count)
         if count and (pos[-1] // self.block_size) >= len(block_table):
-            raise KVCacheError(f"position {pos[-1]} needs block {pos[-1] // self.block_size} but the table "
+            raise KVCacheError(f"position {pos[-1]} needs block {pos[-1] // self.block_size} but "
+                               "the table "
                                f"has {len(block_table)} blocks")
         table = np.asarray(block_table, dtype=np.int64)
         if table.size and (table.min() < 0 or table.max() >= self.num_blocks):
@@ -65,7 +69,8 @@ class KVCache:
     def _flat(self, store: np.ndarray) -> np.ndarray:
         return store.reshape(self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
 
-    def _write_fp8(self, codes: np.ndarray, exps: np.ndarray, slots: np.ndarray, x: np.ndarray) -> None:
+    def _write_fp8(self, codes: np.ndarray, exps: np.ndarray, slots: np.ndarray,
+                   x: np.ndarray) -> None:
         """The four fp8 write rules of ``reference/kv/fp8.py``, vectorised over blocks and heads."""
         blocks, offsets = slots // self.block_size, slots % self.block_size
         fresh = np.unique(blocks[offsets == 0])  # rule 1
@@ -76,7 +81,8 @@ class KVCache:
         np.maximum.at(amax, which, fp8.finite_abs_max(x, axis=-1))
         old = exps[touched]
         new = np.maximum(old, fp8.scale_exponent(amax))  # rule 2
-        for i, h in zip(*np.nonzero(new > old), strict=True):  # rule 3: rescale what is already there
+        # rule 3: rescale what is already there
+        for i, h in zip(*np.nonzero(new > old), strict=True):
             b = touched[i]
             values = fp8.decode(codes[b, :, h, :], old[i, h])
             codes[b, :, h, :] = fp8.encode(values, new[i, h])
@@ -93,11 +99,15 @@ class KVCache:
                 self.v_exp[layer][dst] = self.v_exp[layer][src]
 
     # -- reads ------------------------------------------------------------------------------
-    def read(self, layer: int, block_table: Sequence[int], length: int) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of positions [0, length) as float32 [length, kv_heads, head_dim], via the table."""
+    def read(
+        self, layer: int, block_table: Sequence[int], length: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of positions [0, length) as float32 [length, kv_heads, head_dim], via the
+        table."""
         n_blocks = -(-length // self.block_size)
         if n_blocks > len(block_table):
-            raise KVCacheError(f"length {length} needs {n_blocks} blocks, the table has {len(block_table)}")
+            raise KVCacheError(f"length {length} needs {n_blocks} blocks, the table has "
+                               f"{len(block_table)}")
         table = np.asarray(block_table[:n_blocks], dtype=np.int64)
         k, v = self.k[layer][table], self.v[layer][table]  # [n_blocks, block_size, heads, dim]
         if self.dtype == "fp8":
@@ -108,10 +118,15 @@ class KVCache:
 
     # -- sizes ------------------------------------------------------------------------------
     def bytes_per_token(self) -> int:
-        """Storage bytes one token takes over all layers (K and V; fp8 scales amortised per block)."""
+        """Storage bytes one token takes over all layers (K and V; fp8 scales amortised per
+        block)."""
         per_elem = 4 if self.dtype == "float32" else 1
         data = 2 * self.num_layers * self.num_kv_heads * self.head_dim * per_elem
-        scales = 0 if self.dtype == "float32" else 2 * self.num_layers * self.num_kv_heads / self.block_size
+        scales = (
+            0
+            if self.dtype == "float32"
+            else 2 * self.num_layers * self.num_kv_heads / self.block_size
+        )
         return int(np.ceil(data + scales))
 
     def nbytes(self) -> int:

@@ -1,9 +1,10 @@
-"""The baseline paged KV replaces: each sequence gets one contiguous range of KV slots, reserved upfront.
+"""The baseline paged KV replaces: each sequence gets one contiguous range of KV slots, reserved
+upfront.
 
-``ContiguousAllocator`` manages an arena of ``capacity`` token slots with first-fit allocation over a
-list of free holes (merged again on free), so it shows both kinds of fragmentation: *internal*
-(slots reserved for tokens the sequence never produces) and *external* (free slots scattered in holes
-too small for the next reservation). How much a sequence reserves is the ``reserve`` rule:
+``ContiguousAllocator`` manages an arena of ``capacity`` token slots with first-fit allocation over
+a list of free holes (merged again on free), so it shows both kinds of fragmentation: *internal*
+(slots reserved for tokens the sequence never produces) and *external* (free slots scattered in
+holes too small for the next reservation). How much a sequence reserves is the ``reserve`` rule:
 
 * ``"max_context"``: the model's whole context (what a static KV tensor per slot does);
 * ``"request"``: prompt + max_tokens of the request (the usual per-request reservation);
@@ -36,7 +37,8 @@ class ContiguousAllocator:
         self.context = context
         self.reserve = reserve
         self.true_output_len = true_output_len or {}
-        self.holes: list[list[int]] = [[0, capacity]]  # [start, length], sorted by start, never adjacent
+        # [start, length], sorted by start, never adjacent
+        self.holes: list[list[int]] = [[0, capacity]]
         self.reserved: dict[int, tuple[int, int]] = {}  # seq_id -> (start, length)
 
     @property
@@ -73,7 +75,8 @@ class ContiguousAllocator:
                 seq.block_table = [start]  # slot of position p: start + p
                 seq.num_cached_tokens = 0
                 return
-        raise OutOfBlocksError(f"no hole of {need} slots (free {self.num_free_blocks}, largest {self.largest_hole})")
+        raise OutOfBlocksError(f"no hole of {need} slots (free {self.num_free_blocks}, largest "
+                               f"{self.largest_hole})")
 
     def can_append(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return seq.num_computed_tokens + num_new_tokens <= self.reserved[seq.seq_id][1]
@@ -90,8 +93,10 @@ class ContiguousAllocator:
         start, length = self.reserved.pop(seq.seq_id)
         i = bisect.bisect_left(self.holes, [start, 0])
         self.holes.insert(i, [start, length])
-        if i + 1 < len(self.holes) and start + length == self.holes[i + 1][0]:  # merge with the next hole
+        # merge with the next hole
+        if i + 1 < len(self.holes) and start + length == self.holes[i + 1][0]:
             self.holes[i][1] += self.holes.pop(i + 1)[1]
-        if i > 0 and self.holes[i - 1][0] + self.holes[i - 1][1] == start:  # and with the previous one
+        # and with the previous one
+        if i > 0 and self.holes[i - 1][0] + self.holes[i - 1][1] == start:
             self.holes[i - 1][1] += self.holes.pop(i)[1]
         seq.block_table = []

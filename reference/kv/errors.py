@@ -6,4 +6,5 @@ class KVCacheError(ValueError):
 
 
 class OutOfBlocksError(KVCacheError):
-    """An allocation was asked for more blocks than are free; ask ``can_allocate``/``can_append`` first."""
+    """An allocation was asked for more blocks than are free; ask ``can_allocate``/``can_append``
+    first."""

@@ -24,14 +24,17 @@ Encoding x with exponent e (``encode``), all integer work on the float32 bit pat
   x = M * 2^(k-23) after removing the scale; p = floor(log2 |x|); the quantum is
   2^(max(p, -6) - 3); q = M shifted right by s = max(p,-6) - 3 - (k - 23) bits with
   round-half-to-even; code = ((max(p,-6) + 7) << 3) + q - 8 (this formula also carries a rounded-up
-  mantissa into the exponent and covers subnormals, where q <= 8), then min(code, 0x7E), then the sign.
+  mantissa into the exponent and covers subnormals, where q <= 8), then min(code, 0x7E), then the
+  sign.
 Decoding (``decode``) is exact: decode(c) * 2^e in float32 (only values beyond float32's range,
 |x| near 2^128, could overflow to inf).
 
 The KV cache writes tokens into a block with these rules (``KVCache.write``):
   1. a write at offset 0 of a block starts the block afresh: all its codes become 0, e = -126;
-  2. for each kv-head, e_new = max(e_old, scale_exponent(max |new values of that head in that block|));
-  3. if e_new > e_old, the codes already in the block are re-encoded: c <- encode(decode(c) * 2^e_old,
+  2. for each kv-head, e_new = max(e_old, scale_exponent(max |new values of that head in that
+  block|));
+  3. if e_new > e_old, the codes already in the block are re-encoded: c <- encode(decode(c) *
+  2^e_old,
      e_new) (a second rounding; zeros stay zeros);
   4. the new values are encoded with e_new.
 So a scale only grows while a block fills, and a partly filled block that receives a larger value is
@@ -80,7 +83,8 @@ def encode(x: np.ndarray, scale_exp: np.ndarray | int = 0) -> np.ndarray:
     field = (bits >> 23) & 0xFF
     frac = bits & 0x7FFFFF
     significand = np.where(field > 0, frac | 0x800000, frac)  # hidden bit for normal x
-    k = np.where(field > 0, field - 127, -126) - np.asarray(scale_exp, dtype=np.int64)  # x = M * 2^(k-23)
+    # x = M * 2^(k-23)
+    k = np.where(field > 0, field - 127, -126) - np.asarray(scale_exp, dtype=np.int64)
     length = np.frexp(significand.astype(np.float64))[1].astype(np.int64)  # bit length of M (exact)
     p = k + length - 24  # floor(log2 |x / 2^e|); meaningless when M == 0
     low = np.maximum(p, -6)

@@ -23,8 +23,10 @@ from reference.kv.errors import KVCacheError
 ROOT_KEY = bytes(16)  # the parent key of a sequence's first block
 KEY_BYTES = 16
 _PERSON = b"unfire-kv-v1"  # BLAKE2 personalization: keys never collide with other BLAKE2 uses
-_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)  # copied for each key, never updated itself
-_PACKERS: dict[int, struct.Struct] = {}  # block length -> its int64 packer (one or two lengths in practice)
+# copied for each key, never updated itself
+_HASHER = hashlib.blake2b(digest_size=KEY_BYTES, person=_PERSON)
+# block length -> its int64 packer (one or two lengths in practice)
+_PACKERS: dict[int, struct.Struct] = {}
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int], salt: str | None = None) -> bytes:
@@ -39,7 +41,8 @@ def block_key(parent_key: bytes, token_ids: Sequence[int], salt: str | None = No
         tokens = packer.pack(*token_ids)
     except struct.error as e:
         raise KVCacheError(f"token ids must be integers that fit in int64: {e}") from None
-    h = _HASHER.copy()  # a copy of a ready hasher: cheaper than setting up BLAKE2b's parameters per block
+    # a copy of a ready hasher: cheaper than setting up BLAKE2b's parameters per block
+    h = _HASHER.copy()
     h.update(parent_key + struct.pack("<I", len(salt_bytes)) + salt_bytes + tokens)
     return h.digest()
 

@@ -32,15 +32,19 @@ JSON_SCALARS = (str, int, float, bool)
 
 
 def entry_crc(entry: dict[str, Any]) -> int:
-    """CRC-32 of the entry (every key but ``crc32``) as canonical JSON: keys sorted, no spaces, ASCII."""
+    """CRC-32 of the entry (every key but ``crc32``) as canonical JSON: keys sorted, no spaces,
+    ASCII."""
     body = {k: v for k, v in entry.items() if k != "crc32"}
-    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii"))
+    return zlib.crc32(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                 ensure_ascii=True).encode("ascii"))
 
 
 def _jsonable(value: Any) -> bool:
     if isinstance(value, list):
         return all(isinstance(v, JSON_SCALARS) for v in value)
-    return isinstance(value, JSON_SCALARS) and not (isinstance(value, float) and not np.isfinite(value))
+    return isinstance(value, JSON_SCALARS) and not (
+        isinstance(value, float) and not np.isfinite(value)
+    )
 
 
 def model_entry(source: Any) -> str | None:
@@ -53,11 +57,14 @@ def model_entry(source: Any) -> str | None:
     gguf = [f for f in source.files if isinstance(f, GGUFFile)]
     if gguf:
         meta = {k: v for k, v in gguf[0].metadata().items() if _jsonable(v)}
-        entry: dict[str, Any] = {"format": "unweight", "version": ENTRY_VERSION, "kind": "gguf", "gguf": meta}
+        entry: dict[str, Any] = {"format": "unweight", "version": ENTRY_VERSION, "kind": "gguf",
+                                 "gguf": meta}
     else:
         folder = Path(source.label)
         folder = folder if folder.is_dir() else folder.parent
-        files = {n: (folder / n).read_text(encoding="utf-8") for n in HF_FILES if (folder / n).is_file()}
+        files = {
+            n: (folder / n).read_text(encoding="utf-8") for n in HF_FILES if (folder / n).is_file()
+        }
         if "config.json" not in files:
             return None
         entry = {"format": "unweight", "version": ENTRY_VERSION, "kind": "hf", "files": files}
@@ -70,10 +77,16 @@ def parse_entry(text: str, where: str) -> dict[str, Any]:
         entry = json.loads(text)
     except ValueError:
         raise WeightError(f"{where}: the {MODEL_KEY} entry is not valid JSON") from None
-    if not isinstance(entry, dict) or type(entry.get("crc32")) is not int or entry["crc32"] != entry_crc(entry):
-        raise WeightError(f"{where}: the {MODEL_KEY} entry fails its CRC-32 check: it was changed or damaged")
+    if (
+        not isinstance(entry, dict)
+        or type(entry.get("crc32")) is not int
+        or entry["crc32"] != entry_crc(entry)
+    ):
+        raise WeightError(f"{where}: the {MODEL_KEY} entry fails its CRC-32 check: it was changed "
+                          "or damaged")
     if entry.get("format") != "unweight" or entry.get("version") != ENTRY_VERSION:
-        raise WeightError(f"{where}: unsupported {MODEL_KEY} entry version {entry.get('version')!r} "
+        raise WeightError(f"{where}: unsupported {MODEL_KEY} entry version "
+                          f"{entry.get('version')!r} "
                           f"(this reader: {ENTRY_VERSION})")
     kind = entry.get("kind")
     if kind == "gguf":
@@ -84,17 +97,19 @@ def parse_entry(text: str, where: str) -> dict[str, Any]:
               and all(isinstance(v, str) for v in files.values()))
     else:
         ok = False
-    if not ok or set(entry) != {"format", "version", "kind", "crc32", "gguf" if kind == "gguf" else "files"}:
+    if not ok or set(entry) != {"format", "version", "kind", "crc32",
+                                "gguf" if kind == "gguf" else "files"}:
         raise WeightError(f"{where}: malformed {MODEL_KEY} entry (kind {kind!r})")
     return entry
 
 
 class ContainerFile:
-    """A container read as a weight file: names, dtypes and shapes from its headers, tensors decoded on ``get``.
+    """A container read as a weight file: names, dtypes and shapes from its headers, tensors decoded
+    on ``get``.
 
-    Compressed tensors read as BF16 (uint16 bit patterns), passed-through ones as stored. ``entry`` is
-    the carried model entry (None in a container written without one). Loaders that take the compressed
-    forms themselves read them with ``is_compressed`` and ``compressed``."""
+    Compressed tensors read as BF16 (uint16 bit patterns), passed-through ones as stored. ``entry``
+    is the carried model entry (None in a container written without one). Loaders that take the
+    compressed forms themselves read them with ``is_compressed`` and ``compressed``."""
 
     def __init__(self, path: str | Path, **decoders: Any):
         from reference.codec.container_read import Container
@@ -112,7 +127,11 @@ class ContainerFile:
         return list(self._container.names)
 
     def dtype(self, name: str) -> str:
-        return "BF16" if self._container.is_compressed(name) else self._container.headers[name]["dtype"]
+        return (
+            "BF16"
+            if self._container.is_compressed(name)
+            else self._container.headers[name]["dtype"]
+        )
 
     def shape(self, name: str) -> tuple[int, ...]:
         shape = self._container.headers[name].get("shape")
@@ -153,7 +172,8 @@ def is_container(metadata: dict[str, str]) -> bool:
 
 
 def carried_entry(source: Any) -> tuple[dict[str, Any], str] | None:
-    """(entry, file path) of the first container of a WeightSource that carries a model, else None."""
+    """(entry, file path) of the first container of a WeightSource that carries a model, else
+    None."""
     for f in source.files:
         if isinstance(f, ContainerFile) and f.entry is not None:
             return f.entry, str(f.path)
@@ -161,12 +181,15 @@ def carried_entry(source: Any) -> tuple[dict[str, Any], str] | None:
 
 
 def no_model_error(source: Any) -> WeightError | None:
-    """The error for a container without a carried model (an old one, or compressed from bare weights)."""
+    """The error for a container without a carried model (an old one, or compressed from bare
+    weights)."""
     from reference.model.config import ConfigError
 
     for f in source.files:
         if isinstance(f, ContainerFile) and f.entry is None:
-            return ConfigError(f"{f.path}: this container carries no config or tokenizer (written before "
-                               f"containers carried them, or compressed from bare weights): compress the "
+            return ConfigError(f"{f.path}: this container carries no config or tokenizer (written "
+                               "before "
+                               "containers carried them, or compressed from bare weights): "
+                               "compress the "
                                "checkpoint again with python -m reference.codec compress")
     return None

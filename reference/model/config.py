@@ -45,11 +45,13 @@ class LlamaConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+            raise ConfigError(f"num_heads={self.num_heads} is not a multiple of "
+                              f"num_kv_heads={self.num_kv_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim={self.head_dim} must be even for rotary embeddings")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
-            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} must be > 0")
+            raise ConfigError(f"rms_norm_eps={self.rms_norm_eps} and rope_theta={self.rope_theta} "
+                              "must be > 0")
 
     @property
     def group_size(self) -> int:
@@ -63,8 +65,10 @@ def _need(meta: dict[str, Any], key: str, where: str) -> Any:
     return meta[key]
 
 
-def config_from_gguf(meta: dict[str, Any], where: str = "gguf", has_output: bool = False) -> LlamaConfig:
-    """From GGUF key/value metadata (``GGUFFile.metadata()``); ``has_output``: an untied head exists."""
+def config_from_gguf(meta: dict[str, Any], where: str = "gguf",
+                     has_output: bool = False) -> LlamaConfig:
+    """From GGUF key/value metadata (``GGUFFile.metadata()``); ``has_output``: an untied head
+    exists."""
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise ConfigError(f"{where}: architecture {arch!r} is not supported (only 'llama')")
@@ -121,11 +125,15 @@ def config_from_hf_text(text: str, where: str) -> LlamaConfig:
         raise ConfigError(f"{where}: cannot read config ({e})") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{where}: expected a JSON object")
-    if cfg.get("model_type", "llama") not in ("llama", "mistral", "qwen2") and "LlamaForCausalLM" not in cfg.get(
+    if cfg.get("model_type", "llama") not in ("llama", "mistral",
+                                              "qwen2") and "LlamaForCausalLM" not in cfg.get(
             "architectures", []):
         raise ConfigError(f"{where}: model_type {cfg.get('model_type')!r} is not Llama-style")
     refuse_unsupported(cfg, where)
-    hidden, heads = int(_need(cfg, "hidden_size", where)), int(_need(cfg, "num_attention_heads", where))
+    hidden, heads = (
+        int(_need(cfg, "hidden_size", where)),
+        int(_need(cfg, "num_attention_heads", where)),
+    )
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
     kind = rope.get("rope_type", rope.get("type", "default"))
@@ -139,9 +147,14 @@ def config_from_hf_text(text: str, where: str) -> LlamaConfig:
     elif kind == "default":
         scaling = None
     else:
-        raise ConfigError(f"{where}: rope scaling {kind!r} is not supported (default, linear, llama3)")
+        raise ConfigError(f"{where}: rope scaling {kind!r} is not supported (default, linear, "
+                          "llama3)")
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    eos_ids = (
+        tuple(int(e) for e in eos)
+        if isinstance(eos, list)
+        else (() if eos is None else (int(eos),))
+    )
     bos = cfg.get("bos_token_id")
     return LlamaConfig(
         vocab_size=int(_need(cfg, "vocab_size", where)),
@@ -162,19 +175,23 @@ def config_from_hf_text(text: str, where: str) -> LlamaConfig:
 
 
 def refuse_unsupported(cfg: dict[str, Any], where: str) -> None:
-    """Refuse a config asking for what the Llama forward does not compute: loading it would give wrong
-    logits without a word. (q/k/v/o biases are implemented: the loader takes them when present.)"""
+    """Refuse a config asking for what the Llama forward does not compute: loading it would give
+    wrong logits without a word. (q/k/v/o biases are implemented: the loader takes them when
+    present.)"""
     act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
-        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (the MLP computes SiLU only)")
+        raise ConfigError(f"{where}: hidden_act {act!r} is not supported (the MLP computes SiLU "
+                          "only)")
     if cfg.get("mlp_bias"):
         raise ConfigError(f"{where}: mlp_bias is not supported (the MLP has no biases)")
     window = cfg.get("sliding_window")
     in_use = cfg.get("use_sliding_window", True) if cfg.get("model_type") == "qwen2" else True
     max_position = cfg.get("max_position_embeddings", 2048)
     if window is not None and in_use and (not isinstance(window, int) or window < max_position):
-        raise ConfigError(f"{where}: sliding_window={window!r} is shorter than the context of {max_position} "
-                          "tokens: sliding-window attention is not supported (every token attends to all before it)")
+        raise ConfigError(f"{where}: sliding_window={window!r} is shorter than the context of "
+                          f"{max_position} "
+                          "tokens: sliding-window attention is not supported (every token attends "
+                          "to all before it)")
 
 
 # Llama-3.1-8B, for shape-only calculations (experiment E3) when the checkpoint itself is absent.

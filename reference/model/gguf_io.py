@@ -21,9 +21,10 @@ from reference.model.errors import WeightError
 
 
 def _reader_class(gguf: Any) -> type:
-    """``gguf.GGUFReader`` reading the file through a plain ndarray view of its memory map: the same bytes,
-    no copy, but slicing it skips ``np.memmap``'s per-slice bookkeeping, which the reader does ~250,000
-    times for SmolLM2's tokenizer fields (opening the file took 2.6-3.3 CPU-s, now 1.2)."""
+    """``gguf.GGUFReader`` reading the file through a plain ndarray view of its memory map: the same
+    bytes, no copy, but slicing it skips ``np.memmap``'s per-slice bookkeeping, which the reader
+    does ~250,000 times for SmolLM2's tokenizer fields (opening the file took 2.6-3.3 CPU-s, now
+    1.2)."""
     global _READER
     if _READER is None:
         class PlainViewReader(gguf.GGUFReader):
@@ -54,7 +55,9 @@ class GGUFFile:
         try:
             self._reader = _reader_class(gguf)(self.path, "r")
         except Exception as e:  # the reader raises IndexError/ValueError deep inside on bad files
-            raise WeightError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+            raise WeightError(
+                f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})"
+            ) from None
         size = self.path.stat().st_size
         self._tensors = {}
         for t in self._reader.tensors:

@@ -34,7 +34,8 @@ class Chunk:
     tokens: Sequence[int]  # token ids to run
     start: int  # how many tokens of this sequence are already in the cache (first new position)
     block_table: Sequence[int]  # the sequence's blocks, covering positions [0, start + len(tokens))
-    wants_logits: bool = True  # return logits of the last token (False for a prompt piece that is not the last)
+    # return logits of the last token (False for a prompt piece that is not the last)
+    wants_logits: bool = True
 
 
 def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -50,7 +51,8 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 def silu(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):  # exp(-x) overflows to inf for very negative x; x/inf = -0 is right
+    # exp(-x) overflows to inf for very negative x; x/inf = -0 is right
+    with np.errstate(over="ignore"):
         return x / (np.float32(1) + np.exp(-x))
 
 
@@ -64,7 +66,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     length, kv_heads, _ = k.shape
     group = heads // kv_heads
     qg = q.reshape(n, kv_heads, group, d).transpose(1, 2, 0, 3)  # [kv, group, n, d]
-    scores = qg @ k.transpose(1, 2, 0)[:, None] * np.float32(1 / np.sqrt(d))  # [kv, group, n, length]
+    # [kv, group, n, length]
+    scores = qg @ k.transpose(1, 2, 0)[:, None] * np.float32(1 / np.sqrt(d))
     query_pos = start + np.arange(n)[:, None]
     scores = np.where(np.arange(length)[None, :] <= query_pos, scores, -np.inf)
     scores = scores - scores.max(axis=-1, keepdims=True)
@@ -83,10 +86,12 @@ class LlamaModel:
 
     @classmethod
     def load(cls, source: str | Path | WeightSource = "smollm2") -> LlamaModel:
-        """Load a checkpoint: a packaged name (default ``smollm2``), a path, or an open WeightSource."""
+        """Load a checkpoint: a packaged name (default ``smollm2``), a path, or an open
+        WeightSource."""
         return cls(*load_llama(source))
 
-    def make_runner(self, num_blocks: int, block_size: int = 16, kv_dtype: str = "float32") -> NumpyRunner:
+    def make_runner(self, num_blocks: int, block_size: int = 16,
+                    kv_dtype: str = "float32") -> NumpyRunner:
         """The engine's data plane for this model: a ``NumpyRunner`` owning a new KV cache."""
         return NumpyRunner(self, num_blocks, block_size, kv_dtype)
 
@@ -96,7 +101,8 @@ class LlamaModel:
 
     def forward(self, chunks: Sequence[Chunk], cache: KVCache,
                 on_layer: Callable[[int], None] | None = None) -> list[np.ndarray | None]:
-        """Run one step; returns, per chunk, the float32 logits of its last token (None if not asked).
+        """Run one step; returns, per chunk, the float32 logits of its last token (None if not
+        asked).
 
         ``on_layer(i)``, if given, is called right after layer i's K/V of this step are in the cache
         (a prefill worker sends them from there while the next layer computes).
@@ -110,22 +116,30 @@ class LlamaModel:
         return results
 
     def embed(self, chunks: Sequence[Chunk]) -> np.ndarray:
-        """The residual stream's start: the embedding rows of every chunk's tokens, [tokens, hidden]."""
-        return self.weights.embedding[np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])]
+        """The residual stream's start: the embedding rows of every chunk's tokens, [tokens,
+        hidden]."""
+        return self.weights.embedding[
+            np.concatenate([np.asarray(ch.tokens, dtype=np.int64) for ch in chunks])
+        ]
 
     def run_layers(self, x: np.ndarray, chunks: Sequence[Chunk], cache: KVCache,
                    on_layer: Callable[[int], None] | None = None) -> np.ndarray:
-        """Every layer over the residual stream x of the chunks' tokens (a pipeline stage runs only its own
-        layers: ``reference/model/stage.py``); writes their K/V into the cache and returns the new x."""
+        """Every layer over the residual stream x of the chunks' tokens (a pipeline stage runs only
+        its own layers: ``reference/model/stage.py``); writes their K/V into the cache and returns
+        the new x."""
         c, w = self.config, self.weights
         sizes = [len(ch.tokens) for ch in chunks]
-        positions = np.concatenate([np.arange(ch.start, ch.start + n) for ch, n in zip(chunks, sizes, strict=True)])
-        slots = np.concatenate([cache.slots(ch.block_table, ch.start, n) for ch, n in zip(chunks, sizes, strict=True)])
+        positions = np.concatenate([np.arange(ch.start, ch.start + n) for ch,
+                                    n in zip(chunks, sizes, strict=True)])
+        slots = np.concatenate([cache.slots(ch.block_table, ch.start, n) for ch,
+                                n in zip(chunks, sizes, strict=True)])
         cos, sin = rope_tables(positions, self.inv_freq)
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q = apply_rope(linear(h, layer.wq, layer.bq).reshape(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(linear(h, layer.wk, layer.bk).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            q = apply_rope(linear(h, layer.wq, layer.bq).reshape(-1, c.num_heads, c.head_dim), cos,
+                           sin)
+            k = apply_rope(linear(h, layer.wk, layer.bk).reshape(-1, c.num_kv_heads, c.head_dim),
+                           cos, sin)
             v = linear(h, layer.wv, layer.bv).reshape(-1, c.num_kv_heads, c.head_dim)
             cache.write(i, slots, k, v)
             if on_layer is not None:
@@ -141,7 +155,8 @@ class LlamaModel:
         return x
 
     def logits(self, x: np.ndarray, chunks: Sequence[Chunk]) -> np.ndarray:
-        """Final norm and output head on the last token of each chunk that wants logits: [wanted, vocab]."""
+        """Final norm and output head on the last token of each chunk that wants logits: [wanted,
+        vocab]."""
         last = np.cumsum([len(ch.tokens) for ch in chunks]) - 1
         wanted = [j for j, ch in enumerate(chunks) if ch.wants_logits]
         if not wanted:
@@ -154,7 +169,8 @@ class LlamaModel:
         return (silu(h @ layer.w_gate.T) * (h @ layer.w_up.T)) @ layer.w_down.T
 
     def forward_contiguous(self, tokens: Sequence[int]) -> np.ndarray:
-        """Logits [len(tokens), vocab] of one sequence with plain contiguous K/V (no cache, no paging).
+        """Logits [len(tokens), vocab] of one sequence with plain contiguous K/V (no cache, no
+        paging).
 
         The textbook version, used to check the paged path.
         """
@@ -164,8 +180,10 @@ class LlamaModel:
         x = w.embedding[ids]
         for i, layer in enumerate(w.layers):
             h = rms_norm(x, layer.attn_norm, c.rms_norm_eps)
-            q = apply_rope(linear(h, layer.wq, layer.bq).reshape(-1, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(linear(h, layer.wk, layer.bk).reshape(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            q = apply_rope(linear(h, layer.wq, layer.bq).reshape(-1, c.num_heads, c.head_dim), cos,
+                           sin)
+            k = apply_rope(linear(h, layer.wk, layer.bk).reshape(-1, c.num_kv_heads, c.head_dim),
+                           cos, sin)
             v = linear(h, layer.wv, layer.bv).reshape(-1, c.num_kv_heads, c.head_dim)
             x = x + linear(attention(q, k, v, 0).reshape(len(ids), -1), layer.wo, layer.bo)
             x = x + self._mlp(rms_norm(x, layer.mlp_norm, c.rms_norm_eps), i)
@@ -175,7 +193,8 @@ class LlamaModel:
 class NumpyRunner:
     """The reference runner: ``LlamaModel.forward`` over a NumPy ``KVCache``."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16, kv_dtype: str = "float32"):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
+                 kv_dtype: str = "float32"):
         self.model, self.config = model, model.config
         self.cache: KVCache = model.new_cache(num_blocks, block_size, kv_dtype)
 
@@ -185,6 +204,6 @@ class NumpyRunner:
 
     def forward(self, chunks: Sequence[Chunk],
                 on_layer: Callable[[int], None] | None = None) -> list[np.ndarray | None]:
-        """``on_layer(i)``: called once layer i's K/V of this step are in the cache (the disaggregated
-        prefill worker sends them then)."""
+        """``on_layer(i)``: called once layer i's K/V of this step are in the cache (the
+        disaggregated prefill worker sends them then)."""
         return self.model.forward(chunks, self.cache, on_layer=on_layer)

@@ -1,9 +1,9 @@
 """What a weight tensor is, from its name: attention q/k/v/o, MLP gate/up/down, embedding, norm.
 
 Knows three naming schemes: Hugging Face Llama (``model.layers.0.mlp.gate_proj.weight``),
-Hugging Face BERT (``encoder.layer.0.intermediate.dense.weight``) and GGUF (``blk.0.ffn_gate.weight``).
-Experiments group their numbers by these kinds; the codec's container uses them to decide what to
-compress.
+Hugging Face BERT (``encoder.layer.0.intermediate.dense.weight``) and GGUF
+(``blk.0.ffn_gate.weight``). Experiments group their numbers by these kinds; the codec's container
+uses them to decide what to compress.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ _RULES: list[tuple[str, str]] = [
     (r"(gate_proj|ffn_gate|w1)\.weight$", "mlp_gate"),
     (r"(up_proj|ffn_up|w3|intermediate\.dense)\.weight$", "mlp_up"),
     (r"(down_proj|ffn_down|w2|\d+\.output\.dense)\.weight$", "mlp_down"),
-    (r"(embed_tokens|token_embd|word_embeddings|position_embeddings|token_type_embeddings|wte|wpe)\.weight$",
+    (r"(embed_tokens|token_embd|word_embeddings|position_embeddings|token_type_embeddings|wte|wpe)"
+     r"\.weight$",
      "embedding"),
     (r"(^|\.)(lm_head|output)\.weight$", "lm_head"),
 ]

@@ -33,7 +33,12 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 
 def _llama3(inv: np.ndarray, s: dict[str, Any]) -> np.ndarray:
     """Llama 3.1: keep high frequencies, divide low ones by ``factor``, interpolate in between."""
-    factor, low, high, old_len = s["factor"], s["low_freq_factor"], s["high_freq_factor"], s["original_max_position"]
+    factor, low, high, old_len = (
+        s["factor"],
+        s["low_freq_factor"],
+        s["high_freq_factor"],
+        s["original_max_position"],
+    )
     wavelen = 2 * math.pi / inv
     low_freq_wavelen, high_freq_wavelen = old_len / low, old_len / high
     out = np.where(wavelen > low_freq_wavelen, inv / factor, inv)

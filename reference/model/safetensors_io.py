@@ -126,11 +126,13 @@ def _read_header(path: Path) -> tuple[dict[str, str], dict[str, TensorInfo], int
         raise SafetensorsError(f"{path}: not a regular file")
     size = path.stat().st_size
     if size < 8:
-        raise SafetensorsError(f"{path}: truncated: {size} bytes, too short for the 8-byte header length")
+        raise SafetensorsError(f"{path}: truncated: {size} bytes, too short for the 8-byte header "
+                               "length")
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if n > MAX_HEADER_BYTES:
-            raise SafetensorsError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit")
+            raise SafetensorsError(f"{path}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte "
+                                   "limit")
         if 8 + n > size:
             raise SafetensorsError(
                 f"{path}: truncated: header length says {n} bytes but only {size - 8} follow"
@@ -222,7 +224,8 @@ def write_safetensors(
         if DTYPES[dtype].itemsize != array.dtype.itemsize:
             raise TypeError(f"tensor {name!r}: {array.dtype} cannot be stored as {dtype}")
         array = array.astype(array.dtype.newbyteorder("<"), copy=False)
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        header[name] = {"dtype": dtype, "shape": list(array.shape),
+                        "data_offsets": [offset, offset + array.nbytes]}
         offset += array.nbytes
         arrays.append(array)
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")

@@ -57,7 +57,8 @@ PACKAGED: dict[str, Packaged] = {
         representative=False,
         note=(
             "weights are 4-bit quantized (Q4_1) and dequantized: each block of 32 holds at most 16 "
-            "distinct values, so their bit statistics are NOT representative of trained bf16 weights"
+            "distinct values, so their bit statistics are NOT representative of trained bf16 "
+            "weights"
         ),
     ),
 }
@@ -74,7 +75,8 @@ def packaged_path(name: str) -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / pkg.relpath
     if not path.is_file():
-        raise WeightError(f"{path}: package {pkg.package} is installed but its weights file is missing")
+        raise WeightError(f"{path}: package {pkg.package} is installed but its weights file is "
+                          "missing")
     return path
 
 
@@ -87,14 +89,17 @@ class WeightSource:
     files: list[SafetensorsFile | GGUFFile | ContainerFile]
     representative: bool = True
     note: str = ""
-    _where: dict[str, SafetensorsFile | GGUFFile | ContainerFile] = field(default_factory=dict, repr=False)
+    _where: dict[str, SafetensorsFile | GGUFFile | ContainerFile] = field(
+        default_factory=dict, repr=False
+    )
 
     def __post_init__(self) -> None:
         for f in self.files:
             names = list(f) if isinstance(f, SafetensorsFile) else f.names()
             for n in names:
                 if n in self._where:
-                    raise WeightError(f"tensor {n!r} appears in both {self._where[n].path} and {f.path}")
+                    raise WeightError(f"tensor {n!r} appears in both {self._where[n].path} and "
+                                      f"{f.path}")
                 self._where[n] = f
 
     def names(self) -> list[str]:

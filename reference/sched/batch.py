@@ -19,8 +19,10 @@ class SchedulerConfig:
         when it reaches it. None: limited by max_tokens and the cache only.
     watermark: share of the KV blocks that admission leaves free, as room for running sequences to
         grow (fewer preemptions; vLLM uses 0.01). 0: admit while the blocks fit.
-    max_prefill_tokens_with_decodes: most prompt tokens a step computes when it also carries decodes.
-        Every running stream waits for the whole step, so this bounds the gap a new prompt adds to their
+    max_prefill_tokens_with_decodes: most prompt tokens a step computes when it also carries
+    decodes.
+        Every running stream waits for the whole step, so this bounds the gap a new prompt adds to
+        their
         inter-token latency; a step without decodes (new prompts into an idle engine) still takes
         prompt chunks up to the whole budget. None (default): the whole budget, as vLLM's scheduler.
     """
@@ -34,26 +36,30 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "max_prefill_tokens_with_decodes"):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+                     "max_prefill_tokens_with_decodes"):
             value = getattr(self, name)
             if value is None and name in ("max_model_len", "max_prefill_tokens_with_decodes"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_num_seqs > self.max_num_batched_tokens:
-            raise ConfigError(f"max_num_seqs ({self.max_num_seqs}) must be <= max_num_batched_tokens "
-                              f"({self.max_num_batched_tokens}): every running decode must fit in a step")
+            raise ConfigError(f"max_num_seqs ({self.max_num_seqs}) must be <= "
+                              "max_num_batched_tokens "
+                              f"({self.max_num_batched_tokens}): every running decode must fit in "
+                              "a step")
 
 
 @dataclass
 class ScheduledSeq:
-    """One sequence's share of a step: compute K/V for tokens ``start .. start + num_new_tokens - 1``.
+    """One sequence's share of a step: compute K/V for tokens
+    ``start .. start + num_new_tokens - 1``.
 
     ``token_ids`` are those tokens, ``positions`` their positions; attention reads the K/V of
-    positions ``0 .. start + num_new_tokens - 1`` through ``block_table``. When ``needs_sample`` is true
-    this is the sequence's last uncomputed token, so the logits at the last position give its next
-    token (pass it to ``Scheduler.postprocess``); otherwise this is a prefill chunk and no token is
-    sampled.
+    positions ``0 .. start + num_new_tokens - 1`` through ``block_table``. When ``needs_sample`` is
+    true this is the sequence's last uncomputed token, so the logits at the last position give its
+    next token (pass it to ``Scheduler.postprocess``); otherwise this is a prefill chunk and no
+    token is sampled.
     """
 
     seq: Sequence
@@ -75,7 +81,9 @@ class ScheduledSeq:
 
     def slot_mapping(self, block_size: int) -> list[int]:
         """The cache slot (``block * block_size + offset``) of each new token."""
-        return [self.block_table[p // block_size] * block_size + p % block_size for p in self.positions]
+        return [
+            self.block_table[p // block_size] * block_size + p % block_size for p in self.positions
+        ]
 
 
 @dataclass
@@ -84,7 +92,8 @@ class Batch:
 
     entries: list[ScheduledSeq] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)  # sent back to the waiting queue this step
+    # sent back to the waiting queue this step
+    preempted: list[Sequence] = field(default_factory=list)
     now: float = 0.0
 
     @property

@@ -10,7 +10,8 @@ class ConfigError(SchedulerError):
 
 
 class RequestError(SchedulerError):
-    """A request that can never be served (empty prompt, longer than the context or the cache, ...)."""
+    """A request that can never be served (empty prompt, longer than the context or the cache,
+    ...)."""
 
 
 class UnknownTenantError(SchedulerError):

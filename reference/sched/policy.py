@@ -1,7 +1,7 @@
 """Scheduling policies: who is admitted next, and who is preempted first.
 
-A policy gives every request a sort key, ``key(seq, now)``: the waiting request with the smallest key
-is admitted first, and when blocks run out the running request with the largest key is preempted
+A policy gives every request a sort key, ``key(seq, now)``: the waiting request with the smallest
+key is admitted first, and when blocks run out the running request with the largest key is preempted
 first. Keys end with ``(arrival_time, seq_id)`` so that every decision is deterministic.
 
 * ``FCFS``: by arrival time.
@@ -20,10 +20,11 @@ first. Keys end with ``(arrival_time, seq_id)`` so that every decision is determ
 Fairness bound of WFQ (``wfq_fairness_bound`` below; tests/test_sched_fairness.py asserts exactly
 it): with tenants backlogged from the start, admission always picks the tenant with the smallest
 counter, and after its last admission a tenant's counter can grow only by the remaining work of its
-running requests, at most ``max_num_seqs * L_max / w`` (L_max = the largest prompt + max_tokens), plus
-what one step charges, at most ``max_num_batched_tokens / w``. So at any time, for any two backlogged
-tenants a and b, ``|S_a / w_a - S_b / w_b| <= (max_num_seqs * L_max + max_num_batched_tokens) / w_min``
-where S is the number of tokens computed for the tenant (without preemptions, which recompute tokens).
+running requests, at most ``max_num_seqs * L_max / w`` (L_max = the largest prompt + max_tokens),
+plus what one step charges, at most ``max_num_batched_tokens / w``. So at any time, for any two
+backlogged tenants a and b,
+``|S_a / w_a - S_b / w_b| <= (max_num_seqs * L_max + max_num_batched_tokens) / w_min`` where S is
+the number of tokens computed for the tenant (without preemptions, which recompute tokens).
 """
 
 from __future__ import annotations
@@ -64,8 +65,9 @@ class FCFS(Policy):
     """First come, first served."""
 
     def pick(self, waiting: list[Sequence], now: float) -> Sequence:
-        """The smallest key, ``(arrival_time, seq_id)``, read by ``attrgetter``: the same choice as the base
-        class at a fraction of the cost (a scheduler with a long queue picks once per step)."""
+        """The smallest key, ``(arrival_time, seq_id)``, read by ``attrgetter``: the same choice as
+        the base class at a fraction of the cost (a scheduler with a long queue picks once per
+        step)."""
         if type(self).key is not FCFS.key:  # a subclass with its own key: the general pick
             return super().pick(waiting, now)
         return min(waiting, key=_BY_ARRIVAL)
@@ -105,12 +107,14 @@ class WFQ(Policy):
         return (self.counters[seq.tenant], *self.within.key(seq, now))
 
     def pick(self, waiting: list[Sequence], now: float) -> Sequence:
-        """Same as the smallest key, faster: only the least-served tenants' requests are compared."""
+        """Same as the smallest key, faster: only the least-served tenants' requests are
+        compared."""
         lowest = min(self.counters[s.tenant] for s in waiting)
         return self.within.pick([s for s in waiting if self.counters[s.tenant] == lowest], now)
 
     def on_add(self, seq: Sequence) -> None:
-        self.tenants.weight(seq.tenant)  # unknown tenant -> UnknownTenantError, before any state changes
+        # unknown tenant -> UnknownTenantError, before any state changes
+        self.tenants.weight(seq.tenant)
         tenant = seq.tenant
         if self.num_live[tenant] == 0:
             active = [self.counters[t] for t, n in self.num_live.items() if n > 0]
@@ -150,9 +154,10 @@ class Static(Policy):
         self.within.on_finish(seq)
 
 
-def wfq_fairness_bound(max_num_seqs: int, max_len: int, max_num_batched_tokens: int, w_min: float) -> float:
-    """The bound B on ``|S_a / w_a - S_b / w_b|`` for backlogged tenants under WFQ (derived in the module
-    docstring): ``(max_num_seqs * max_len + max_num_batched_tokens) / w_min``."""
+def wfq_fairness_bound(max_num_seqs: int, max_len: int, max_num_batched_tokens: int,
+                       w_min: float) -> float:
+    """The bound B on ``|S_a / w_a - S_b / w_b|`` for backlogged tenants under WFQ (derived in the
+    module docstring): ``(max_num_seqs * max_len + max_num_batched_tokens) / w_min``."""
     if w_min <= 0:
         raise ConfigError(f"the smallest tenant weight must be positive, got {w_min}")
     return (max_num_seqs * max_len + max_num_batched_tokens) / w_min

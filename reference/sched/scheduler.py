@@ -57,7 +57,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence, now: float | None = None) -> None:
-        """Queue a new request. Raises RequestError / UnknownTenantError; then nothing has changed."""
+        """Queue a new request. Raises RequestError / UnknownTenantError; then nothing has
+        changed."""
         self.check(seq)
         self.policy.on_add(seq)
         if seq.arrival_time is None:
@@ -65,35 +66,41 @@ class Scheduler:
         self.waiting.append(seq)
 
     def check(self, seq: Sequence) -> None:
-        """Raise what ``add`` would raise for ``seq``, changing nothing (to check many before adding any)."""
+        """Raise what ``add`` would raise for ``seq``, changing nothing (to check many before adding
+        any)."""
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise RequestError(f"sequence {seq.seq_id} was already scheduled; add a new Sequence")
         limit = self.config.max_model_len
         if limit is not None and seq.num_prompt_tokens >= limit:
-            raise RequestError(f"prompt of {seq.num_prompt_tokens} tokens does not fit the context of {limit} "
+            raise RequestError(f"prompt of {seq.num_prompt_tokens} tokens does not fit the context "
+                               f"of {limit} "
                                "tokens (at least one output token must fit)")
         max_len = seq.num_prompt_tokens + seq.max_tokens if limit is None else min(
             seq.num_prompt_tokens + seq.max_tokens, limit)
         bm = self.block_manager
         if bm.blocks_for(max_len) > bm.num_blocks:
-            raise RequestError(f"a request of up to {max_len} tokens needs {bm.blocks_for(max_len)} KV blocks; "
+            raise RequestError(f"a request of up to {max_len} tokens needs "
+                               f"{bm.blocks_for(max_len)} KV blocks; "
                                f"the cache has {bm.num_blocks}")
         if self.tenants is not None:
             self.tenants.plan(seq.tenant)
 
     def add_running(self, seq: Sequence, now: float | None = None) -> None:
-        """Admit a sequence whose blocks, and the K/V of its first ``num_computed_tokens`` tokens, are
-        already in this scheduler's cache: its prompt was computed elsewhere (a prefill worker) and
-        handed over. The caller allocated its blocks with this block manager. It runs from the next
-        step: a decode if only the last token is uncomputed, else a prefill of the rest.
+        """Admit a sequence whose blocks, and the K/V of its first ``num_computed_tokens`` tokens,
+        are already in this scheduler's cache: its prompt was computed elsewhere (a prefill worker)
+        and handed over. The caller allocated its blocks with this block manager. It runs from the
+        next step: a decode if only the last token is uncomputed, else a prefill of the rest.
         """
         if seq.status is not SequenceStatus.WAITING or not seq.block_table:
-            raise RequestError(f"sequence {seq.seq_id} must be waiting and hold its blocks to be added running")
+            raise RequestError(f"sequence {seq.seq_id} must be waiting and hold its blocks to be "
+                               "added running")
         if not 0 <= seq.num_computed_tokens < seq.num_tokens:
-            raise RequestError(f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed tokens of "
+            raise RequestError(f"sequence {seq.seq_id}: {seq.num_computed_tokens} computed tokens "
+                               "of "
                                f"{seq.num_tokens}; at least the last token must be left to compute")
         if self.block_manager.blocks_for(seq.num_computed_tokens) > len(seq.block_table):
-            raise RequestError(f"sequence {seq.seq_id}: its block table does not cover its computed tokens")
+            raise RequestError(f"sequence {seq.seq_id}: its block table does not cover its "
+                               "computed tokens")
         if self.tenants is not None:
             self.tenants.plan(seq.tenant)
         self.policy.on_add(seq)
@@ -104,9 +111,11 @@ class Scheduler:
         self.running.append(seq)
 
     def schedule(self, now: float | None = None) -> Batch:
-        """Choose this step's work (see the module docstring). Call ``postprocess`` with its result."""
+        """Choose this step's work (see the module docstring). Call ``postprocess`` with its
+        result."""
         if self._in_flight is not None:
-            raise SchedulerError("schedule() called again before postprocess() of the previous batch")
+            raise SchedulerError("schedule() called again before postprocess() of the previous "
+                                 "batch")
         now = time.monotonic() if now is None else now
         batch, budget = Batch(now=now), self.config.max_num_batched_tokens
         key, bm = self.policy.key, self.block_manager
@@ -122,7 +131,8 @@ class Scheduler:
             is_prefill = uncomputed > 1
             n = min(uncomputed, self._prefill_room(batch, budget) if is_prefill else budget)
             if n == 0:
-                break  # decodes come first: every sequence left is a prefill, and the cap is reached
+                # decodes come first: every sequence left is a prefill, and the cap is reached
+                break
             while not bm.can_append(seq, n):
                 victim = max(unscheduled, key=lambda s: key(s, now))
                 self._preempt(victim, batch)
@@ -132,15 +142,19 @@ class Scheduler:
             if seq.status is SequenceStatus.RUNNING:
                 unscheduled.remove(seq)
                 budget -= self._schedule_one(seq, n, is_prefill, batch)
-        # 2. admissions (static batching: only into an empty system, then not until it is empty again);
-        # none in a step that had to preempt: memory is short, and a victim must not come straight back
+        # 2. admissions (static batching: only into an empty system, then not until it is empty
+        # again);
+        # none in a step that had to preempt: memory is short, and a victim must not come straight
+        # back
         admit = (self.policy.admit_while_running or not self.running) and not batch.preempted
         while admit and self.waiting and len(self.running) < self.config.max_num_seqs:
             room = self._prefill_room(batch, budget)
             if room == 0 and self.policy.admit_while_running:
                 break
             seq = self.policy.pick(self.waiting, now)
-            keep_free = int(self.config.watermark * self.block_manager.num_blocks) if self.running else 0
+            keep_free = (
+                int(self.config.watermark * self.block_manager.num_blocks) if self.running else 0
+            )
             if not self.block_manager.can_allocate(seq, keep_free):
                 break
             self.block_manager.allocate(seq)
@@ -154,22 +168,28 @@ class Scheduler:
             self._in_flight = batch
         return batch
 
-    def postprocess(self, batch: Batch, new_token_ids: Seq[int | None], now: float | None = None) -> list[Sequence]:
+    def postprocess(self, batch: Batch, new_token_ids: Seq[int | None],
+                    now: float | None = None) -> list[Sequence]:
         """Record a step's results; returns the sequences that finished in it.
 
         ``new_token_ids[i]`` is the token sampled for ``batch.entries[i]``; it is read only where
-        ``entries[i].needs_sample`` is true (pass None elsewhere). Sequences aborted since ``schedule``
-        are skipped.
+        ``entries[i].needs_sample`` is true (pass None elsewhere). Sequences aborted since
+        ``schedule`` are skipped.
         """
         if not batch.entries:
             return []
         if batch is not self._in_flight:
             raise SchedulerError("postprocess() needs the batch returned by the last schedule()")
         if len(new_token_ids) != len(batch.entries):
-            raise SchedulerError(f"{len(new_token_ids)} tokens for a batch of {len(batch.entries)} entries")
-        for entry, token in zip(batch.entries, new_token_ids, strict=True):  # check all before changing any
-            if entry.needs_sample and (isinstance(token, bool) or not isinstance(token, int) or token < 0):
-                raise SchedulerError(f"sequence {entry.seq.seq_id}: sampled token must be an int >= 0, got {token!r}")
+            raise SchedulerError(f"{len(new_token_ids)} tokens for a batch of {len(batch.entries)} "
+                                 "entries")
+        # check all before changing any
+        for entry, token in zip(batch.entries, new_token_ids, strict=True):
+            if entry.needs_sample and (
+                isinstance(token, bool) or not isinstance(token, int) or token < 0
+            ):
+                raise SchedulerError(f"sequence {entry.seq.seq_id}: sampled token must be an int "
+                                     f">= 0, got {token!r}")
         self._in_flight = None
         now = time.monotonic() if now is None else now
         finished, cache_full_blocks = [], self.block_manager.cache_full_blocks
@@ -191,26 +211,30 @@ class Scheduler:
         return finished
 
     def abort(self, seq_id: int, now: float | None = None) -> Sequence | None:
-        """Abort a live request and free its blocks; returns it, or None if no live request has that id."""
+        """Abort a live request and free its blocks; returns it, or None if no live request has that
+        id."""
         for seq in (*self.running, *self.waiting):
             if seq.seq_id == seq_id:
-                self._finish(seq, SequenceStatus.ABORTED, "abort", time.monotonic() if now is None else now)
+                self._finish(seq, SequenceStatus.ABORTED, "abort",
+                             time.monotonic() if now is None else now)
                 return seq
         return None
 
     def finish_running(self, seq: Sequence, reason: str, now: float) -> None:
-        """Retire a running sequence that its last sampled token ended (``reason``: "length" or "stop"), as
-        ``postprocess`` does: for a driver that replays plain decode steps without scheduling each one
-        (the cluster simulator's macro steps)."""
+        """Retire a running sequence that its last sampled token ended (``reason``: "length" or
+        "stop"), as
+        ``postprocess`` does: for a driver that replays plain decode steps without scheduling each
+        one (the cluster simulator's macro steps)."""
         if seq.status is not SequenceStatus.RUNNING or seq not in self.running:
             raise SchedulerError(f"sequence {seq.seq_id} is not running here")
         self._finish(seq, SequenceStatus.FINISHED, reason, now)
 
-    # ---- internals --------------------------------------------------------------------------------
+    # ---- internals
+    # --------------------------------------------------------------------------------
 
     def _prefill_room(self, batch: Batch, budget: int) -> int:
-        """Prompt tokens this step may still take: the budget left, and once the step carries a decode, no
-        more than ``max_prefill_tokens_with_decodes`` in all."""
+        """Prompt tokens this step may still take: the budget left, and once the step carries a
+        decode, no more than ``max_prefill_tokens_with_decodes`` in all."""
         cap = self.config.max_prefill_tokens_with_decodes
         if cap is None or all(e.is_prefill for e in batch.entries):
             return budget
@@ -219,8 +243,10 @@ class Scheduler:
     def _schedule_one(self, seq: Sequence, n: int, is_prefill: bool, batch: Batch) -> int:
         batch.block_copies += self.block_manager.may_append(seq, n)
         start = seq.num_computed_tokens
-        batch.entries.append(ScheduledSeq(seq, start, n, seq.token_ids[start:start + n], list(seq.block_table),
-                                          needs_sample=start + n == seq.num_tokens, is_prefill=is_prefill))
+        batch.entries.append(ScheduledSeq(seq, start, n, seq.token_ids[start:start + n],
+                                          list(seq.block_table),
+                                          needs_sample=start + n == seq.num_tokens,
+                                          is_prefill=is_prefill))
         self.policy.on_schedule(seq, n)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = batch.now
@@ -239,7 +265,9 @@ class Scheduler:
         if token == seq.eos_token_id or token in seq.stop_token_ids:
             return "stop"
         limit = self.config.max_model_len
-        if seq.num_output_tokens >= seq.max_tokens or (limit is not None and seq.num_tokens >= limit):
+        if seq.num_output_tokens >= seq.max_tokens or (
+            limit is not None and seq.num_tokens >= limit
+        ):
             return "length"
         return None
 

@@ -13,8 +13,9 @@ _next_id = itertools.count()
 
 
 def _non_negative_ints(tokens: list[Any]) -> bool:
-    """Whether every token id is an int (not a bool) >= 0. The common case, plain ``int`` only, is checked
-    with two C-level passes (``set(map(type, ...))`` and ``min``); anything else item by item."""
+    """Whether every token id is an int (not a bool) >= 0. The common case, plain ``int`` only, is
+    checked with two C-level passes (``set(map(type, ...))`` and ``min``); anything else item by
+    item."""
     if set(map(type, tokens)) == {int}:
         return min(tokens) >= 0
     return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens)
@@ -52,7 +53,8 @@ class Sequence:
     status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False)
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = field(default=0, init=False)
-    num_cached_tokens: int = field(default=0, init=False)  # from the prefix cache at the last admission
+    # from the prefix cache at the last admission
+    num_cached_tokens: int = field(default=0, init=False)
     block_table: list[int] = field(default_factory=list, init=False)
     block_keys: list[bytes] = field(default_factory=list, init=False)
     finish_reason: str | None = field(default=None, init=False)  # "length" | "stop" | "abort"
@@ -67,10 +69,16 @@ class Sequence:
             raise RequestError("empty prompt: a request needs at least one prompt token")
         if not _non_negative_ints(prompt):
             raise RequestError("prompt token ids must be non-negative integers")
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if (
+            isinstance(self.max_tokens, bool)
+            or not isinstance(self.max_tokens, int)
+            or self.max_tokens < 1
+        ):
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.predicted_output_len is not None and self.predicted_output_len < 0:
-            raise RequestError(f"predicted_output_len must be >= 0, got {self.predicted_output_len}")
+            raise RequestError(
+                f"predicted_output_len must be >= 0, got {self.predicted_output_len}"
+            )
         self.prompt_token_ids = prompt
         self.token_ids = list(prompt)
         self.stop_token_ids = tuple(self.stop_token_ids)
@@ -101,8 +109,12 @@ class Sequence:
         return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
 
     def predicted_remaining_work(self) -> int:
-        """Tokens still to compute, predicted: uncomputed tokens + predicted outputs not yet made."""
-        predicted = self.max_tokens if self.predicted_output_len is None else min(self.predicted_output_len,
-                                                                                  self.max_tokens)
+        """Tokens still to compute, predicted: uncomputed tokens + predicted outputs not yet
+        made."""
+        predicted = (
+            self.max_tokens
+            if self.predicted_output_len is None
+            else min(self.predicted_output_len, self.max_tokens)
+        )
         num_tokens, num_prompt = len(self.token_ids), len(self.prompt_token_ids)
         return num_tokens - self.num_computed_tokens + max(0, predicted - (num_tokens - num_prompt))

@@ -23,7 +23,8 @@ class Tenants:
                  default_plan: str | None = None) -> None:
         for plan, weight in plan_weights.items():
             if not isinstance(weight, int | float) or not math.isfinite(weight) or weight <= 0:
-                raise ConfigError(f"plan {plan!r}: weight must be a finite number > 0, got {weight!r}")
+                raise ConfigError(f"plan {plan!r}: weight must be a finite number > 0, got "
+                                  f"{weight!r}")
         self.plan_weights = dict(plan_weights)
         self.plan_of = dict(plan_of or {})
         self.default_plan = default_plan
@@ -41,7 +42,8 @@ class Tenants:
         """The tenant's plan; UnknownTenantError if the tenant is not known."""
         plan = self.plan_of.get(tenant, self.default_plan)
         if plan is None:
-            raise UnknownTenantError(f"unknown tenant {tenant!r}; known tenants: {sorted(self.plan_of)}")
+            raise UnknownTenantError(f"unknown tenant {tenant!r}; known tenants: "
+                                     f"{sorted(self.plan_of)}")
         return plan
 
     def weight(self, tenant: str) -> float:

@@ -1,11 +1,13 @@
-"""The rANS mode (FORMAT.md section 9): our own form, smaller than every peer, decoded by interleaved lanes.
+"""The rANS mode (FORMAT.md section 9): our own form, smaller than every peer, decoded by
+interleaved lanes.
 
     t = encode_rans(bits)                 # bits: uint16 bf16 patterns, any shape -> RansTensor
     assert (decode_rans(t) == bits).all()
 
 Files, in reading order: ``coder.py`` (the interleaved rANS coder: frequency quantization, decoding
 tables, lockstep encoder and decoder), ``model.py`` (what is coded: joint values and raw bits, field
-packing, the alphabet, clustered tables), ``format.py`` (``RansTensor``: header, arrays, every check),
+packing, the alphabet, clustered tables), ``format.py`` (``RansTensor``: header, arrays, every
+check),
 ``codec.py`` (``encode_rans``, ``decode_rans`` and their many-tensor forms).
 
 The container (``reference/codec/container_read.py``, ``container_write.py``) uses only what this
@@ -28,6 +30,6 @@ from reference.codec.rans.codec import (
 from reference.codec.rans.format import ARRAY_DTYPES, FORM, RansTensor
 
 __all__ = [
-    "ARRAY_DTYPES", "BLOCK_SIZE", "ENCODE_BATCH", "FORM", "LANES", "MANTISSA_BITS", "PROB_BITS", "TABLES",
-    "RansTensor", "decode_rans", "decode_rans_many", "encode_rans", "encode_rans_many",
+    "ARRAY_DTYPES", "BLOCK_SIZE", "ENCODE_BATCH", "FORM", "LANES", "MANTISSA_BITS", "PROB_BITS",
+    "TABLES", "RansTensor", "decode_rans", "decode_rans_many", "encode_rans", "encode_rans_many",
 ]

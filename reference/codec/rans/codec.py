@@ -19,7 +19,14 @@ from reference.codec.codec import as_bf16
 from reference.codec.errors import CodecError
 from reference.codec.format import UINT32_LIMIT, crc32
 from reference.codec.rans.coder import MAX_PROB_BITS, decode_lanes, encode_lanes, slot_tables
-from reference.codec.rans.format import MAX_BLOCK_SIZE, MAX_LANE_STEPS, MAX_LANES, MAX_TABLES, MIN_PROB_BITS, RansTensor
+from reference.codec.rans.format import (
+    MAX_BLOCK_SIZE,
+    MAX_LANE_STEPS,
+    MAX_LANES,
+    MAX_TABLES,
+    MIN_PROB_BITS,
+    RansTensor,
+)
 from reference.codec.rans.model import (
     choose_alphabet,
     choose_tables,
@@ -45,27 +52,30 @@ def encode_rans(bits: np.ndarray, *, name: str = "", **params: Any) -> RansTenso
 
 
 def encode_rans_many(
-    tensors: Sequence[np.ndarray], *, names: Sequence[str] | None = None, block_size: int = BLOCK_SIZE,
-    lanes: int = LANES, prob_bits: int = PROB_BITS, mantissa_bits: int = MANTISSA_BITS, max_tables: int = TABLES,
-    escapes: bool = True, own_tables: bool = False,
+    tensors: Sequence[np.ndarray], *, names: Sequence[str] | None = None,
+    block_size: int = BLOCK_SIZE,
+    lanes: int = LANES, prob_bits: int = PROB_BITS, mantissa_bits: int = MANTISSA_BITS,
+    max_tables: int = TABLES, escapes: bool = True, own_tables: bool = False,
 ) -> list[RansTensor]:
-    """Compress several tensors with the same parameters; the blocks of about ENCODE_BATCH weights at a
-    time are encoded in one lockstep pass."""
+    """Compress several tensors with the same parameters; the blocks of about ENCODE_BATCH weights
+    at a time are encoded in one lockstep pass."""
     _check_parameters(block_size, lanes, prob_bits, mantissa_bits, max_tables)
     names = list(names) if names is not None else [""] * len(tensors)
     tensors = [as_bf16(b, nm) for b, nm in zip(tensors, names, strict=True)]
     out, batch = [], []
     for i, bits in enumerate(tensors):
-        batch.append(_model(bits, names[i], block_size, prob_bits, mantissa_bits, max_tables, escapes, own_tables))
+        batch.append(_model(bits, names[i], block_size, prob_bits, mantissa_bits, max_tables,
+                            escapes, own_tables))
         if i + 1 == len(tensors) or sum(m["n"] for m in batch) >= ENCODE_BATCH:
             out += _encode_batch(batch, block_size, lanes, prob_bits, mantissa_bits)
             batch = []
     return out
 
 
-def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantissa_bits: int, max_tables: int,
-           escapes: bool, own_tables: bool) -> dict[str, Any]:
-    """Everything about one tensor but the rANS coding itself: symbols, alphabet, tables, escapes, raw bits."""
+def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantissa_bits: int,
+           max_tables: int, escapes: bool, own_tables: bool) -> dict[str, Any]:
+    """Everything about one tensor but the rANS coding itself: symbols, alphabet, tables, escapes,
+    raw bits."""
     flat = bits.reshape(-1)
     values, raw = split_weights(flat, mantissa_bits)
     alphabet = choose_alphabet(np.bincount(values, minlength=1 << (8 + mantissa_bits)), prob_bits,
@@ -76,17 +86,29 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
     symbols = symbol_of[values]  # (values are uint16 < 2^15)
     n_blocks = -(-len(flat) // block_size)
     if own_tables and n_blocks > MAX_TABLES:
-        raise CodecError(f"tensor {name!r}: {n_blocks} blocks cannot each have a table (at most {MAX_TABLES})")
+        raise CodecError(f"tensor {name!r}: {n_blocks} blocks cannot each have a table (at most "
+                         f"{MAX_TABLES})")
     block_counts = np.bincount(np.arange(len(flat)) // block_size * (escape + 1) + symbols,
                                minlength=n_blocks * (escape + 1)).reshape(n_blocks, escape + 1)
-    order_key = np.append(np.asarray(alphabet, np.float64) / (1 << mantissa_bits), 0.0)  # the exponent of each symbol
+    # the exponent of each symbol
+    order_key = np.append(np.asarray(alphabet, np.float64) / (1 << mantissa_bits), 0.0)
     freqs, block_table = choose_tables(block_counts, order_key, prob_bits, max_tables, own_tables)
     escaped = symbols == escape
-    return {"name": name, "shape": tuple(int(d) for d in bits.shape), "n": len(flat), "symbols": symbols,
-            "alphabet": np.asarray(alphabet, np.uint16), "freqs": freqs, "block_table": block_table,
-            "raw": pack_fields(raw, 8 - mantissa_bits), "escapes": pack_fields(values[escaped], 8 + mantissa_bits),
-            "block_escapes": np.concatenate([[0], np.cumsum(block_counts[:, escape])]).astype(np.uint32),
-            "crc": crc32(flat)}
+    return {
+        "name": name,
+        "shape": tuple(int(d) for d in bits.shape),
+        "n": len(flat),
+        "symbols": symbols,
+        "alphabet": np.asarray(alphabet, np.uint16),
+        "freqs": freqs,
+        "block_table": block_table,
+        "raw": pack_fields(raw, 8 - mantissa_bits),
+        "escapes": pack_fields(values[escaped], 8 + mantissa_bits),
+        "block_escapes": np.concatenate([[0], np.cumsum(block_counts[:, escape])]).astype(
+            np.uint32
+        ),
+        "crc": crc32(flat),
+    }
 
 
 def _encode_batch(models: list[dict[str, Any]], block_size: int, lanes: int, prob_bits: int,
@@ -106,21 +128,24 @@ def _encode_batch(models: list[dict[str, Any]], block_size: int, lanes: int, pro
         freqs[b0 : b0 + nb, : m["freqs"].shape[1]] = m["freqs"][m["block_table"]]
         lengths[b0 : b0 + nb] = np.minimum(block_size, m["n"] - block_size * np.arange(nb))
         b0 += nb
-    words, per_block, states = encode_lanes(symbols[:, : steps * lanes].reshape(len(symbols), steps, lanes), lengths,
-                                            freqs, prob_bits)
+    words, per_block, states = encode_lanes(
+        symbols[:, : steps * lanes].reshape(len(symbols), steps, lanes), lengths, freqs, prob_bits
+    )
     out, b0, w0 = [], 0, 0
     for m, nb in zip(models, n_blocks, strict=True):
         count = int(per_block[b0 : b0 + nb].sum())
         if count >= UINT32_LIMIT:
-            raise CodecError(f"tensor {m['name']!r}: the rANS stream would be {count} words, beyond 2^32 - 1")
+            raise CodecError(f"tensor {m['name']!r}: the rANS stream would be {count} words, "
+                             "beyond 2^32 - 1")
         t = RansTensor(
-            shape=m["shape"], block_size=block_size, lanes=lanes, prob_bits=prob_bits, mantissa_bits=mantissa_bits,
+            shape=m["shape"], block_size=block_size, lanes=lanes, prob_bits=prob_bits,
+            mantissa_bits=mantissa_bits,
             alphabet_size=len(m["alphabet"]), n_tables=len(m["freqs"]), stream_words=count,
             n_escapes=int(m["block_escapes"][-1]), crc={}, raw=m["raw"], alphabet=m["alphabet"],
             tables=m["freqs"].astype(np.uint16), stream=words[w0 : w0 + count],
             block_words=np.concatenate([[0], np.cumsum(per_block[b0 : b0 + nb])]).astype(np.uint32),
-            states=states[b0 : b0 + nb], block_table=m["block_table"].astype(np.uint8), escapes=m["escapes"],
-            block_escapes=m["block_escapes"], name=m["name"])
+            states=states[b0 : b0 + nb], block_table=m["block_table"].astype(np.uint8),
+            escapes=m["escapes"], block_escapes=m["block_escapes"], name=m["name"])
         t.crc = {key: crc32(a) for key, a in t.arrays().items()} | {"data": m["crc"]}
         out.append(t)
         b0, w0 = b0 + nb, w0 + count
@@ -133,7 +158,8 @@ def decode_rans(t: RansTensor) -> np.ndarray:
 
 
 def decode_rans_many(tensors: Sequence[RansTensor]) -> list[np.ndarray]:
-    """Decompress several tensors; those with the same lanes and prob_bits share one lockstep pass."""
+    """Decompress several tensors; those with the same lanes and prob_bits share one lockstep
+    pass."""
     for t in tensors:
         t.check()
     out: list[np.ndarray | None] = [None] * len(tensors)
@@ -146,7 +172,8 @@ def decode_rans_many(tensors: Sequence[RansTensor]) -> list[np.ndarray]:
 
 
 def _decode_values(tensors: list[RansTensor]) -> list[np.ndarray]:
-    """The decoded symbols' values (exponent and top mantissa bits; ESCAPE_VALUE for an escape) of each tensor."""
+    """The decoded symbols' values (exponent and top mantissa bits; ESCAPE_VALUE for an escape) of
+    each tensor."""
     prob_bits = tensors[0].prob_bits
     tables, table_base, starts, ends, lengths = [], [], [], [], []
     word_base = table_count = 0
@@ -162,9 +189,10 @@ def _decode_values(tensors: list[RansTensor]) -> list[np.ndarray]:
         table_count += t.n_tables
     try:
         decoded = decode_lanes(
-            np.concatenate([t.stream for t in tensors]), np.concatenate(starts), np.concatenate(ends),
-            np.concatenate([t.states for t in tensors]), np.concatenate(lengths), np.concatenate(table_base),
-            np.concatenate(tables), prob_bits)
+            np.concatenate([t.stream for t in tensors]), np.concatenate(starts),
+            np.concatenate(ends),
+            np.concatenate([t.states for t in tensors]), np.concatenate(lengths),
+            np.concatenate(table_base), np.concatenate(tables), prob_bits)
     except CodecError as e:
         names = ", ".join(repr(t.name) for t in tensors[:4]) + (" ..." if len(tensors) > 4 else "")
         raise CodecError(f"tensor(s) {names}: {e}") from None
@@ -176,25 +204,30 @@ def _assemble(t: RansTensor, values: np.ndarray) -> np.ndarray:
     escaped = np.flatnonzero(values == ESCAPE_VALUE)
     per_block = np.bincount(escaped // t.block_size, minlength=t.n_blocks)
     if not np.array_equal(per_block, np.diff(t.block_escapes.astype(np.int64))):
-        raise CodecError(f"tensor {t.name!r}: the stream's escapes do not match block_escapes (corrupt)")
+        raise CodecError(f"tensor {t.name!r}: the stream's escapes do not match block_escapes "
+                         "(corrupt)")
     escape_values, escapes_ok = unpack_fields(t.escapes, t.escape_bits, t.n_escapes)
     raw, raw_ok = unpack_fields(t.raw, t.raw_bits, t.n)
     if not (escapes_ok and raw_ok):
-        raise CodecError(f"tensor {t.name!r}: the padding of the raw bits or of the escapes must be 0")
+        raise CodecError(f"tensor {t.name!r}: the padding of the raw bits or of the escapes must "
+                         "be 0")
     values[escaped] = escape_values
     bits = join_weights(values, raw, t.mantissa_bits)
     if crc32(bits) != t.crc["data"]:
-        raise CodecError(f"tensor {t.name!r}: decoded data fails its CRC-32 check (corrupt header or stream)")
+        raise CodecError(f"tensor {t.name!r}: decoded data fails its CRC-32 check (corrupt header "
+                         "or stream)")
     return bits.reshape(t.shape)
 
 
-def _check_parameters(block_size: int, lanes: int, prob_bits: int, mantissa_bits: int, max_tables: int) -> None:
+def _check_parameters(block_size: int, lanes: int, prob_bits: int, mantissa_bits: int,
+                      max_tables: int) -> None:
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise CodecError(f"block_size must be 1..{MAX_BLOCK_SIZE}, got {block_size}")
     if not 1 <= lanes <= MAX_LANES:
         raise CodecError(f"lanes must be 1..{MAX_LANES}, got {lanes}")
     if -(-block_size // lanes) > MAX_LANE_STEPS:
-        raise CodecError(f"ceil(block_size / lanes) must be <= {MAX_LANE_STEPS} (one lane's sequential work)")
+        raise CodecError(f"ceil(block_size / lanes) must be <= {MAX_LANE_STEPS} (one lane's "
+                         "sequential work)")
     if not MIN_PROB_BITS <= prob_bits <= MAX_PROB_BITS:
         raise CodecError(f"prob_bits must be {MIN_PROB_BITS}..{MAX_PROB_BITS}, got {prob_bits}")
     if not 0 <= mantissa_bits <= 7:

@@ -10,7 +10,8 @@ and a stream. The constants are those of DietGPU and of Giesen's rans_word:
 
     decode: slot = x mod M;  s = the symbol with c[s] <= slot < c[s] + f[s];
             x = f[s] * (x >> p) + slot - c[s];  if x < L: x = (x << 16) | next word
-    encode: if x >= f[s] << (32 - p): emit x mod 2^16, x >>= 16;  x = (x // f[s]) << p + x mod f[s] + c[s]
+    encode: if x >= f[s] << (32 - p): emit x mod 2^16, x >>= 16;  x = (x // f[s]) << p + x mod f[s]
+    + c[s]
 
 Encoding runs backwards (the last symbol first): rANS is a stack. One refill always suffices after a
 decode (x >> p >= 1, so the new x >= 1 before the refill and >= 2^16 after).
@@ -34,14 +35,17 @@ import numpy as np
 from reference.codec.errors import CodecError
 
 STATE_BITS, WORD_BITS = 32, 16
-STATE_LOW = 1 << 16  # L: the state is in [L, 2^32) between steps; every lane starts (encoder) and ends (decoder) at L
+# L: the state is in [L, 2^32) between steps; every lane starts (encoder) and ends (decoder) at L
+STATE_LOW = 1 << 16
 WORD_MASK = (1 << WORD_BITS) - 1
 MAX_PROB_BITS = 15  # frequencies (at most M) are stored as uint16
-TRANSPOSE_BLOCK = 16  # decoded steps kept in a small step-major buffer before moving them to the result
+# decoded steps kept in a small step-major buffer before moving them to the result
+TRANSPOSE_BLOCK = 16
 
 
 def quantize(counts: np.ndarray, prob_bits: int) -> np.ndarray:
-    """Frequencies summing to M = 2^prob_bits, each >= 1 where the count is > 0, close to counts * M / total.
+    """Frequencies summing to M = 2^prob_bits, each >= 1 where the count is > 0, close to counts * M
+    / total.
 
     Start from floor(count * M / total) (at least 1), then hand out or take back single units, each
     time where it changes the coded size sum(count * log2(M / f)) the least. Deterministic: ties
@@ -92,7 +96,8 @@ def slot_tables(freqs: np.ndarray, values: np.ndarray, prob_bits: int) -> np.nda
     freqs = np.asarray(freqs, np.int64)
     m = 1 << prob_bits
     flat_freq = freqs.reshape(-1)
-    symbol = np.repeat(np.arange(flat_freq.size), flat_freq)  # one entry per slot, table after table
+    # one entry per slot, table after table
+    symbol = np.repeat(np.arange(flat_freq.size), flat_freq)
     bias = np.tile(np.arange(m), len(freqs)) - cumulative(freqs).reshape(-1)[symbol]
     value = np.asarray(values, np.int64).reshape(-1)[symbol]
     return (flat_freq[symbol] << 32) | (value << 16) | bias
@@ -101,7 +106,8 @@ def slot_tables(freqs: np.ndarray, values: np.ndarray, prob_bits: int) -> np.nda
 def encode_lanes(
     symbols: np.ndarray, lengths: np.ndarray, freqs: np.ndarray, prob_bits: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Encode blocks of interleaved lanes; return (words uint16, words per block int64, states uint32 [B, lanes]).
+    """Encode blocks of interleaved lanes; return (words uint16, words per block int64, states
+    uint32 [B, lanes]).
 
     ``symbols`` [B, T, lanes]: the symbol (a column of ``freqs``) of the weight at step t of each
     lane; entries past the block's ``lengths[b]`` weights are ignored. ``freqs`` [B, S]: the
@@ -121,25 +127,34 @@ def encode_lanes(
         fc = np.take(packed, row_base + np.where(active, symbols[:, t].reshape(-1), 0))
         f, c = np.where(active, fc >> 32, 1), fc & 0xFFFFFFFF
         if np.any(f == 0):
-            raise CodecError("a symbol with frequency 0 cannot be coded (the tables do not fit the data)")
+            raise CodecError("a symbol with frequency 0 cannot be coded (the tables do not fit the "
+                             "data)")
         emit = np.flatnonzero(active & (x >= f << (STATE_BITS - prob_bits)))
         emitted.append((emit, x[emit] & WORD_MASK))
         x[emit] >>= WORD_BITS
         q, r = np.divmod(x, f)
         x = np.where(active, (q << prob_bits) + r + c, x)
-    # The emitted words, steps in increasing order, each step's in (block, lane) order; a stable sort by
+    # The emitted words, steps in increasing order, each step's in (block, lane) order; a stable
+    # sort by
     # block then gives the decoder's reading order: block, step, lane.
     emitted.reverse()
     lane_index = np.concatenate([i for i, _ in emitted] or [np.zeros(0, np.int64)])
     block = lane_index // lanes
-    order = np.argsort(block.astype(np.uint16) if n_blocks <= 1 << 16 else block, kind="stable")  # a radix sort
-    words = np.concatenate([w for _, w in emitted] or [np.zeros(0, np.int64)])[order].astype(np.uint16)
-    return words, np.bincount(block, minlength=n_blocks), x.reshape(n_blocks, lanes).astype(np.uint32)
+    # a radix sort
+    order = np.argsort(block.astype(np.uint16) if n_blocks <= 1 << 16 else block, kind="stable")
+    words = np.concatenate([w for _, w in emitted] or [np.zeros(0, np.int64)])[order].astype(
+        np.uint16
+    )
+    return (
+        words,
+        np.bincount(block, minlength=n_blocks),
+        x.reshape(n_blocks, lanes).astype(np.uint32),
+    )
 
 
 def decode_lanes(
-    words: np.ndarray, block_start: np.ndarray, block_end: np.ndarray, states: np.ndarray, lengths: np.ndarray,
-    table_base: np.ndarray, table: np.ndarray, prob_bits: int,
+    words: np.ndarray, block_start: np.ndarray, block_end: np.ndarray, states: np.ndarray,
+    lengths: np.ndarray, table_base: np.ndarray, table: np.ndarray, prob_bits: int,
 ) -> np.ndarray:
     """Decode blocks of interleaved lanes; return their values, block after block (uint16).
 
@@ -156,14 +171,17 @@ def decode_lanes(
     if n_blocks == 0:
         return np.zeros(0, np.uint16)
     steps = int(-(-lengths.max() // lanes))
-    order = np.argsort(-lengths, kind="stable")  # longest first: the blocks still decoding are a prefix
+    # longest first: the blocks still decoding are a prefix
+    order = np.argsort(-lengths, kind="stable")
     x = states[order].reshape(-1).astype(np.int64)
     pos, length = block_start[order].astype(np.int64), lengths[order]
     base = np.repeat(table_base[order].astype(np.int64), lanes)
     mask = (1 << prob_bits) - 1
-    words = words if len(words) else np.zeros(1, np.uint16)  # (np.take cannot read from an empty array)
+    # (np.take cannot read from an empty array)
+    words = words if len(words) else np.zeros(1, np.uint16)
     lane_pos = np.tile(np.arange(lanes), n_blocks)
-    active_blocks = np.searchsorted(-length, -np.arange(steps) * lanes, side="left")  # blocks with length > t * lanes
+    # blocks with length > t * lanes
+    active_blocks = np.searchsorted(-length, -np.arange(steps) * lanes, side="left")
     result = np.zeros((n_blocks, steps * lanes), np.uint16)
     buffer = np.zeros((TRANSPOSE_BLOCK, n_blocks * lanes), np.uint16)
     for t in range(steps):
@@ -172,15 +190,22 @@ def decode_lanes(
         xs = x[:n]
         entry = np.take(table, base[:n] + (xs & mask))  # np.take: faster than indexing
         new = (entry >> 32) * (xs >> prob_bits) + (entry & 0xFFFF)
-        if length[k - 1] < (t + 1) * lanes:  # some block's last, partial step: lanes past its end stand still
+        # some block's last, partial step: lanes past its end stand still
+        if length[k - 1] < (t + 1) * lanes:
             active = t * lanes + lane_pos[:n] < np.repeat(length[:k], lanes)
             new, entry = np.where(active, new, xs), np.where(active, entry, 0)
-        need = new < STATE_LOW  # these lanes take the next words of their block's stream, in lane order
-        taken = np.cumsum(need)  # over all k blocks' lanes: a block's own count is the rise across its lanes
+        # these lanes take the next words of their block's stream, in lane order
+        need = new < STATE_LOW
+        # over all k blocks' lanes: a block's own count is the rise across its lanes
+        taken = np.cumsum(need)
         before = np.concatenate([[0], taken[lanes - 1 :: lanes]])
-        # a lane that reads nothing gets some word, unused; a read past the block's end is caught below
-        word = np.take(words, ((pos[:k] - before[:-1] - 1)[:, None] + taken.reshape(k, lanes)).reshape(-1),
-                       mode="clip")
+        # a lane that reads nothing gets some word, unused; a read past the block's end is caught
+        # below
+        word = np.take(
+            words,
+            ((pos[:k] - before[:-1] - 1)[:, None] + taken.reshape(k, lanes)).reshape(-1),
+            mode="clip",
+        )
         pos[:k] += np.diff(before)
         x[:n] = np.where(need, (new << WORD_BITS) | word, new)
         buffer[t % TRANSPOSE_BLOCK, :n] = entry >> 16  # the value (the cast to uint16 drops f)
@@ -190,7 +215,9 @@ def decode_lanes(
             result[:, t0 * lanes : (t + 1) * lanes] = moved.reshape(n_blocks, -1)
     wrong = (pos != block_end[order]) | np.any(x.reshape(n_blocks, lanes) != STATE_LOW, axis=1)
     if wrong.any():
-        raise CodecError(f"rANS stream is corrupt: block {int(order[np.flatnonzero(wrong)[0]])} does not end where "
-                         "it should (wrong number of words read, or a lane not back in its start state)")
+        raise CodecError(f"rANS stream is corrupt: block {int(order[np.flatnonzero(wrong)[0]])} "
+                         "does not end where "
+                         "it should (wrong number of words read, or a lane not back in its start "
+                         "state)")
     keep = np.arange(steps * lanes) < lengths[:, None]
     return result[np.argsort(order, kind="stable")][keep]

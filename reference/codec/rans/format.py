@@ -1,4 +1,5 @@
-"""The rANS form of a compressed tensor: its header, its six arrays, and every check on them (FORMAT.md 9).
+"""The rANS form of a compressed tensor: its header, its six arrays, and every check on them
+(FORMAT.md 9).
 
 ``RansTensor`` is what ``encode_rans`` returns and ``decode_rans`` takes. Like ``CompressedTensor``
 its arrays are plain NumPy, ready for a kernel or the container; ``check()`` validates everything
@@ -15,26 +16,36 @@ from typing import Any
 import numpy as np
 
 from reference.codec.errors import CodecError
-from reference.codec.format import FORMAT_NAME, UINT32_LIMIT, VERSION, StoredForm, _int, _int_list, crc32
+from reference.codec.format import (
+    FORMAT_NAME,
+    UINT32_LIMIT,
+    VERSION,
+    StoredForm,
+    _int,
+    _int_list,
+    crc32,
+)
 from reference.codec.rans.coder import MAX_PROB_BITS, STATE_LOW
 from reference.codec.rans.model import packed_length
 
 FORM = "rans"
 ARRAY_DTYPES = {"raw": np.uint8, "alphabet": np.uint16, "tables": np.uint16, "stream": np.uint16,
-                "block_words": np.uint32, "states": np.uint32, "block_table": np.uint8, "escapes": np.uint8,
-                "block_escapes": np.uint32}
+                "block_words": np.uint32, "states": np.uint32, "block_table": np.uint8,
+                "escapes": np.uint8, "block_escapes": np.uint32}
 CRC_KEYS = (*ARRAY_DTYPES, "data")
-HEADER_KEYS = ("format", "version", "form", "shape", "block_size", "lanes", "prob_bits", "mantissa_bits",
-               "alphabet_size", "n_tables", "stream_words", "n_escapes", "crc32")
+HEADER_KEYS = ("format", "version", "form", "shape", "block_size", "lanes", "prob_bits",
+               "mantissa_bits", "alphabet_size", "n_tables", "stream_words", "n_escapes", "crc32")
 MAX_BLOCK_SIZE, MAX_LANES, MAX_TABLES, MAX_ALPHABET = 1 << 24, 1024, 256, 1 << MAX_PROB_BITS
-MAX_LANE_STEPS = 65536  # ceil(block_size / lanes): bounds the sequential work of one lane (a GPU thread)
+# ceil(block_size / lanes): bounds the sequential work of one lane (a GPU thread)
+MAX_LANE_STEPS = 65536
 MAX_DIMS = 32  # NumPy's limit
 MIN_PROB_BITS = 1
 
 
 @dataclass
 class RansTensor(StoredForm):
-    """A bf16 tensor in rANS form (FORMAT.md section 9). Build it with ``encode_rans`` or ``from_parts``."""
+    """A bf16 tensor in rANS form (FORMAT.md section 9). Build it with ``encode_rans`` or
+    ``from_parts``."""
 
     shape: tuple[int, ...]
     block_size: int
@@ -75,7 +86,9 @@ class RansTensor(StoredForm):
 
     def block_lengths(self) -> np.ndarray:
         """Weights per block (int64): block_size, the last one possibly shorter."""
-        return np.minimum(self.block_size, self.n - self.block_size * np.arange(self.n_blocks, dtype=np.int64))
+        return np.minimum(
+            self.block_size, self.n - self.block_size * np.arange(self.n_blocks, dtype=np.int64)
+        )
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {key: getattr(self, key) for key in ARRAY_DTYPES}
@@ -83,25 +96,34 @@ class RansTensor(StoredForm):
     def header(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME, "version": VERSION, "form": FORM, "shape": list(self.shape),
                 "block_size": self.block_size, "lanes": self.lanes, "prob_bits": self.prob_bits,
-                "mantissa_bits": self.mantissa_bits, "alphabet_size": self.alphabet_size, "n_tables": self.n_tables,
-                "stream_words": self.stream_words, "n_escapes": self.n_escapes, "crc32": dict(self.crc)}
+                "mantissa_bits": self.mantissa_bits, "alphabet_size": self.alphabet_size,
+                "n_tables": self.n_tables,
+                "stream_words": self.stream_words, "n_escapes": self.n_escapes,
+                "crc32": dict(self.crc)}
 
     @classmethod
-    def from_parts(cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "", *,
-                   check_arrays: bool = True) -> RansTensor:
+    def from_parts(cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "",
+                   *, check_arrays: bool = True) -> RansTensor:
         """Build from a parsed header and the nine arrays, checking every field (raises CodecError).
-        ``check_arrays=False`` checks only the header and the arrays' dtypes and shapes: for a decoder
-        that checks the contents itself (the C one)."""
+        ``check_arrays=False`` checks only the header and the arrays' dtypes and shapes: for a
+        decoder that checks the contents itself (the C one)."""
         where = f"tensor {name!r}: " if name else ""
         if not isinstance(header, Mapping):
             raise CodecError(f"{where}header must be a JSON object")
-        if header.get("format") != FORMAT_NAME or header.get("version") != VERSION or header.get("form") != FORM:
-            raise CodecError(f"{where}not a version-{VERSION} {FORMAT_NAME} header of form {FORM!r} "
-                             f"(format={header.get('format')!r}, version={header.get('version')!r}, "
+        if (
+            header.get("format") != FORMAT_NAME
+            or header.get("version") != VERSION
+            or header.get("form") != FORM
+        ):
+            raise CodecError(f"{where}not a version-{VERSION} {FORMAT_NAME} header of form "
+                             f"{FORM!r} "
+                             f"(format={header.get('format')!r}, "
+                             f"version={header.get('version')!r}, "
                              f"form={header.get('form')!r})")
         unknown, missing = set(header) - set(HEADER_KEYS), set(HEADER_KEYS) - set(header)
         if unknown or missing:
-            raise CodecError(f"{where}header has unknown keys {sorted(unknown)} / lacks keys {sorted(missing)}")
+            raise CodecError(f"{where}header has unknown keys {sorted(unknown)} / lacks keys "
+                             f"{sorted(missing)}")
         crc = header["crc32"]
         if not isinstance(crc, Mapping) or set(crc) != set(CRC_KEYS):
             raise CodecError(f"{where}crc32 must have exactly the keys {list(CRC_KEYS)}")
@@ -132,14 +154,20 @@ class RansTensor(StoredForm):
         self.check_index()
 
     def check_header(self) -> None:
-        """The checks that read no array's contents: parameters, array dtypes and shapes. A decoder that
-        does the rest itself (the C one: CRCs of the big arrays) runs this, ``check_index`` and
+        """The checks that read no array's contents: parameters, array dtypes and shapes. A decoder
+        that does the rest itself (the C one: CRCs of the big arrays) runs this, ``check_index`` and
         ``check_crcs`` of the small arrays."""
         where = f"tensor {self.name!r}: " if self.name else ""
-        if not (1 <= self.block_size <= MAX_BLOCK_SIZE and 1 <= self.lanes <= MAX_LANES
-                and MIN_PROB_BITS <= self.prob_bits <= MAX_PROB_BITS and 0 <= self.mantissa_bits <= 7
-                and 0 <= self.alphabet_size < 1 << self.prob_bits and 0 <= self.n_tables <= MAX_TABLES):
-            raise CodecError(f"{where}block_size, lanes, prob_bits, mantissa_bits, alphabet_size or n_tables "
+        if not (
+            1 <= self.block_size <= MAX_BLOCK_SIZE
+            and 1 <= self.lanes <= MAX_LANES
+            and MIN_PROB_BITS <= self.prob_bits <= MAX_PROB_BITS
+            and 0 <= self.mantissa_bits <= 7
+            and 0 <= self.alphabet_size < 1 << self.prob_bits
+            and 0 <= self.n_tables <= MAX_TABLES
+        ):
+            raise CodecError(f"{where}block_size, lanes, prob_bits, mantissa_bits, alphabet_size "
+                             "or n_tables "
                              "out of range (the alphabet needs fewer than 2^prob_bits symbols)")
         if len(self.shape) > MAX_DIMS or math.prod(max(d, 1) for d in self.shape) >= 1 << 62:
             raise CodecError(f"{where}shape {list(self.shape)} is beyond what an array can hold")
@@ -148,14 +176,22 @@ class RansTensor(StoredForm):
         if self.n_blocks >= UINT32_LIMIT:
             raise CodecError(f"{where}shape {self.shape} has too many blocks")
         a, nb = self.alphabet_size, self.n_blocks
-        expected = {"raw": (packed_length(self.n, self.raw_bits),), "alphabet": (a,), "tables": (self.n_tables, a + 1),
-                    "stream": (self.stream_words,), "block_words": (nb + 1,), "states": (nb, self.lanes),
-                    "block_table": (nb,), "escapes": (packed_length(self.n_escapes, self.escape_bits),),
-                    "block_escapes": (nb + 1,)}
+        expected = {
+            "raw": (packed_length(self.n, self.raw_bits),),
+            "alphabet": (a,),
+            "tables": (self.n_tables, a + 1),
+            "stream": (self.stream_words,),
+            "block_words": (nb + 1,),
+            "states": (nb, self.lanes),
+            "block_table": (nb,),
+            "escapes": (packed_length(self.n_escapes, self.escape_bits),),
+            "block_escapes": (nb + 1,),
+        }
         for key, dtype in ARRAY_DTYPES.items():
             array = self.arrays()[key]
             if array.dtype.newbyteorder("=") != np.dtype(dtype) or array.shape != expected[key]:
-                raise CodecError(f"{where}array {key} is {array.dtype}{list(array.shape)}, expected "
+                raise CodecError(f"{where}array {key} is {array.dtype}{list(array.shape)}, "
+                                 "expected "
                                  f"{np.dtype(dtype)}{list(expected[key])} (truncated or corrupt)")
 
     def check_crcs(self, keys: Iterable[str]) -> None:
@@ -166,14 +202,19 @@ class RansTensor(StoredForm):
                 raise CodecError(f"{where}array {key} fails its CRC-32 check: the data is corrupt")
 
     def check_index(self) -> None:
-        """The alphabet, tables, block index and states (after ``check_header``; the CRCs are separate)."""
+        """The alphabet, tables, block index and states (after ``check_header``; the CRCs are
+        separate)."""
         where = f"tensor {self.name!r}: " if self.name else ""
-        if np.any(self.alphabet >> self.escape_bits) or np.any(np.diff(np.sort(self.alphabet)) == 0):
-            raise CodecError(f"{where}the alphabet must hold distinct values < 2^(8 + mantissa_bits)")
+        if np.any(self.alphabet >> self.escape_bits) or np.any(
+            np.diff(np.sort(self.alphabet)) == 0
+        ):
+            raise CodecError(f"{where}the alphabet must hold distinct values < 2^(8 + "
+                             "mantissa_bits)")
         if self.n_blocks and not self.n_tables:
             raise CodecError(f"{where}a tensor with blocks needs at least one table")
         if np.any(self.tables.astype(np.int64).sum(axis=1) != 1 << self.prob_bits):
-            raise CodecError(f"{where}every table's frequencies must sum to 2^prob_bits = {1 << self.prob_bits}")
+            raise CodecError(f"{where}every table's frequencies must sum to 2^prob_bits = "
+                             f"{1 << self.prob_bits}")
         if np.any(self.block_table >= self.n_tables):
             raise CodecError(f"{where}a block names a table that does not exist")
         for key, end in (("block_words", self.stream_words), ("block_escapes", self.n_escapes)):

@@ -7,7 +7,8 @@
   with the exponent saves bits; the low bits are noise.
 * **Alphabet.** The values common enough to deserve their own slot in the tables, most frequent
   first; every other value is coded as the escape symbol followed by the value itself.
-* **Tables.** A few frequency tables per tensor, each block of weights naming the one it uses: blocks
+* **Tables.** A few frequency tables per tensor, each block of weights naming the one it uses:
+blocks
   are clustered by their value statistics, so the tables follow local statistics (rows of different
   scale) at the cost of a few tables rather than one per block.
 
@@ -29,8 +30,8 @@ CLUSTER_ROUNDS = 8
 
 
 def split_weights(bits: np.ndarray, mantissa_bits: int) -> tuple[np.ndarray, np.ndarray]:
-    """(values, raw) of bf16 bit patterns (uint16 each): value = exponent << m | top m mantissa bits;
-    raw = sign << (7 - m) | the low 7 - m mantissa bits."""
+    """(values, raw) of bf16 bit patterns (uint16 each): value = exponent << m | top m mantissa
+    bits; raw = sign << (7 - m) | the low 7 - m mantissa bits."""
     bits = np.asarray(bits, np.uint16)
     low = 7 - mantissa_bits
     values = (bits >> low) & ((1 << (8 + mantissa_bits)) - 1)
@@ -49,7 +50,8 @@ def join_weights(values: np.ndarray, raw: np.ndarray, mantissa_bits: int) -> np.
 
 
 def field_group(width: int) -> tuple[int, int]:
-    """(fields, bytes) of one packing group: the fewest whole bytes that hold whole ``width``-bit fields."""
+    """(fields, bytes) of one packing group: the fewest whole bytes that hold whole ``width``-bit
+    fields."""
     common = width * 8 // gcd(width, 8)
     return common // width, common // 8
 
@@ -76,14 +78,17 @@ def pack_fields(fields: np.ndarray, width: int) -> np.ndarray:
         for j in range(nbytes):
             out[:, j] = value >> dtype(8 * j)  # (the cast to uint8 keeps the low byte)
         return out.reshape(-1)
-    bits = (padded[:, None].astype(np.int64) >> np.arange(width)) & 1  # wide fields (escapes): single bits
+    # wide fields (escapes): single bits
+    bits = (padded[:, None].astype(np.int64) >> np.arange(width)) & 1
     return np.packbits(bits.astype(np.uint8).reshape(-1), bitorder="little")
 
 
 def unpack_fields(packed: np.ndarray, width: int, n: int) -> tuple[np.ndarray, bool]:
-    """Inverse of ``pack_fields``: (the first n fields as uint16, whether every padding field is zero)."""
+    """Inverse of ``pack_fields``: (the first n fields as uint16, whether every padding field is
+    zero)."""
     per_group, nbytes = field_group(width)
-    if nbytes <= 7:  # assemble each group's integer byte by byte, then cut out its fields one by one
+    # assemble each group's integer byte by byte, then cut out its fields one by one
+    if nbytes <= 7:
         group_bytes = packed.reshape(-1, nbytes)
         dtype = np.uint32 if nbytes <= 4 else np.uint64
         value = np.zeros(len(group_bytes), dtype)
@@ -99,7 +104,8 @@ def unpack_fields(packed: np.ndarray, width: int, n: int) -> tuple[np.ndarray, b
     return fields[:n], not fields[n:].any()
 
 
-def choose_alphabet(counts: np.ndarray, prob_bits: int, escape_bits: int, escapes: bool = True) -> list[int]:
+def choose_alphabet(counts: np.ndarray, prob_bits: int, escape_bits: int,
+                    escapes: bool = True) -> list[int]:
     """The values to code directly: the most frequent ones (ties: smaller value first), as many as
     minimise an estimate of the coded size; the others are escaped. Without ``escapes``: every value
     that occurs (and no escape symbol is ever needed).
@@ -115,7 +121,8 @@ def choose_alphabet(counts: np.ndarray, prob_bits: int, escape_bits: int, escape
     m = 1 << prob_bits
     if not escapes:
         if len(order) > m - 1:
-            raise CodecError(f"{len(order)} distinct values, but 2^prob_bits slots hold at most {m - 1} symbols "
+            raise CodecError(f"{len(order)} distinct values, but 2^prob_bits slots hold at most "
+                             f"{m - 1} symbols "
                              "(one is kept for the escape)")
         return [int(v) for v in order]
     n = float(counts.sum())
@@ -125,17 +132,25 @@ def choose_alphabet(counts: np.ndarray, prob_bits: int, escape_bits: int, escape
 
     def cost(count: np.ndarray) -> np.ndarray:
         share = np.maximum(count / n, 1 / m)
-        return np.where(count > 0, count * np.log2(1 / share) + np.maximum(0, n / m - count) / np.log(2), 0)
+        return np.where(
+            count > 0, count * np.log2(1 / share) + np.maximum(0, n / m - count) / np.log(2), 0
+        )
 
     direct = np.concatenate([[0.0], np.cumsum(cost(c))])
     escaped = n - np.concatenate([[0.0], np.cumsum(c)])
-    total = direct + cost(escaped) + escaped * escape_bits + TABLE_ENTRY_BITS * (np.arange(len(c) + 1) + 1)
+    total = (
+        direct
+        + cost(escaped)
+        + escaped * escape_bits
+        + TABLE_ENTRY_BITS * (np.arange(len(c) + 1) + 1)
+    )
     best = int(np.argmin(total[: min(len(c), m - 1) + 1]))
     return [int(v) for v in order[:best]]
 
 
 def coded_bits(counts: np.ndarray, freqs: np.ndarray, prob_bits: int) -> float:
-    """What coding ``counts`` with ``freqs`` costs in bits (infinite if a counted symbol has frequency 0)."""
+    """What coding ``counts`` with ``freqs`` costs in bits (infinite if a counted symbol has
+    frequency 0)."""
     used = counts > 0
     if np.any(used & (freqs == 0)):
         return float("inf")
@@ -143,7 +158,8 @@ def coded_bits(counts: np.ndarray, freqs: np.ndarray, prob_bits: int) -> float:
 
 
 def choose_tables(
-    block_counts: np.ndarray, order_key: np.ndarray, prob_bits: int, max_tables: int, own_tables: bool = False
+    block_counts: np.ndarray, order_key: np.ndarray, prob_bits: int, max_tables: int,
+    own_tables: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
     """(freqs [K, S], block_table [B]): the tables, and the one each block uses.
 
@@ -161,8 +177,10 @@ def choose_tables(
         k *= 2
     best = None
     for assign in candidates:
-        freqs = np.stack([quantize(block_counts[assign == j].sum(axis=0), prob_bits) for j in range(assign.max() + 1)])
-        size = sum(coded_bits(block_counts[assign == j].sum(axis=0), freqs[j], prob_bits) for j in range(len(freqs)))
+        freqs = np.stack([quantize(block_counts[assign == j].sum(axis=0),
+                                   prob_bits) for j in range(assign.max() + 1)])
+        size = sum(coded_bits(block_counts[assign == j].sum(axis=0), freqs[j],
+                              prob_bits) for j in range(len(freqs)))
         size += freqs.size * TABLE_ENTRY_BITS
         if best is None or size < best[0]:
             best = (size, freqs, assign)
