@@ -9,20 +9,34 @@ model with plain bf16 weights. In a float32 model the decoded bf16 weight is wid
 Where the decode runs:
 * on a GPU, bf16: ``UnweightLinear`` itself (the fused decode+matmul kernel for a few rows; decode
   then cuBLAS for many);
-* on a CPU: the plain torch decoder, then ``F.linear``. Triton's interpreter would be far too slow
+* on a CPU with AVX-512 BF16 and AMX (``fast.codec.matmul_c.available()``): the weight is held in
+  tile order (``fast/codec/matmul_c.py``) and a product of at most ``TILE_ROWS`` rows (decode steps)
+  decodes each tile in registers inside the product (C); more rows decode the matrix into a reused
+  buffer and call oneDNN (``F.linear``). Plain matrices take the same two paths (tile product of the
+  plain tiles; oneDNN's packed copy, checked bit-identical to ``F.linear`` at load), so plain and
+  compressed serving give the same logits bit for bit. ``UNFIRE_TILE_MATMUL=0`` switches this off;
+* on other CPUs: the plain torch decoder, then ``F.linear``. Triton's interpreter would be far too slow
   for a whole model, so the interpreter is never used here.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from fast.codec import matmul_c
 from fast.codec.decode_torch import decode_palette_torch
 from fast.codec.encode import encode
 from fast.codec.linear import UnweightLinear
+from fast.codec.matmul_c import TileWeight
+
+TILE_ROWS = 2  # products of at most this many rows go through the tile product (faster than oneDNN there)
+PROBE_ROWS = (3, 5, 17, 64)  # packed oneDNN must equal F.linear at these row counts to be used
 
 
 class Linear(Protocol):
@@ -34,20 +48,51 @@ class Linear(Protocol):
 class DenseLinear:
     """y = x W^T with a plain weight [out, in] in the model's dtype.
 
-    On a CPU in bf16 the weight is also held in oneDNN's blocked layout (``cpu_packed``), so each call
-    skips re-laying the weight out: 1.2-1.8x faster at decode batch sizes (64 down to 8 rows) on this
-    project's EPYC, and bit-identical to ``F.linear`` (checked on a probe when packing; else not packed).
+    On a CPU in bf16 the weight is held in oneDNN's blocked layout (``cpu_packed``), so each call skips
+    re-laying the weight out (1.2-1.8x faster at decode batch sizes), bit-identical to ``F.linear``
+    (checked on probes when packing; else not packed). Where the tile products run
+    (``tile_products()``), the few-row products go through the plain tiles instead and the row-major
+    weight is dropped: two layouts of the weight, each used where it is the faster.
     """
 
     def __init__(self, weight: torch.Tensor, *, pack: bool = True):
-        self.weight = weight
         self.out_features = weight.shape[0]
         self.packed = cpu_packed(weight) if pack else None
+        self.tiles = TileWeight.from_dense(weight) if self.packed is not None and tile_products() else None
+        self.weight = weight if self.tiles is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None and x.dtype == torch.bfloat16 and rows(x) <= TILE_ROWS:
+            return self.tiles.matmul(x)
         if self.packed is not None and x.dtype == self.packed.dtype and x.device.type == "cpu":
             return _packed_linear(x, self.packed)
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight if self.weight is not None else self.tiles.dense())
+
+    def nbytes(self) -> int:
+        """Resident bytes of the weight's copies (row-major, tiles, oneDNN's packed)."""
+        parts = [t for t in (self.weight, self.packed) if t is not None]
+        return sum(t.numel() * t.element_size() for t in parts) + (self.tiles.nbytes() if self.tiles else 0)
+
+
+def rows(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
+@functools.cache
+def tile_products() -> bool:
+    """True when the CPU's products go through ``fast.codec.matmul_c`` (see the module docstring)."""
+    return os.environ.get("UNFIRE_TILE_MATMUL", "1") != "0" and matmul_c.available()
+
+
+_scratch = threading.local()
+
+
+def scratch_matrix(shape: tuple[int, int]) -> torch.Tensor:
+    """A bf16 buffer of ``shape`` reused by this thread's decoded-matrix products (one per shape)."""
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    if shape not in buffers:
+        buffers[shape] = torch.empty(shape, dtype=torch.bfloat16)
+    return buffers[shape]
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -65,22 +110,28 @@ def cpu_packed(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)  # 64: the batch size it is tuned for
-        probe = torch.randn((5, weight.shape[1]), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        same = torch.equal(_packed_linear(probe, packed), F.linear(probe, weight))
+        gen = torch.Generator().manual_seed(0)
+        probes = [torch.randn((m, weight.shape[1]), generator=gen).to(weight.dtype) for m in PROBE_ROWS]
+        same = all(torch.equal(_packed_linear(p, packed), F.linear(p, weight)) for p in probes)
     except (AttributeError, RuntimeError):
         return None
     return packed if same else None
 
 
 class CompressedLinear:
-    """y = x W^T with W held compressed (palette form) and decoded at each call."""
+    """y = x W^T with W held compressed (palette form, or its tile order on a CPU with the tile products)."""
 
     def __init__(self, unweight: UnweightLinear, dtype: torch.dtype):
-        self.unweight, self.dtype = unweight, dtype
+        self.dtype = dtype
         self.out_features = unweight.out_features
+        on_cpu = unweight.sm.device.type == "cpu" and dtype == torch.bfloat16
+        self.tiles = TileWeight.from_palette(unweight.form) if on_cpu and tile_products() else None
+        self.unweight = unweight if self.tiles is None else None  # one resident copy
 
     def weight(self) -> torch.Tensor:
         """The decoded weight in the model's dtype (a temporary)."""
+        if self.tiles is not None:
+            return self.tiles.dense()
         if self.unweight.sm.device.type == "cuda":
             w = self.unweight.decoded_weight()
         else:
@@ -88,12 +139,19 @@ class CompressedLinear:
         return w.to(self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None and x.dtype == torch.bfloat16:
+            if rows(x) <= TILE_ROWS:
+                return self.tiles.matmul(x)
+            shape = (self.tiles.out_features, self.tiles.in_features)
+            return F.linear(x, self.tiles.dense(out=scratch_matrix(shape)))
         if x.device.type == "cuda" and self.dtype == torch.bfloat16:
             return self.unweight(x)
         return F.linear(x, self.weight())
 
     def nbytes(self) -> int:
         """Bytes the compressed weight occupies."""
+        if self.tiles is not None:
+            return self.tiles.nbytes()
         return sum(b.numel() * b.element_size() for b in self.unweight.buffers())
 
 

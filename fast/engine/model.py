@@ -141,7 +141,7 @@ class TorchLlama:
                 if isinstance(lin, CompressedLinear):
                     out["compressed"] += lin.nbytes()
                 else:
-                    out["dense"] += nb(lin.weight)
+                    out["dense"] += lin.nbytes() - (nb(lin.packed) if lin.packed is not None else 0)
                     out["packed"] += nb(lin.packed) if lin.packed is not None else 0
         out["dense"] += nb(self.embedding) + nb(self.final_norm)
         if self.lm_head is not self.embedding:

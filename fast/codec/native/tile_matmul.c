@@ -1,0 +1,450 @@
+/* y = x W^T on the CPU for W held in tile order, plain bf16 or palette form (12 bits per weight).
+ *
+ * Tile order (fast/codec/matmul_c.py builds it at load): W [N, K] is cut into panels of 16 output
+ * features and steps of 32 inputs; tile (p, t) holds 512 bf16 words, word i*32 + n*2 + e being
+ * W[16p + n][32t + 2i + e] (0 outside the matrix). That is the layout AMX's TDPBF16PS takes for its
+ * B operand (pairs of inputs side by side), and an AVX-512 row of 16 pairs is one output per lane.
+ *
+ * A compressed tile stores the same words as an sm byte each (sign and mantissa, in tile order) and
+ * a 4-bit palette index each (two per byte, the even word in the low nibble); words whose exponent is
+ * not in the palette (FORMAT.md's verbatim chunks) are patched after the palette decode from a short
+ * list per tile. Decoding a tile gives exactly the words of the plain tile, so the two loaders feed
+ * the same arithmetic: compressed and plain products are equal bit for bit ("same-kernel exact").
+ *
+ * Two products, chosen by the caller from the number of input rows M, identical for both loaders:
+ *   path 0, M <= 4 (decode steps): AVX-512 BF16; each tile is decoded into registers/L1 and used at
+ *           once for every row of x; per output, the pairs are summed in order of k by VDPBF16PS.
+ *   path 1, M > 4 (bigger batches, prefill): AMX; the 2 x T tiles of two panels are decoded into an
+ *           L1/L2 buffer once and multiplied with every 32-row block of x by TDPBF16PS.
+ *   path 2: portable C (any CPU; for tests and machines without AVX-512 BF16): float sums in order.
+ * Threads split the panels (the output features).
+ */
+#define _GNU_SOURCE
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "threads.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define TM_X86 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#endif
+
+#define TILE_WORDS 512
+
+typedef struct {
+    const uint16_t *x;      /* [Mp][Kp] zero padded */
+    int64_t M, Mp, Kp, N, T;
+    const uint16_t *plain;  /* [P][T][512] or NULL */
+    const uint8_t *sm, *idx, *pal; /* [P][T][512], [P][T][256], [16] */
+    const int64_t *pstart;  /* [P*T + 1] */
+    const uint16_t *pword;
+    const uint8_t *pexp;
+    uint16_t *y;            /* [M][N] */
+    int64_t p0, p1;
+    int path, status;
+} job;
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even; NaN stays NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t word_of(uint8_t sm, uint8_t exponent) {
+    return (uint16_t)(((sm & 0x80u) << 8) | ((unsigned)exponent << 7) | (sm & 0x7fu));
+}
+
+static void patch_tile(const job *j, int64_t tile, uint16_t *out) {
+    const uint8_t *sm = j->sm + tile * TILE_WORDS;
+    for (int64_t q = j->pstart[tile]; q < j->pstart[tile + 1]; q++)
+        out[j->pword[q]] = word_of(sm[j->pword[q]], j->pexp[q]);
+}
+
+static void decode_tile_scalar(const job *j, int64_t tile, uint16_t *out) {
+    const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2);
+    for (int w = 0; w < TILE_WORDS; w++)
+        out[w] = word_of(sm[w], j->pal[(ix[w >> 1] >> ((w & 1) * 4)) & 15]);
+    patch_tile(j, tile, out);
+}
+
+/* ---- path 2: portable ---- */
+static void panel_portable(const job *j, int64_t p, uint16_t *buf) {
+    for (int64_t m = 0; m < j->M; m++) {
+        float acc[16] = {0};
+        for (int64_t t = 0; t < j->T; t++) {
+            const uint16_t *tl = j->plain ? j->plain + (p * j->T + t) * TILE_WORDS : buf;
+            if (!j->plain)
+                decode_tile_scalar(j, p * j->T + t, buf);
+            const uint16_t *xr = j->x + m * j->Kp + 32 * t;
+            for (int i = 0; i < 16; i++)
+                for (int n = 0; n < 16; n++)
+                    acc[n] += from_bf16(tl[i * 32 + 2 * n]) * from_bf16(xr[2 * i])
+                              + from_bf16(tl[i * 32 + 2 * n + 1]) * from_bf16(xr[2 * i + 1]);
+        }
+        for (int n = 0; n < 16 && 16 * p + n < j->N; n++)
+            j->y[m * j->N + 16 * p + n] = to_bf16(acc[n]);
+    }
+}
+
+#ifdef TM_X86
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
+#define TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,amx-tile,amx-bf16")))
+
+static const uint8_t interleave[2][64] = {
+    {0, 64, 1, 65, 2, 66, 3, 67, 4, 68, 5, 69, 6, 70, 7, 71, 8, 72, 9, 73, 10, 74, 11, 75, 12, 76, 13, 77,
+     14, 78, 15, 79, 16, 80, 17, 81, 18, 82, 19, 83, 20, 84, 21, 85, 22, 86, 23, 87, 24, 88, 25, 89, 26, 90,
+     27, 91, 28, 92, 29, 93, 30, 94, 31, 95},
+    {32, 96, 33, 97, 34, 98, 35, 99, 36, 100, 37, 101, 38, 102, 39, 103, 40, 104, 41, 105, 42, 106, 43, 107,
+     44, 108, 45, 109, 46, 110, 47, 111, 48, 112, 49, 113, 50, 114, 51, 115, 52, 116, 53, 117, 54, 118, 55,
+     119, 56, 120, 57, 121, 58, 122, 59, 123, 60, 124, 61, 125, 62, 126, 63, 127}};
+
+typedef struct { __m512i lo, hi, il0, il1, m7f, m80, m0f, m0f00; } decoder;
+
+T512 static decoder decoder_for(const uint8_t *pal) {
+    uint8_t lo[64] = {0}, hi[64] = {0};
+    for (int i = 0; i < 16; i++) {
+        lo[i] = (uint8_t)((pal[i] & 1u) << 7); /* the exponent's low bit, as bit 7 of the low byte */
+        hi[i] = (uint8_t)(pal[i] >> 1);        /* its 7 high bits, as bits 0-6 of the high byte */
+    }
+    decoder d = {_mm512_loadu_si512(lo), _mm512_loadu_si512(hi), _mm512_loadu_si512(interleave[0]),
+                 _mm512_loadu_si512(interleave[1]), _mm512_set1_epi8(0x7f), _mm512_set1_epi8((char)0x80),
+                 _mm512_set1_epi16(0x0f), _mm512_set1_epi16(0x0f00)};
+    return d;
+}
+
+/* one tile's 512 words from its sm bytes and palette indices, 64 at a time, then the patches */
+T512 static void decode_tile(const job *j, const decoder *d, int64_t tile, uint16_t *out) {
+    const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2);
+    for (int q = 0; q < 8; q++) {
+        const __m512i s = _mm512_loadu_si512(sm + 64 * q);
+        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ix + 32 * q)));
+        /* byte 2b = low nibble of index byte b (word 2b), byte 2b+1 = its high nibble (word 2b+1) */
+        const __m512i nib = _mm512_ternarylogic_epi64(_mm512_and_si512(w, d->m0f), _mm512_slli_epi16(w, 4),
+                                                      d->m0f00, 0xf8); /* a | (b & c) */
+        const __m512i lo = _mm512_ternarylogic_epi64(s, d->m7f, _mm512_permutexvar_epi8(nib, d->lo), 0xea);
+        const __m512i hi = _mm512_ternarylogic_epi64(s, d->m80, _mm512_permutexvar_epi8(nib, d->hi), 0xea);
+        _mm512_storeu_si512(out + 64 * q, _mm512_permutex2var_epi8(lo, d->il0, hi));
+        _mm512_storeu_si512(out + 64 * q + 32, _mm512_permutex2var_epi8(lo, d->il1, hi));
+    }
+    patch_tile(j, tile, out);
+}
+
+T512 static void store_row(const job *j, int64_t m, int64_t p, __m512 acc) {
+    float v[16];
+    _mm512_storeu_ps(v, acc);
+    for (int n = 0; n < 16 && 16 * p + n < j->N; n++)
+        j->y[m * j->N + 16 * p + n] = to_bf16(v[n]);
+}
+
+/* ---- path 0: AVX-512 BF16, M <= 4 rows, 4 panels at a time ---- */
+#define DEFINE_GEMV(MB)                                                                                     \
+    T512 static void gemv_##MB(const job *j, const decoder *d, uint16_t *buf) {                             \
+        for (int64_t p = j->p0; p < j->p1; p += 4) {                                                        \
+            const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);                                            \
+            __m512 acc[MB][4];                                                                              \
+            for (int m = 0; m < MB; m++)                                                                    \
+                for (int q = 0; q < 4; q++)                                                                 \
+                    acc[m][q] = _mm512_setzero_ps();                                                        \
+            for (int64_t t = 0; t < j->T; t++) {                                                            \
+                const uint16_t *tl[4];                                                                      \
+                for (int q = 0; q < 4; q++) {                                                               \
+                    const int64_t tile = (p + (q < np ? q : 0)) * j->T + t;                                 \
+                    if (j->plain) {                                                                         \
+                        tl[q] = j->plain + tile * TILE_WORDS;                                               \
+                    } else {                                                                                \
+                        if (q < np)                                                                         \
+                            decode_tile(j, d, tile, buf + q * TILE_WORDS);                                  \
+                        tl[q] = buf + (q < np ? q : 0) * TILE_WORDS;                                        \
+                    }                                                                                       \
+                }                                                                                           \
+                const uint32_t *xr = (const uint32_t *)(j->x + 32 * t);                                     \
+                for (int i = 0; i < 16; i++) {                                                              \
+                    __m512i w[4];                                                                           \
+                    for (int q = 0; q < 4; q++)                                                             \
+                        w[q] = _mm512_loadu_si512(tl[q] + 32 * i);                                          \
+                    for (int m = 0; m < MB; m++) {                                                          \
+                        const __m512i xb = _mm512_set1_epi32((int)xr[m * (j->Kp / 2) + i]);                 \
+                        for (int q = 0; q < 4; q++)                                                         \
+                            acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w[q], (__m512bh)xb);          \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+            for (int m = 0; m < MB; m++)                                                                    \
+                for (int q = 0; q < np; q++)                                                                \
+                    store_row(j, m, p + q, acc[m][q]);                                                      \
+        }                                                                                                   \
+    }
+DEFINE_GEMV(1)
+DEFINE_GEMV(2)
+DEFINE_GEMV(3)
+DEFINE_GEMV(4)
+
+/* ---- path 1: AMX ---- */
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
+    static const uint16_t zero[TILE_WORDS] __attribute__((aligned(64)));
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    float c[4][256] __attribute__((aligned(64)));
+    const int64_t T = j->T, ld = j->Kp * 2;
+    for (int64_t p = j->p0; p < j->p1; p += 2) {
+        const int two = p + 1 < j->p1;
+        const uint16_t *b0, *b1;
+        if (j->plain) {
+            b0 = j->plain + p * T * TILE_WORDS;
+            b1 = two ? b0 + T * TILE_WORDS : NULL;
+        } else {
+            for (int64_t t = 0; t < T; t++) {
+                decode_tile(j, d, p * T + t, buf + t * TILE_WORDS);
+                if (two)
+                    decode_tile(j, d, (p + 1) * T + t, buf + (T + t) * TILE_WORDS);
+            }
+            b0 = buf;
+            b1 = two ? buf + T * TILE_WORDS : NULL;
+        }
+        for (int64_t m0 = 0; m0 < j->Mp; m0 += 32) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t t = 0; t < T; t++) {
+                _tile_loadd(4, j->x + m0 * j->Kp + 32 * t, ld);
+                _tile_loadd(5, j->x + (m0 + 16) * j->Kp + 32 * t, ld);
+                _tile_loadd(6, b0 + t * TILE_WORDS, 64);
+                _tile_loadd(7, b1 ? b1 + t * TILE_WORDS : zero, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+            for (int q = 0; q < 4; q++) {
+                const int64_t pp = p + (q & 1);
+                if ((q & 1) && !two)
+                    continue;
+                for (int r = 0; r < 16 && m0 + 16 * (q >> 1) + r < j->M; r++)
+                    store_row(j, m0 + 16 * (q >> 1) + r, pp, _mm512_load_ps(c[q] + 16 * r));
+            }
+        }
+    }
+    _tile_release();
+}
+
+static int amx_state = -1;
+
+int tm_amx_ready(void) { /* the CPU has AMX-BF16 and Linux lets this process use its tiles */
+    if (amx_state < 0) {
+        unsigned a, b, c, d;
+        int ok = __get_cpuid_count(7, 0, &a, &b, &c, &d) && ((d >> 22) & 1) && ((d >> 24) & 1);
+        ok = ok && syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+        amx_state = ok;
+    }
+    return amx_state;
+}
+
+int tm_avx512_ready(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
+}
+#else
+int tm_amx_ready(void) { return 0; }
+int tm_avx512_ready(void) { return 0; }
+#endif
+
+static void *work(void *arg) {
+    job *j = arg;
+    if (j->p0 >= j->p1)
+        return NULL;
+    const int64_t words = j->path == 1 ? 2 * j->T * TILE_WORDS : 4 * TILE_WORDS;
+    uint16_t *buf = j->plain ? NULL : aligned_alloc(64, (size_t)words * 2);
+    if (!j->plain && !buf) {
+        j->status = 1;
+        return NULL;
+    }
+#ifdef TM_X86
+    if (j->path == 0 || j->path == 1) {
+        static const uint8_t no_palette[16];
+        const decoder d = decoder_for(j->pal ? j->pal : no_palette);
+        if (j->path == 1)
+            amx_panels(j, &d, buf);
+        else if (j->M == 1)
+            gemv_1(j, &d, buf);
+        else if (j->M == 2)
+            gemv_2(j, &d, buf);
+        else if (j->M == 3)
+            gemv_3(j, &d, buf);
+        else
+            gemv_4(j, &d, buf);
+        free(buf);
+        return NULL;
+    }
+#endif
+    for (int64_t p = j->p0; p < j->p1; p++)
+        panel_portable(j, p, buf);
+    free(buf);
+    return NULL;
+}
+
+/* Returns 0, 1 if memory ran out, 2 for a path this build or CPU cannot run, 3 for bad sizes. */
+int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, const uint16_t *plain,
+              const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const int64_t *pstart,
+              const uint16_t *pword, const uint8_t *pexp, uint16_t *y, int path, int threads) {
+    if (M < 1 || N < 1 || Kp < 32 || Kp % 32 || Mp < M || (path == 1 && Mp % 32) || (path == 0 && M > 4))
+        return 3;
+    if ((path == 1 && !tm_amx_ready()) || (path == 0 && !tm_avx512_ready()) || path < 0 || path > 2)
+        return 2;
+    const int64_t P = (N + 15) / 16;
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    const int64_t unit = path == 1 ? 2 : 4; /* panels a thread takes together */
+    const int64_t units = (P + unit - 1) / unit;
+    if (threads > units)
+        threads = (int)units;
+    job jobs[MAX_THREADS];
+    for (int t = 0; t < threads; t++) {
+        job j = {x, M, Mp, Kp, N, Kp / 32, plain, sm, idx, pal, pstart, pword, pexp, y, 0, 0, path, 0};
+        j.p0 = units * t / threads * unit;
+        j.p1 = units * (t + 1) / threads * unit;
+        if (j.p1 > P)
+            j.p1 = P;
+        jobs[t] = j;
+    }
+    run_threads(work, jobs, sizeof(job), threads);
+    for (int t = 0; t < threads; t++)
+        if (jobs[t].status)
+            return jobs[t].status;
+    return 0;
+}
+
+/* the words of compressed tiles [first, first + count) (for tests and for checking a load) */
+int tm_decode_tiles(const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const int64_t *pstart,
+                    const uint16_t *pword, const uint8_t *pexp, int64_t first, int64_t count, uint16_t *out,
+                    int vector) {
+    job j = {NULL, 0, 0, 0, 0, 0, NULL, sm, idx, pal, pstart, pword, pexp, NULL, 0, 0, 0, 0};
+#ifdef TM_X86
+    if (vector && tm_avx512_ready()) {
+        const decoder d = decoder_for(pal);
+        for (int64_t t = 0; t < count; t++)
+            decode_tile(&j, &d, first + t, out + t * TILE_WORDS);
+        return 0;
+    }
+#endif
+    if (vector)
+        return 2;
+    for (int64_t t = 0; t < count; t++)
+        decode_tile_scalar(&j, first + t, out + t * TILE_WORDS);
+    return 0;
+}
+
+/* The weight as a row-major bf16 matrix [N, K] (out), from compressed tiles: the decoded-matrix path
+ * that a product by another library (oneDNN, for many rows) takes. Rows are split over threads. */
+typedef struct {
+    job j;
+    int64_t K;
+    uint16_t *out;
+} unpack_job;
+
+static void unpack_panel_scalar(const unpack_job *u, int64_t p, uint16_t *buf) {
+    const job *j = &u->j;
+    for (int64_t t = 0; t < j->T; t++) {
+        decode_tile_scalar(j, p * j->T + t, buf);
+        for (int n = 0; n < 16 && 16 * p + n < j->N; n++)
+            for (int w = 0; w < 32 && 32 * t + w < u->K; w++)
+                u->out[(16 * p + n) * u->K + 32 * t + w] = buf[(w >> 1) * 32 + 2 * n + (w & 1)];
+    }
+}
+
+#ifdef TM_X86
+T512 static void unpack_panel(const unpack_job *u, int64_t p, uint16_t *buf) {
+    const job *j = &u->j;
+    const decoder d = decoder_for(j->pal);
+    const __m512i stride = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208,
+                                             224, 240);
+    for (int64_t t = 0; t < j->T; t++) {
+        decode_tile(j, &d, p * j->T + t, buf);
+        const int64_t left = u->K - 32 * t;
+        const __mmask32 keep = left >= 32 ? ~0u : ((1u << left) - 1);
+        for (int n = 0; n < 16 && 16 * p + n < j->N; n++) {
+            const __m512i row = _mm512_i32gather_epi32(stride, (const int *)buf + n, 4);
+            _mm512_mask_storeu_epi16(u->out + (16 * p + n) * u->K + 32 * t, keep, row);
+        }
+    }
+}
+#endif
+
+static void *unpack_work(void *arg) {
+    unpack_job *u = arg;
+    uint16_t buf[TILE_WORDS] __attribute__((aligned(64)));
+    for (int64_t p = u->j.p0; p < u->j.p1; p++) {
+#ifdef TM_X86
+        if (u->j.path == 0) {
+            unpack_panel(u, p, buf);
+            continue;
+        }
+#endif
+        unpack_panel_scalar(u, p, buf);
+    }
+    return NULL;
+}
+
+int tm_unpack(const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const int64_t *pstart,
+              const uint16_t *pword, const uint8_t *pexp, int64_t N, int64_t K, uint16_t *out, int vector,
+              int threads) {
+    if (N < 1 || K < 1)
+        return 3;
+#ifdef TM_X86
+    if (vector && !tm_avx512_ready())
+        return 2;
+#else
+    if (vector)
+        return 2;
+#endif
+    const int64_t P = (N + 15) / 16;
+    if (threads < 1)
+        threads = 1;
+    if (threads > MAX_THREADS)
+        threads = MAX_THREADS;
+    if (threads > P)
+        threads = (int)P;
+    unpack_job jobs[MAX_THREADS];
+    for (int t = 0; t < threads; t++) {
+        job j = {NULL, 0, 0, 0, N, (K + 31) / 32, NULL, sm, idx, pal, pstart, pword, pexp, NULL,
+                 P * t / threads, P * (t + 1) / threads, vector ? 0 : 2, 0};
+        jobs[t].j = j;
+        jobs[t].K = K;
+        jobs[t].out = out;
+    }
+    run_threads(unpack_work, jobs, sizeof(unpack_job), threads);
+    return 0;
+}
