@@ -133,9 +133,9 @@ def test_fast_engine_serves_the_container_plain_and_compressed(tiny):
     assert sorted(stored) == [(0, "down"), (0, "o"), (1, "down"), (1, "o")]
     encoded = TorchLlama.load(tiny["folder"], compressed=True)
     for (i, proj), lin in stored.items():
-        other = getattr(encoded.layers[i], proj).unweight
-        for name, buf in lin.unweight.named_buffers():
-            assert torch.equal(buf, dict(other.named_buffers())[name]), (i, proj, name)
+        other = getattr(encoded.layers[i], proj).arrays()
+        for name, buf in lin.arrays().items():
+            assert torch.equal(buf, other[name]), (i, proj, name)
     served = TorchLlama.load(tiny["unweight"], compressed=True).weight_nbytes()
     plain = TorchLlama.load(tiny["unweight"]).weight_nbytes()
     assert served["compressed"] > 0 and served["dense"] < plain["dense"]

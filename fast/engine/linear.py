@@ -59,18 +59,23 @@ class DenseLinear:
         self.out_features = weight.shape[0]
         self.packed = cpu_packed(weight) if pack else None
         self.tiles = TileWeight.from_dense(weight) if self.packed is not None and tile_products() else None
-        self.weight = weight if self.tiles is None else None
+        self._weight = weight if self.tiles is None else None  # dropped: the tiles and packed copies serve
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The weight [out, in] (rebuilt from the tiles when the row-major copy was dropped)."""
+        return self._weight if self._weight is not None else self.tiles.dense()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None and x.dtype == torch.bfloat16 and rows(x) <= TILE_ROWS:
             return self.tiles.matmul(x)
         if self.packed is not None and x.dtype == self.packed.dtype and x.device.type == "cpu":
             return _packed_linear(x, self.packed)
-        return F.linear(x, self.weight if self.weight is not None else self.tiles.dense())
+        return F.linear(x, self.weight)
 
     def nbytes(self) -> int:
         """Resident bytes of the weight's copies (row-major, tiles, oneDNN's packed)."""
-        parts = [t for t in (self.weight, self.packed) if t is not None]
+        parts = [t for t in (self._weight, self.packed) if t is not None]
         return sum(t.numel() * t.element_size() for t in parts) + (self.tiles.nbytes() if self.tiles else 0)
 
 
@@ -147,6 +152,13 @@ class CompressedLinear:
         if x.device.type == "cuda" and self.dtype == torch.bfloat16:
             return self.unweight(x)
         return F.linear(x, self.weight())
+
+    def arrays(self) -> dict[str, torch.Tensor]:
+        """The resident arrays of the compressed weight by name (tile order or palette form)."""
+        if self.tiles is not None:
+            names = ("sm", "idx", "palette", "pstart", "pword", "pexp")
+            return {n: getattr(self.tiles, n) for n in names}
+        return dict(self.unweight.named_buffers())
 
     def nbytes(self) -> int:
         """Bytes the compressed weight occupies."""
