@@ -1,0 +1,184 @@
+"""Unweight on the CPU: every projection product of a model, plain vs compressed, at every batch size.
+
+    python -m experiments.unweight.bench_fused_cpu [--model smollm2] [--threads 1 2] [--repeats 5] [--quick]
+
+For each number of rows M (1, 2, 4, 8, 16, 32, 64 and a 256-row prefill chunk) and each thread
+count, the model's four projections of every layer are multiplied by random bf16 rows, five ways,
+alternating within each repeat (the machine's noise falls on all five alike):
+
+* ``onednn``: torch's oneDNN product on the packed weight (the plain engine before the tile products);
+* ``engine_plain`` / ``engine_compressed``: the fast engine's matrices as they now serve
+  (``fast/engine/linear.py``: the tile product up to ``TILE_ROWS`` rows, oneDNN above it; the
+  compressed matrix decoded into a reused buffer for oneDNN there);
+* ``tile_plain`` / ``tile_compressed``: the C tile products alone at every M (AVX-512 BF16 up to 4
+  rows, AMX above), the fused path the engine does not yet take for bigger batches.
+
+Also measured in the same run: this core's read bandwidth (a 512 MiB float32 sum, one thread), the
+weight bytes each way streams per product set (so GB/s beside the bandwidth), and the resident
+weight bytes of the plain and compressed models. Every ratio is a median over the repeats of the
+per-repeat ratio. Results: experiments/results/bench_fused_cpu.json and .png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
+WAYS = ("onednn", "engine_plain", "engine_compressed", "tile_plain", "tile_compressed")
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def read_bandwidth(repeats: int = 5) -> float:
+    """GB/s of one thread summing a 512 MiB float32 array (best of ``repeats``)."""
+    a = torch.ones(128 << 20, dtype=torch.float32)
+    best = 1e9
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = min(best, time.perf_counter() - t)
+    return a.numel() * 4 / best / 1e9
+
+
+def projections(model: str, limit: int | None) -> list[torch.Tensor]:
+    """The model's fused projections (qkv, o, gate_up, down of every layer) as bf16 [out, in]."""
+    from reference.model.loader import load_llama
+    from reference.model.weights import open_weights
+
+    _, weights = load_llama(open_weights(model))
+    out = []
+    for lw in weights.layers[:limit]:
+        for parts in ((lw.wq, lw.wk, lw.wv), (lw.wo,), (lw.w_gate, lw.w_up), (lw.w_down,)):
+            out.append(torch.from_numpy(np.concatenate(parts).astype(np.float32)).to(torch.bfloat16))
+    return out
+
+
+def build(mats: list[torch.Tensor]) -> dict[str, list[Any]]:
+    from fast.codec.encode import encode
+    from fast.codec.matmul_c import TileWeight
+    from fast.engine.linear import DenseLinear, compress, cpu_packed
+
+    ways: dict[str, list[Any]] = {w: [] for w in WAYS}
+    for w in mats:
+        _, form = encode(w.contiguous(), with_palette_form=True)
+        ways["onednn"].append(cpu_packed(w))
+        ways["engine_plain"].append(DenseLinear(w))
+        ways["engine_compressed"].append(compress(w, torch.bfloat16))
+        ways["tile_plain"].append(TileWeight.from_dense(w))
+        ways["tile_compressed"].append(TileWeight.from_palette(form))
+    return ways
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="4 layers, 3 repeats, one thread (about a minute)")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_cpu.json")
+    args = p.parse_args(argv)
+    from fast.codec import matmul_c
+    from fast.engine.linear import _packed_linear
+    from reference.provenance import commit, machine
+
+    if not matmul_c.available():
+        raise SystemExit("bench_fused_cpu: this CPU lacks AVX-512 BF16 or AMX (or no C compiler): the tile "
+                         "products do not run here")
+    limit = 4 if args.quick else None
+    threads = [1] if args.quick else args.threads
+    repeats = 3 if args.quick else args.repeats
+    torch.set_num_threads(1)
+    bandwidth = read_bandwidth()
+    mats = projections(args.model, limit)
+    ways = build(mats)
+    nbytes = {"plain_bf16": sum(w.numel() * 2 for w in mats),
+              "tile_plain": sum(t.nbytes() for t in ways["tile_plain"]),
+              "tile_compressed": sum(t.nbytes() for t in ways["tile_compressed"]),
+              "engine_plain": sum(d.nbytes() for d in ways["engine_plain"]),
+              "engine_compressed": sum(c.nbytes() for c in ways["engine_compressed"])}
+    widths = sorted({w.shape[1] for w in mats})
+    rows: list[dict[str, Any]] = []
+    for nt in threads:
+        torch.set_num_threads(nt)
+        for m in ROWS:
+            xs = {k: torch.randn((m, k)).to(torch.bfloat16) for k in widths}
+            keyed = {way: [(o, w.shape[1]) for o, w in zip(objs, mats, strict=True)] for way, objs in ways.items()}
+            times: dict[str, list[float]] = {w: [] for w in WAYS}
+            for r in range(repeats + 1):  # the first pass warms caches and buffers, not recorded
+                for way in WAYS:
+                    t = time.perf_counter()
+                    for o, k in keyed[way]:
+                        x = xs[k]
+                        if way == "onednn":
+                            _packed_linear(x, o)
+                        elif way.startswith("tile"):
+                            o.matmul(x, threads=nt)
+                        else:
+                            o(x)
+                    if r:
+                        times[way].append(time.perf_counter() - t)
+            row = {"threads": nt, "rows": m, "ms": {w: 1e3 * statistics.median(v) for w, v in times.items()},
+                   "ms_min": {w: 1e3 * min(v) for w, v in times.items()}}
+            for a, b in (("engine_compressed", "engine_plain"), ("engine_plain", "onednn"),
+                         ("engine_compressed", "onednn"), ("tile_compressed", "onednn"),
+                         ("tile_compressed", "tile_plain")):
+                row[f"{a}_vs_{b}"] = statistics.median(y / x for x, y in zip(times[a], times[b], strict=True))
+            row["gbps_tile_compressed"] = nbytes["tile_compressed"] / (row["ms_min"]["tile_compressed"] / 1e3) / 1e9
+            row["gbps_onednn"] = nbytes["plain_bf16"] / (row["ms_min"]["onednn"] / 1e3) / 1e9
+            rows.append(row)
+            print(f"threads {nt} rows {m:3d}: " + "  ".join(f"{w} {row['ms'][w]:.1f}" for w in WAYS)
+                  + f"  | engine comp/plain speed {row['engine_compressed_vs_engine_plain']:.2f}x"
+                  + f"  plain/onednn {row['engine_plain_vs_onednn']:.2f}x"
+                  + f"  tile comp GB/s {row['gbps_tile_compressed']:.1f}", flush=True)
+    out = {"what": "projection products of every layer, plain vs compressed (speed ratios: >1 = faster)",
+           "model": args.model, "layers": limit or "all", "matrices": len(mats), "repeats": repeats,
+           "read_bandwidth_gbps_one_thread": bandwidth, "weight_bytes": nbytes, "rows": rows,
+           "commit": commit(), "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "note": "ratio a_vs_b = time(b) / time(a), the median over repeats of the per-repeat ratio"}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    plot(out, args.out.with_suffix(".png"))
+    print(f"read bandwidth (one thread) {bandwidth:.1f} GB/s; wrote {args.out}")
+    return out
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for nt in sorted({r["threads"] for r in out["rows"]}):
+        rs = [r for r in out["rows"] if r["threads"] == nt]
+        ms = [r["rows"] for r in rs]
+        for way, style in (("onednn", "k-"), ("engine_plain", "b-"), ("engine_compressed", "r-"),
+                           ("tile_compressed", "r:")):
+            axes[0].plot(ms, [r["ms"][way] for r in rs], style, marker="o", alpha=1 if nt == 1 else 0.5,
+                         label=f"{way}, {nt} thr")
+        axes[1].plot(ms, [r["engine_compressed_vs_engine_plain"] for r in rs], "r-", marker="o",
+                     label=f"engine compressed / plain speed, {nt} thr")
+        axes[1].plot(ms, [r["engine_plain_vs_onednn"] for r in rs], "b-", marker="o",
+                     label=f"engine plain / oneDNN speed, {nt} thr")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows per product (batch)")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("ms per product set (every projection)")
+    axes[1].axhline(1, color="gray", lw=0.5)
+    axes[1].set_ylabel("speed ratio")
+    fig.suptitle(f"{out['model']}: {out['matrices']} matrices; one-thread read bandwidth "
+                 f"{out['read_bandwidth_gbps_one_thread']:.0f} GB/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
