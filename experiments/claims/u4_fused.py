@@ -7,9 +7,12 @@ the Triton palette decoder (under TRITON_INTERPRET=1) and, for a few matrices, t
 palette-decode matmul against the same Triton kernel on the decoded weights. Counted: weights that
 come back bit-exact, bits per weight of each form, fused results equal bit for bit.
 
-The speed claim needs a Hopper GPU: ``python -m experiments.gpu_check`` writes
-experiments/results/gpu_bench.json; this experiment reports it when present (the verdict on speed
-stays "not measured" otherwise).
+Speed on the CPU (measured in every run, quick or full): the C tile products of
+``experiments/unweight/bench_fused_cpu.py`` (each palette tile decoded in registers inside an AVX-512
+BF16 product, or into L1/L2 panels for AMX) on SmolLM2's projections (4 layers quick, all 30 full),
+against the plain products at rows 1-256, where the CPU has AVX-512 BF16 and AMX; the full benchmark's
+stored batch curve (experiments/results/bench_fused_cpu.json) is drawn beside it. On a Hopper GPU:
+``python -m experiments.gpu_check`` writes experiments/results/gpu_bench.json, reported when present.
 """
 
 from __future__ import annotations
@@ -74,8 +77,20 @@ def gpu_results() -> dict[str, Any] | None:
     return None if doc.get("tiny") else doc
 
 
+def cpu_speed(ctx: Context) -> dict[str, Any] | None:
+    """The tile products' speed on this CPU (None where AVX-512 BF16 + AMX are missing)."""
+    from experiments.unweight.bench_fused_cpu import measure
+    from fast.codec import matmul_c
+
+    if not matmul_c.available():
+        return None
+    return measure("smollm2", None if ctx.full else 4, [1], 5 if ctx.full else 3, rows_list=(1, 4, 16, 64, 256),
+                   verbose=False)
+
+
 def run(ctx: Context) -> Result:
     measured = lossless(ctx)
+    measured["cpu"] = cpu_speed(ctx)
     rows = measured["tensors"]
     n = sum(r["n"] for r in rows)
     all_exact = all(r["bit_exact"] for r in rows) and all(f["fused_equals_plain_on_decoded"] for f in measured["fused"])
@@ -85,13 +100,17 @@ def run(ctx: Context) -> Result:
     measured["gpu"] = gpu
     lossless_text = (f"{len(rows)} MiniLM matrices ({n / 1e6:.1f} M weights) decode bit-exact: "
                      f"{'yes' if all_exact else 'NO'}; palette form {pal:.2f} bits/weight, Huffman {huf:.2f}")
-    if gpu is None:
+    cpu = measured["cpu"]
+    cpu_text = "" if cpu is None else ". CPU (measured now): " + cpu_summary(cpu)
+    if gpu is None and cpu is None:
         verdict = "partly measured"
-        why = (lossless_text + ". The speed claim needs a Hopper GPU: run `python -m experiments.gpu_check` there; "
-               "its results (experiments/results/gpu_bench.json) are picked up here.")
+        why = (lossless_text + ". Speed needs a CPU with AVX-512 BF16 and AMX (the C tile products) or a Hopper "
+               "GPU (`python -m experiments.gpu_check`, results in experiments/results/gpu_bench.json).")
     else:
         verdict = "measured"
-        why = lossless_text + f". GPU numbers from {gpu.get('date')} at commit {gpu.get('commit')}."
+        why = lossless_text + cpu_text + ("" if gpu is None else
+                                          f". GPU numbers quoted from experiments/results/gpu_bench.json "
+                                          f"({gpu.get('date')}, commit {gpu.get('commit')}).")
     figure = plot(rows, gpu, ctx)
     return Result(
         clock="wall",
@@ -105,12 +124,23 @@ def run(ctx: Context) -> Result:
     )
 
 
+def cpu_summary(cpu: dict[str, Any]) -> str:
+    """Compressed vs plain speed by rows, as the engine serves (same bits) and for the fused tile path."""
+    parts = [f"{r['rows']} rows {r['engine_compressed_vs_engine_plain']:.2f}x" for r in cpu["rows"]]
+    b1 = next(r for r in cpu["rows"] if r["rows"] == 1)
+    return (f"SmolLM2 ({cpu['layers']} layers) compressed/plain speed as served: " + ", ".join(parts)
+            + f"; batch 1 streams {b1['gbps_tile_compressed']:.1f} GB/s of compressed weights "
+            f"(one-thread read bandwidth {cpu['read_bandwidth_gbps_one_thread']:.1f} GB/s)")
+
+
 def summarize(record: dict[str, Any]) -> str:
     """The table cell from a U4 record, naming the code: on the CPU the fast path's kernels run in Triton's
     interpreter (lossless checked, no speed); a speed comes only from a GPU run, against cuBLAS."""
     m = record["measured"]
     rows, gpu = m["tensors"], m.get("gpu")
     pal = sum(r["palette_bits_per_weight"] * r["n"] for r in rows) / sum(r["n"] for r in rows)
+    if m.get("cpu"):
+        return f"lossless ({pal:.2f} bits/weight in palette form); CPU: " + cpu_summary(m["cpu"])
     if gpu is None:
         return (f"lossless on CPU (fast/ torch encoder, Triton palette decoder and fused matmul in Triton's "
                 f"interpreter: {pal:.2f} bits/weight in palette form); speed not measured (no GPU run)")

@@ -85,18 +85,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_cpu.json")
     args = p.parse_args(argv)
     from fast.codec import matmul_c
-    from fast.engine.linear import _packed_linear
-    from reference.provenance import commit, machine
 
     if not matmul_c.available():
         raise SystemExit("bench_fused_cpu: this CPU lacks AVX-512 BF16 or AMX (or no C compiler): the tile "
                          "products do not run here")
-    limit = 4 if args.quick else None
-    threads = [1] if args.quick else args.threads
-    repeats = 3 if args.quick else args.repeats
+    out = measure(args.model, 4 if args.quick else None, [1] if args.quick else args.threads,
+                  3 if args.quick else args.repeats)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    plot(out, args.out.with_suffix(".png"))
+    print(f"read bandwidth (one thread) {out['read_bandwidth_gbps_one_thread']:.1f} GB/s; wrote {args.out}")
+    return out
+
+
+def measure(model: str, limit: int | None, threads: list[int], repeats: int, rows_list: tuple[int, ...] = ROWS,
+            verbose: bool = True) -> dict[str, Any]:
+    """The benchmark's record (see the module docstring); ``limit`` layers (None: all)."""
+    from fast.engine.linear import _packed_linear
+    from reference.provenance import commit, machine
+
     torch.set_num_threads(1)
     bandwidth = read_bandwidth()
-    mats = projections(args.model, limit)
+    mats = projections(model, limit)
     ways = build(mats)
     nbytes = {"plain_bf16": sum(w.numel() * 2 for w in mats),
               "tile_plain": sum(t.nbytes() for t in ways["tile_plain"]),
@@ -107,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for nt in threads:
         torch.set_num_threads(nt)
-        for m in ROWS:
+        for m in rows_list:
             xs = {k: torch.randn((m, k)).to(torch.bfloat16) for k in widths}
             keyed = {way: [(o, w.shape[1]) for o, w in zip(objs, mats, strict=True)] for way, objs in ways.items()}
             times: dict[str, list[float]] = {w: [] for w in WAYS}
@@ -133,20 +143,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             row["gbps_tile_compressed"] = nbytes["tile_compressed"] / (row["ms_min"]["tile_compressed"] / 1e3) / 1e9
             row["gbps_onednn"] = nbytes["plain_bf16"] / (row["ms_min"]["onednn"] / 1e3) / 1e9
             rows.append(row)
-            print(f"threads {nt} rows {m:3d}: " + "  ".join(f"{w} {row['ms'][w]:.1f}" for w in WAYS)
+            if verbose:
+                print(f"threads {nt} rows {m:3d}: " + "  ".join(f"{w} {row['ms'][w]:.1f}" for w in WAYS)
                   + f"  | engine comp/plain speed {row['engine_compressed_vs_engine_plain']:.2f}x"
-                  + f"  plain/onednn {row['engine_plain_vs_onednn']:.2f}x"
-                  + f"  tile comp GB/s {row['gbps_tile_compressed']:.1f}", flush=True)
-    out = {"what": "projection products of every layer, plain vs compressed (speed ratios: >1 = faster)",
-           "model": args.model, "layers": limit or "all", "matrices": len(mats), "repeats": repeats,
-           "read_bandwidth_gbps_one_thread": bandwidth, "weight_bytes": nbytes, "rows": rows,
-           "commit": commit(), "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-           "note": "ratio a_vs_b = time(b) / time(a), the median over repeats of the per-repeat ratio"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    plot(out, args.out.with_suffix(".png"))
-    print(f"read bandwidth (one thread) {bandwidth:.1f} GB/s; wrote {args.out}")
-    return out
+                      + f"  plain/onednn {row['engine_plain_vs_onednn']:.2f}x"
+                      + f"  tile comp GB/s {row['gbps_tile_compressed']:.1f}", flush=True)
+    return {"what": "projection products of every layer, plain vs compressed (speed ratios: >1 = faster)",
+            "model": model, "layers": limit or "all", "matrices": len(mats), "repeats": repeats,
+            "read_bandwidth_gbps_one_thread": bandwidth, "weight_bytes": nbytes, "rows": rows,
+            "commit": commit(), "machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "note": "ratio a_vs_b = time(b) / time(a), the median over repeats of the per-repeat ratio"}
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
