@@ -1,0 +1,140 @@
+"""Compressed vs plain weights served: ``python -m serve --compressed`` against ``python -m serve``.
+
+    python -m experiments.unweight.bench_fused_serve [--batches 1 8 32] [--max-tokens 48] [--repeats 2]
+
+Two servers of the fast engine on SmolLM2, each pinned to core 0 (``taskset``) with one thread:
+plain, and every projection compressed (the palette form in tile order, products of the C tile
+kernels: ``fast/engine/linear.py``). For each batch size B, ``serve.bench`` sends B ShareGPT prompts
+at once (streamed chat completions, greedy, exactly ``--max-tokens`` each), so after the prefills
+the engine decodes B sequences per step. The two servers alternate within each repeat. Reported per
+server and B: output tok/s, TPOT and ITL p50, and the compressed/plain ratio of output tok/s (median
+over repeats); each server's resident memory (VmRSS) and peak (VmHWM) after the runs; and whether the
+two answered every prompt with the same text (greedy; compression is lossless and both take the same
+products, so they must). Results: experiments/results/bench_fused_serve.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import select
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def start(model: str, compressed: bool) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "serve", "--model", model, "--port", "0", "--threads", "1",
+           "--served-model-name", "m", "--log-level", "error", "--max-num-seqs", "64"]
+    if compressed:
+        cmd.append("--compressed")
+    if shutil.which("taskset"):
+        cmd = ["taskset", "-c", "0", *cmd]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 600)
+    line = proc.stdout.readline() if ready else ""
+    if " on http://" not in line:
+        proc.kill()
+        raise SystemExit(f"bench_fused_serve: the server did not start: {line}{proc.stderr.read()[-2000:]}")
+    return proc, line.split(" on ")[1].split()[0]
+
+
+def memory(pid: int) -> dict[str, float]:
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key = line.split(":")[0]
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(line.split()[1]) / 1024  # MiB
+    return out
+
+
+def run(url: str, batch: int, max_tokens: int) -> dict[str, Any]:
+    from serve.bench import BenchConfig, run_bench, sharegpt_prompts
+
+    cfg = BenchConfig(url=url, num_prompts=batch, burst=True, max_tokens=max_tokens, ignore_eos=True,
+                      max_prompt_chars=400)
+    return asyncio.run(run_bench(cfg, sharegpt_prompts(batch, 400), None))
+
+
+def answers(url: str, batch: int, max_tokens: int) -> list[str]:
+    """The texts the server gives the batch's prompts (all at once, not streamed, greedy)."""
+    import httpx
+
+    from serve.bench import sharegpt_prompts
+
+    async def go() -> list[str]:
+        async with httpx.AsyncClient(base_url=url.rstrip("/").removesuffix("/v1") + "/v1", timeout=600) as client:
+            async def one(prompt: str) -> str:
+                r = await client.post("/chat/completions", json={
+                    "model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                    "ignore_eos": True, "temperature": 0})
+                r.raise_for_status()
+                return r.json()["choices"][0]["message"]["content"]
+
+            return list(await asyncio.gather(*(one(q) for q in sharegpt_prompts(batch, 400))))
+
+    return asyncio.run(go())
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_serve.json")
+    args = p.parse_args(argv)
+    from reference.provenance import commit, machine
+
+    servers = {name: start(args.model, name == "compressed") for name in ("plain", "compressed")}
+    rows, texts = [], {}
+    try:
+        for b in args.batches:
+            runs: dict[str, list[dict[str, Any]]] = {"plain": [], "compressed": []}
+            for _ in range(args.repeats):
+                for name, (_, url) in servers.items():
+                    runs[name].append(run(url, b, args.max_tokens))
+            row: dict[str, Any] = {"batch": b}
+            for name, rs in runs.items():
+                s = [r["summary"] for r in rs]
+                row[name] = {"output_tok_s": statistics.median(x["output_throughput_tok_s"] for x in s),
+                             "tpot_p50_ms": statistics.median(x["tpot_ms"]["p50"] for x in s),
+                             "itl_p50_ms": statistics.median(x["itl_ms"]["p50"] for x in s),
+                             "runs_tok_s": [x["output_throughput_tok_s"] for x in s]}
+                texts[(name, b)] = answers(servers[name][1], b, args.max_tokens)
+            row["compressed_vs_plain"] = statistics.median(
+                c["summary"]["output_throughput_tok_s"] / p_["summary"]["output_throughput_tok_s"]
+                for c, p_ in zip(runs["compressed"], runs["plain"], strict=True))
+            row["same_text"] = texts[("plain", b)] == texts[("compressed", b)]
+            rows.append(row)
+            print(f"batch {b:3d}: plain {row['plain']['output_tok_s']:.1f} tok/s, compressed "
+                  f"{row['compressed']['output_tok_s']:.1f} tok/s -> {row['compressed_vs_plain']:.2f}x; "
+                  f"same text: {row['same_text']}", flush=True)
+        mem = {name: memory(proc.pid) for name, (proc, _) in servers.items()}
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+        for proc, _ in servers.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    out = {"what": "python -m serve, plain vs --compressed, one thread pinned to core 0, burst of B greedy streams",
+           "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
+           "memory_mib": mem, "commit": commit(), "machine": machine(),
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"memory (MiB): {mem}; wrote {args.out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
