@@ -200,8 +200,11 @@ class TileWeight:
             path = GEMV if m <= GEMV_MAX_ROWS else AMX
         kp = self.steps * TILE_K
         mp = -(-m // 32) * 32 if path == AMX else m
-        xp = torch.zeros((mp, kp), dtype=torch.bfloat16)
-        xp[:m, : self.in_features] = x.reshape(m, self.in_features)
+        if mp == m and kp == self.in_features and x.is_contiguous():
+            xp = x  # already the padded layout the C code reads
+        else:
+            xp = torch.zeros((mp, kp), dtype=torch.bfloat16)
+            xp[:m, : self.in_features] = x.reshape(m, self.in_features)
         y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
         lib = _need_library()
         plain = self.plain.data_ptr() if self.plain is not None else None

@@ -126,21 +126,38 @@ T512 static decoder decoder_for(const uint8_t *pal) {
     return d;
 }
 
+/* 64 words (two tile rows) from 64 sm bytes and 32 index bytes, before any patch */
+T512 static inline void decode64(const decoder *d, const uint8_t *sm, const uint8_t *ix, __m512i *w0,
+                                 __m512i *w1) {
+    const __m512i s = _mm512_loadu_si512(sm);
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)ix));
+    /* byte 2b = low nibble of index byte b (word 2b), byte 2b+1 = its high nibble (word 2b+1) */
+    const __m512i nib = _mm512_ternarylogic_epi64(_mm512_and_si512(w, d->m0f), _mm512_slli_epi16(w, 4),
+                                                  d->m0f00, 0xf8); /* a | (b & c) */
+    const __m512i lo = _mm512_ternarylogic_epi64(s, d->m7f, _mm512_permutexvar_epi8(nib, d->lo), 0xea);
+    const __m512i hi = _mm512_ternarylogic_epi64(s, d->m80, _mm512_permutexvar_epi8(nib, d->hi), 0xea);
+    *w0 = _mm512_permutex2var_epi8(lo, d->il0, hi);
+    *w1 = _mm512_permutex2var_epi8(lo, d->il1, hi);
+}
+
 /* one tile's 512 words from its sm bytes and palette indices, 64 at a time, then the patches */
 T512 static void decode_tile(const job *j, const decoder *d, int64_t tile, uint16_t *out) {
     const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2);
     for (int q = 0; q < 8; q++) {
-        const __m512i s = _mm512_loadu_si512(sm + 64 * q);
-        const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(ix + 32 * q)));
-        /* byte 2b = low nibble of index byte b (word 2b), byte 2b+1 = its high nibble (word 2b+1) */
-        const __m512i nib = _mm512_ternarylogic_epi64(_mm512_and_si512(w, d->m0f), _mm512_slli_epi16(w, 4),
-                                                      d->m0f00, 0xf8); /* a | (b & c) */
-        const __m512i lo = _mm512_ternarylogic_epi64(s, d->m7f, _mm512_permutexvar_epi8(nib, d->lo), 0xea);
-        const __m512i hi = _mm512_ternarylogic_epi64(s, d->m80, _mm512_permutexvar_epi8(nib, d->hi), 0xea);
-        _mm512_storeu_si512(out + 64 * q, _mm512_permutex2var_epi8(lo, d->il0, hi));
-        _mm512_storeu_si512(out + 64 * q + 32, _mm512_permutex2var_epi8(lo, d->il1, hi));
+        __m512i w0, w1;
+        decode64(d, sm + 64 * q, ix + 32 * q, &w0, &w1);
+        _mm512_storeu_si512(out + 64 * q, w0);
+        _mm512_storeu_si512(out + 64 * q + 32, w1);
     }
     patch_tile(j, tile, out);
+}
+
+/* no patch in tile (p, t) of 4 consecutive panels starting at tile index first (stride T) */
+static inline int no_patches(const job *j, int64_t first, int64_t T) {
+    for (int q = 0; q < 4; q++)
+        if (j->pstart[first + q * T] != j->pstart[first + q * T + 1])
+            return 0;
+    return 1;
 }
 
 T512 static void store_row(const job *j, int64_t m, int64_t p, __m512 acc) {
@@ -160,6 +177,25 @@ T512 static void store_row(const job *j, int64_t m, int64_t p, __m512 acc) {
                 for (int q = 0; q < 4; q++)                                                                 \
                     acc[m][q] = _mm512_setzero_ps();                                                        \
             for (int64_t t = 0; t < j->T; t++) {                                                            \
+                const uint32_t *xr = (const uint32_t *)(j->x + 32 * t);                                     \
+                if (!j->plain && np == 4 && no_patches(j, p * j->T + t, j->T)) {                            \
+                    for (int q = 0; q < 4; q++) {                                                           \
+                        const int64_t tile = (p + q) * j->T + t;                                            \
+                        const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2); \
+                        for (int h = 0; h < 8; h++) {                                                       \
+                            __m512i w0, w1;                                                                 \
+                            decode64(d, sm + 64 * h, ix + 32 * h, &w0, &w1);                                \
+                            for (int m = 0; m < MB; m++) {                                                  \
+                                const uint32_t *xm = xr + m * (j->Kp / 2) + 2 * h;                          \
+                                acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w0,                       \
+                                                             (__m512bh)_mm512_set1_epi32((int)xm[0]));      \
+                                acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w1,                       \
+                                                             (__m512bh)_mm512_set1_epi32((int)xm[1]));      \
+                            }                                                                               \
+                        }                                                                                   \
+                    }                                                                                       \
+                    continue;                                                                               \
+                }                                                                                           \
                 const uint16_t *tl[4];                                                                      \
                 for (int q = 0; q < 4; q++) {                                                               \
                     const int64_t tile = (p + (q < np ? q : 0)) * j->T + t;                                 \
@@ -171,7 +207,6 @@ T512 static void store_row(const job *j, int64_t m, int64_t p, __m512 acc) {
                         tl[q] = buf + (q < np ? q : 0) * TILE_WORDS;                                        \
                     }                                                                                       \
                 }                                                                                           \
-                const uint32_t *xr = (const uint32_t *)(j->x + 32 * t);                                     \
                 for (int i = 0; i < 16; i++) {                                                              \
                     __m512i w[4];                                                                           \
                     for (int q = 0; q < 4; q++)                                                             \
