@@ -6,7 +6,7 @@ bytes the kernel must move / the copy bandwidth measured in the same run (``dst.
 * decode: palette form -> bf16 and Huffman form -> bf16, in GB/s of bf16 produced (goal: palette
   decode >= 2 TB/s on an H100/H200), and the Huffman -> palette transcode;
 * matmul: ``y = x @ W.T`` on Llama-3.1-8B MLP shapes (W 14336x4096 = gate/up, 4096x14336 = down)
-  at batch 1, 4, 16, 64, 256: cuBLAS on bf16 weights (``F.linear``), the fused palette-decode
+  at batch 1, 2, 4, 8, 16, 32, 64, 256: cuBLAS on bf16 weights (``F.linear``), the fused palette-decode
   kernel (best of a small config sweep), the same Triton kernel on bf16 weights, decode-then-cuBLAS,
   and ``UnweightLinear`` (its own choice). Goal: fused at batch 1 at least as fast as cuBLAS (the
   memory-bound limit is 16/12 = 1.33x faster). The fused result is checked bit for bit against the
@@ -34,7 +34,7 @@ from reference.safe_write import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SHAPES = [(14336, 4096), (4096, 14336)]  # Llama-3.1-8B: gate/up [14336, 4096], down [4096, 14336]
-BATCHES = [1, 4, 16, 64, 256]
+BATCHES = [1, 2, 4, 8, 16, 32, 64, 256]  # every batch the CPU benchmark measures too
 TINY_SHAPES, TINY_BATCHES = [(48, 256)], [1, 5]
 
 
