@@ -77,12 +77,13 @@ def build(mats: list[torch.Tensor]) -> dict[str, list[Any]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    p.add_argument("--repeats", type=int, default=5)
+    p = argparse.ArgumentParser(prog="python -m experiments.unweight.bench_fused_cpu",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="a packaged name or checkpoint path (default smollm2)")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts to measure (1 2)")
+    p.add_argument("--repeats", type=int, default=5, help="alternating repeats per batch size (5)")
     p.add_argument("--quick", action="store_true", help="4 layers, 3 repeats, one thread (about a minute)")
-    p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_cpu.json")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_cpu.json", help="the JSON to write")
     args = p.parse_args(argv)
     from fast.codec import matmul_c
 

@@ -84,12 +84,13 @@ def answers(url: str, batch: int, max_tokens: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_serve.json")
+    p = argparse.ArgumentParser(prog="python -m experiments.unweight.bench_fused_serve",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="a packaged name or checkpoint path (default smollm2)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="streams sent at once (1 8 32)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens each stream generates (48)")
+    p.add_argument("--repeats", type=int, default=2, help="alternating repeats per batch (2)")
+    p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_serve.json", help="the JSON to write")
     args = p.parse_args(argv)
     from reference.provenance import commit, machine
 
