@@ -43,6 +43,7 @@ from reference.disagg.frames import Frame, Kind
 from reference.disagg.transport import Link
 from reference.disagg.wire import KVLayout, WireError, decode_kv, kv_digest_by_layer
 from reference.disagg.worker_base import WorkerBase
+from reference.engine.params import SamplingParams
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
 from reference.model.llama import LlamaModel
@@ -61,6 +62,7 @@ class DecodeStream:
     cached: int = 0
     last_activity: float = 0.0
     recomputed: bool = False
+    params: SamplingParams = SamplingParams(seed=0)  # how its tokens are picked (greedy unless told)
 
 
 class DecodeWorker(WorkerBase):
@@ -128,7 +130,7 @@ class DecodeWorker(WorkerBase):
                                    f"than {self.max_model_len} tokens")
         except RequestError as e:
             return self._finish_message(frame.stream, body["id"], [], "error", f"decode worker refused: {e}")
-        st = DecodeStream(frame.stream, body["id"], seq, last_activity=self.clock())
+        st = DecodeStream(frame.stream, body["id"], seq, last_activity=self.clock(), params=self.sampling_of(body))
         seq.request = st
         self.streams[st.stream] = st
 
@@ -329,7 +331,8 @@ class DecodeWorker(WorkerBase):
             self.counters["kv_install_blocking_us_max"] = max(self.counters.get("kv_install_blocking_us_max", 0), us)
             self.install_s = 0.0
         batch, logits = ran
-        tokens = [int(np.argmax(lg)) if e.needs_sample else None for e, lg in zip(batch.entries, logits, strict=True)]
+        tokens = [self.sample(lg, e.seq.request.params, e.seq.num_tokens) if e.needs_sample else None
+                  for e, lg in zip(batch.entries, logits, strict=True)]
         self.scheduler.postprocess(batch, tokens, self.clock())
         for e, token in zip(batch.entries, tokens, strict=True):
             st: DecodeStream = e.seq.request

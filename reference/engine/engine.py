@@ -5,7 +5,7 @@ Each ``step()``:
      running sequences first, then prefill chunks, admitting waiting requests while KV blocks last;
   2. the model runner applies the copy-on-write block copies it asks for to the KV cache;
   3. the model runner runs every scheduled chunk in one forward pass over the paged KV cache;
-  4. a token is sampled for each sequence whose prompt is complete, with the request's own generator;
+  4. a token is sampled for each sequence whose prompt is complete, from the request's (seed, position) stream;
   5. the scheduler records the tokens and finishes requests (end token, stop id, max_tokens, context).
 
 Typical use::
@@ -42,7 +42,7 @@ from reference.engine.params import (
     check_request_args,
 )
 from reference.engine.request import Request, RequestMetrics, RequestOutput, TokenEvent
-from reference.engine.sampling import sample
+from reference.engine.sampling import derive_seed, sample
 from reference.kv.block_manager import BlockManager
 from reference.model.llama import Chunk
 from reference.sched import RequestError, Scheduler, SchedulerConfig, SchedulerError, Tenants, make_policy
@@ -126,8 +126,8 @@ class Engine:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         eos = () if params.ignore_eos else self.eos_token_ids
         now = self.clock() if arrival_time is None else arrival_time
-        rng = np.random.default_rng(params.seed if params.seed is not None else [self.seed, number])
-        req = Request(request_id, ids, params, tenant, rng, RequestMetrics(now), number=number)
+        seed = params.seed if params.seed is not None else derive_seed(self.seed, number)
+        req = Request(request_id, ids, params, tenant, seed, RequestMetrics(now), number=number)
         try:
             req.seq = SchedSequence(ids, max_tokens=params.max_tokens, tenant=tenant, arrival_time=now,
                                     predicted_output_len=predicted_output_len, eos_token_id=eos[0] if eos else None,
@@ -208,7 +208,7 @@ class Engine:
         chunks = [Chunk(e.token_ids, e.start, e.block_table, wants_logits=e.needs_sample) for e in batch.entries]
         logits = self.runner.forward(chunks)
         model_time = self.clock() - model_started
-        tokens = [sample(lg, e.seq.request.params, e.seq.request.rng) if e.needs_sample else None
+        tokens = [sample(lg, e.seq.request.params, e.seq.request.seed, e.seq.num_tokens) if e.needs_sample else None
                   for e, lg in zip(batch.entries, logits, strict=True)]
         now = self.clock()
         self.scheduler.postprocess(batch, tokens, now)
