@@ -9,7 +9,8 @@
 Without ``--api-keys`` every request is accepted (tenant "default"), so the server binds only to a
 loopback address unless ``--allow-unauthenticated`` is given. ``--model`` may be an Unweight container
 (``python -m reference.codec compress``); ``--compressed qkv,o,gate_up,down`` (or ``all``) serves those
-matrices in the palette form (fast engine). ``--engine auto`` (default): fast if torch imports.
+matrices in the palette form (fast engine; with ``--pipeline``, in every stage; with disaggregated workers,
+in every worker). ``--engine auto`` (default): fast if torch imports.
 SIGTERM (or Ctrl-C) stops accepting connections, lets requests in flight finish for
 ``--shutdown-grace`` seconds, aborts the rest (their streams end with an error event) and exits 0.
 """

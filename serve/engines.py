@@ -67,10 +67,7 @@ def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None 
     ``threads``: torch threads of the fast engine (None: the cores this process may run on).
     ``pipeline``: a chain of stages (``"2"``, ``"cpu:2,cpu:1x2"``): the torch engine split over stage
     processes by the placement's best split (``fast.pipeline``), whatever ``kind`` says."""
-    if compressed and pipeline:
-        raise EngineUnavailable(f"--compressed {','.join(compressed)} with --pipeline: the pipeline's stages serve "
-                                "plain weights only")
-    if compressed and kind != "fast":
+    if compressed and kind != "fast" and not pipeline:  # a pipeline's stages are torch's whatever kind says
         raise EngineUnavailable(f"--compressed {','.join(compressed)} needs the fast engine (the reference engine "
                                 "decodes a container to float32 and serves it plain)")
     if tenants is None:
@@ -83,7 +80,8 @@ def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None 
             raise EngineUnavailable(f"--pipeline needs torch (fast.pipeline cannot be imported here: {e})") from None
         try:
             return fast_pipeline.load_engine(model, pipeline, dtype=dtype, micro_batches=micro_batches,
-                                             step_timeout_s=pipeline_step_timeout_s, **options)
+                                             step_timeout_s=pipeline_step_timeout_s, compressed=tuple(compressed),
+                                             **options)
         except fast_pipeline.PipelineError as e:
             raise EngineUnavailable(str(e)) from None
     if kind == "reference":
@@ -112,7 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", choices=["auto", "reference", "fast"], default="auto",
                    help="auto (default): the fast engine (torch) when torch imports, else the reference (NumPy)")
     g.add_argument("--compressed", nargs="?", const="all", default="",
-                   help="projection matrices served compressed (fast engine): qkv,o,gate_up,down; bare: all")
+                   help="projection matrices served compressed (fast engine, pipeline stages, fast workers): "
+                        "qkv,o,gate_up,down; bare: all")
     g.add_argument("--dtype", default="bfloat16", help="weights dtype of the fast engine")
     g.add_argument("--policy", default="sjf+wfq", help="scheduling policy: fcfs, sjf, wfq, sjf+wfq (default)")
     g.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks")

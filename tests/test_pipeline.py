@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fast.engine.linear import CompressedLinear
 from fast.pipeline import PipelineError, load_engine, parse_chain, plan
 from fast.pipeline.chain import Node, predicted_bubble
 from fast.pipeline.pipeline_runner import cut
@@ -73,6 +74,29 @@ def test_pipeline_gives_the_single_process_greedy_tokens(stages, dtype, micro_ba
             assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))
     hidden = 32  # the tiny model's residual stream: float32 per token per hop, plus headers
     assert stats.bytes_between_stages / stats.tokens >= (k - 1) * hidden * 4
+
+
+def test_compressed_stages_give_the_plain_tokens_greedy_and_sampled():
+    """Every stage serves its projection matrices in the palette form (lossless): the tokens are the
+    single-process plain engine's, greedy and seeded sampling alike."""
+    prompts = workload(seed=6)[:4]
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=5.0, seed=5)  # tiny is peaked
+    from fast.engine import Engine, FastModel, TorchLlama
+    from reference.disagg.models import load_model
+
+    m = load_model("tiny")
+    plain = Engine(FastModel(TorchLlama(m.config, m.weights, dtype="bfloat16")), **OPTS)
+    want = [[o.output_token_ids for o in plain.generate(prompts, p)]
+            for p in (SamplingParams(max_tokens=8, ignore_eos=True), sampled)]
+    engine = load_engine("tiny", "2", dtype="bfloat16", compressed=("qkv", "o", "gate_up", "down"), **OPTS)
+    try:
+        assert all(isinstance(layer.down, CompressedLinear) for layer in engine.runner.stage.model.layers)
+        got = [[o.output_token_ids for o in engine.generate(prompts, p)]
+               for p in (SamplingParams(max_tokens=8, ignore_eos=True), sampled)]
+    finally:
+        engine.runner.close()
+    assert got == want
+    assert want[0] != want[1]
 
 
 @pytest.mark.slow
