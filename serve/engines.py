@@ -60,13 +60,15 @@ def parse_compressed(value: str | None) -> tuple[str, ...]:
 
 def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None = None, policy: str = "sjf+wfq",
                 dtype: str = "bfloat16", compressed: tuple[str, ...] = (), pipeline: str | None = None,
-                micro_batches: int = 2, pipeline_step_timeout_s: float = 120.0, threads: int | None = None,
+                micro_batches: int = 2, pipeline_step_timeout_s: float = 120.0, pipeline_restarts: int = 2,
+                threads: int | None = None,
                 **engine_kwargs: Any) -> Any:
     """An engine over ``model`` (a packaged model name, a checkpoint path or a container) with its tokenizer.
 
     ``threads``: torch threads of the fast engine (None: the cores this process may run on).
     ``pipeline``: a chain of stages (``"2"``, ``"cpu:2,cpu:1x2"``): the torch engine split over stage
-    processes by the placement's best split (``fast.pipeline``), whatever ``kind`` says."""
+    processes by the placement's best split (``fast.pipeline``), whatever ``kind`` says; a stage that dies or
+    hangs is restarted and its requests recomputed, up to ``pipeline_restarts`` times in a row."""
     if compressed and kind != "fast" and not pipeline:  # a pipeline's stages are torch's whatever kind says
         raise EngineUnavailable(f"--compressed {','.join(compressed)} needs the fast engine (the reference engine "
                                 "decodes a container to float32 and serves it plain)")
@@ -81,6 +83,7 @@ def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None 
         try:
             return fast_pipeline.load_engine(model, pipeline, dtype=dtype, micro_batches=micro_batches,
                                              step_timeout_s=pipeline_step_timeout_s, compressed=tuple(compressed),
+                                             restarts=pipeline_restarts,
                                              **options)
         except fast_pipeline.PipelineError as e:
             raise EngineUnavailable(str(e)) from None

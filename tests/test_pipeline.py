@@ -202,6 +202,92 @@ def test_a_hung_stage_ends_the_step_at_its_timeout_and_the_stages_are_stopped():
         engine.runner.close()
 
 
+def run_with_fault(engine, fault, params: list[SamplingParams]) -> list[list[object]]:
+    """Every request's items through serve's engine worker; ``fault(engine)`` once the first token came."""
+    import asyncio
+
+    from serve.worker import EngineWorker, Submission
+
+    worker = EngineWorker(engine)
+    worker.start()
+
+    async def run() -> list[list[object]]:
+        tickets = [await worker.submit(Submission(p, q)) for p, q in zip(workload(), params, strict=True)]
+        first_token = asyncio.Event()
+
+        async def items(t):
+            out = []
+            async for item in t:
+                out.append(item)
+                first_token.set()
+            return out
+
+        tasks = [asyncio.create_task(items(t)) for t in tickets]
+        await asyncio.wait_for(first_token.wait(), timeout=60)
+        fault(engine)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        worker.stop()
+        engine.close()
+
+
+def recovery_params() -> list[SamplingParams]:
+    """Greedy and seeded sampling, long enough that every request is in flight at the fault."""
+    return [SamplingParams(max_tokens=60, ignore_eos=True, **({"temperature": 5.0, "seed": 40 + i} if i % 2 else {}))
+            for i in range(len(workload()))]
+
+
+def check_recovered(results: list[list[object]], params: list[SamplingParams]) -> None:
+    """Each stream: tokens 0, 1, 2, ... once each, then Finished; the tokens those of a run without a fault."""
+    from fast.engine import Engine, FastModel, TorchLlama
+    from reference.disagg.models import load_model
+    from serve.worker import Finished
+
+    m = load_model("tiny")
+    single = Engine(FastModel(TorchLlama(m.config, m.weights, dtype="float32")), **{**OPTS, "num_blocks": 700})
+    want = [single.generate([p], q)[0].output_token_ids for p, q in zip(workload(), params, strict=True)]
+    for items, tokens in zip(results, want, strict=True):
+        assert isinstance(items[-1], Finished), items[-1]
+        events = items[:-1]
+        assert [e.index for e in events] == list(range(len(tokens)))  # none twice, none missing
+        assert [e.token_id for e in events] == tokens == items[-1].output.output_token_ids
+
+
+def test_a_killed_stage_is_restarted_and_its_requests_recomputed():
+    """``restarts``: a SIGKILLed stage is restarted, every request in flight recomputed from its prompt and
+    the tokens already streamed; the streams go on as if nothing happened (greedy and seeded sampling)."""
+    engine = load_engine("tiny", "3", dtype="float32", restarts=2, **{**OPTS, "num_blocks": 700})
+    first = engine.runner
+
+    def kill(e) -> None:
+        os.kill(e.runner.procs[0].pid, signal.SIGKILL)
+
+    params = recovery_params()
+    results = run_with_fault(engine, kill, params)
+    assert engine.restarts == 1 and engine.runner is not first
+    check_recovered(results, params)
+    assert all(p.poll() is not None for p in first.procs + engine.runner.procs)  # none left behind
+
+
+def test_a_hung_stage_is_restarted_at_the_step_timeout():
+    engine = load_engine("tiny", "2", dtype="float32", restarts=1, step_timeout_s=3.0,
+                         **{**OPTS, "num_blocks": 700})
+    stopped = []
+
+    def stop(e) -> None:
+        stopped.append(e.runner.procs[0])
+        os.kill(stopped[0].pid, signal.SIGSTOP)
+
+    params = recovery_params()
+    results = run_with_fault(engine, stop, params)
+    assert engine.restarts == 1
+    check_recovered(results, params)
+    assert stopped[0].poll() is not None  # the hung stage was killed
+
+
 def test_a_stage_that_cannot_start_is_named():
     with pytest.raises(PipelineError, match="a model of 3 layers cannot fill 4 stages"):
         load_engine("tiny", "4", dtype="float32", **OPTS)

@@ -390,11 +390,13 @@ calibrate_ = calibrate  # the name PipelineModel's keyword hides
 
 def load_engine(model: str = "smollm2", stages: str | Sequence[Node] = "2", *, dtype: str = "bfloat16",
                 micro_batches: int = 2, split: str = "optimal", step_timeout_s: float = 120.0, tokenizer: bool = True,
-                calibrate: bool = True, impl: str = "torch", compressed: Sequence[str] = (),
+                calibrate: bool = True, impl: str = "torch", compressed: Sequence[str] = (), restarts: int = 0,
                 **engine_kwargs: Any) -> Any:
     """The reference engine (the one control plane) over a pipeline of stage processes; ``engine.runner.close()``
     stops them (also done at exit). ``compressed``: the projection matrices every stage serves in the palette
-    form (``fast.engine.Engine.load``'s option; lossless, so the tokens are plain's)."""
+    form (``fast.engine.Engine.load``'s option; lossless, so the tokens are plain's). ``restarts`` > 0: a
+    ``RestartingEngine`` (``restart.py``), which restarts failed stages and recomputes the requests in
+    flight, up to ``restarts`` times in a row."""
     from reference.engine.engine import Engine
 
     pm = PipelineModel(model, stages, dtype=dtype, micro_batches=micro_batches, split=split,
@@ -406,4 +408,8 @@ def load_engine(model: str = "smollm2", stages: str | Sequence[Node] = "2", *, d
 
         tok = load_tokenizer(model)
     engine_kwargs.setdefault("kv_dtype", dtype)
+    if restarts > 0:
+        from fast.pipeline.restart import RestartingEngine
+
+        return RestartingEngine(lambda: Engine(pm, tok, **engine_kwargs), max_restarts=restarts)
     return Engine(pm, tok, **engine_kwargs)
