@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     disagg.check_arguments(p, args)
     disagg_ray.check_arguments(p, args)
     if split and args.pipeline:
-        p.error("--pipeline serves a colocated engine; it does not combine with disaggregated workers")
+        p.error("--pipeline does not combine with disaggregated workers: a prefill or decode worker runs the whole "
+                "model in its one process (a worker split over pipeline stages is not built); choose one of them")
     disagg_dist.check_arguments(p, args, others=split)
     keys.check_arguments(p, args)
     engines.check_arguments(p, args, colocated=not (split or args.pipeline))
