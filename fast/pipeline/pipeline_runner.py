@@ -17,8 +17,9 @@ sum(stage times of one piece) + (M - 1) x the slowest stage's, and the bubble is
 
 Faults: a stage process that dies closes its links, which fails the receives waiting on it; a stage
 that hangs runs past ``step_timeout_s``. Either way ``forward`` raises ``PipelineError`` naming the
-stage, every stage process is stopped, and every later call raises the same error at once; the
-engine's caller (``serve``) ends every request in flight with it.
+stage, every stage process is stopped, and every later call raises the same error at once. The
+server's engine (``restart.py``) then starts new stages and recomputes the requests in flight; after
+its restarts (or with none) the server ends every request in flight with the error.
 
 Conformance: *bounded*, as the torch runner: the same kernels over the same rows; greedy tokens equal
 the single-process engine's (``conformance/cases/pipeline_cases.py``).
