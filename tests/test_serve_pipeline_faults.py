@@ -78,6 +78,7 @@ def test_a_killed_and_a_hung_stage_are_restarted_and_the_streams_go_on(tmp_path)
         assert streams(server, lambda: os.kill(hung[0], signal.SIGSTOP)) == want
         assert len(stage_pids(server)) == 1 and stage_pids(server) != hung
         assert httpx.get(server.base + "/health", timeout=10).status_code == 200
+        assert "unfire_pipeline_restarts_total 2" in httpx.get(server.base + "/metrics", timeout=10).text
     finally:
         assert server.close() == 0
     assert not stage_pids(server)

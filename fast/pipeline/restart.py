@@ -91,6 +91,11 @@ class RestartingEngine:
         self.before.pop(request_id, None)
         return out
 
+    def metric_lines(self) -> list[str]:
+        """What ``/metrics`` adds for the pipeline (serve/worker.py's snapshot reads it)."""
+        return ["# HELP unfire_pipeline_restarts_total Times the stages failed (died, hung) and were restarted.",
+                "# TYPE unfire_pipeline_restarts_total counter", f"unfire_pipeline_restarts_total {self.restarts}"]
+
     def close(self) -> None:
         self.engine.runner.close()
 
