@@ -73,7 +73,7 @@ def test_sampled_requests_give_the_colocated_tokens_over_a_migration():
             for i, r in enumerate(requests)]
     greedy = colocated(requests)
     assert want != greedy  # the draws matter on this workload
-    with InProcessCluster("tiny", 1, 2, opts=OPTS) as cluster:
+    with InProcessPool("tiny", 1, 2, opts=OPTS) as cluster:
         ProcessFaults(cluster, ["kill-decode"], 0, len(requests))
         results = run_requests(cluster, requests)
         assert [r["output_token_ids"] for r in results] == want

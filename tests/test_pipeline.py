@@ -206,9 +206,9 @@ def run_with_fault(engine, fault, params: list[SamplingParams]) -> list[list[obj
     """Every request's items through serve's engine worker; ``fault(engine)`` once the first token came."""
     import asyncio
 
-    from serve.worker import EngineWorker, Submission
+    from serve.engine_thread import EngineThread, Submission
 
-    worker = EngineWorker(engine)
+    worker = EngineThread(engine)
     worker.start()
 
     async def run() -> list[list[object]]:
@@ -244,7 +244,7 @@ def check_recovered(results: list[list[object]], params: list[SamplingParams]) -
     """Each stream: tokens 0, 1, 2, ... once each, then Finished; the tokens those of a run without a fault."""
     from fast.engine import Engine, FastModel, TorchLlama
     from reference.disagg.models import load_model
-    from serve.worker import Finished
+    from serve.engine_thread import Finished
 
     m = load_model("tiny")
     single = Engine(FastModel(TorchLlama(m.config, m.weights, dtype="float32")), **{**OPTS, "num_blocks": 700})

@@ -12,7 +12,7 @@ given without the fault. ``max_restarts`` restarts in a row without a token in b
 that cannot start its stages, end the step with ``PipelineError``: the server then ends every request
 with an error event, as before.
 
-The server's engine thread (``serve/worker.py``) drives it as any engine; what it does not override
+The server's engine thread (``serve/engine_thread.py``) drives it as any engine; what it does not override
 (``scheduler``, ``block_manager``, ``runner``, ``step_log``, ...) is the current engine's.
 """
 
@@ -92,7 +92,7 @@ class RestartingEngine:
         return out
 
     def metric_lines(self) -> list[str]:
-        """What ``/metrics`` adds for the pipeline (serve/worker.py's snapshot reads it)."""
+        """What ``/metrics`` adds for the pipeline (serve/engine_thread.py's snapshot reads it)."""
         return ["# HELP unfire_pipeline_restarts_total Times the stages failed (died, hung) and were restarted.",
                 "# TYPE unfire_pipeline_restarts_total counter", f"unfire_pipeline_restarts_total {self.restarts}"]
 
