@@ -63,14 +63,17 @@ def refusals(server: Server) -> list[str]:
 
 
 def other_parameters(server: Server) -> list[tuple[str, int | None, str]]:
-    """Seeded with top_k: once with a stop string, once with ignore_eos; (text, tokens, finish reason)."""
-    out = []
-    for extra in ({"stop": ["\n\n"]}, {"extra_body": {"ignore_eos": True, "top_k": 20}}):
+    """Seeded with top_k and ignore_eos: once whole, once with a stop string taken from the middle of that
+    answer; (text, tokens, finish reason) of each."""
+    def once(**extra) -> tuple[str, int | None, str]:
         r = server.client().chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": "Say something."}], max_tokens=8,
-            temperature=0.8, seed=7, **extra)
-        out.append((r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason))
-    return out
+            temperature=0.8, seed=7, extra_body={"ignore_eos": True, "top_k": 20}, **extra)
+        return r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason
+
+    whole = once()
+    middle = len(whole[0]) // 2
+    return [whole, once(stop=[whole[0][middle:middle + 2]])]
 
 
 def run_matrix(models: dict[str, tuple[str, ...]], max_tokens: int, timeout: float,
@@ -103,9 +106,10 @@ def check(cells: dict, max_tokens: int) -> None:
             assert got["answers"][mode] == first["answers"][mode], (cell, mode)
         assert got["refusals"] == first["refusals"], cell
         assert got["others"] == first["others"], cell
-    (stop_text, stop_tokens, stop_reason), (_, eos_tokens, _) = first["others"]
-    assert stop_reason == "stop" and stop_tokens < 8 and "\n\n" not in stop_text  # the stop string ended it
+    (whole, eos_tokens, _), (stop_text, _, stop_reason) = first["others"]
     assert eos_tokens == 8  # ignore_eos: exactly max_tokens
+    stop = whole[len(whole) // 2:len(whole) // 2 + 2]
+    assert stop and stop_reason == "stop" and stop_text == whole[:whole.index(stop)]  # the stop string ended it
     assert all(text and 0 < n <= max_tokens for mode in MODES for text, n in first["answers"][mode])
     greedy, sampled = first["answers"]["greedy"], first["answers"]["sampled"]
     assert greedy != sampled  # the draws matter on these prompts
