@@ -9,7 +9,8 @@
 Without ``--api-keys`` every request is accepted (tenant "default"), so the server binds only to a
 loopback address unless ``--allow-unauthenticated`` is given. ``--model`` may be an Unweight container
 (``python -m reference.codec compress``); ``--compressed qkv,o,gate_up,down`` (or ``all``) serves those
-matrices in the palette form (fast engine). ``--engine auto`` (default): fast if torch imports.
+matrices in the palette form (fast engine; with ``--pipeline``, in every stage; with disaggregated workers,
+in every worker). ``--engine auto`` (default): fast if torch imports.
 SIGTERM (or Ctrl-C) stops accepting connections, lets requests in flight finish for
 ``--shutdown-grace`` seconds, aborts the rest (their streams end with an error event) and exits 0.
 """
@@ -59,7 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     disagg.check_arguments(p, args)
     disagg_ray.check_arguments(p, args)
     if split and args.pipeline:
-        p.error("--pipeline serves a colocated engine; it does not combine with disaggregated workers")
+        p.error("--pipeline does not combine with disaggregated workers: a prefill or decode worker runs the whole "
+                "model in its one process (a worker split over pipeline stages is not built); choose one of them")
     disagg_dist.check_arguments(p, args, others=split)
     keys.check_arguments(p, args)
     engines.check_arguments(p, args, colocated=not (split or args.pipeline))

@@ -13,7 +13,9 @@ parsing and a long prompt's tokenization run on a worker thread, so they never s
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import time
 from typing import Any
 
@@ -185,6 +187,8 @@ async def _generate(state: ServeState, request: Request, chat: bool) -> Response
                        code="overloaded", headers={"Retry-After": "1"})
     max_tokens = parsed.max_tokens if parsed.max_tokens is not None else max(1, (limit or 2**31) - len(ids))
     params = SamplingParams(max_tokens=max_tokens, **parsed.params)
+    if not params.greedy and params.seed is None:  # unseeded: a fresh stream, kept wherever the request goes
+        params = dataclasses.replace(params, seed=secrets.randbelow(1 << 63))
     cache_salt = None if state.keys is None else client.tenant
     state.metrics.in_flight += 1  # counted before the await, so concurrent requests see each other
     try:

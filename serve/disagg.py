@@ -30,8 +30,12 @@ torch), else on the reference runner (``python -m reference.disagg worker``). Ea
 salt and weight travel in its REQUEST (revision 1, PROTOCOL.md section 3.1): the workers' prefix caches
 are salted per tenant, and their schedulers queue tenants fairly by weight.
 
-Greedy only: the prefill worker samples the first token by argmax, so a request with temperature > 0
-is refused (400) rather than silently decoded otherwise.
+Sampling: a request's temperature, top_k, top_p and seed travel in its REQUEST (revision 2), and both
+workers sample as the engine does (``reference/engine/sampling.py``): the random number of the token at
+position i is a function of (seed, i) only, so the prefill worker's first token, the decode worker's
+rest and a migrated attempt's tokens are the tokens a colocated engine gives the same seed. A request
+without a seed gets a fresh one here, kept over its migrations. ``ignore_eos`` and stop token ids
+travel as the REQUEST's end tokens.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import secrets
 import sys
 import threading
 import time
@@ -101,10 +106,6 @@ class DisaggEngine:
     # -- the engine interface ---------------------------------------------------------------
     def add_request(self, prompt: list[int], params: SamplingParams, *, tenant: str = "default",
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
-        if not params.greedy:
-            raise RequestRejected("temperature: the disaggregated endpoint decodes greedily; send temperature 0")
-        if params.ignore_eos:
-            raise RequestRejected("ignore_eos is not supported by the disaggregated endpoint")
         rid = str(request_id)
         if len(prompt) >= self.max_model_len:
             raise RequestRejected(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_model_len}")
@@ -112,7 +113,8 @@ class DisaggEngine:
         try:
             weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
             self.coordinator.submit(rid, list(prompt), max_tokens, tenant=tenant, cache_salt=cache_salt,
-                                    weight=weight)
+                                    weight=weight, sampling=sampling_fields(params),
+                                    eos_token_ids=end_tokens(params, self.eos_token_ids))
         except (CoordinatorError, UnknownTenantError) as e:
             raise RequestRejected(str(e)) from None
         self.entries[rid] = _Entry(list(prompt), params, tenant, RequestMetrics(time.monotonic()))
@@ -237,6 +239,22 @@ class DisaggEngine:
         events["worker_restarts"] = self.pool.restarts
         lines += [f'unfire_disagg_events_total{{event="{k}"}} {v}' for k, v in sorted(events.items())]
         return lines
+
+
+def sampling_fields(params: SamplingParams) -> dict | None:
+    """A REQUEST's sampling fields (None: greedy); a request without a seed gets a fresh random one."""
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else secrets.randbelow(1 << 63)
+    return {"temperature": float(params.temperature), "top_k": params.top_k, "top_p": float(params.top_p),
+            "seed": seed}
+
+
+def end_tokens(params: SamplingParams, eos: tuple[int, ...]) -> list[int]:
+    """The tokens that end a request on the workers: the model's end tokens (none with ignore_eos), then
+    its stop ids, as the engine's sequence has them."""
+    base = [] if params.ignore_eos else list(eos)
+    return base + [t for t in params.stop_token_ids if t not in base]
 
 
 def _done(req: RequestState) -> bool:

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from reference.engine.params import EngineError, SamplingParams
@@ -83,6 +83,7 @@ class Stats:
     kv_blocks_total: int = 0
     prefix_hit_tokens: int = 0
     prefix_lookup_tokens: int = 0
+    extra_lines: list[str] = field(default_factory=list)  # the engine's own /metrics lines, if it has any
 
 
 class EngineThread:
@@ -263,6 +264,9 @@ class EngineThread:
             stats.kv_blocks_total = bm.num_blocks
             stats.kv_blocks_used = sum(1 for r in bm.ref_count if r > 0)
             stats.prefix_hit_tokens, stats.prefix_lookup_tokens = bm.num_hit_tokens, bm.num_lookup_tokens
+        lines = getattr(e, "metric_lines", None)
+        if callable(lines):
+            stats.extra_lines = lines()
         self.stats = stats  # one reference swap: readers see a whole snapshot
 
 

@@ -60,17 +60,16 @@ def parse_compressed(value: str | None) -> tuple[str, ...]:
 
 def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None = None, policy: str = "sjf+wfq",
                 dtype: str = "bfloat16", compressed: tuple[str, ...] = (), pipeline: str | None = None,
-                micro_batches: int = 2, pipeline_step_timeout_s: float = 120.0, threads: int | None = None,
+                micro_batches: int = 2, pipeline_step_timeout_s: float = 120.0, pipeline_restarts: int = 2,
+                threads: int | None = None,
                 **engine_kwargs: Any) -> Any:
     """An engine over ``model`` (a packaged model name, a checkpoint path or a container) with its tokenizer.
 
     ``threads``: torch threads of the fast engine (None: the cores this process may run on).
     ``pipeline``: a chain of stages (``"2"``, ``"cpu:2,cpu:1x2"``): the torch engine split over stage
-    processes by the placement's best split (``fast.pipeline``), whatever ``kind`` says."""
-    if compressed and pipeline:
-        raise EngineUnavailable(f"--compressed {','.join(compressed)} with --pipeline: the pipeline's stages serve "
-                                "plain weights only")
-    if compressed and kind != "fast":
+    processes by the placement's best split (``fast.pipeline``), whatever ``kind`` says; a stage that dies or
+    hangs is restarted and its requests recomputed, up to ``pipeline_restarts`` times in a row."""
+    if compressed and kind != "fast" and not pipeline:  # a pipeline's stages are torch's whatever kind says
         raise EngineUnavailable(f"--compressed {','.join(compressed)} needs the fast engine (the reference engine "
                                 "decodes a container to float32 and serves it plain)")
     if tenants is None:
@@ -83,7 +82,9 @@ def load_engine(model: str, kind: str = "reference", *, tenants: Tenants | None 
             raise EngineUnavailable(f"--pipeline needs torch (fast.pipeline cannot be imported here: {e})") from None
         try:
             return fast_pipeline.load_engine(model, pipeline, dtype=dtype, micro_batches=micro_batches,
-                                             step_timeout_s=pipeline_step_timeout_s, **options)
+                                             step_timeout_s=pipeline_step_timeout_s, compressed=tuple(compressed),
+                                             restarts=pipeline_restarts,
+                                             **options)
         except fast_pipeline.PipelineError as e:
             raise EngineUnavailable(str(e)) from None
     if kind == "reference":
@@ -114,7 +115,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", choices=["auto", "reference", "fast"], default="auto",
                    help="auto (default): the fast engine (torch) when torch imports, else the reference (NumPy)")
     g.add_argument("--compressed", nargs="?", const="all", default="",
-                   help="projection matrices served compressed (fast engine): qkv,o,gate_up,down; bare: all")
+                   help="projection matrices served compressed (fast engine, pipeline stages, fast workers): "
+                        "qkv,o,gate_up,down; bare: all")
     g.add_argument("--dtype", default="bfloat16", help="weights dtype of the fast engine")
     g.add_argument("--policy", default="sjf+wfq", help="scheduling policy: fcfs, sjf, wfq, sjf+wfq (default)")
     g.add_argument("--num-blocks", type=int, default=512, help="KV cache blocks")

@@ -61,6 +61,25 @@ def test_a_killed_decode_workers_requests_migrate_in_process():
         assert pool.coordinator.counters["decode_workers_lost"] == 1 and pool.restarts == 1
 
 
+def test_sampled_requests_give_the_colocated_tokens_over_a_migration():
+    """temperature 0.8 with a seed per request: the first token from the prefill worker, the rest from the
+    decode worker, then from another after a kill; the tokens are the colocated engine's for those seeds."""
+    requests = workload(5, seed=9)
+    for i, r in enumerate(requests):
+        r["sampling"] = {"temperature": 0.8, "top_k": 0, "top_p": 0.95, "seed": 1000 + i}
+    engine = Engine(load_model("tiny"), num_blocks=128, block_size=8)
+    want = [engine.generate([r["prompt_token_ids"]], SamplingParams(max_tokens=12, temperature=0.8, top_p=0.95,
+                                                                   seed=1000 + i))[0].output_token_ids
+            for i, r in enumerate(requests)]
+    greedy = colocated(requests)
+    assert want != greedy  # the draws matter on this workload
+    with InProcessPool("tiny", 1, 2, opts=OPTS) as cluster:
+        ProcessFaults(cluster, ["kill-decode"], 0, len(requests))
+        results = run_requests(cluster, requests)
+        assert [r["output_token_ids"] for r in results] == want
+        assert cluster.coordinator.counters.get("requests_migrated", 0) >= 1
+
+
 def test_a_silent_decode_worker_loses_its_lease_and_its_requests_migrate():
     """A decode worker that stops reading and sending (here: no longer stepped) is lost when its lease ends."""
     requests = workload(5, seed=8)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fast.engine.linear import CompressedLinear
 from fast.pipeline import PipelineError, load_engine, parse_chain, plan
 from fast.pipeline.chain import Node, predicted_bubble
 from fast.pipeline.pipeline_runner import cut
@@ -73,6 +74,29 @@ def test_pipeline_gives_the_single_process_greedy_tokens(stages, dtype, micro_ba
             assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:], strict=False))
     hidden = 32  # the tiny model's residual stream: float32 per token per hop, plus headers
     assert stats.bytes_between_stages / stats.tokens >= (k - 1) * hidden * 4
+
+
+def test_compressed_stages_give_the_plain_tokens_greedy_and_sampled():
+    """Every stage serves its projection matrices in the palette form (lossless): the tokens are the
+    single-process plain engine's, greedy and seeded sampling alike."""
+    prompts = workload(seed=6)[:4]
+    sampled = SamplingParams(max_tokens=8, ignore_eos=True, temperature=5.0, seed=5)  # tiny is peaked
+    from fast.engine import Engine, FastModel, TorchLlama
+    from reference.disagg.models import load_model
+
+    m = load_model("tiny")
+    plain = Engine(FastModel(TorchLlama(m.config, m.weights, dtype="bfloat16")), **OPTS)
+    want = [[o.output_token_ids for o in plain.generate(prompts, p)]
+            for p in (SamplingParams(max_tokens=8, ignore_eos=True), sampled)]
+    engine = load_engine("tiny", "2", dtype="bfloat16", compressed=("qkv", "o", "gate_up", "down"), **OPTS)
+    try:
+        assert all(isinstance(layer.down, CompressedLinear) for layer in engine.runner.stage.model.layers)
+        got = [[o.output_token_ids for o in engine.generate(prompts, p)]
+               for p in (SamplingParams(max_tokens=8, ignore_eos=True), sampled)]
+    finally:
+        engine.runner.close()
+    assert got == want
+    assert want[0] != want[1]
 
 
 @pytest.mark.slow
@@ -176,6 +200,92 @@ def test_a_hung_stage_ends_the_step_at_its_timeout_and_the_stages_are_stopped():
             engine.runner.forward([Chunk([1], 0, [0], wants_logits=True)])  # refused at once from now on
     finally:
         engine.runner.close()
+
+
+def run_with_fault(engine, fault, params: list[SamplingParams]) -> list[list[object]]:
+    """Every request's items through serve's engine worker; ``fault(engine)`` once the first token came."""
+    import asyncio
+
+    from serve.engine_thread import EngineThread, Submission
+
+    worker = EngineThread(engine)
+    worker.start()
+
+    async def run() -> list[list[object]]:
+        tickets = [await worker.submit(Submission(p, q)) for p, q in zip(workload(), params, strict=True)]
+        first_token = asyncio.Event()
+
+        async def items(t):
+            out = []
+            async for item in t:
+                out.append(item)
+                first_token.set()
+            return out
+
+        tasks = [asyncio.create_task(items(t)) for t in tickets]
+        await asyncio.wait_for(first_token.wait(), timeout=60)
+        fault(engine)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        worker.stop()
+        engine.close()
+
+
+def recovery_params() -> list[SamplingParams]:
+    """Greedy and seeded sampling, long enough that every request is in flight at the fault."""
+    return [SamplingParams(max_tokens=60, ignore_eos=True, **({"temperature": 5.0, "seed": 40 + i} if i % 2 else {}))
+            for i in range(len(workload()))]
+
+
+def check_recovered(results: list[list[object]], params: list[SamplingParams]) -> None:
+    """Each stream: tokens 0, 1, 2, ... once each, then Finished; the tokens those of a run without a fault."""
+    from fast.engine import Engine, FastModel, TorchLlama
+    from reference.disagg.models import load_model
+    from serve.engine_thread import Finished
+
+    m = load_model("tiny")
+    single = Engine(FastModel(TorchLlama(m.config, m.weights, dtype="float32")), **{**OPTS, "num_blocks": 700})
+    want = [single.generate([p], q)[0].output_token_ids for p, q in zip(workload(), params, strict=True)]
+    for items, tokens in zip(results, want, strict=True):
+        assert isinstance(items[-1], Finished), items[-1]
+        events = items[:-1]
+        assert [e.index for e in events] == list(range(len(tokens)))  # none twice, none missing
+        assert [e.token_id for e in events] == tokens == items[-1].output.output_token_ids
+
+
+def test_a_killed_stage_is_restarted_and_its_requests_recomputed():
+    """``restarts``: a SIGKILLed stage is restarted, every request in flight recomputed from its prompt and
+    the tokens already streamed; the streams go on as if nothing happened (greedy and seeded sampling)."""
+    engine = load_engine("tiny", "3", dtype="float32", restarts=2, **{**OPTS, "num_blocks": 700})
+    first = engine.runner
+
+    def kill(e) -> None:
+        os.kill(e.runner.procs[0].pid, signal.SIGKILL)
+
+    params = recovery_params()
+    results = run_with_fault(engine, kill, params)
+    assert engine.restarts == 1 and engine.runner is not first
+    check_recovered(results, params)
+    assert all(p.poll() is not None for p in first.procs + engine.runner.procs)  # none left behind
+
+
+def test_a_hung_stage_is_restarted_at_the_step_timeout():
+    engine = load_engine("tiny", "2", dtype="float32", restarts=1, step_timeout_s=3.0,
+                         **{**OPTS, "num_blocks": 700})
+    stopped = []
+
+    def stop(e) -> None:
+        stopped.append(e.runner.procs[0])
+        os.kill(stopped[0].pid, signal.SIGSTOP)
+
+    params = recovery_params()
+    results = run_with_fault(engine, stop, params)
+    assert engine.restarts == 1
+    check_recovered(results, params)
+    assert stopped[0].poll() is not None  # the hung stage was killed
 
 
 def test_a_stage_that_cannot_start_is_named():

@@ -1,7 +1,8 @@
 """``python -m serve --pipeline 2`` on SmolLM2, as a user runs it: real stage processes behind the HTTP API.
 
-The greedy completion equals the single-process fast engine's; a stage killed mid-request ends that
-request with a 503 naming the stage within a bounded time, later requests too, and /health says so;
+The greedy completion equals the single-process fast engine's; with ``--pipeline-restarts 0`` a stage
+killed mid-request ends that request with a 503 naming the stage within a bounded time, later requests
+too, and /health says so (restarts: ``test_serve_pipeline_faults.py``);
 SIGTERM still stops the server with exit code 0 and no stage process is left. Slow: SmolLM2 loads in
 each process of the test (~1 minute on 2 cores).
 """
@@ -49,7 +50,7 @@ def children(pid: int) -> list[int]:
 def test_serve_pipeline_answers_like_one_process_and_survives_a_killed_stage_with_errors():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     server = subprocess.Popen([sys.executable, "-m", "serve", "--model", "smollm2", "--pipeline", "cpu:1,cpu:1",
-                               "--port", "0", "--max-num-seqs", "4", "--num-blocks", "128"],
+                               "--port", "0", "--max-num-seqs", "4", "--num-blocks", "128", "--pipeline-restarts", "0"],
                               cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline, line = time.monotonic() + 400, ""

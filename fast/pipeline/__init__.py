@@ -9,7 +9,8 @@ or ``python -m serve --model smollm2 --pipeline cpu:1,cpu:1x2``. The split is ``
 (``reference/cluster/placement.py``) for the chain (``chain.py``); the engine is the reference engine
 loop (the one control plane) over a ``PipelineRunner`` (``pipeline_runner.py``), whose stage 0 runs in the
 engine's process and the others as processes (``stage.py``) joined by torch.distributed (gloo on
-loopback); ``wire.py`` is what travels between them.
+loopback); ``wire.py`` is what travels between them; ``restart.py`` restarts failed stages and
+recomputes the requests in flight (``load_engine(..., restarts=N)``, what ``python -m serve`` runs).
 """
 
 from fast.pipeline.chain import Node, PipelineError, Plan, parse_chain, plan

@@ -17,8 +17,9 @@ sum(stage times of one piece) + (M - 1) x the slowest stage's, and the bubble is
 
 Faults: a stage process that dies closes its links, which fails the receives waiting on it; a stage
 that hangs runs past ``step_timeout_s``. Either way ``forward`` raises ``PipelineError`` naming the
-stage, every stage process is stopped, and every later call raises the same error at once; the
-engine's caller (``serve``) ends every request in flight with it.
+stage, every stage process is stopped, and every later call raises the same error at once. The
+server's engine (``restart.py``) then starts new stages and recomputes the requests in flight; after
+its restarts (or with none) the server ends every request in flight with the error.
 
 Conformance: *bounded*, as the torch runner: the same kernels over the same rows; greedy tokens equal
 the single-process engine's (``conformance/cases/pipeline_cases.py``).
@@ -100,7 +101,7 @@ class PipelineRunner:
     def __init__(self, model_spec: str, config: Any, weights: Any, the_plan: Plan, *, num_blocks: int,
                  block_size: int = 16, kv_dtype: str | None = None, dtype: str = "bfloat16", micro_batches: int = 2,
                  step_timeout_s: float = 120.0, start_timeout_s: float = 300.0, ship_weights: bool = True,
-                 impl: str = "torch"):
+                 impl: str = "torch", compressed: Sequence[str] = ()):
         if PipelineRunner._active is not None:
             raise PipelineError("a pipeline is already running in this process; close() it first")
         if micro_batches < 1:
@@ -118,7 +119,8 @@ class PipelineRunner:
         self._threads_before = torch.get_num_threads()  # restored by close()
         torch.set_num_threads(nodes[0].threads)
         self.stage = StageModel(config, weights, 0, bounds[1], dtype=dtype, num_blocks=num_blocks,
-                                block_size=block_size, kv_dtype=kv_dtype, slowdown=nodes[0].slowdown, impl=impl)
+                                block_size=block_size, kv_dtype=kv_dtype, slowdown=nodes[0].slowdown, impl=impl,
+                                compressed=compressed)
         self.limits = limits_of(self.stage)
         self._logs = tempfile.TemporaryDirectory(prefix="unfire-pipeline-")
         self._store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, wait_for_workers=False,
@@ -134,6 +136,8 @@ class PipelineRunner:
                    "--slowdown", str(nodes[rank].slowdown), "--parent", str(os.getpid()), "--impl", impl]
             if kv_dtype:
                 cmd += ["--kv-dtype", kv_dtype]
+            if compressed:
+                cmd += ["--compressed", ",".join(compressed)]
             if not ship_weights:
                 cmd += ["--model", str(model_spec)]
             log = open(Path(self._logs.name) / f"stage{rank}.log", "wb")  # noqa: SIM115 (the child owns it)
@@ -359,8 +363,9 @@ class PipelineModel:
 
     def __init__(self, model: str, stages: str | Sequence[Node], *, dtype: str = "bfloat16", micro_batches: int = 2,
                  split: str = "optimal", max_num_seqs: int = 32, step_timeout_s: float = 120.0,
-                 calibrate: bool = True, impl: str = "torch"):
+                 calibrate: bool = True, impl: str = "torch", compressed: Sequence[str] = ()):
         self.spec, self.dtype, self.micro_batches = str(model), dtype, micro_batches
+        self.compressed = tuple(compressed)  # each stage serves its own layers' matrices so
         self.step_timeout_s, self.impl = step_timeout_s, impl
         if impl not in ("torch", "numpy") or impl == "numpy" and dtype != "float32":
             raise PipelineError(f"impl {impl!r} with dtype {dtype!r}: use impl 'torch', or 'numpy' with float32")
@@ -381,7 +386,8 @@ class PipelineModel:
     def make_runner(self, num_blocks: int, block_size: int = 16, kv_dtype: str | None = None) -> PipelineRunner:
         return PipelineRunner(self.spec, self.config, self.weights, self.plan, num_blocks=num_blocks,
                               block_size=block_size, kv_dtype=kv_dtype, dtype=self.dtype,
-                              micro_batches=self.micro_batches, step_timeout_s=self.step_timeout_s, impl=self.impl)
+                              micro_batches=self.micro_batches, step_timeout_s=self.step_timeout_s, impl=self.impl,
+                              compressed=self.compressed)
 
 
 calibrate_ = calibrate  # the name PipelineModel's keyword hides
@@ -389,18 +395,26 @@ calibrate_ = calibrate  # the name PipelineModel's keyword hides
 
 def load_engine(model: str = "smollm2", stages: str | Sequence[Node] = "2", *, dtype: str = "bfloat16",
                 micro_batches: int = 2, split: str = "optimal", step_timeout_s: float = 120.0, tokenizer: bool = True,
-                calibrate: bool = True, impl: str = "torch", **engine_kwargs: Any) -> Any:
+                calibrate: bool = True, impl: str = "torch", compressed: Sequence[str] = (), restarts: int = 0,
+                **engine_kwargs: Any) -> Any:
     """The reference engine (the one control plane) over a pipeline of stage processes; ``engine.runner.close()``
-    stops them (also done at exit)."""
+    stops them (also done at exit). ``compressed``: the projection matrices every stage serves in the palette
+    form (``fast.engine.Engine.load``'s option; lossless, so the tokens are plain's). ``restarts`` > 0: a
+    ``RestartingEngine`` (``restart.py``), which restarts failed stages and recomputes the requests in
+    flight, up to ``restarts`` times in a row."""
     from reference.engine.engine import Engine
 
     pm = PipelineModel(model, stages, dtype=dtype, micro_batches=micro_batches, split=split,
                        max_num_seqs=engine_kwargs.get("max_num_seqs", 32), step_timeout_s=step_timeout_s,
-                       calibrate=calibrate, impl=impl)
+                       calibrate=calibrate, impl=impl, compressed=compressed)
     tok = None
     if tokenizer and pm.source is not None:
         from reference.model.tokenizer import load_tokenizer
 
         tok = load_tokenizer(pm.source)
     engine_kwargs.setdefault("kv_dtype", dtype)
+    if restarts > 0:
+        from fast.pipeline.restart import RestartingEngine
+
+        return RestartingEngine(lambda: Engine(pm, tok, **engine_kwargs), max_restarts=restarts)
     return Engine(pm, tok, **engine_kwargs)

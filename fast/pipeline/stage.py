@@ -118,7 +118,7 @@ class StageModel:
 
     def __init__(self, config: Any, weights: LlamaWeights, first: int, last: int, *, dtype: str = "bfloat16",
                  num_blocks: int, block_size: int = 16, kv_dtype: str | None = None, slowdown: float = 1.0,
-                 device: str = "cpu", impl: str = "torch"):
+                 device: str = "cpu", impl: str = "torch", compressed: Sequence[str] = ()):
         L = config.num_layers
         if not 0 <= first < last <= L:
             raise ValueError(f"stage layers {first}..{last - 1} are not a range of the model's {L} layers")
@@ -136,6 +136,8 @@ class StageModel:
         self.numpy: NumpyStage | None = None
         self.busy_s = 0.0  # compute (and declared slowdown) seconds, summed over micro-batches
         if impl == "numpy":  # the reference's NumPy stage (float32), for teaching
+            if compressed:
+                raise ValueError("NumPy stages serve plain float32 weights: compressed matrices need impl='torch'")
             if dtype != "float32":
                 raise ValueError("NumPy stages compute in float32: use dtype='float32' with impl='numpy'")
             own = list(weights.layers[first:last])  # NumpyStage slices the checkpoint's layers itself: pad the rest
@@ -149,8 +151,9 @@ class StageModel:
             raise ValueError(f"stage implementation must be 'torch' or 'numpy', not {impl!r}")
         part = LlamaWeights(embedding=embedding, layers=list(weights.layers[first:last]),
                             final_norm=weights.final_norm, lm_head=head, rope_freq_factors=weights.rope_freq_factors)
+        # compressed: this stage's projection matrices in the palette form (lossless: the same products)
         self.model = TorchLlama(dataclasses.replace(config, num_layers=last - first), part, dtype=dtype,
-                                device=device)
+                                device=device, compressed=tuple(compressed))
         self.cache = self.model.new_cache(num_blocks, block_size, kv_dtype)
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]]) -> None:
@@ -248,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slowdown", type=float, default=1.0, help="run this many times slower (a slow node)")
     p.add_argument("--parent", type=int, default=os.getppid(), help="exit when this process is gone")
     p.add_argument("--impl", default="torch", choices=["torch", "numpy"], help="the stage's forward pass")
+    p.add_argument("--compressed", default="", help="projection matrices served compressed: qkv,o,gate_up,down")
     args = p.parse_args(argv)
     threading.Thread(target=_watch_parent, args=(args.parent,), daemon=True).start()
     torch.set_num_threads(args.threads)
@@ -264,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             config, weights = receive_weights(store, first, last)
         stage = StageModel(config, weights, first, last, dtype=args.dtype, num_blocks=args.num_blocks,
                            block_size=args.block_size, kv_dtype=args.kv_dtype, slowdown=args.slowdown,
-                           impl=args.impl)
+                           impl=args.impl, compressed=[n for n in args.compressed.split(",") if n])
         del weights
     except Exception as e:  # tell stage 0 why, instead of leaving it to wait
         store.set(f"failed{args.rank}", f"{type(e).__name__}: {e}")

@@ -71,7 +71,8 @@ def run_requests(pool: WorkerPool, requests: Sequence[dict], *,
             i = order[pos]
             r = requests[i]
             try:
-                coord.submit(r.get("id"), r.get("prompt_token_ids"), r.get("max_tokens"))
+                coord.submit(r.get("id"), r.get("prompt_token_ids"), r.get("max_tokens"),
+                             sampling=r.get("sampling"))
             except CoordinatorError as e:
                 results[i] = {"id": r.get("id"), "output_token_ids": [], "finish_reason": "error",
                               "error": f"not accepted: {e}"}

@@ -35,7 +35,7 @@ import itertools
 import logging
 import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +78,10 @@ class RequestState:
     tenant: str = "default"
     cache_salt: str | None = None  # and their prefix caches' salt
     weight: float = 1.0
+    # ends the request here (None: the model's; () with ignore_eos)
+    eos: tuple[int, ...] | None = None
+    # REQUEST revision 2: temperature, top_k, top_p, seed (None: greedy)
+    sampling: dict | None = None
 
     def attempt_prompt(self) -> list[int]:
         """The current attempt's prompt: the client's, then the tokens streamed before this
@@ -158,11 +162,18 @@ class Coordinator:
 
     # -- requests -------------------------------------------------------------------------
     def submit(self, request_id: str, prompt: list[int], max_tokens: int, *,
-               tenant: str = "default", cache_salt: str | None = None, weight: float = 1.0) -> None:
-        """Accept a request (greedy). Raises CoordinatorError, changing nothing, on bad input.
+               tenant: str = "default",
+               cache_salt: str | None = None, weight: float = 1.0, sampling: dict | None = None,
+               eos_token_ids: Sequence[int] | None = None) -> None:
+        """Accept a request. Raises CoordinatorError, changing nothing, on bad input.
         ``tenant``, ``cache_salt`` and ``weight`` go to the workers: sequences with other salts
         never share prefix-cached blocks there, and the workers' fair queuing gives the tenant
-        ``weight``."""
+        ``weight``.
+        ``sampling``:
+        {temperature > 0, top_k, top_p, seed} (None: greedy), the same on every attempt, so a
+        migrated request draws the numbers it would have drawn (``reference/engine/sampling.py``).
+        ``eos_token_ids``:
+        the tokens that end it (None: the model's; [] with ignore_eos; stop ids may be added)."""
         if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
             raise CoordinatorError(
                 "request id must be a non-empty string of at most 256 characters"
@@ -188,14 +199,24 @@ class Coordinator:
             raise CoordinatorError(f"prompt of {len(prompt)} tokens does not fit the context of "
                                    f"{self.max_context}")
         tenant_fields = {"tenant": tenant, "cache_salt": cache_salt, "weight": weight}
+        eos = tuple(self.eos) if eos_token_ids is None else tuple(eos_token_ids)
         try:
             messages.check(Kind.REQUEST, {"id": "", "prompt": [], "max_tokens": 1,
-                                          "eos_token_ids": [], **tenant_fields})
+                                          "eos_token_ids": list(eos),
+                                          **tenant_fields, **(sampling or {})})
         except MessageError as e:
-            raise CoordinatorError(f"tenant, cache salt or weight: {e}") from None
+            raise CoordinatorError(
+                f"tenant, cache salt, weight, end tokens or sampling: {e}"
+            ) from None
+        old = [w.node for w in self.workers.values() if w.alive and w.revision < 2]
+        if sampling and old:
+            raise CoordinatorError(f"workers {old} speak a revision of the protocol before 2: they "
+                                   "decode greedily "
+                                   "only (run the workers of the server's release to sample)")
         now = self.clock()
         req = RequestState(request_id, prompt, max_tokens, now,
-                           now + self.deadline_for(len(prompt), max_tokens), **tenant_fields)
+                           now + self.deadline_for(len(prompt), max_tokens),
+                           **tenant_fields, eos=eos, sampling=dict(sampling) if sampling else None)
         self.requests[request_id] = req
         self._route(req)
 
@@ -218,7 +239,7 @@ class Coordinator:
             return
         done = req.tokens
         if req.attempts:  # a retry (migration): it goes on from the tokens already streamed
-            if len(done) >= req.max_tokens or (done and done[-1] in self.eos):
+            if len(done) >= req.max_tokens or (done and done[-1] in self._eos(req)):
                 return self._end(req, done, "length" if len(done) >= req.max_tokens else "stop",
                                  None)
             self.counters["requests_migrated"] = self.counters.get("requests_migrated", 0) + 1
@@ -252,10 +273,15 @@ class Coordinator:
         of revision >= 1 (a revision-0 worker refuses fields it does not know, so it gets the old
         REQUEST; it then shares its prefix cache across tenants: logged when it says HELLO)."""
         body = {"id": req.id, "prompt": req.attempt_prompt(),
-                "max_tokens": req.max_tokens - req.offset, "eos_token_ids": list(self.eos)}
+                "max_tokens": req.max_tokens - req.offset, "eos_token_ids": list(self._eos(req))}
         if w.revision >= 1:
             body.update(tenant=req.tenant, cache_salt=req.cache_salt, weight=req.weight)
+        if req.sampling:  # revision 2 (submit refused sampling while an older worker was live)
+            body.update(req.sampling)
         return messages.dump(Kind.REQUEST, body)
+
+    def _eos(self, req: RequestState) -> tuple[int, ...]:
+        return tuple(self.eos) if req.eos is None else req.eos
 
     def _end(self, req: RequestState, output: list[int], reason: str, error: str | None) -> None:
         if req.result is not None:

@@ -43,6 +43,7 @@ from reference.disagg.frames import Frame, Kind
 from reference.disagg.transport import Link
 from reference.disagg.wire import KVLayout, WireError, decode_kv, kv_digest_by_layer
 from reference.disagg.worker_base import WorkerBase
+from reference.engine.params import SamplingParams
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
 from reference.model.llama import LlamaModel
@@ -62,6 +63,8 @@ class DecodeStream:
     cached: int = 0
     last_activity: float = 0.0
     recomputed: bool = False
+    # how its tokens are picked (greedy unless told)
+    params: SamplingParams = SamplingParams(seed=0)
 
 
 class DecodeWorker(WorkerBase):
@@ -137,7 +140,8 @@ class DecodeWorker(WorkerBase):
         except RequestError as e:
             return self._finish_message(frame.stream, body["id"], [], "error",
                                         f"decode worker refused: {e}")
-        st = DecodeStream(frame.stream, body["id"], seq, last_activity=self.clock())
+        st = DecodeStream(frame.stream, body["id"], seq, last_activity=self.clock(),
+                          params=self.sampling_of(body))
         seq.request = st
         self.streams[st.stream] = st
 
@@ -362,8 +366,10 @@ class DecodeWorker(WorkerBase):
             )
             self.install_s = 0.0
         batch, logits = ran
-        tokens = [int(np.argmax(lg)) if e.needs_sample else None for e,
-                  lg in zip(batch.entries, logits, strict=True)]
+        tokens = [
+            self.sample(lg, e.seq.request.params, e.seq.num_tokens) if e.needs_sample else None
+            for e, lg in zip(batch.entries, logits, strict=True)
+        ]
         self.scheduler.postprocess(batch, tokens, self.clock())
         for e, token in zip(batch.entries, tokens, strict=True):
             st: DecodeStream = e.seq.request

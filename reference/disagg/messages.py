@@ -5,9 +5,10 @@ deep) and then every field is checked: present, of the right type, in range, and
 the schema does not name. What fails raises ``MessageError`` naming the frame kind and the field.
 The KV payload is binary (``wire.py``).
 
-Revision 1 of the protocol (``REVISION``, PROTOCOL.md section 3.1) added fields that a message may
-leave out (``OPTIONAL``): a REQUEST's tenant, cache salt and scheduling weight, and a HELLO's
-revision. Absent, they mean what revision 0 meant (tenant "default", no salt, weight 1; revision 0).
+Revisions 1 and 2 of the protocol (``REVISION``, PROTOCOL.md section 3.1) added fields that a
+message may leave out (``OPTIONAL``): a REQUEST's tenant, cache salt and scheduling weight, and a
+HELLO's revision (1); a REQUEST's sampling parameters (2). Absent, they mean what revision 0 meant
+(tenant "default", no salt, weight 1; revision 0; greedy).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from reference import jsonsafe
 from reference.disagg.frames import Kind
 
-REVISION = 1  # the control payloads' revision this side speaks (PROTOCOL.md section 3.1)
+REVISION = 2  # the control payloads' revision this side speaks (PROTOCOL.md section 3.1)
 MAX_TOKENS_IN_MESSAGE = 1 << 20
 U32 = (1 << 32) - 1
 
@@ -116,6 +117,10 @@ SCHEMAS: dict[Kind, dict[str, Check]] = {
         "tenant": text(),
         "cache_salt": optional(text()),
         "weight": number(0.0, 1e6),
+        "temperature": number(0.0, 1e6),
+        "top_k": integer(0, U32),
+        "top_p": number(0.0, 1.0),
+        "seed": integer(0, (1 << 63) - 1),
     },
     Kind.MANIFEST: {
         "id": text(),
@@ -147,8 +152,14 @@ SCHEMAS: dict[Kind, dict[str, Check]] = {
 }
 
 # fields of revision 1 that a payload may leave out (a revision-0 peer never sends them)
-OPTIONAL: dict[Kind, frozenset[str]] = {Kind.HELLO: frozenset({"revision"}),
-                                        Kind.REQUEST: frozenset({"tenant", "cache_salt", "weight"})}
+OPTIONAL: dict[Kind, frozenset[str]] = {
+    Kind.HELLO: frozenset({"revision"}),
+    Kind.REQUEST: frozenset(
+        {"tenant", "cache_salt", "weight", "temperature", "top_k", "top_p", "seed"}
+    ),
+}
+# revision 2: present together or not at all (greedy)
+SAMPLING = ("temperature", "top_k", "top_p", "seed")
 
 
 def dump(kind: Kind, body: dict[str, Any]) -> bytes:
@@ -185,3 +196,6 @@ def check(kind: Kind, body: Any) -> None:
         if name in body and not ok(body[name]):
             raise MessageError(f"{kind.name} payload: field {name!r} has a bad value "
                                f"{str(body[name])[:80]!r}")
+    if kind is Kind.REQUEST and 0 < sum(name in body for name in SAMPLING) < len(SAMPLING):
+        raise MessageError(f"REQUEST payload: the sampling fields {list(SAMPLING)} come all "
+                           "together or not at all")

@@ -2,7 +2,8 @@
 layer.
 
 It is the engine loop (``reference/engine/engine.py``) with two changes: every request asks for one
-token only (the first output token, sampled greedily here), and the model's ``on_layer`` hook sends
+token only (the first output token, sampled here with the REQUEST's parameters: greedy, or from the
+request's (seed, position) stream as the engine samples), and the model's ``on_layer`` hook sends
 each sequence's new K/V of layer i as soon as layer i is in the cache, while layer i + 1 computes.
 
 Per request (a *stream*), ``PROTOCOL.md`` section 5:
@@ -27,6 +28,7 @@ from reference.disagg.frames import Frame, Kind
 from reference.disagg.transport import Link
 from reference.disagg.wire import KVLayout, encode_kv, kv_digest
 from reference.disagg.worker_base import WorkerBase
+from reference.engine.params import SamplingParams
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
 from reference.model.llama import LlamaModel
@@ -49,6 +51,8 @@ class PrefillStream:
     kv_frames: int = 0
     last_send: float = 0.0
     tries: int = 0
+    # how its first token is picked (greedy unless told)
+    params: SamplingParams = SamplingParams(seed=0)
 
 
 class PrefillWorker(WorkerBase):
@@ -111,7 +115,8 @@ class PrefillWorker(WorkerBase):
             self.link.send(Kind.ABORT, frame.stream, messages.dump(Kind.ABORT, {
                 "reason": f"prefill worker refused the request: {e}", "action": "recompute"}))
             return
-        st = PrefillStream(frame.stream, body["id"], seq, sent_upto=[0] * self.layout.num_layers)
+        st = PrefillStream(frame.stream, body["id"], seq, sent_upto=[0] * self.layout.num_layers,
+                           params=self.sampling_of(body))
         seq.request = st
         self.streams[st.stream] = st
         self._send_manifest(st)
@@ -187,8 +192,9 @@ class PrefillWorker(WorkerBase):
         batch, logits = ran
         tokens: list[int | None] = []
         for e, lg in zip(batch.entries, logits, strict=True):
-            # greedy, as reference.engine.sampling
-            token = int(np.argmax(lg)) if e.needs_sample else None
+            token = (
+                self.sample(lg, e.seq.request.params, e.seq.num_tokens) if e.needs_sample else None
+            )
             tokens.append(token)
             if token is not None:
                 e.seq.request.done = {"first_token": token, "kv_digest": kv_digest(

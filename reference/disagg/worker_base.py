@@ -7,6 +7,8 @@ from typing import Any
 
 from reference.disagg import messages
 from reference.disagg.frames import Kind
+from reference.engine.params import SamplingParams
+from reference.engine.sampling import sample
 from reference.model.llama import Chunk
 from reference.sched import WFQ, Tenants
 
@@ -44,6 +46,21 @@ class WorkerBase:
         tenants.plan_of[tenant] = tenant  # one plan per tenant, of the tenant's weight
         tenants.plan_weights[tenant] = float(body.get("weight", 1.0))
         return {"tenant": tenant, "cache_salt": body.get("cache_salt")}
+
+    @staticmethod
+    def sampling_of(body: dict) -> SamplingParams:
+        """A REQUEST's sampling parameters (revision 2; absent: greedy), its seed always set."""
+        if "temperature" not in body:
+            return SamplingParams(seed=0)
+        return SamplingParams(temperature=body["temperature"], top_k=body["top_k"],
+                              top_p=body["top_p"], seed=body["seed"])
+
+    @staticmethod
+    def sample(logits: Any, params: SamplingParams, position: int) -> int:
+        """The token at ``position`` of a sequence: the engine's own sampling
+        (``reference/engine/sampling.py``), whose random number depends on (seed, position) only, so
+        it is the token a colocated engine picks."""
+        return sample(logits, params, params.seed or 0, position)
 
     def run_step(
         self, on_layer: Callable[[Any], Callable[[int], None]] | None = None

@@ -5,8 +5,8 @@ Each ``step()``:
      running sequences first, then prefill chunks, admitting waiting requests while KV blocks last;
   2. the model runner applies the copy-on-write block copies it asks for to the KV cache;
   3. the model runner runs every scheduled chunk in one forward pass over the paged KV cache;
-  4. a token is sampled for each sequence whose prompt is complete, with the request's own
-  generator;
+  4. a token is sampled for each sequence whose prompt is complete, from the request's (seed,
+  position) stream;
   5. the scheduler records the tokens and finishes requests (end token, stop id, max_tokens,
   context).
 
@@ -44,7 +44,7 @@ from reference.engine.params import (
     check_request_args,
 )
 from reference.engine.request import Request, RequestMetrics, RequestOutput, TokenEvent
-from reference.engine.sampling import sample
+from reference.engine.sampling import derive_seed, sample
 from reference.kv.block_manager import BlockManager
 from reference.model.llama import Chunk
 from reference.sched import (
@@ -89,8 +89,8 @@ class Engine:
         if max_prefill_tokens_with_decodes is not None and (
             type(max_prefill_tokens_with_decodes) is not int or max_prefill_tokens_with_decodes < 1
         ):
-            value = max_prefill_tokens_with_decodes
-            raise EngineError(f"max_prefill_tokens_with_decodes={value!r}: must be None "
+            got = max_prefill_tokens_with_decodes
+            raise EngineError(f"max_prefill_tokens_with_decodes={got!r}: must be None "
                               "(the whole step budget) or an integer >= 1")
         self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
         # the context: the checkpoint's, or less if asked, and never more than the whole KV cache
@@ -147,8 +147,8 @@ class Engine:
             raise RequestRejected(f"request id {request_id!r} is already in use")
         eos = () if params.ignore_eos else self.eos_token_ids
         now = self.clock() if arrival_time is None else arrival_time
-        rng = np.random.default_rng(params.seed if params.seed is not None else [self.seed, number])
-        req = Request(request_id, ids, params, tenant, rng, RequestMetrics(now), number=number)
+        seed = params.seed if params.seed is not None else derive_seed(self.seed, number)
+        req = Request(request_id, ids, params, tenant, seed, RequestMetrics(now), number=number)
         try:
             req.seq = SchedSequence(ids, max_tokens=params.max_tokens, tenant=tenant,
                                     arrival_time=now, predicted_output_len=predicted_output_len,
@@ -242,7 +242,8 @@ class Engine:
                         wants_logits=e.needs_sample) for e in batch.entries]
         logits = self.runner.forward(chunks)
         model_time = self.clock() - model_started
-        tokens = [sample(lg, e.seq.request.params, e.seq.request.rng) if e.needs_sample else None
+        tokens = [sample(lg, e.seq.request.params, e.seq.request.seed,
+                         e.seq.num_tokens) if e.needs_sample else None
                   for e, lg in zip(batch.entries, logits, strict=True)]
         now = self.clock()
         self.scheduler.postprocess(batch, tokens, now)

@@ -1,4 +1,5 @@
-"""What the engine keeps per request: its parameters, random stream, tokens and latency metrics."""
+"""What the engine keeps per request: its parameters, random stream (a seed), tokens and latency
+metrics."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     tenant: str
-    rng: np.random.Generator
+    seed: int  # the random stream: the token at position i draws sampling.uniform(seed, i)
     metrics: RequestMetrics
     seq: Any = None  # the scheduler's Sequence
     number: int = 0  # the engine's serial number: the default id and random stream come from it

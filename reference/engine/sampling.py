@@ -1,7 +1,15 @@
-"""Pick the next token from logits: greedy, temperature, top-k, top-p, with a per-request generator.
+"""Pick the next token from logits: greedy, temperature, top-k, top-p, from a counter-based random
+stream.
 
-The arithmetic is float64 and consumes exactly one uniform number per sampled token, so a request
-with a fixed seed gives the same tokens whatever else is in the batch.
+A request's random number for a token is a pure function of (the request's seed, the token's
+position in the sequence): ``uniform(seed, position)``, a hash of the two (SplitMix64's mixer, the
+counter-based scheme of Salmon et al.'s Philox family in its simplest form). Nothing is carried from
+one token to the next, so the token at a position is the same wherever it is computed: in a
+colocated engine, on a prefill worker (the first token) or a decode worker (the rest, after a
+migration too: the new attempt's prompt ends where the stream was), or behind a pipeline; and
+whatever else is in the batch.
+
+The arithmetic is float64 and draws exactly one number per sampled token; greedy draws nothing.
 """
 
 from __future__ import annotations
@@ -9,6 +17,32 @@ from __future__ import annotations
 import numpy as np
 
 from reference.engine.params import SamplingParams
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: SplitMix64's counter increment
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers whose output bits all depend on every
+    input bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """The random number in [0, 1) of the token at ``position`` (0-based, counting the prompt) of a
+    request whose stream is ``seed``: 53 bits of a hash of (seed, position), as a float64."""
+    key = mix64((seed & MASK64) ^ GOLDEN)  # the stream: one key per seed
+    x = mix64((key + (position + 1) * GOLDEN) & MASK64)  # the counter: one number per position
+    return (x >> 11) * 2.0 ** -53
+
+
+def derive_seed(base: int, number: int) -> int:
+    """A stream for request ``number`` of an engine seeded with ``base`` (requests that give no
+    seed)."""
+    # < 2**63, as a client's seed
+    return mix64((mix64(base & MASK64) + number * GOLDEN) & MASK64) >> 1
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -32,12 +66,13 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     return p
 
 
-def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """One token id. Greedy takes the first index of the largest logit and draws nothing."""
+def sample(logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> int:
+    """One token id for ``position`` of the request whose stream is ``seed``. Greedy takes the first
+    index of the largest logit and draws nothing."""
     if params.greedy:
         return int(np.argmax(logits))
     p = probabilities(logits, params)
-    u = rng.random()
+    u = uniform(seed, position)
     cumulative = np.cumsum(p)
     index = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
     return min(index, int(np.flatnonzero(p)[-1]))  # guard against rounding at the very top
