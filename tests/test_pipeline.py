@@ -399,7 +399,11 @@ def test_smollm2_pipeline_gives_the_single_process_greedy_tokens(stages, dtype, 
     opts = dict(max_num_seqs=6, num_blocks=num_blocks, block_size=8, max_num_batched_tokens=64)
     single = Engine.load("smollm2", dtype=dtype, threads=1, **opts)
     want = [o.output_token_ids for o in single.generate(prompts, params)]
-    engine = load_engine("smollm2", stages, dtype=dtype, **opts)
+    # in bf16 a product's bits depend on how many rows it multiplies (oneDNN's blocking, and the tile
+    # products up to 4 rows): micro-batches cut a step's rows differently from the single process, which
+    # the bounded level allows but which may change a greedy token; one micro-batch keeps the same rows
+    micro = 1 if dtype == "bfloat16" else 2
+    engine = load_engine("smollm2", stages, dtype=dtype, micro_batches=micro, **opts)
     try:
         assert [o.output_token_ids for o in engine.generate(prompts, params)] == want
         assert sum(r.num_preempted for r in engine.step_log) == sum(r.num_preempted for r in single.step_log)

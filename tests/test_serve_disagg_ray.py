@@ -110,10 +110,21 @@ def events(s: Server) -> dict[str, int]:
 
 
 def streams_with_fault(s: Server, model: str, fault) -> list[tuple[list[str], str | None]]:  # noqa: ANN001
-    first = threading.Event()
+    # the fault comes once every stream has 3 tokens: each is then decoding on a decode worker (the first
+    # token comes from the prefill worker), so the victim holds streams that must migrate
+    decoding, lock, counts = threading.Event(), threading.Lock(), [0] * len(QUESTIONS)
+
+    def counter(i: int):  # noqa: ANN202
+        def on_token() -> None:
+            with lock:
+                counts[i] += 1
+                if min(counts) >= 3:
+                    decoding.set()
+        return on_token
+
     with ThreadPoolExecutor(len(QUESTIONS)) as pool:
-        futures = [pool.submit(complete, s.base, model, q, True, first.set, 200) for q in QUESTIONS]
-        assert first.wait(240)
+        futures = [pool.submit(complete, s.base, model, q, True, counter(i), 200) for i, q in enumerate(QUESTIONS)]
+        assert decoding.wait(240)
         fault()
         return [f.result(timeout=240) for f in futures]
 
