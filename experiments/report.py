@@ -186,6 +186,8 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             lines += ["", table]
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}]({figs}/{fig})"]
+    if results_dir.resolve() == RESULTS_DIR.resolve() and out.resolve() == PAPER.resolve():
+        readme_table(table_rows(implemented, results, ran=set(results)))
     lines += engine_bench_section(results_dir)
     lines += _serve_section(results_dir)
     lines += _fleet_section(results_dir)
@@ -193,6 +195,23 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text(out, "\n".join(lines) + "\n")
     return out
+
+
+README = REPO / "README.md"
+BEGIN, END = "<!-- results:begin (python -m experiments paper) -->", "<!-- results:end -->"
+
+
+def readme_table(rows: list[tuple[str, str, str, str, str]]) -> None:
+    """The README's short results table (claim, what, the articles' figure, verdict), between its markers."""
+    if not README.exists():
+        return
+    text = README.read_text()
+    if BEGIN not in text or END not in text:
+        return
+    table = ["| claim | what | the articles | our verdict |", "|---|---|---|---|"]
+    table += [f"| {cid} | {topic} | {article} | {verdict} |" for cid, topic, article, _, verdict in rows]
+    head, rest = text.split(BEGIN, 1)
+    write_text(README, head + BEGIN + "\n" + "\n".join(table) + "\n" + END + rest.split(END, 1)[1])
 
 
 def engine_bench_section(results_dir: Path) -> list[str]:

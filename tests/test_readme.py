@@ -41,10 +41,36 @@ def test_python_example_runs_and_checks_its_answer() -> None:
         exec(compile(code, "README.md", "exec"), {})
 
 
-def test_readme_counts_the_conformance_cases_it_runs() -> None:
-    """The '~N cases' in the Tests section stays within 15% of the cases a CPU run has (not large_only)."""
+def test_the_conformance_guide_counts_the_cases_it_runs() -> None:
+    """The '~N cases' in conformance/README.md stays within 15% of the cases a CPU run has (not large_only)."""
     from conformance.registry import load_cases
 
-    said = int(re.search(r"~(\d+) cases", README).group(1))
+    said = int(re.search(r"~(\d+) cases", (REPO / "conformance" / "README.md").read_text()).group(1))
     actual = sum(not case.large_only for case in load_cases().values())
     assert abs(actual - said) <= 0.15 * actual, f"README says ~{said} conformance cases, there are {actual}"
+
+
+GUIDES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in REPO.glob("*/**/README.md")
+                               if ".venv" not in p.parts and "build" not in p.parts)]
+
+
+@pytest.mark.parametrize("doc", GUIDES)
+def test_every_relative_link_resolves(doc: str) -> None:
+    """Links in the README and the guides beside the code point at files that exist."""
+    path = REPO / doc
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+:|^#", target):
+            continue
+        if not (path.parent / target.split("#")[0]).exists():
+            broken.append(target)
+    assert not broken, f"{doc}: links to missing files: {broken}"
+
+
+def test_the_front_door_stays_short_and_names_every_guide() -> None:
+    assert len(README.splitlines()) <= 250 and len(README.encode()) <= 20_000
+    for guide in ("serve/README.md", "reference/codec/README.md", "reference/disagg/README.md",
+                  "fast/pipeline/README.md", "experiments/README.md", "conformance/README.md"):
+        assert f"]({guide})" in README, f"README does not link {guide}"
+    assert not re.search(r"\b[0-9a-f]{7,40}\b", README), "no commit hashes in the front door"
