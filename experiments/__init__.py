@@ -1,1 +1,1 @@
-"""One module per claim of CLAIMS.md, and the runner: ``python -m experiments reproduce``."""
+"""One module per claim of paper/claims.md, and the runner: ``python -m experiments reproduce``."""

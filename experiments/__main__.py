@@ -18,8 +18,8 @@ import time
 import traceback
 from pathlib import Path
 
-from experiments.agreement import agreement_rows, compare, new_run_dir, print_agreement
 from experiments.claims import CLAIM_IDS
+from experiments.engine.agreement import agreement_rows, compare, new_run_dir, print_agreement
 from experiments.registry import RESULTS_DIR, Context, Experiment, cpu_seconds, discover
 from experiments.report import REPO, build_paper, load_results, print_table, table_rows, write_result
 

@@ -61,13 +61,15 @@ def main(argv: list[str] | None = None) -> int:
                    "stopped (default 240)")
     p.add_argument("--bench-timeout", type=float, default=160, help="seconds before the kernel benchmark is stopped "
                    "(default 160)")
-    p.add_argument("--bench-budget", type=float, default=120, help="--budget of experiments.gpu_bench (default 120)")
+    p.add_argument("--bench-budget", type=float, default=120,
+                   help="--budget of experiments.unweight.gpu_bench (default 120)")
     p.add_argument("--kv-timeout", type=float, default=90,
                    help="seconds before the KV benchmark is stopped (default 90)")
-    p.add_argument("--kv-budget", type=float, default=50, help="--budget of experiments.bench_kv (default 50)")
+    p.add_argument("--kv-budget", type=float, default=50, help="--budget of experiments.engine.bench_kv (default 50)")
     p.add_argument("--engine-timeout", type=float, default=110, help="seconds before the engine benchmark is stopped "
                    "(default 110)")
-    p.add_argument("--engine-budget", type=float, default=70, help="--budget of experiments.gpu_engine (default 70)")
+    p.add_argument("--engine-budget", type=float, default=70,
+                   help="--budget of experiments.engine.gpu_engine (default 70)")
     args = p.parse_args(argv)
     out = args.out or (Path(tempfile.mkdtemp(prefix="gpu_check_")) if args.tiny else RESULTS)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,17 +85,18 @@ def main(argv: list[str] | None = None) -> int:
         conf = [py, "-m", "conformance", "--device", "cpu", "-k", "bf16.", "-k", "codec.palette_decode.random",
                 "-k", "matmul.fused_vs_plain.synthetic_96x320.b1", "-k", "kv.decode_attention.fp8.triton",
                 "--json", str(out / "conformance_cpu.json")]
-        bench = [py, "-m", "experiments.gpu_bench", "--tiny", "--json", str(out / "gpu_bench_tiny.json")]
-        engine = [py, "-m", "experiments.gpu_engine", "--tiny", "--json", str(out / "gpu_engine_tiny.json")]
-        kv = [py, "-m", "experiments.bench_kv", "--tiny", "--json", str(out / "bench_kv_tiny.json")]
+        bench = [py, "-m", "experiments.unweight.gpu_bench", "--tiny", "--json", str(out / "gpu_bench_tiny.json")]
+        engine = [py, "-m", "experiments.engine.gpu_engine", "--tiny", "--json", str(out / "gpu_engine_tiny.json")]
+        kv = [py, "-m", "experiments.engine.bench_kv", "--tiny", "--json", str(out / "bench_kv_tiny.json")]
     else:
         env.pop("TRITON_INTERPRET", None)
         conf = [py, "-m", "conformance", "--device", "cuda", "--large", "--json", str(out / "conformance_cuda.json")]
-        bench = [py, "-m", "experiments.gpu_bench", "--budget", str(args.bench_budget),
+        bench = [py, "-m", "experiments.unweight.gpu_bench", "--budget", str(args.bench_budget),
                  "--json", str(out / "gpu_bench.json")]
-        engine = [py, "-m", "experiments.gpu_engine", "--budget", str(args.engine_budget),
+        engine = [py, "-m", "experiments.engine.gpu_engine", "--budget", str(args.engine_budget),
                   "--json", str(out / "gpu_engine.json")]
-        kv = [py, "-m", "experiments.bench_kv", "--budget", str(args.kv_budget), "--json", str(out / "bench_kv.json")]
+        kv = [py, "-m", "experiments.engine.bench_kv", "--budget", str(args.kv_budget), "--json",
+              str(out / "bench_kv.json")]
     summary: dict[str, object] = {"tiny": args.tiny, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     sys.path.insert(0, str(REPO))
     from reference.provenance import commit, machine

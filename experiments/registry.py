@@ -53,7 +53,7 @@ class Result:
     clock_detail: str = ""  # optional: how that clock was taken here (threads, what was skipped, ...)
     notes: list[str] = field(default_factory=list)  # caveats the paper prints in the section's text
     tables: list[str] = field(default_factory=list)  # markdown tables for the paper's section
-    # the figure a rerun is compared on (``experiments.agreement``): {"name", "value", "min", "max"}, min/max
+    # the figure a rerun is compared on (``experiments.engine.agreement``): {"name", "value", "min", "max"}, min/max
     # the spread over the run's repeats (equal to value for a deterministic, simulated figure)
     headline: dict[str, Any] = field(default_factory=dict)
 

@@ -215,7 +215,7 @@ def readme_table(rows: list[tuple[str, str, str, str, str]]) -> None:
 
 
 def engine_bench_section(results_dir: Path) -> list[str]:
-    """The engine benchmark (``python -m experiments.bench_engine``), if it has been run: one row per system."""
+    """The engine benchmark (``python -m experiments.engine.bench_engine``), if it has been run: one row per system."""
     path = results_dir / "bench_engine.json"
     if not path.exists():
         return []
@@ -259,7 +259,7 @@ def engine_bench_section(results_dir: Path) -> list[str]:
 
 
 def _serve_section(results_dir: Path) -> list[str]:
-    """The HTTP server's overhead (``python -m experiments.bench_serve``), when it was measured."""
+    """The HTTP server's overhead (``python -m experiments.engine.bench_serve``), when it was measured."""
     path = results_dir / "serve_overhead.json"
     try:
         r = json.loads(path.read_text())
@@ -293,7 +293,7 @@ def _serve_section(results_dir: Path) -> list[str]:
 
 
 def _fleet_section(results_dir: Path) -> list[str]:
-    """R1 on real processes (``python -m experiments.fleet_sim``): the simulator against the real fleet."""
+    """R1 on real processes (``python -m experiments.edge.scenario_sim``): the simulator against the real fleet."""
     try:
         r = json.loads((results_dir / "R1_fleet.json").read_text())
         s, table = r["setup"], r["measured"]["markdown"]
@@ -314,7 +314,7 @@ def _fleet_section(results_dir: Path) -> list[str]:
 
 
 def _cluster_scale_section(results_dir: Path) -> list[str]:
-    """The cluster simulator at fleet scale (``python -m experiments.bench_cluster``), when it was measured."""
+    """The cluster simulator at fleet scale (``python -m experiments.edge.bench_cluster``), when it was measured."""
     path = results_dir / "bench_cluster.json"
     try:
         r = json.loads(path.read_text())

@@ -20,7 +20,7 @@ from reference.sched import Tenants
 
 # the colocated engine's step: a burst into an idle engine is prefilled in few large steps, while a step
 # that carries decodes takes at most PREFILL_CAP prompt tokens (README, "The step budget"; chosen with
-# experiments/bench_serve_vllm.py). --pipeline and disaggregated workers keep the earlier 256, and a
+# experiments/engine/bench_serve_vllm.py). --pipeline and disaggregated workers keep the earlier 256, and a
 # budget given on the command line gets no cap unless one is given too (the scheduler as before).
 BUDGET, PREFILL_CAP, OTHER_BUDGET = 2048, 256, 256
 AT_LEAST_ONE = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",

@@ -10,8 +10,9 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from experiments import bench_engine, gpu_engine, report  # noqa: E402
-from experiments.engine_bench import Job  # noqa: E402
+from experiments import report  # noqa: E402
+from experiments.engine import bench_engine, gpu_engine  # noqa: E402
+from experiments.engine.stats import Job  # noqa: E402
 
 
 def test_bench_engine_tiny_scores_every_system(tmp_path: Path) -> None:
@@ -71,7 +72,7 @@ def test_gpu_engine_tiny_splits_the_step(tmp_path: Path) -> None:
 def test_llama_cpp_baseline_batches_and_greedy_decodes() -> None:
     """Only where llama-cpp-python is installed (an optional extra CI does not build)."""
     pytest.importorskip("llama_cpp")
-    from experiments.engine_baselines import run_llama_cpp
+    from experiments.engine.engine_baselines import run_llama_cpp
     from reference.model.tokenizer import load_tokenizer
     from reference.model.weights import packaged_path
 
@@ -96,7 +97,7 @@ def test_repeats_alternate_and_report_every_run(tmp_path: Path) -> None:
 
 
 def test_vllm_ratio_verdict_uses_the_spread_of_the_repeats() -> None:
-    from experiments.bench_engine_report import vs_vllm
+    from experiments.engine.bench_engine_report import vs_vllm
 
     tok = {"fast_bf16": 120.0, "vllm_bf16": 100.0}
     cpu = {"fast_bf16": 0.004, "vllm_bf16": 0.008}
@@ -113,7 +114,7 @@ def test_vllm_baseline_without_vllm_fails_with_its_reason(tmp_path: Path) -> Non
     import importlib.util
     import sys
 
-    from experiments.engine_baselines import run_vllm
+    from experiments.engine.engine_baselines import run_vllm
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vLLM is installed here")

@@ -1,4 +1,4 @@
-"""experiments/bench_serve_vllm.py without servers: its workload file, the agreement and medians, its options.
+"""experiments/engine/bench_serve_vllm.py without servers: its workload file, the agreement and medians, its options.
 
 The benchmark itself starts servers (and vLLM, from an environment of its own): it is run by hand,
 never in CI. These check the parts that decide what it measures.
@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from experiments.bench_serve_vllm import agreement, medians, parse_args, random_prompts, write_prompt_file
+from experiments.engine.bench_serve_vllm import agreement, medians, parse_args, random_prompts, write_prompt_file
 from serve.bench import file_prompts
 from tests.smollm import smollm2_tokenizer
 

@@ -13,7 +13,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from experiments.cluster_fidelity import (
+from experiments.edge.cluster_fidelity import (
     ENGINE,
     SWEEP,
     Measured,
@@ -23,7 +23,7 @@ from experiments.cluster_fidelity import (
     simulated,
     sweep_jobs,
 )
-from experiments.engine_bench import CpuClock, Job, run_jobs
+from experiments.engine.stats import CpuClock, Job, run_jobs
 from reference.disagg.models import tiny_llama
 from reference.engine import Engine
 from reference.engine.cost import StepShape, StepTimeModel

@@ -246,7 +246,7 @@ def test_smollm2_container_serves_the_ggufs_greedy_tokens(tmp_path):
 def test_bench_compressed_runs_end_to_end(tiny, tmp_path):
     """The benchmark's whole path on the tiny checkpoint: containers, loads, the budget, three engine runs."""
     pytest.importorskip("torch")
-    from experiments.bench_compressed import main
+    from experiments.unweight.bench_compressed import main
 
     out = tmp_path / "bench_compressed.json"
     result = main(["--model", str(tiny["folder"]), "--requests", "4", "--max-prompt", "48", "--max-output", "6",
@@ -264,7 +264,7 @@ def test_bench_compressed_serve_runs_end_to_end(tiny, tmp_path):
     answers are the plain endpoint's (lossless), the table and the figure are written."""
     pytest.importorskip("torch")
     pytest.importorskip("httpx")
-    from experiments.bench_compressed_serve import main, table
+    from experiments.unweight.bench_compressed_serve import main, table
 
     out = tmp_path / "serve_compressed.json"
     assert main(["--model", str(tiny["folder"]), "--min-elements", "1024", "--num-prompts", "2", "--max-tokens", "4",
@@ -279,7 +279,7 @@ def test_bench_compressed_serve_runs_end_to_end(tiny, tmp_path):
 
 
 def test_bench_compressed_serve_checks_its_arguments(capsys):
-    from experiments.bench_compressed_serve import main
+    from experiments.unweight.bench_compressed_serve import main
 
     for bad, needle in [(["--setups", "compressed,plain"], "plain first"), (["--repeats", "0"], "must be > 0"),
                         (["--container", "/nonexistent.safetensors"], "no such file")]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from experiments.disagg_sim import Gpu, SimReq, colocated, disaggregated, roofline
+from experiments.disagg.disagg_sim import Gpu, SimReq, colocated, disaggregated, roofline
 from reference.engine.cost import StepShape
 from reference.model.config import LLAMA_3_1_8B
 

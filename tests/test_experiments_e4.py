@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from experiments import disagg_regimes as regimes
 from experiments.claims.e4_disagg import verdict_of
-from experiments.engine_bench import spread
+from experiments.disagg import disagg_regimes as regimes
+from experiments.engine.stats import spread
 
 
 def cfg(setup: str, ttft_p90: float, itl_p90: float) -> dict:

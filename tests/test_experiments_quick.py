@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from experiments.claims.u3_ratio import PEERS, QUICK_SECOND, breakdown, summarize
-from experiments.codec_peers import METHODS
 from experiments.report import load_results
+from experiments.unweight.codec_peers import METHODS
 from reference.bf16 import field_stats, float32_to_bf16
 
 

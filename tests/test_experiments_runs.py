@@ -12,10 +12,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from experiments import agreement, report
+from experiments import report
 from experiments.__main__ import main
 from experiments.claims.e1_continuous_batching import ratios_of, verdict_of
-from experiments.engine_bench import against, spread
+from experiments.engine import agreement
+from experiments.engine.stats import against, spread
 from experiments.registry import RESULTS_DIR, discover
 from experiments.report import PAPER, REPO, load_results
 

@@ -261,7 +261,7 @@ def test_residency_with_eu_sites_killed_and_503_when_none_is_left(fleet: FleetPr
 
 
 def test_fleet_sim_replays_the_simulators_own_arrivals_and_tabulates_by_tier() -> None:
-    from experiments.fleet_sim import Recorded, compare, markdown, per_tier
+    from experiments.edge.scenario_sim import Recorded, compare, markdown, per_tier
 
     s = load_scenario(SMALL)
     lengths = np.array([[40, 60], [120, 20], [300, 8]])  # (prompt, answer) pairs instead of ShareGPT's

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import bench_encode, gpu_bench
+from experiments.unweight import bench_encode, gpu_bench
 
 
 def test_gpu_bench_tiny_runs_and_checks_itself(tmp_path: Path) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from experiments import bench_kv
+from experiments.engine import bench_kv
 
 
 def test_bench_kv_tiny_runs_and_checks_itself(tmp_path: Path) -> None:

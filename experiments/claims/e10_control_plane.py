@@ -4,11 +4,11 @@ The article credits Infire with ~20% more tokens/s than the vLLM-based setup it 
 lower CPU load. Our engine has one control plane in plain Python (``reference/engine``,
 ``reference/sched``, ``reference/kv``) driving either data plane; this experiment measures its cost
 per decode step at 16, 64 and 256 concurrent sequences, as a share of the step, with the fast
-engine (bf16 torch runner) on this CPU (``experiments/engine_load.py`` says how a step is split).
+engine (bf16 torch runner) on this CPU (``experiments/engine/engine_load.py`` says how a step is split).
 On a CPU the model itself is slow, so the share is small; the issue's goal (< 5% at 64 sequences) is
 about a GPU, where the model step is ~100x shorter: ``python -m experiments.gpu_check`` measures
 that (results/gpu_engine.json), and this experiment reports it when present. The throughput
-comparison with a baseline engine (transformers) is ``python -m experiments.bench_engine``; its
+comparison with a baseline engine (transformers) is ``python -m experiments.engine.bench_engine``; its
 result is quoted when present.
 """
 
@@ -18,7 +18,7 @@ import json
 import time
 from typing import Any
 
-from experiments.engine_load import blocks_needed, decode_load
+from experiments.engine.engine_load import blocks_needed, decode_load
 from experiments.registry import RESULTS_DIR, Context, Experiment, Result, pyplot
 
 SEQUENCES = (16, 64, 256)
@@ -48,7 +48,7 @@ def run(ctx: Context) -> Result:
     threads = 1  # the machine is shared: a second thread spin-waits on a busy core (see bench_engine)
     rows = measure(ctx, threads)
     measured: dict[str, Any] = {"cpu": rows}
-    gpu = RESULTS_DIR / "gpu_engine.json"  # measured on a GPU by experiments.gpu_engine; a rerun reads it
+    gpu = RESULTS_DIR / "gpu_engine.json"  # measured on a GPU by experiments.engine.gpu_engine; a rerun reads it
     if gpu.exists():
         measured["gpu"] = json.loads(gpu.read_text()).get("control_plane")
     bench = RESULTS_DIR / "bench_engine.json"
@@ -110,7 +110,8 @@ def summarize(record: dict[str, Any]) -> str:
     vllm = bench.get("vs_vllm") or {}
     if "median" in vllm:
         summary += (f"; fast engine (torch, bf16) / vLLM's CPU build {vllm['median']:.2f}x useful tok/s "
-                    f"(experiments.bench_engine at {bench.get('commit')}, CPU core(s) {bench.get('cpus')}, spread "
+                    f"(experiments.engine.bench_engine at {bench.get('commit')}, CPU core(s) {bench.get('cpus')}, "
+                    "spread "
                     f"{vllm['spread'][0]:.2f}-{vllm['spread'][1]:.2f} over {vllm['repeats']} alternating repeats; "
                     "article +20%)")
         if "cpu_over_vllm" in vllm:

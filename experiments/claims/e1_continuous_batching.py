@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from experiments.engine_bench import (
+from experiments.engine.stats import (
     CLOCK,
     CpuClock,
     against,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import CLOCK, CpuClock, one_blas_thread, run_jobs, sharegpt_jobs, smollm2
+from experiments.engine.stats import CLOCK, CpuClock, one_blas_thread, run_jobs, sharegpt_jobs, smollm2
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.engine import Engine
 from reference.engine.cost import StepShape, intensity, step_bytes, step_flops

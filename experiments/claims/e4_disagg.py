@@ -1,6 +1,6 @@
 """E4: prefill and decode on separate workers; p90 inter-token latency falls (article: ~100 -> 20-30 ms).
 
-A regime study, not one configuration (``experiments/disagg_regimes.py``; the verdict rule there was
+A regime study, not one configuration (``experiments/disagg/disagg_regimes.py``; the verdict rule there was
 written before the sweep ran):
 
 * simulated, the article's hardware class: Llama-3.1-8B on H100s at equal GPU counts, colocated at its
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from experiments import disagg_regimes as regimes
-from experiments.engine_bench import against, inconclusive, pct, sharegpt_jobs, smollm2, spread, spread_text
+from experiments.disagg import disagg_regimes as regimes
+from experiments.engine.stats import against, inconclusive, pct, sharegpt_jobs, smollm2, spread, spread_text
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.disagg.batch import run_requests
 from reference.disagg.pool import ProcessPool, WorkerOptions

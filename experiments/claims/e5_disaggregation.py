@@ -8,7 +8,7 @@
    a long prefill chunk stalls every decode in it. Utilization is measured while requests arrive (not during the drain).
    For each layout, at its highest sustained rate: GPU busy share and compute
    utilization (FLOPs done / peak), and the prefill pool's compute utilization while busy.
-2. Fidelity (``experiments.cluster_fidelity``): three ShareGPT workloads on the real SmolLM2 engine (a burst,
+2. Fidelity (``experiments.edge.cluster_fidelity``): three ShareGPT workloads on the real SmolLM2 engine (a burst,
    paced below capacity, paced over capacity), in interleaved rounds with a profiling sweep of every step
    shape the engine can take; the step cost model is fitted on the sweep alone (every workload held out)
    and each workload replayed in the simulator; fitting on the other workloads instead is a contrast column.
@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, scenario, site
-from experiments.cluster_common import GPUS as GPU_TYPES
-from experiments.cluster_fidelity import errors, fidelity, table
-from experiments.engine_bench import CLOCK
+from experiments.edge.cluster_fidelity import errors, fidelity, table
+from experiments.edge.common import ASSUMPTIONS, SHARED_MACHINE, scenario, site
+from experiments.edge.common import GPUS as GPU_TYPES
+from experiments.engine.stats import CLOCK
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.cluster import scenario_from_dict, simulate
 from reference.cluster.lengths import sharegpt_lengths

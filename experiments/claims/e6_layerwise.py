@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import one_blas_thread, sharegpt_jobs, smollm2
+from experiments.engine.stats import one_blas_thread, sharegpt_jobs, smollm2
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.disagg.frames import HEADER_SIZE, TAG_SIZE
 from reference.disagg.wire import KVLayout

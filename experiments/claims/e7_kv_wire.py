@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import one_blas_thread, sharegpt_jobs, smollm2
+from experiments.engine.stats import one_blas_thread, sharegpt_jobs, smollm2
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.bf16 import float32_to_bf16
 from reference.codec import decode_many

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import CLOCK, CpuClock, Job, one_blas_thread, pct, run_jobs, smollm2, spread, spread_text
+from experiments.engine.stats import CLOCK, CpuClock, Job, one_blas_thread, pct, run_jobs, smollm2, spread, spread_text
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.engine import Engine
 from reference.kv import prefix_keys

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import (
+from experiments.engine.stats import (
     CLOCK,
     CpuClock,
     Job,

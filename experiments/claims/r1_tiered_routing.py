@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import ASSUMPTIONS, SHARED_MACHINE, link, scenario, site
+from experiments.edge.common import ASSUMPTIONS, SHARED_MACHINE, link, scenario, site
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.cluster import scenario_from_dict, simulate
 from reference.cluster.lengths import sharegpt_lengths

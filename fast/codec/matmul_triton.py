@@ -105,7 +105,7 @@ def _reduce_kernel(part_ptr, bias_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, SP
 
 
 def default_config(m: int, n: int, k: int, props: DeviceProps | None = None) -> MatmulConfig:
-    """A tile shape by batch size (hand-picked, not autotuned: see experiments/gpu_bench.py).
+    """A tile shape by batch size (hand-picked, not autotuned: see experiments/unweight/gpu_bench.py).
 
     A pure function of the shapes and the GPU's properties (``props``; default: this machine's GPU,
     or H100's), so ``python -m conformance --compile`` computes the choice without a GPU. Under the

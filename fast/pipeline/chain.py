@@ -16,7 +16,7 @@ described to the placement model (``reference/cluster/pipeline.chain_problem``: 
 ``reference.engine.cost`` per layer, the output head on the last stage, activations sent to the next
 stage) as a device with that share of nominal CPU rates (``CPU_TFLOPS``, ``CPU_TBPS`` per thread), all on
 one host (loopback at ``LOOPBACK_GBPS``). ``best_split`` over that problem gives the layer ranges; the
-same problem predicts every stage's time, which the executed pipeline measures (``experiments/pipeline_exec.py``).
+same problem predicts every stage's time, which the executed pipeline measures (``experiments/edge/pipeline_exec.py``).
 """
 
 from __future__ import annotations

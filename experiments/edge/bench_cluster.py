@@ -1,6 +1,6 @@
 """Benchmark of the cluster simulator at fleet scale: events/s and requests/s of wall and CPU time.
 
-    python -m experiments.bench_cluster [--requests 20000] [--json PATH] [--single-steps] [--profile]
+    python -m experiments.edge.bench_cluster [--requests 20000] [--json PATH] [--single-steps] [--profile]
 
 The fleet has 1,028 simulated GPUs: 125 edge PoPs x 4 L4 (Llama-1B), 10 regional sites x 40 H100
 (Llama-8B) and 2 central sites x 64 H100 (Llama-70B on 4 GPUs per replica), every replica the real
@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments import setup_info
-from experiments.cluster_common import link, scenario, site
+from experiments.edge.common import link, scenario, site
+from reference import provenance as setup_info
 from reference.cluster import Simulator, scenario_from_dict
 from reference.safe_write import write_text
 
@@ -128,7 +128,7 @@ def profile_shares(requests: int = 2000) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench_cluster", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m experiments.edge.bench_cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=20_000, help="requests to simulate (default 20000)")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")

@@ -1,6 +1,6 @@
 """Compressed checkpoints as models: load cost, resident weight memory, and what the saved memory buys.
 
-    python -m experiments.bench_compressed [--model smollm2] [--requests 32] [--budget-blocks N] [--out FILE]
+    python -m experiments.unweight.bench_compressed [--model smollm2] [--requests 32] [--budget-blocks N] [--out FILE]
 
 One run, one process, one thread (torch and BLAS), engine time on the process CPU clock:
 
@@ -16,7 +16,7 @@ One run, one process, one thread (torch and BLAS), engine time on the process CP
    ``--budget-blocks`` KV blocks (default: a third of what the whole workload needs, so the plain model
    cannot hold every sequence at once). The compressed model spends less of it on weights: how many more
    KV blocks, and how many more sequences of the workload's mean length, it holds. Then the fast engine
-   runs the bench workload (ShareGPT, as ``experiments.bench_engine``) three ways: plain with the
+   runs the bench workload (ShareGPT, as ``experiments.engine.bench_engine``) three ways: plain with the
    budget's blocks, compressed with its larger number of blocks, and compressed with the plain number
    (which separates the decode cost from what the extra blocks buy): useful tok/s, peak concurrent
    sequences, preemptions.
@@ -86,7 +86,7 @@ def block_bytes(config: Any, block_size: int = 16, itemsize: int = 2) -> int:
 
 def run_workload(model: Any, jobs: list, num_blocks: int) -> dict[str, Any]:
     """The fast engine over ``model`` with ``num_blocks`` KV blocks: useful tok/s and concurrency."""
-    from experiments.bench_engine import phases, run_engine, score
+    from experiments.engine.bench_engine import phases, run_engine, score
     from fast.engine import Engine, FastModel
 
     engine = Engine(FastModel(model), num_blocks=num_blocks, block_size=16, max_num_seqs=64,
@@ -101,7 +101,7 @@ def run_workload(model: Any, jobs: list, num_blocks: int) -> dict[str, Any]:
 def run(model_name: str, requests: int, max_prompt: int, max_output: int, budget_blocks: int | None,
         workdir: Path) -> dict[str, Any]:
     """Every measurement of the module docstring; returns the ``measured`` part of the result."""
-    from experiments.engine_bench import sharegpt_jobs
+    from experiments.engine.stats import sharegpt_jobs
     from reference.model.tokenizer import load_tokenizer
 
     t = time.perf_counter()
@@ -217,10 +217,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
     from threadpoolctl import threadpool_limits
 
-    from experiments import setup_info
+    from reference import provenance as setup_info
     from reference.safe_write import write_text
 
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_compressed", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.unweight.bench_compressed",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2", help="packaged model name or checkpoint path")
     p.add_argument("--requests", type=int, default=32, help="ShareGPT requests of the throughput run (default 32)")
     p.add_argument("--max-prompt", type=int, default=256, help="prompt tokens kept per request (default 256)")

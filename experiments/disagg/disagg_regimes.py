@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.cluster_common import scenario, site
+from experiments.edge.common import scenario, site
 from reference.cluster import scenario_from_dict
 from reference.cluster.costs import RooflineCost
 from reference.cluster.lengths import sharegpt_lengths

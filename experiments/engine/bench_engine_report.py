@@ -132,7 +132,7 @@ def vs_vllm(measured: dict[str, Any], tok_s: dict[str, float], cpu: dict[str, fl
                                                      if "fast_bf16" in tok_s else [])
     if not ratios:
         return {"verdict": "not compared", "why": "run fast_bf16 and vllm_bf16 together to compare them"}
-    from experiments.engine_bench import against, spread
+    from experiments.engine.stats import against, spread
 
     sp = spread(ratios)
     side = against(sp, VLLM_GOAL)

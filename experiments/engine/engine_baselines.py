@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import Job
+from experiments.engine.stats import Job
 from reference.model.config import LlamaConfig
 from reference.model.loader import LlamaWeights
 
@@ -218,7 +218,8 @@ def write_hf_folder(config: LlamaConfig, weights: LlamaWeights, folder: Any) -> 
 def run_vllm(python: str, model_dir: Any, jobs: Sequence[Job], *, max_num_seqs: int, max_num_batched_tokens: int,
              cpus: str | None = None, enforce_eager: bool = False, timeout_s: float = 1800.0,
              clock: str = "wall") -> dict[str, Any]:
-    """vLLM's engine on ``jobs`` in a process of the vLLM environment's ``python`` (experiments/vllm_baseline.py).
+    """vLLM's engine on ``jobs`` in a process of the vLLM environment's ``python``
+    (experiments/engine/vllm_baseline.py).
 
     Returns its measured pass: ``token_times`` per job (s from the start), ``cpu_seconds`` of the whole
     process tree during that pass, and vLLM's version and start-up time. ``cpus`` ("0", "0,1") pins the
@@ -239,7 +240,7 @@ def run_vllm(python: str, model_dir: Any, jobs: Sequence[Job], *, max_num_seqs: 
     with tempfile.TemporaryDirectory(prefix="unfire-vllm-") as tmp:
         req, out = Path(tmp) / "request.json", Path(tmp) / "out.json"
         req.write_text(json.dumps(request))
-        cmd = [python, "-m", "experiments.vllm_baseline", "--request", str(req), "--out", str(out)]
+        cmd = [python, "-m", "experiments.engine.vllm_baseline", "--request", str(req), "--out", str(out)]
         if cpus is not None:
             cmd = ["taskset", "-c", cpus, *cmd]
         threads = str(len(cpus.split(","))) if cpus else "1"

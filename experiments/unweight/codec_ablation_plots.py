@@ -1,4 +1,4 @@
-"""U3's second figure: the rANS mode's ablation (see ``experiments/codec_ablation.py``), in bits per weight."""
+"""U3's second figure: the rANS mode's ablation (see ``experiments/unweight/codec_ablation.py``), in bits per weight."""
 
 from __future__ import annotations
 

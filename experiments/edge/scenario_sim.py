@@ -1,6 +1,6 @@
 """R1 on real processes: the same scenario and the same arrivals through the simulator and the real fleet.
 
-    python -m experiments.fleet_sim [--runs 3] [--scenario reference/cluster/examples/fleet_small.toml]
+    python -m experiments.edge.scenario_sim [--runs 3] [--scenario reference/cluster/examples/fleet_small.toml]
                                     [--seed 1] [--json experiments/results/R1_fleet.json]
 
 1. *Arrivals.* The simulator draws the scenario's requests (traffic classes, Poisson arrivals, ShareGPT
@@ -39,8 +39,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from experiments.cluster_fidelity import FORM, fit, run_sweep_stepwise, sweep_jobs
-from experiments.engine_bench import Job
+from experiments.edge.cluster_fidelity import FORM, fit, run_sweep_stepwise, sweep_jobs
+from experiments.engine.stats import Job
 from reference.cluster.scenario import TIERS, Scenario, load_scenario
 from reference.cluster.simulator import Simulator
 from reference.safe_write import write_text
@@ -262,7 +262,7 @@ def figure(sim_rows: list[dict], real_rows: list[dict], s: Scenario, downtime: l
 def main() -> None:
     from reference.provenance import commit, machine, now
 
-    p = argparse.ArgumentParser(prog="python -m experiments.fleet_sim", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m experiments.edge.scenario_sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--scenario", type=Path, default=DEFAULT_SCENARIO, help="the fleet scenario (TOML)")
     p.add_argument("--runs", type=int, default=3, help="real-fleet runs of the same arrivals (for the spread)")

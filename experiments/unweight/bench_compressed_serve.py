@@ -1,7 +1,7 @@
 """Compressed vs plain weights through the server: ``serve.bench`` against ``python -m serve --engine fast``.
 
 Three endpoints, all the fast engine (torch, one thread) on SmolLM2 with the scheduler settings of
-``experiments.bench_disagg_serve`` (its ``Served``, ``timed``, ``answers``, ``medians`` and figure are used
+``experiments.disagg.bench_disagg_serve`` (its ``Served``, ``timed``, ``answers``, ``medians`` and figure are used
 here, so the workload, the clocks and the CPU accounting are the same):
 
 * ``plain``: ``--model smollm2`` (every matrix bf16);
@@ -22,7 +22,7 @@ lossless, so they must be identical).
 
 Writes ``experiments/results/serve_compressed.json`` and ``serve_compressed.png``.
 
-    python -m experiments.bench_compressed_serve [--num-prompts 16] [--max-tokens 32] [--request-rate 1]
+    python -m experiments.unweight.bench_compressed_serve [--num-prompts 16] [--max-tokens 32] [--request-rate 1]
         [--repeats 2] [--container FILE] [--setups plain,compressed,container]
 """
 
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from experiments.bench_disagg_serve import (
+from experiments.disagg.bench_disagg_serve import (
     ENGINE,
     KEYS,
     REPO,
@@ -109,7 +109,8 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_compressed_serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.unweight.bench_compressed_serve",
+                                description=__doc__.split("\n")[0])
     add_workload_arguments(p)
     p.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"which of {', '.join(SETUPS)} (plain first)")
     p.add_argument("--model", default="smollm2", help="packaged model name or checkpoint path (default smollm2)")

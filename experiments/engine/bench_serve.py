@@ -19,7 +19,7 @@ token of the process that runs the engine (this run's own work, whatever else ru
 measure of what the HTTP layer adds, and the load generator's own CPU is reported beside it.
 Writes ``experiments/results/serve_overhead.json``.
 
-    python -m experiments.bench_serve [--num-prompts 16] [--max-tokens 16] [--request-rate 2] [--repeats 2]
+    python -m experiments.engine.bench_serve [--num-prompts 16] [--max-tokens 16] [--request-rate 2] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from experiments import setup_info
+from reference import provenance as setup_info
 from reference.safe_write import write_text
 from serve.bench import BenchConfig, arrival_times, run_bench, sharegpt_prompts
 from serve.latency import RequestRecord, summarize
@@ -91,7 +91,7 @@ def process_cpu_s(pid: int) -> float | None:
 
 def in_process_fresh(a: argparse.Namespace) -> dict:
     """``in_process`` in a fresh Python process, as the server gets one (same imports, same BLAS limit)."""
-    cmd = [sys.executable, "-m", "experiments.bench_serve", "--in-process-worker", "--num-prompts",
+    cmd = [sys.executable, "-m", "experiments.engine.bench_serve", "--in-process-worker", "--num-prompts",
            str(a.num_prompts), "--max-tokens", str(a.max_tokens), "--max-prompt-chars", str(a.max_prompt_chars),
            "--request-rate", str(a.request_rate)] + (["--burst"] if a.burst else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -160,7 +160,7 @@ def _pair(inproc: dict, srv: dict) -> dict[str, float | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.engine.bench_serve", description=__doc__.split("\n")[0])
     p.add_argument("--num-prompts", type=int, default=16, help="ShareGPT prompts per run (default 16)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens generated per request (default 16)")
     p.add_argument("--max-prompt-chars", type=int, default=300,

@@ -16,7 +16,7 @@ Each row checks that the Triton output agrees with the torch path (max |differen
 ``--tiny`` runs tiny shapes on the CPU under TRITON_INTERPRET=1: a smoke test of the script, not a
 measurement. No GPU was available where this was written, so it has not been measured yet.
 
-    python -m experiments.bench_kv [--json experiments/results/bench_kv.json] [--budget 200] [--tiny]
+    python -m experiments.engine.bench_kv [--json experiments/results/bench_kv.json] [--budget 200] [--tiny]
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def measure(batch: int, context: int, shape: dict[str, int], dtype: str, device:
 def bench(tiny: bool, budget: float, context: int, log: Any = print) -> dict[str, Any]:
     import torch
 
-    from experiments.gpu_bench import copy_bandwidth, timer
+    from experiments.unweight.gpu_bench import copy_bandwidth, timer
 
     t0 = time.perf_counter()
     device = torch.device("cpu" if tiny else "cuda")
@@ -167,7 +167,7 @@ def figure(res: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_kv", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.engine.bench_kv", description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU under the interpreter (smoke test)")
     p.add_argument("--json", type=Path, default=None, help="results file (default experiments/results/bench_kv.json)")
     p.add_argument("--budget", type=float, default=200, help="seconds after which no new row is started")

@@ -20,7 +20,8 @@ colocated text that is reproduced before the first difference (the fp8 wire's ag
 
 Writes ``experiments/results/serve_disagg.json`` and ``serve_disagg.png``.
 
-    python -m experiments.bench_disagg_serve [--num-prompts 16] [--max-tokens 32] [--request-rate 1] [--repeats 2]
+    python -m experiments.disagg.bench_disagg_serve [--num-prompts 16] [--max-tokens 32] [--request-rate 1] [--repeats
+    2]
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.bench_disagg_serve", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.disagg.bench_disagg_serve",
+                                description=__doc__.split("\n")[0])
     add_workload_arguments(p)
     p.add_argument("--setups", default=",".join(TIMED), help=f"which of {', '.join(TIMED)} to time")
     p.add_argument("--engine", choices=("reference", "fast"), default="fast",
