@@ -201,17 +201,24 @@ README = REPO / "README.md"
 BEGIN, END = "<!-- results:begin (python -m experiments paper) -->", "<!-- results:end -->"
 
 
-def readme_table(rows: list[tuple[str, str, str, str, str]]) -> None:
-    """The README's short results table (claim, what, the articles' figure, verdict), between its markers."""
-    if not README.exists():
-        return
-    text = README.read_text()
+def with_results_table(text: str, rows: list[tuple[str, str, str, str, str]]) -> str:
+    """``text`` with the short results table (claim, what, the articles' figure, verdict) between its markers."""
     if BEGIN not in text or END not in text:
-        return
+        return text
     table = ["| claim | what | the articles | our verdict |", "|---|---|---|---|"]
     table += [f"| {cid} | {topic} | {article} | {verdict} |" for cid, topic, article, _, verdict in rows]
     head, rest = text.split(BEGIN, 1)
-    write_text(README, head + BEGIN + "\n" + "\n".join(table) + "\n" + END + rest.split(END, 1)[1])
+    return head + BEGIN + "\n" + "\n".join(table) + "\n" + END + rest.split(END, 1)[1]
+
+
+def readme_table(rows: list[tuple[str, str, str, str, str]]) -> None:
+    """Rewrite the README's results table from ``rows`` (nothing if the README or its markers are missing)."""
+    if not README.exists():
+        return
+    text = README.read_text()
+    new = with_results_table(text, rows)
+    if new != text:
+        write_text(README, new)
 
 
 def engine_bench_section(results_dir: Path) -> list[str]:
