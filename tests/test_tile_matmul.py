@@ -100,8 +100,11 @@ def test_engine_compressed_gives_plain_tokens_through_the_tile_products() -> Non
 
     prompts = [list(range(1, 30)), [7] * 5, list(range(40, 80))]
     outputs = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine takes the tile products on one thread (fast/engine/linear.py)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TileWeight, "matmul", counted)
+        mp.setattr(torch, "set_num_threads", lambda n: None)  # the engine may not change it meanwhile
         for compressed in (False, True):
             model = TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16", compressed=compressed)
             layer = model.layers[0]
@@ -112,5 +115,6 @@ def test_engine_compressed_gives_plain_tokens_through_the_tile_products() -> Non
                                    ignore_eos=True))] for p in prompts]
             outputs[compressed] += [[o.output_token_ids for o in engine.generate(prompts, SamplingParams(
                 max_tokens=10, ignore_eos=True))]]
+    torch.set_num_threads(threads)
     assert outputs[True] == outputs[False]
     assert calls["tile"] > 0

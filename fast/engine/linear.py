@@ -10,7 +10,7 @@ Where the decode runs:
 * on a GPU, bf16: ``UnweightLinear`` itself (the fused decode+matmul kernel for a few rows; decode
   then cuBLAS for many);
 * on a CPU with AVX-512 BF16 and AMX (``fast.codec.matmul_c.available()``): the weight is held in
-  tile order (``fast/codec/matmul_c.py``) and a product of at most ``TILE_ROWS`` rows (decode steps)
+  tile order (``fast/codec/matmul_c.py``) and a product of at most ``TILE_ROWS`` rows on one thread (decode steps)
   decodes each tile in registers inside the product (C); more rows decode the matrix into a reused
   buffer and call oneDNN (``F.linear``). Plain matrices take the same two paths (tile product of the
   plain tiles; oneDNN's packed copy, checked bit-identical to ``F.linear`` at load), so plain and
@@ -67,8 +67,8 @@ class DenseLinear:
         return self._weight if self._weight is not None else self.tiles.dense()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None and x.dtype == torch.bfloat16 and rows(x) <= TILE_ROWS:
-            return self.tiles.matmul(x)
+        if self.tiles is not None and x.dtype == torch.bfloat16 and tile_rows(x):
+            return self.tiles.matmul(x, threads=1)
         if self.packed is not None and x.dtype == self.packed.dtype and x.device.type == "cpu":
             return _packed_linear(x, self.packed)
         return F.linear(x, self.weight)
@@ -81,6 +81,13 @@ class DenseLinear:
 
 def rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
+
+
+def tile_rows(x: torch.Tensor) -> bool:
+    """Whether this product takes the tile path: at most ``TILE_ROWS`` rows, on one thread. Plain and
+    compressed matrices decide alike, so they take the same arithmetic. With more threads oneDNN's
+    products win at these sizes (the tile products start threads per call), so both take oneDNN."""
+    return rows(x) <= TILE_ROWS and torch.get_num_threads() == 1
 
 
 @functools.cache
@@ -145,8 +152,8 @@ class CompressedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.tiles is not None and x.dtype == torch.bfloat16:
-            if rows(x) <= TILE_ROWS:
-                return self.tiles.matmul(x)
+            if tile_rows(x):
+                return self.tiles.matmul(x, threads=1)
             shape = (self.tiles.out_features, self.tiles.in_features)
             return F.linear(x, self.tiles.dense(out=scratch_matrix(shape)))
         if x.device.type == "cuda" and self.dtype == torch.bfloat16:
