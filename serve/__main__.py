@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests in flight before new ones get 503 + Retry-After")
     g.add_argument("--shutdown-grace", type=float, default=10.0,
                    help="seconds requests in flight may finish after SIGTERM before they are aborted")
+    g.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a client may take to send its request body before it gets 408 "
+                        "(default 60)")
     g.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"],
                    help="uvicorn's and the server's log level (default warning)")
 
@@ -70,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-pending must be >= 1")
     if args.shutdown_grace < 0:
         p.error("--shutdown-grace must be >= 0")
+    if not args.body_timeout > 0:
+        p.error("--body-timeout must be > 0")
     return args
 
 
@@ -131,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         return 2
     name = args.served_model_name or args.model
-    app = create_app(worker, engine.tokenizer, model_name=name, keys=keys, max_pending=args.max_pending)
+    app = create_app(worker, engine.tokenizer, model_name=name, keys=keys, max_pending=args.max_pending,
+                     body_timeout_s=args.body_timeout)
     port = sock.getsockname()[1]
     if split:
         kind = (f"disaggregated: {len(engine.coordinator.live('prefill'))} prefill + "

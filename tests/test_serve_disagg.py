@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.prom import total, vllm_values
+
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
@@ -139,6 +141,10 @@ def test_greedy_chat_through_disaggregated_endpoint_equals_colocated(colocated_a
         assert got == colocated_answers
         assert all(err is None and n for _, n, err in got)
         text = wait_idle(server, 2)
+        vllm = vllm_values(text)  # the vLLM-named series routers read, as a colocated server exports them
+        assert total(vllm, "vllm:generation_tokens_total", model_name="smollm2") == sum(n for _, n, _ in got)
+        assert total(vllm, "vllm:time_to_first_token_seconds_count", model_name="smollm2") == len(QUESTIONS)
+        assert total(vllm, "vllm:kv_cache_usage_perc") == 0 and total(vllm, "vllm:num_requests_running") == 0
         sent = gauges(text, "unfire_disagg_worker_kv_bytes_sent_total")
         received = gauges(text, "unfire_disagg_worker_kv_bytes_received_total")
         handoffs = gauges(text, "unfire_disagg_worker_handoffs_total")

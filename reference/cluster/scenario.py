@@ -26,6 +26,7 @@ MAX_TOKENS = 1_000_000  # any one prompt / output / system prompt / step budget
 MAX_SEQS = 100_000  # max_num_seqs
 MAX_REPLICAS = 100_000  # replicas in the whole scenario
 MAX_WORKERS = 64  # server processes one site of a real fleet may ask for
+MAX_STAGES = 16  # stages of a pipelined site's servers
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,8 @@ class Site:
     workers: int = 0  # server processes for the site (0: one per replica of ``replicas``)
     # host:port of servers already running elsewhere (then none is started)
     address: tuple[str, ...] = ()
+    # each server a pipeline: a stage per GPU type named, in order
+    pipeline: tuple[str, ...] = ()
     # scaling with load (``--ray``: serve/fleet/ray_sites.py): between min and max servers, one more
     # when the
     # requests in flight per server pass target_ongoing_requests; 0: no scaling (without --ray: max
@@ -186,6 +189,7 @@ def scenario_from_dict(data: dict[str, Any]) -> Scenario:
             for k, r in enumerate(as_list(t, "replicas", f"sites[{i}].", required=False))
         )
         t["address"] = tuple(as_list(t, "address", f"sites[{i}].", required=False))
+        t["pipeline"] = tuple(as_list(t, "pipeline", f"sites[{i}].", required=False))
         sites[t.get("name")] = build(Site, t, f"sites[{i}]")
     links = tuple(
         build(Link, t, f"links[{i}]") for i, t in enumerate(as_list(data, "links", required=False))
@@ -233,6 +237,13 @@ def check(s: Scenario) -> None:
                 raise ScenarioError(f"{where}.gpus: {gpu!r} = {n!r}; need a known GPU type and a "
                                     "count >= 0")
         _check_serving(site, where)
+        if site.pipeline and not 2 <= len(site.pipeline) <= MAX_STAGES:
+            raise ScenarioError(f"{where}.pipeline: {len(site.pipeline)} stages; a pipeline has 2 "
+                                f"to {MAX_STAGES}")
+        for gpu in site.pipeline:
+            if not isinstance(gpu, str) or site.gpus.get(gpu, 0) < 1:
+                raise ScenarioError(f"{where}.pipeline: stage {gpu!r} is not a GPU type of the "
+                                    f"site's gpus ({sorted(site.gpus)})")
         used: dict[str, int] = {}
         for r in site.replicas:
             if r.model not in s.models:

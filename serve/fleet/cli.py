@@ -3,6 +3,7 @@
     python -m serve fleet SCENARIO.toml [--host 127.0.0.1] [--port 8000] [--api-keys KEYS.toml]
                           [--site-keys KEYS.toml] [--trace trace.jsonl] [--delays] [--colocate]
                           [--workdir DIR] [--num-blocks 256] [--poll-s 0.5] [--ray ADDRESS|local]
+                          [--body-timeout 60] [--shutdown-grace 10]
 
 The tenants of ``--api-keys`` (serve's keys file) must be the scenario's traffic class names, on the
 same plans. Without it the bearer token is the traffic class name, and only a loopback address is
@@ -13,6 +14,7 @@ writes for the servers it starts), so each server schedules and salts its prefix
 from __future__ import annotations
 
 import argparse
+import logging
 import re
 import secrets
 import signal
@@ -28,6 +30,7 @@ import httpx
 
 from reference.cluster.scenario import Scenario, ScenarioError, load_scenario
 from reference.sched import DEFAULT_PLAN_WEIGHTS
+from serve.door import BODY_TIMEOUT_S
 from serve.fleet.gateway import Gateway, create_gateway_app, load_site_keys
 from serve.fleet.sites import FleetError, Sites, plan_workers
 from serve.fleet.view import SiteReplica, site_replicas
@@ -52,7 +55,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", help="where server logs, keys and the tiny checkpoint go (default: a temp dir)")
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks of each server")
     p.add_argument("--poll-s", type=float, default=0.5, help="seconds between health/load polls of each server")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT_S,
+                   help="seconds a client may take to send its request body before it gets 408 (default 60)")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="on SIGTERM, seconds the gateway lets requests in flight finish (default 10)")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error", "critical"])
     p.add_argument("--ray", metavar="ADDRESS",
                    help="run every site's servers as Ray actors placed by node labels (jurisdiction, tier), "
                         "restarted and scaled by Ray: a running cluster's address, or `local` to start one here "
@@ -60,8 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.api_keys is None and args.host not in LOOPBACK:
         p.error(f"--host {args.host} without --api-keys would serve anyone who can reach it")
-    if args.num_blocks < 1 or not args.poll_s > 0:
-        p.error("--num-blocks must be >= 1 and --poll-s > 0")
+    if args.num_blocks < 1 or not args.poll_s > 0 or not args.body_timeout > 0 or args.shutdown_grace < 0:
+        p.error("--num-blocks must be >= 1, --poll-s and --body-timeout > 0, --shutdown-grace >= 0")
     return args
 
 
@@ -104,6 +111,12 @@ def warm_up(reps: list[SiteReplica], keys: dict[str, str], s: Scenario) -> None:
             allowed = [t.name for t in s.traffic if rep.jurisdiction in t.allowed and t.name in keys]
             key = keys.get(WARMUP) or (keys[allowed[0]] if allowed else None)
             headers = {"Authorization": f"Bearer {key}"} if key else {}
+            cards = client.get(f"http://{rep.worker.address}/v1/models", headers=headers)
+            if cards.status_code == 200:  # the server's context, for the gateway's early refusal
+                data = cards.json().get("data", [])
+                lens = [c.get("max_model_len") for c in data if isinstance(c, dict)]
+                rep.max_model_len = max((n for n in lens if isinstance(n, int) and n > 0),
+                                        default=None)
             t0 = time.perf_counter()
             times = []
             with client.stream("POST", f"http://{rep.worker.address}/v1/completions", json={**body, "model": rep.model},
@@ -140,7 +153,8 @@ class Fleet:
     def __init__(self, scenario: Scenario | str | Path, *, workdir: str | Path | None = None,
                  keys: KeyTable | None = None, site_keys: Path | None = None, trace: IO[str] | None = None,
                  delays: bool = False, colocate: bool = False, num_blocks: int = 256, poll_s: float = 0.5,
-                 engine_args: list[str] | None = None, ray: str | None = None) -> None:
+                 engine_args: list[str] | None = None, ray: str | None = None,
+                 body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         """``ray``: a Ray cluster's address (or ``local``) to run the servers on as actors (ray_sites.py)."""
         self.s = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
         self._tmp = None if workdir else tempfile.TemporaryDirectory(prefix="unfire-fleet-")
@@ -166,7 +180,8 @@ class Fleet:
             self.sites = Sites(self.s, self.workers, self.workdir, key_file, server_args)
         self.replicas = site_replicas(self.s, self.workers)
         self.gateway = Gateway(self.s, self.replicas, _tokenizer(self.s, self.workdir), keys=keys,
-                               site_keys=tenant_keys, trace=trace, delays=delays, poll_s=poll_s)
+                               site_keys=tenant_keys, trace=trace, delays=delays, poll_s=poll_s,
+                               body_timeout_s=body_timeout_s)
         self.tenant_keys = tenant_keys
         self.server: Any = None
         self.url = ""
@@ -195,14 +210,24 @@ class Fleet:
         self.url = f"http://{host}:{self._sock.getsockname()[1]}"
         return self.url
 
-    def serve(self, log_level: str = "warning", in_thread: bool = False) -> str:
+    def serve(self, log_level: str = "warning", in_thread: bool = False, shutdown_grace: float = 10.0,
+              banner: str = "") -> str:
         """Serve the gateway on the bound socket (``bind``; a free loopback port if not bound), in this
-        thread or in a daemon thread (then it returns the URL once the gateway is up)."""
+        thread or in a daemon thread (then it returns the URL once the gateway is up). ``banner`` is
+        printed once the gateway serves (and handles SIGTERM): a client that reads it may connect."""
         import uvicorn
+
+        class Announcing(uvicorn.Server):
+            async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+                await super().startup(sockets)
+                if banner and not self.should_exit:
+                    print(banner, flush=True)
 
         if not self.url:
             self.bind()
-        self.server = uvicorn.Server(uvicorn.Config(create_gateway_app(self.gateway), log_level=log_level))
+        config = uvicorn.Config(create_gateway_app(self.gateway), log_level=log_level,
+                                timeout_graceful_shutdown=int(shutdown_grace) + 5)
+        self.server = Announcing(config)
         if not in_thread:
             self.server.run(sockets=[self._sock])
             return self.url
@@ -235,13 +260,16 @@ def _tokenizer(s: Scenario, workdir: Path) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per request it forwards
     trace = None
     try:
         keys = KeyTable.load(args.api_keys) if args.api_keys else None
         trace = open(args.trace, "w", encoding="utf-8") if args.trace else None  # noqa: SIM115
         fleet = Fleet(args.scenario, workdir=args.workdir, keys=keys,
                       site_keys=Path(args.site_keys) if args.site_keys else None, trace=trace, delays=args.delays,
-                      colocate=args.colocate, num_blocks=args.num_blocks, poll_s=args.poll_s, ray=args.ray)
+                      colocate=args.colocate, num_blocks=args.num_blocks, poll_s=args.poll_s, ray=args.ray,
+                      body_timeout_s=args.body_timeout)
     except (ScenarioError, KeysError, FleetError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -255,14 +283,15 @@ def main(argv: list[str] | None = None) -> int:
             if not w.address:  # a scaled site's server not started yet
                 continue
             kind = f", disaggregated {w.prefill_workers}:{w.decode_workers}" if w.disaggregated else ""
+            kind += f", pipeline {w.pipeline}" if w.pipeline else ""
             where = fleet.sites.describe(w) if hasattr(fleet.sites, "describe") else ""
             print(f"  {w.site:12s} worker {w.index}: {w.model} ({w.serve_model}{kind}) at http://{w.address}{where}",
                   flush=True)
         n_sites = len({w.site for w in fleet.workers})
         on = f", on Ray ({args.ray})" if args.ray else ""
-        print(f"fleet: {sum(bool(w.address) for w in fleet.workers)} servers at {n_sites} sites{on}; gateway on "
-              f"{url}/v1 (routing with reference.cluster.router)", flush=True)
-        fleet.serve(args.log_level)
+        fleet.serve(args.log_level, shutdown_grace=args.shutdown_grace,
+                    banner=f"fleet: {sum(bool(w.address) for w in fleet.workers)} servers at {n_sites} sites{on}; "
+                    f"gateway on {url}/v1 (routing with reference.cluster.router)")
     except (FleetError, httpx.HTTPError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -41,9 +41,10 @@ from reference.cluster.report import SimResult, trace_record
 from reference.cluster.router import Decision, Router, RouteRequest
 from reference.cluster.scenario import Scenario, Traffic
 from reference.kv.prefix_hash import prefix_keys
-from serve.app import MAX_BODY_BYTES, _client, _error_response, _prompt_ids
+from serve.door import BODY_TIMEOUT_S, bearer_client, bearer_token, door_app, gone, read_request
 from serve.fleet.view import SiteReplica, poll_forever
 from serve.keys import KeyTable
+from serve.metrics import RequestLatencies, family, vllm_labels
 from serve.protocol import ApiError, Parsed, parse_chat, parse_completion
 
 AUTO = "auto"
@@ -64,22 +65,25 @@ class Gateway:
 
     def __init__(self, s: Scenario, replicas: list[SiteReplica], tokenizer: Any, *, keys: KeyTable | None,
                  site_keys: dict[str, str], trace: IO[str] | None = None, delays: bool = False,
-                 poll_s: float = 0.5) -> None:
+                 poll_s: float = 0.5, body_timeout_s: float = BODY_TIMEOUT_S) -> None:
         self.s, self.replicas, self.tokenizer, self.keys = s, replicas, tokenizer, keys
         self.network = Network(s)
         self.router = Router(s, replicas, self.network)  # type: ignore[arg-type]
         self.tenants = {t.name: Tenant(t.name, t.plan, k, t, site_keys.get(t.name)) for k, t in enumerate(s.traffic)}
         self.trace, self.delays, self.poll_s = trace, delays, poll_s
+        self.body_timeout_s = body_timeout_s
         self.result = SimResult()
+        self.latencies = RequestLatencies()  # as the gateway's clients see them, per model
         self.t0 = time.monotonic()
         self.next_id = 0
-        self.model_name = AUTO  # for serve.app helpers that read it
         self.models = list(s.models)
         self.http: httpx.AsyncClient | None = None
 
     def context_limit(self) -> int | None:
-        """None: each site checks a prompt against its own context (serve.app's early refusal needs it)."""
-        return None
+        """The longest context of any server (a prompt that fits none is refused here; one that fits
+        some is checked again by the server that takes it). None until the servers were measured."""
+        known = [r.max_model_len for r in self.replicas if r.max_model_len]
+        return max(known) if known else None
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -88,10 +92,9 @@ class Gateway:
         """The key's tenant (serve's own key table and header parsing); without a key table, the bearer
         token names the tenant (a loopback-only mode for trying the fleet out)."""
         if self.keys is not None:
-            name = _client(self, request).tenant
+            name = bearer_client(self.keys, request).tenant
         else:
-            scheme, _, name = request.headers.get("authorization", "").partition(" ")
-            name = name.strip() if scheme.lower() == "bearer" else ""
+            name = bearer_token(request)
         tenant = self.tenants.get(name)
         if tenant is None:
             raise ApiError(401, "missing or invalid API key: without --api-keys the key is the name of a traffic "
@@ -111,9 +114,20 @@ class Gateway:
         raise ApiError(404, f"model {name!r} does not exist; the fleet serves {[AUTO, *self.models]}", param="model",
                        code="model_not_found")
 
-    def record(self, r: Trip, outcome: str, status: int, tenant: Tenant, token_times: list[float]) -> None:
+    def record(self, r: Trip, outcome: str, status: int, tenant: Tenant, token_times: list[float],
+               usage: dict[str, Any] | None = None, finish_reason: str | None = None) -> None:
         r.outcome = outcome
         jur = self.network.jurisdiction
+        d0: Decision | None = r.decision  # type: ignore[assignment]
+        if outcome == "done" and d0 is not None and d0.prefill is not None:
+            usage = usage or {}
+            self.latencies.record(
+                model=d0.prefill.model, tenant=tenant.name,
+                prompt=int(usage.get("prompt_tokens") or 0),
+                generated=int(usage.get("completion_tokens") or 0),
+                ttft=None if r.first_token is None else r.first_token - r.arrival,
+                gaps=list(r.gaps), e2e=None if r.finish is None else r.finish - r.arrival,
+                finish_reason=finish_reason)
         if outcome in ("done", "refused"):
             self.result.add(r, jur)
         else:  # failed / aborted / error: the simulator's accounting has no latencies for these
@@ -138,6 +152,33 @@ class Gateway:
         self.result.retries += r.retries
         if any(jur[site] not in r.allowed for site in r.visited):
             self.result.violations.append(r.rid)
+
+    def metrics_text(self) -> str:
+        """The gateway's /metrics: its own counters, the latencies and tokens its clients saw (per
+        model, per tenant, under the project's and vLLM's names), and every server's load as last
+        polled (vLLM's gauges, one series per server, labelled with its site and worker)."""
+        lines = self.latencies.lines(self.models)
+        lines += family("unfire_fleet_requests_total", "counter", "Requests by outcome.",
+                        {(("outcome", k),): v for k, v in self.result.outcomes.items()})
+        lines += family("unfire_fleet_tier_total", "counter", "Requests served per tier.",
+                        {(("tier", k),): v for k, v in self.result.tier.items()})
+        lines += family("unfire_fleet_requests_in_flight", "gauge",
+                        "Requests in flight through the gateway.",
+                        {(): sum(r.live for r in self.replicas)})
+        per_server = [(r, (("site", r.site), ("worker", str(r.index)))) for r in self.replicas]
+        lines += family("unfire_fleet_server_up", "gauge", "Server health as the gateway sees it.",
+                        {labels: int(r.alive) for r, labels in per_server})
+        polled = [
+            ("vllm:num_requests_running", "Number of requests in model execution batches.",
+             "running"),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "waiting"),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_usage"),
+        ]
+        for name, help_text, attr in polled:
+            lines += family(name, "gauge", help_text + " Per server, as last polled.",
+                            {(*vllm_labels(r.model), *labels): getattr(r, attr)
+                             for r, labels in per_server})
+        return "\n".join(lines) + "\n"
 
     def view(self) -> dict[str, Any]:
         summary = self.result.summary()
@@ -172,15 +213,7 @@ def create_gateway_app(g: Gateway) -> Starlette:
         return JSONResponse(g.view())
 
     async def metrics(request: Request) -> Response:
-        lines = ["# HELP unfire_fleet_requests_total Requests by outcome.",
-                 "# TYPE unfire_fleet_requests_total counter"]
-        lines += [f'unfire_fleet_requests_total{{outcome="{k}"}} {v}' for k, v in sorted(g.result.outcomes.items())]
-        lines += ["# HELP unfire_fleet_tier_total Requests served per tier.", "# TYPE unfire_fleet_tier_total counter"]
-        lines += [f'unfire_fleet_tier_total{{tier="{k}"}} {v}' for k, v in sorted(g.result.tier.items())]
-        lines += ["# HELP unfire_fleet_server_up Server health as the gateway sees it.",
-                  "# TYPE unfire_fleet_server_up gauge"]
-        lines += [f'unfire_fleet_server_up{{site="{r.site}",worker="{r.index}"}} {int(r.alive)}' for r in g.replicas]
-        return PlainTextResponse("\n".join(lines) + "\n")
+        return PlainTextResponse(g.metrics_text(), media_type="text/plain; version=0.0.4")
 
     async def completions(request: Request) -> Response:
         return await route(g, request, chat=False)
@@ -202,33 +235,28 @@ def create_gateway_app(g: Gateway) -> Starlette:
     routes = [Route("/v1/models", models), Route("/health", health), Route("/fleet", fleet), Route("/metrics", metrics),
               Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat, methods=["POST"])]
-    return Starlette(routes=routes, exception_handlers={ApiError: _error_response}, lifespan=lifespan)
-
-
-async def read_body(request: Request) -> dict[str, Any]:
-    raw = bytearray()
-    async for part in request.stream():
-        raw += part
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes", code="body_too_large")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
-    return body
+    return door_app(routes, lifespan=lifespan)
 
 
 async def route(g: Gateway, request: Request, chat: bool) -> Response:
     tenant = g.tenant_of(request)
-    body = await read_body(request)
-    name = body.get("model")
-    if not isinstance(name, str) or not name:
-        raise ApiError(400, "model: required: 'auto' or a model of the scenario (GET /v1/models)", param="model")
-    models = g.models_for(tenant, name)
-    parsed: Parsed = (parse_chat if chat else parse_completion)(body, name)
-    ids = _prompt_ids(g, parsed)  # type: ignore[arg-type]
+    models: tuple[str, ...] = ()
+
+    def parse(body: Any) -> Parsed:  # the model named is checked here, the rest as a server does
+        nonlocal models
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "model: required: 'auto' or a model of the scenario "
+                           "(GET /v1/models)", param="model")
+        models = g.models_for(tenant, name)
+        return (parse_chat if chat else parse_completion)(body, name)
+
+    incoming = await read_request(request, parse, g.tokenizer, g.context_limit(), g.body_timeout_s)
+    if incoming is None:
+        return gone()
+    body, parsed, ids = incoming.body, incoming.parsed, incoming.ids
     spec = tenant.spec
     origin = spec.origins[g.next_id % len(spec.origins)]
     bs = g.s.block_size
@@ -236,13 +264,20 @@ async def route(g: Gateway, request: Request, chat: bool) -> Response:
              plan=tenant.plan, arrival=g.now(), prompt=ids, output_len=parsed.max_tokens or DEFAULT_MAX_TOKENS,
              access_s=spec.access_rtt_ms / 2000, prefix_keys=tuple(prefix_keys(ids[:AFFINITY_BLOCKS * bs], bs)))
     g.next_id += 1
-    return await forward(g, r, tenant, body, parsed.stream)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return await forward(g, r, tenant, body, parsed, path)
 
 
-async def forward(g: Gateway, r: Trip, tenant: Tenant, body: dict[str, Any], stream: bool) -> Response:
-    """Send ``r`` where the router says; on a server that fails before answering, mark it down and ask again."""
+async def forward(g: Gateway, r: Trip, tenant: Tenant, body: dict[str, Any], parsed: Parsed,
+                  path: str) -> Response:
+    """Send ``r`` where the router says; on a server that fails before answering, mark it down and
+    ask again. A stream is asked for with its usage (the token counts the gateway's /metrics adds
+    up per tenant); the client gets the usage chunk only if it asked for it."""
     assert g.http is not None
-    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    stream = parsed.stream
+    if stream:
+        options = body.get("stream_options") or {}
+        body = {**body, "stream_options": {**options, "include_usage": True}}
     headers = {"Authorization": f"Bearer {tenant.site_key}"} if tenant.site_key else {}
     for _ in range(2 * len(g.replicas) + 1):
         d = g.router.route(RouteRequest(r.origin, r.allowed, r.models, r.prefix_keys), g.now())
@@ -262,7 +297,10 @@ async def forward(g: Gateway, r: Trip, tenant: Tenant, body: dict[str, Any], str
         counted = Counted(rep, len(r.prompt), r.output_len)
         r.visited.extend([*d.path_in.sites[1:-1], rep.site])  # sites the prompt crossed, and the one computing it
         try:
-            req = g.http.build_request("POST", f"http://{rep.worker.address}{path}", json=out, headers=headers)
+            # serialized here: json.dumps writes NaN as our servers read it (httpx refuses NaN)
+            req = g.http.build_request("POST", f"http://{rep.worker.address}{path}",
+                                       content=json.dumps(out),
+                                       headers={**headers, "Content-Type": "application/json"})
             resp = await g.http.send(req, stream=True)
         except httpx.HTTPError as e:
             counted.settle()
@@ -281,7 +319,7 @@ async def forward(g: Gateway, r: Trip, tenant: Tenant, body: dict[str, Any], str
             counted.settle()
             g.record(r, "error", resp.status_code, tenant, [])
             return Response(content, resp.status_code, media_type="application/json")
-        relay = Relay(g, r, tenant, rep, resp, counted)
+        relay = Relay(g, r, tenant, rep, resp, counted, parsed.include_usage)
         if not stream:
             try:
                 content = await resp.aread()
@@ -332,11 +370,14 @@ class Relay:
     """One answer coming back from a server: its token times, the added network delay, the trace line."""
 
     def __init__(self, g: Gateway, r: Trip, tenant: Tenant, rep: SiteReplica, resp: httpx.Response,
-                 counted: Counted) -> None:
+                 counted: Counted, client_usage: bool = False) -> None:
         self.g, self.r, self.tenant, self.rep, self.resp, self.counted = g, r, tenant, rep, resp, counted
+        self.client_usage = client_usage  # the client asked for the usage chunk (include_usage)
         self.lines = resp.aiter_lines()
         self.times: list[float] = []
         self.error: str | None = None  # the server's own error event (e.g. a disaggregated worker lost)
+        self.usage: dict[str, Any] | None = None  # the server's token counts (usage chunk or body)
+        self.finish_reason: str | None = None
         self.back_s = (r.access_s + r.decision.path_in.one_way_s) if g.delays else 0.0  # type: ignore[union-attr]
 
     def failed_before_answer(self) -> None:
@@ -348,7 +389,13 @@ class Relay:
         self.counted.settle()
         t = self.g.now()
         self.r.first_token = self.r.last_token = self.r.finish = t  # not streamed: TTFT is the whole answer
-        self.g.record(self.r, "done", 200, self.tenant, [t])
+        try:
+            answer = json.loads(content)
+            self.usage = answer.get("usage")
+            self.finish_reason = (answer.get("choices") or [{}])[0].get("finish_reason")
+        except (ValueError, AttributeError, IndexError):
+            pass  # not the server's JSON: the answer is passed on as it is, its tokens not counted
+        self.g.record(self.r, "done", 200, self.tenant, [t], self.usage, self.finish_reason)
 
     async def first_event(self) -> list[tuple[float, str]]:
         """Read up to the first token (nothing has gone to the client yet, so a failure here is retried)."""
@@ -356,26 +403,42 @@ class Relay:
         async for line in self.lines:
             if line.startswith("data:"):
                 t = self.g.now()
-                self._saw(line, t)
-                seen.append((t, line))
+                out = self._saw(line, t)
+                if out is not None:
+                    seen.append((t, out))
                 if self.error is not None and not self.times:  # failed before its first token: try again
                     raise httpx.RemoteProtocolError(f"the server failed before its first token: {self.error}")
                 if self.times or line.strip() == "data: [DONE]":
                     return seen
         raise httpx.RemoteProtocolError("the server's stream ended before its first token")
 
-    def _saw(self, line: str, now: float) -> None:
+    def _saw(self, line: str, now: float) -> str | None:
+        """Note a server event's token (its time) or error; returns the event for the client (None:
+        not for the client: the usage chunk it did not ask for)."""
         payload = line[5:].strip()
         if payload == "[DONE]" or not payload.startswith("{"):
-            return
+            return line
         try:
             chunk = json.loads(payload)
         except json.JSONDecodeError:
-            return
-        if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
+            return line
+        if not isinstance(chunk, dict):
+            return line
+        if isinstance(chunk.get("error"), dict):
             self.error = str(chunk["error"].get("message", "error"))[:200]
-            return
+            return line
+        if "usage" in chunk:
+            if isinstance(chunk["usage"], dict):
+                self.usage = chunk["usage"]
+            if not self.client_usage:
+                if not chunk.get("choices"):
+                    return None
+                del chunk["usage"]
+                line = "data: " + json.dumps(chunk, ensure_ascii=False)
         choices = chunk.get("choices") or [{}]
+        if not isinstance(choices[0], dict):
+            return line
+        self.finish_reason = choices[0].get("finish_reason") or self.finish_reason
         piece = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
         if piece:
             t = now + self.back_s
@@ -386,6 +449,7 @@ class Relay:
             self.r.last_token = t
             self.times.append(t)
             self.counted.token()
+        return line
 
     async def _pump(self, queue: asyncio.Queue) -> None:
         """Read the server's stream as it comes (token times are taken here, not when the client gets them)."""
@@ -393,8 +457,9 @@ class Relay:
             async for line in self.lines:
                 if line.startswith("data:"):
                     t = self.g.now()
-                    self._saw(line, t)
-                    await queue.put((t, line))
+                    out = self._saw(line, t)
+                    if out is not None:
+                        await queue.put((t, out))
             await queue.put((self.g.now(), None))
         except httpx.HTTPError as e:
             await queue.put((self.g.now(), e))
@@ -433,7 +498,8 @@ class Relay:
                 self.r.finish = self.r.last_token if self.r.last_token is not None else self.g.now()
                 if self.r.first_token is None:
                     self.r.first_token = self.r.finish
-            self.g.record(self.r, outcome, status, self.tenant, self.times)
+            self.g.record(self.r, outcome, status, self.tenant, self.times, self.usage,
+                          self.finish_reason)
 
 
 def _split(rep: Any) -> str | None:

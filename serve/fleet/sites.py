@@ -11,6 +11,12 @@ model's prefill and decode replicas, so the site's P:D is the scenario's. From t
 server (the router sees one colocated replica: the endpoint hands prompts to its decode workers itself);
 its worker processes belong to the server's process group, so killing the site kills them too.
 ``colocate`` runs such a site the old way instead, one colocated server per replica.
+
+A pipelined site (``pipeline = ["H100", "L4"]``: a stage per GPU type, in order) runs each of its
+servers as ``python -m serve --pipeline CHAIN``: stage processes on this host, one CPU stage per GPU
+named, each declared slower than the fastest by the ratio of their per-layer times in the placement
+model (``pipeline_chain``), so that ``best_split`` (``reference/cluster/placement.py``, which the
+pipeline's split comes from) gives a slower GPU's stage fewer layers, as it would the real chain.
 """
 
 from __future__ import annotations
@@ -26,10 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from reference.cluster.pipeline import ChainGpu, chain_problem
 from reference.cluster.scenario import Scenario, Site
+from reference.engine.cost import StepShape
 
 ADDRESS = re.compile(r" on http://([^/\s]+)/v1")
 START_TIMEOUT_S = 120.0
+CONTEXT = 128  # context of the decode micro-batch stage speeds are compared at (fast.pipeline's)
+MAX_SLOWDOWN = 100.0  # the most a CPU stage may be declared slower (fast.pipeline's limit)
 
 
 class FleetError(RuntimeError):
@@ -51,6 +61,7 @@ class Worker:
     actor: Any = None  # the Ray actor that runs this server (serve/fleet/ray_sites.py), or None
     ray_pid: int | None = None  # that server's process id, as its actor reports it
     node: str = ""  # the Ray node it runs on
+    pipeline: str = ""  # a pipelined server: its --pipeline chain (pipeline_chain)
 
     @property
     def disaggregated(self) -> bool:
@@ -78,11 +89,17 @@ def plan_workers(s: Scenario, colocate: bool = False) -> list[Worker]:
     workers: list[Worker] = []
     for site in s.sites.values():
         split = [r for r in site.replicas if r.role != "colocated"]
+        chain = pipeline_chain(s, site) if site.pipeline else ""
         if not split or colocate:
             for i, model in enumerate(site_workers(site)):
                 address = site.address[i] if site.address else ""
-                workers.append(Worker(len(workers), site.name, model, site.serve_model, address))
+                workers.append(Worker(len(workers), site.name, model, site.serve_model, address,
+                                      pipeline=chain))
             continue
+        if chain:
+            raise FleetError(f"sites[{site.name}]: pipeline with prefill/decode replicas: a "
+                             "disaggregated endpoint does not run pipeline stages (give one or the "
+                             "other, or --colocate)")
         endpoints = disaggregated_endpoints(site)
         if site.address:
             for i, address in enumerate(site.address):
@@ -98,6 +115,27 @@ def plan_workers(s: Scenario, colocate: bool = False) -> list[Worker]:
     if not workers:
         raise FleetError("the scenario has no replicas to serve")
     return workers
+
+
+def pipeline_chain(s: Scenario, site: Site) -> str:
+    """The ``--pipeline`` chain of ``site``'s servers: one CPU stage per GPU type of
+    ``site.pipeline``, each declared slower than the fastest by the ratio of their per-layer times
+    (the placement model, ``reference.cluster.pipeline.chain_problem``, on a decode micro-batch of
+    the site's first model), e.g. ``["H100", "L4"]`` -> ``"cpu:1,cpu:1x12.8"``."""
+    spec = s.models[site.replicas[0].model] if site.replicas else next(iter(s.models.values()))
+    b = max(1, -(-s.max_num_seqs // 2))  # a full batch of decodes in 2 micro-batches (fast.pipeline)
+    problem = chain_problem(spec, [ChainGpu(s.gpu_types[g]) for g in site.pipeline],
+                            StepShape((1,) * b, (CONTEXT,) * b, b))
+    times = [problem.layer_time[k][0] for k in range(len(site.pipeline))]
+    stages = []
+    for gpu, t in zip(site.pipeline, times, strict=True):
+        slowdown = t / min(times)
+        if slowdown > MAX_SLOWDOWN:
+            raise FleetError(f"sites[{site.name}].pipeline: a {gpu} stage is {slowdown:.0f}x "
+                             "slower than the fastest; a CPU stage can be declared at most "
+                             f"{MAX_SLOWDOWN:g}x slower")
+        stages.append("cpu:1" if slowdown < 1.005 else f"cpu:1x{slowdown:.3g}")
+    return ",".join(stages)
 
 
 def disaggregated_endpoints(site: Site) -> list[tuple[str, int, int]]:
@@ -128,6 +166,8 @@ def server_command(s: Scenario, w: Worker, model: str, host: str, keys_file: Pat
     if w.disaggregated:  # the endpoint's workers run the reference runner
         cmd += ["--engine", "reference", "--prefill-workers", str(w.prefill_workers),
                 "--decode-workers", str(w.decode_workers)]
+    if w.pipeline:  # stage processes of the fast engine, split by best_split over the chain
+        cmd += ["--pipeline", w.pipeline]
     cmd += engine_args
     return cmd + (["--api-keys", str(keys_file)] if keys_file else [])
 

@@ -21,6 +21,9 @@ from reference.cluster.scenario import Scenario
 from serve.fleet.sites import Worker
 
 GAUGE = re.compile(r"^(unfire_queue_depth|unfire_running_sequences) ([0-9.eE+-]+)$", re.M)
+# vLLM's gauges (ours export them too, so a vLLM server can stand in a site's address list)
+VLLM_GAUGE = re.compile(r"^(vllm:num_requests_running|vllm:num_requests_waiting"
+                        r"|vllm:kv_cache_usage_perc)\{[^}\n]*\} ([0-9.eE+-]+)$", re.M)
 
 
 @dataclass(eq=False)
@@ -40,6 +43,10 @@ class SiteReplica:
     pending_decode: int = 0  # output tokens still to come, of requests sent through this gateway
     live: int = 0  # requests in flight through this gateway
     remote_live: int = 0  # queued + running sequences the server reports (all its clients)
+    running: float = 0.0  # the server's vLLM gauges, as last polled
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    max_model_len: int | None = None  # the server's context (its /v1/models card, read at start)
     errors: list[str] = field(default_factory=list)
 
     @property
@@ -68,6 +75,7 @@ class SiteReplica:
         w = self.worker
         return {"index": self.index, "site": self.site, "model": self.model, "tier": self.tier,
                 "disaggregated": f"{w.prefill_workers}:{w.decode_workers}" if w.disaggregated else None,
+                "pipeline": w.pipeline or None,
                 "jurisdiction": self.jurisdiction, "address": self.worker.address,
                 "pid": self.worker.pid, "node": self.worker.node or None, "alive": self.alive,
                 "live": self.live, "remote_live": self.remote_live, "pending_prefill": self.pending_prefill,
@@ -96,7 +104,19 @@ async def check(client: httpx.AsyncClient, rep: SiteReplica, timeout: float = 2.
         return
     rep.alive = health.status_code == 200 and metrics.status_code == 200
     gauges = {m.group(1): float(m.group(2)) for m in GAUGE.finditer(metrics.text)}
-    rep.remote_live = int(gauges.get("unfire_queue_depth", 0) + gauges.get("unfire_running_sequences", 0))
+    vllm: dict[str, float] = {}
+    for m in VLLM_GAUGE.finditer(metrics.text):  # requests summed over its engines, KV use the most
+        name, value = m.group(1), float(m.group(2))
+        old = vllm.get(name, 0.0)
+        vllm[name] = max(old, value) if name.endswith("perc") else old + value
+    rep.running = vllm.get("vllm:num_requests_running", 0.0)
+    rep.waiting = vllm.get("vllm:num_requests_waiting", 0.0)
+    rep.kv_usage = vllm.get("vllm:kv_cache_usage_perc", 0.0)
+    if gauges:
+        queued, running = gauges.get("unfire_queue_depth", 0), gauges.get("unfire_running_sequences", 0)
+        rep.remote_live = int(queued + running)
+    else:
+        rep.remote_live = int(rep.running + rep.waiting)
 
 
 async def poll_forever(reps: list[SiteReplica], every_s: float) -> None:
