@@ -23,6 +23,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -133,21 +134,24 @@ class WeightSource:
             raise KeyError(f"{self.label}: no tensor named {name!r}") from None
 
 
-def open_weights(source: str | Path) -> WeightSource:
-    """Open weights by packaged name, file path or checkpoint directory (see module docstring)."""
+def open_weights(source: str | Path, **decoders: Any) -> WeightSource:
+    """Open weights by packaged name, file path or checkpoint directory (see module docstring).
+
+    ``decoders`` go to every container's ``reference.codec.Container`` (``decoder=``,
+    ``rans_decoder=``: e.g. the C decoders of ``fast/codec``, which check the arrays themselves)."""
     if isinstance(source, str) and source in PACKAGED:
         pkg = PACKAGED[source]
         path = packaged_path(source)
-        files = _open_file(path)
+        files = _open_file(path, decoders)
         return WeightSource(source, pkg.description, files, pkg.representative, pkg.note)
     path = Path(source)
     if not path.exists():
         known = ", ".join(PACKAGED)
         raise WeightError(f"{path}: no such file or directory (packaged models: {known})")
     if path.is_dir():
-        files = [f for p in _shards_in(path) for f in _open_file(p)]
+        files = [f for p in _shards_in(path) for f in _open_file(p, decoders)]
         return WeightSource(str(path), f"checkpoint directory {path.name}", files)
-    return WeightSource(str(path), f"file {path.name}", _open_file(path))
+    return WeightSource(str(path), f"file {path.name}", _open_file(path, decoders))
 
 
 def iter_weights(source: str | Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -155,14 +159,14 @@ def iter_weights(source: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     yield from open_weights(source)
 
 
-def _open_file(path: Path) -> list[SafetensorsFile | GGUFFile | ContainerFile]:
+def _open_file(path: Path, decoders: dict[str, Any] | None = None) -> list[SafetensorsFile | GGUFFile | ContainerFile]:
     """The reader for one file, picked by its content (``reference/model/sniff.py``), not its name."""
     kind = detect_format(path)
     try:
         if kind == "gguf":
             return [GGUFFile(path)]
         if kind == "unweight":
-            return [ContainerFile(path)]
+            return [ContainerFile(path, **(decoders or {}))]
         return [SafetensorsFile(path)]
     except WeightError:
         raise
