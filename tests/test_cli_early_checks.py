@@ -54,7 +54,7 @@ def test_experiments_weights_path_is_checked_before_any_work(tmp_path: Path) -> 
     before = {p: p.stat().st_mtime_ns for p in results.rglob("*")} if results.exists() else {}
     (tmp_path / "notes.txt").write_text("not weights")
     for weights, words in ((tmp_path / "missing.safetensors", "no such file or directory"),
-                           (tmp_path / "notes.txt", "unknown weights format")):
+                           (tmp_path / "notes.txt", "not weights: a text file")):
         r = run("experiments", "reproduce", "--only", "U1", "--weights", str(weights), cwd=tmp_path)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
         assert f"--weights {weights}" in r.stderr and words in r.stderr, r.stderr

@@ -65,10 +65,10 @@ def test_directory_without_index_and_duplicate_names(tmp_path: Path) -> None:
 def test_errors_name_the_path_and_the_problem(tmp_path: Path) -> None:
     with pytest.raises(WeightError, match="no such file or directory.*packaged models: minilm"):
         open_weights(tmp_path / "missing")
-    with pytest.raises(WeightError, match="no .safetensors or .gguf"):
+    with pytest.raises(WeightError, match="no weights in this directory"):
         open_weights(tmp_path)
     (tmp_path / "w.bin").write_bytes(b"\0" * 16)
-    with pytest.raises(WeightError, match="unknown weights format '.bin'"):
+    with pytest.raises(WeightError, match=r"w\.bin: not weights: unrecognised binary data"):
         open_weights(tmp_path / "w.bin")
     bad = tmp_path / "cut.safetensors"
     write_safetensors(bad, {"t": np.zeros(100, np.float32)})

@@ -1,0 +1,1 @@
+"""Experiments on the Unweight codec: compression, decoding, loading."""

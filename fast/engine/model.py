@@ -117,7 +117,7 @@ class TorchLlama:
     def load(cls, source: str | Path | WeightSource = "smollm2", **kwargs: object) -> TorchLlama:
         """Load a checkpoint with the reference loaders (a packaged name, a path, a container, or a
         WeightSource); a container's single matrices served compressed are transcoded, not re-encoded."""
-        src = source if isinstance(source, WeightSource) else open_weights(source)
+        src = source if isinstance(source, WeightSource) else open_weights(source, **native_decoders())
         config, weights = load_llama(src)
         compressed = kwargs.get("compressed", False)
         which = PROJECTIONS if compressed is True else tuple(compressed or ())  # type: ignore[arg-type]
@@ -271,6 +271,14 @@ class TorchLlama:
         return self.head(last).float()
 
 
+def native_decoders() -> dict[str, object]:
+    """A container's decoders for the loaders: the C ones of fast/codec (every check kept), which fall
+    back to the NumPy decoders by themselves where no C compiler is found."""
+    from fast.codec.__main__ import decode_batch, decode_rans_batch
+
+    return {"decoder": decode_batch, "rans_decoder": decode_rans_batch}
+
+
 SINGLE = {"o": "wo", "down": "w_down"}  # projections that are one stored matrix (no fusion, no GGUF row permutation)
 
 
@@ -279,8 +287,10 @@ def stored_projections(src: WeightSource, num_layers: int, which: Sequence[str],
     """The single matrices (o, down) to serve compressed that a container holds in the Huffman form,
     transcoded to the palette form (FORMAT.md section 5), without a bf16 copy on the way."""
     from fast.codec.convert import huffman_from_reference
+    from fast.codec.decode_c import library
     from fast.codec.decode_torch import transcode_torch
     from fast.codec.linear import UnweightLinear
+    from fast.codec.transcode_c import transcode_cpu
     from reference.codec import CompressedTensor
 
     out: dict[tuple[int, str], CompressedLinear] = {}
@@ -291,11 +301,15 @@ def stored_projections(src: WeightSource, num_layers: int, which: Sequence[str],
             name = next((n for n in names if n in files), None)
             if name is None or not files[name].is_compressed(name):
                 continue
-            ct = files[name].compressed(name)  # every array checked (load_llama checked the data)
+            native = torch.device(device).type == "cpu" and library() is not None
+            # every array checked: by the C decoder (native) or here
+            ct = files[name].compressed(name, check_arrays=not native)
             if isinstance(ct, CompressedTensor) and len(ct.palette) <= 16 and len(ct.shape) == 2:
-                form = huffman_from_reference(ct, torch.device(device))
-                # on a CPU the torch transcode, never Triton's interpreter (far too slow for a model)
-                unweight = UnweightLinear.from_huffman(form) if form.device.type == "cuda" else UnweightLinear(
-                    transcode_torch(form))
+                if native:  # the C decoder's exponents as palette indices: transcode_torch's bytes
+                    unweight = UnweightLinear(transcode_cpu(ct))
+                else:  # a GPU's Triton transcode, or torch's (never Triton's interpreter: far too slow)
+                    form = huffman_from_reference(ct, torch.device(device))
+                    unweight = UnweightLinear.from_huffman(form) if form.device.type == "cuda" else UnweightLinear(
+                        transcode_torch(form))
                 out[(i, proj)] = CompressedLinear(unweight, dtype)
     return out

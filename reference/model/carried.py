@@ -152,13 +152,15 @@ class ContainerFile:
         """Whether tensor ``name`` is stored compressed (else passed through as it was)."""
         return self._container.is_compressed(name)
 
-    def compressed(self, name: str) -> Any:
+    def compressed(self, name: str, *, check_arrays: bool = True) -> Any:
         """Tensor ``name`` in its stored compressed form (``reference.codec.CompressedTensor`` or
-        ``RansTensor``), every field and array checked; a damaged one raises ``WeightError``."""
+        ``RansTensor``), every field and array checked (``check_arrays=False``: the arrays' contents
+        are left to the decoder that reads them, which checks them); a damaged one raises
+        ``WeightError``."""
         from reference.codec.errors import CodecError
 
         try:
-            return self._container.compressed(name)
+            return self._container.compressed(name, check_arrays=check_arrays)
         except CodecError as e:
             raise WeightError(str(e)) from None
 

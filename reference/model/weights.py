@@ -3,11 +3,14 @@
 ``source`` is one of
   * a packaged offline model by short name: ``minilm`` (all-MiniLM-L6-v2, fp32 safetensors) or
     ``smollm2`` (SmolLM2-135M-Instruct, a Q4_1 GGUF file; dequantized weights, see ``note``);
-  * a ``.safetensors`` file, or a Hugging Face checkpoint directory of safetensors shards;
-  * a ``.gguf`` file;
-  * an Unweight container (``python -m reference.codec compress``): a ``.safetensors`` file whose
+  * a safetensors file, or a Hugging Face checkpoint directory of safetensors shards;
+  * a GGUF file;
+  * an Unweight container (``python -m reference.codec compress``): a safetensors file whose
     tensors are compressed; each is decoded and verified when read, and the config and tokenizer
     travel inside it (``reference/model/carried.py``).
+
+A file's format is told from its content, whatever its name (``reference/model/sniff.py``): a
+container named ``model.uw`` loads; a file that is no weights is refused, saying what it is.
 
 Iterating a source yields ``(name, array)`` one tensor at a time; bf16 tensors are uint16 bit
 patterns and ``source.dtype(name)`` says which dtype an array holds ("BF16", "F32", ...).
@@ -20,13 +23,15 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from reference.model.carried import ContainerFile, is_container
+from reference.model.carried import ContainerFile
 from reference.model.errors import WeightError
 from reference.model.gguf_io import GGUFFile
 from reference.model.safetensors_io import SafetensorsError, SafetensorsFile
+from reference.model.sniff import detect_format
 
 
 @dataclass(frozen=True)
@@ -134,21 +139,24 @@ class WeightSource:
             raise KeyError(f"{self.label}: no tensor named {name!r}") from None
 
 
-def open_weights(source: str | Path) -> WeightSource:
-    """Open weights by packaged name, file path or checkpoint directory (see module docstring)."""
+def open_weights(source: str | Path, **decoders: Any) -> WeightSource:
+    """Open weights by packaged name, file path or checkpoint directory (see module docstring).
+
+    ``decoders`` go to every container's ``reference.codec.Container`` (``decoder=``,
+    ``rans_decoder=``: e.g. the C decoders of ``fast/codec``, which check the arrays themselves)."""
     if isinstance(source, str) and source in PACKAGED:
         pkg = PACKAGED[source]
         path = packaged_path(source)
-        files = _open_file(path)
+        files = _open_file(path, decoders)
         return WeightSource(source, pkg.description, files, pkg.representative, pkg.note)
     path = Path(source)
     if not path.exists():
         known = ", ".join(PACKAGED)
         raise WeightError(f"{path}: no such file or directory (packaged models: {known})")
     if path.is_dir():
-        files = [f for p in _shards_in(path) for f in _open_file(p)]
+        files = [f for p in _shards_in(path) for f in _open_file(p, decoders)]
         return WeightSource(str(path), f"checkpoint directory {path.name}", files)
-    return WeightSource(str(path), f"file {path.name}", _open_file(path))
+    return WeightSource(str(path), f"file {path.name}", _open_file(path, decoders))
 
 
 def iter_weights(source: str | Path) -> Iterator[tuple[str, np.ndarray]]:
@@ -156,22 +164,22 @@ def iter_weights(source: str | Path) -> Iterator[tuple[str, np.ndarray]]:
     yield from open_weights(source)
 
 
-def _open_file(path: Path) -> list[SafetensorsFile | GGUFFile | ContainerFile]:
-    suffix = path.suffix.lower()
+def _open_file(
+    path: Path, decoders: dict[str, Any] | None = None
+) -> list[SafetensorsFile | GGUFFile | ContainerFile]:
+    """The reader for one file, picked by its content (``reference/model/sniff.py``), not its
+    name."""
+    kind = detect_format(path)
     try:
-        if suffix == ".gguf":
+        if kind == "gguf":
             return [GGUFFile(path)]
-        if suffix == ".safetensors":
-            f = SafetensorsFile(path)
-            if not is_container(f.metadata):
-                return [f]
-            f.close()
-            return [ContainerFile(path)]
+        if kind == "unweight":
+            return [ContainerFile(path, **(decoders or {}))]
+        return [SafetensorsFile(path)]
     except WeightError:
         raise
     except SafetensorsError as e:
         raise WeightError(str(e)) from None
-    raise WeightError(f"{path}: unknown weights format {suffix!r} (expected .safetensors or .gguf)")
 
 
 def _shards_in(directory: Path) -> list[Path]:
@@ -189,6 +197,18 @@ def _shards_in(directory: Path) -> list[Path]:
             raise WeightError(f"{index}: lists shards that are missing: {', '.join(missing)}")
         return paths
     paths = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.gguf"))
+    # no file named as weights: any file whose content is (a container named model.uw)
     if not paths:
-        raise WeightError(f"{directory}: no .safetensors or .gguf weights in this directory")
+        paths = [p for p in sorted(directory.iterdir()) if p.is_file() and _is_weights(p)]
+    if not paths:
+        raise WeightError(f"{directory}: no weights in this directory (no safetensors, GGUF or "
+                          "container file)")
     return paths
+
+
+def _is_weights(path: Path) -> bool:
+    try:
+        detect_format(path)
+    except WeightError:
+        return False
+    return True

@@ -219,6 +219,63 @@ static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *
     pos[0] = p0, pos[1] = p1, pos[2] = p2, pos[3] = p3;
 }
 
+/* The same four-group loop over a copy of the four groups' stream bits in byte order (each word
+ * byte-swapped, 8 zero bytes after): a window is then one unaligned 8-byte load, a byte swap and a
+ * shift (not three word loads, two clamps and three shifts), at least 57 bits valid, so R * L <= 56.
+ * pos[] stay stream bit positions; `base` is the bit where the copy starts and `last` the last byte
+ * a window may start at (a damaged group that runs past the copy reads its zero padding, then
+ * fails as below). */
+static inline __attribute__((always_inline)) uint64_t window_bytes(const uint8_t *buf, uint64_t last, uint64_t rel) {
+    uint64_t i = rel >> 3, v;
+    i = i < last ? i : last;
+    memcpy(&v, buf + i, 8);
+    return __builtin_bswap64(v) << (rel & 7);
+}
+
+static inline __attribute__((always_inline)) void decode_4_copied(const Tensor *x, const uint8_t *buf, uint64_t last,
+                                                                  uint64_t base, uint64_t *pos, const int64_t *count,
+                                                                  uint8_t *const *dst, uint8_t **out, const int L,
+                                                                  const int R) {
+    const uint16_t *meta = x->multi_meta;
+    const uint32_t *mexp = x->multi_exp;
+    uint64_t p0 = pos[0] - base, p1 = pos[1] - base, p2 = pos[2] - base, p3 = pos[3] - base;
+    uint8_t *o0 = dst[0], *o1 = dst[1], *o2 = dst[2], *o3 = dst[3];
+    uint8_t *const e0 = dst[0] + count[0] - 4 * R, *const e1 = dst[1] + count[1] - 4 * R;
+    uint8_t *const e2 = dst[2] + count[2] - 4 * R, *const e3 = dst[3] + count[3] - 4 * R;
+#define STEP(q)                                   \
+    {                                             \
+        uint64_t w = win##q >> (64 - L);          \
+        uint32_t m = meta[w];                     \
+        uint32_t e = mexp[w];                     \
+        memcpy(o##q, &e, 4);                      \
+        o##q += m >> 8;                           \
+        win##q <<= m & 63;                        \
+    }
+    while (o0 <= e0 && o1 <= e1 && o2 <= e2 && o3 <= e3) {
+        uint64_t win0 = window_bytes(buf, last, p0) | 1, win1 = window_bytes(buf, last, p1) | 1;
+        uint64_t win2 = window_bytes(buf, last, p2) | 1, win3 = window_bytes(buf, last, p3) | 1;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            STEP(0) STEP(1) STEP(2) STEP(3)
+        }
+        p0 += (uint64_t)__builtin_ctzll(win0), p1 += (uint64_t)__builtin_ctzll(win1);
+        p2 += (uint64_t)__builtin_ctzll(win2), p3 += (uint64_t)__builtin_ctzll(win3);
+    }
+#undef STEP
+    pos[0] = p0 + base, pos[1] = p1 + base, pos[2] = p2 + base, pos[3] = p3 + base;
+    out[0] = o0, out[1] = o1, out[2] = o2, out[3] = o3;
+}
+
+/* Copy the stream words [w0, w1) byte-swapped into buf, then 8 zero bytes. */
+static inline __attribute__((always_inline)) void copy_swapped(uint8_t *restrict buf, const uint32_t *restrict s,
+                                                               int64_t w0, int64_t w1) {
+    for (int64_t k = w0; k < w1; k++) {
+        uint32_t v = __builtin_bswap32(s[k]);
+        memcpy(buf + 4 * (k - w0), &v, 4);
+    }
+    memset(buf + 4 * (w1 - w0), 0, 8);
+}
+
 /* bf16 = sign | exponent << 7 | mantissa, for n weights (vectorised by the compiler). */
 static inline __attribute__((always_inline)) void assemble(uint16_t *restrict o, const uint8_t *restrict q,
                                                            const uint8_t *restrict e, int64_t n) {
@@ -263,7 +320,8 @@ static void check_verbatim(const Tensor *x, Job *job, int64_t v, int64_t n) {
 }
 
 /* Decode block b: groups [g0, g1) of an even split of the tensor's groups into n_blocks. */
-static inline __attribute__((always_inline)) void decode_block(const Tensor *x, int64_t b, uint8_t *scratch) {
+static inline __attribute__((always_inline)) void decode_block(const Tensor *x, int64_t b, uint8_t *scratch,
+                                                               uint8_t *copy, int64_t copy_bytes) {
     Job *job = &x->blocks[b];
     int64_t g0 = x->n_groups * b / x->n_blocks, g1 = x->n_groups * (b + 1) / x->n_blocks;
     uint32_t pad[2] = {0, 0};
@@ -311,7 +369,14 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
             pos[q] = x->offsets[g + q];
             dst[q] = q ? dst[q - 1] + count[q - 1] : scratch;
         }
-        if (ng == 4 && x->L == 12)
+        int64_t cw0 = pos[0] >> 5, cw1 = min64(((int64_t)x->offsets[g + ng] >> 5) + 3, words);
+        if (ng == 4 && x->L == 12 && cw0 < cw1 && 4 * (cw1 - cw0) + 8 <= copy_bytes) {
+            uint8_t *at[4];
+            copy_swapped(copy, s, cw0, cw1);
+            decode_4_copied(x, copy, (uint64_t)(4 * (cw1 - cw0)), (uint64_t)cw0 << 5, pos, count, dst, at, 12, 4);
+            for (int q = 0; q < 4; q++)
+                bad[q] = decode_group(x, s, words, &pos[q], at[q] - dst[q], count[q], dst[q], 12, 5);
+        } else if (ng == 4 && x->L == 12)
             decode_4_groups(x, s, words, pos, count, dst, bad, 12, 5);
         else if (ng == 4)
             decode_4_groups(x, s, words, pos, count, dst, bad, x->L, x->L > 7 ? 63 / x->L : 8);
@@ -358,13 +423,17 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
 static inline __attribute__((always_inline)) void *work_body(void *arg) {
     Tensor *x = arg;
     uint8_t *scratch = malloc((size_t)(4 * x->cpg * x->cs + 64));
+    /* room for four valid groups' stream words (at most L bits per weight) and the three words after */
+    int64_t copy_bytes = (4 * x->cpg * x->cs * x->L + 7) / 8 + 32;
+    uint8_t *copy = malloc((size_t)copy_bytes);
     for (int64_t b; (b = __atomic_fetch_add(&x->next_block, 1, __ATOMIC_RELAXED)) < x->n_blocks;) {
-        if (scratch)
-            decode_block(x, b, scratch);
+        if (scratch && copy)
+            decode_block(x, b, scratch, copy, copy_bytes);
         else
             fail(&x->blocks[b], NO_MEMORY, 0, 0);
     }
     free(scratch);
+    free(copy);
     return NULL;
 }
 
