@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
           f"CPU (this process and its finished children); load average now {load} (1/5/15 min)", flush=True)
     rows = [r for r in table_rows(experiments, load_results(out_dir), ran) if r[0] in wanted]
     print_table(rows)
+    print_provenance([experiments[c] for c in sorted(ran) if c in experiments])
     rerun = {k: v for k, v in load_results(out_dir).items() if k in ran}
     print_agreement(agreement_rows(rerun, stored, experiments), "This run vs the results stored before it")
     try:
@@ -131,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAILED: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def print_provenance(ran: list[Experiment]) -> None:
+    """Per claim: measured in this run, and which stored files it quoted instead (never silently)."""
+    print("measured in this run: " + ", ".join(e.claim for e in ran), flush=True)
+    for e in ran:
+        stored = [q for q in e.quotes if (REPO / q).exists()]
+        if stored:
+            print(f"  {e.claim} also QUOTES (not re-measured here): " + ", ".join(stored), flush=True)
 
 
 def split_claims(claims: list[Experiment], jobs: int) -> tuple[list[Experiment], list[Experiment]]:

@@ -14,6 +14,7 @@ no clock, or with ``"none"``, is refused when written and when the paper is buil
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 import re
@@ -160,6 +161,33 @@ class Experiment:
     # one-process run: it times worker processes of its own, whose wall clocks matter (E4, R2), or its verdict
     # rests on CPU-time ratios near their threshold, which a neighbour's changing work blurs (E1)
     alone: bool = False
+    # stored result files (repository paths) whose numbers the row quotes instead of measuring them in the
+    # run (a GPU's benchmark, a vLLM head-to-head): ``reproduce`` says so, and the paper names them
+    quotes: tuple[str, ...] = ()
+    # what the row rests on (repository paths): filled by ``discover`` with the claim module, the
+    # experiments modules it imports, its stored result, and ``quotes``
+    evidence: tuple[str, ...] = ()
+
+
+def evidence_of(module_file: Path, exp: Experiment) -> tuple[str, ...]:
+    """The claim module, the experiments modules it imports (its benchmarks), its result file, its quotes."""
+    import ast
+
+    repo = module_file.resolve().parents[2]
+    used = [module_file.resolve()]
+    for node in ast.walk(ast.parse(module_file.read_text())):
+        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module in ("experiments.unweight", "experiments.engine",
+                                                                 "experiments.disagg", "experiments.edge"):
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        for name in names:
+            path = repo / (name.replace(".", "/") + ".py")
+            if name.startswith("experiments.") and not name.startswith("experiments.claims") and path.exists() \
+                    and name not in ("experiments.registry", "experiments.report"):
+                used.append(path)
+    files = [str(p.relative_to(repo)) for p in dict.fromkeys(used)]
+    return (*files, f"experiments/results/{exp.claim}.json", *exp.quotes)
 
 
 def discover() -> dict[str, Experiment]:
@@ -177,7 +205,7 @@ def discover() -> dict[str, Experiment]:
             raise TypeError(f"experiments/claims/{mod.name}.py must define EXPERIMENT = Experiment(...)")
         if exp.claim in found:
             raise ValueError(f"two experiments claim {exp.claim}: {mod.name} and another module")
-        found[exp.claim] = exp
+        found[exp.claim] = dataclasses.replace(exp, evidence=evidence_of(Path(module.__file__), exp))
     return found
 
 

@@ -178,7 +178,8 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             + (f", load average {m['load_average']} at the end, its own work included" if "load_average" in m else "")
             + f"); commit {s.get('commit', '?')}; "
             f"{s.get('date', '?')}; {s.get('size', '?')} size.  ",
-            f"**Clock:** {r['clock']}" + (f" ({r['clock_detail']})" if r.get("clock_detail") else "") + ".",
+            f"**Clock:** {r['clock']}" + (f" ({r['clock_detail']})" if r.get("clock_detail") else "") + ".  ",
+            f"**Evidence:** {evidence_line(implemented.get(c.id))}",
         ]
         for note in r.get("notes", []):
             lines += ["", f"**Note:** {note}"]
@@ -195,6 +196,15 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text(out, "\n".join(lines) + "\n")
     return out
+
+
+def evidence_line(exp: Experiment | None) -> str:
+    """The files a claim's row rests on, and those it quotes rather than re-measures."""
+    if exp is None:
+        return "-"
+    quoted = [q for q in exp.quotes if (REPO / q).exists()]
+    line = ", ".join(f"`{e}`" for e in exp.evidence if e not in exp.quotes)
+    return line + (f"; quoted, not re-measured by `reproduce`: {', '.join(f'`{q}`' for q in quoted)}" if quoted else "")
 
 
 README = REPO / "README.md"

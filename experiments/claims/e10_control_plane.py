@@ -150,4 +150,7 @@ def plot(rows: dict[str, Any], gpu: dict[str, Any] | None, ctx: Context) -> str:
 
 
 EXPERIMENT = Experiment(claim="E10", title="Control-plane share of an engine step", run=run, quick_minutes=0.25,
-                        summarize=summarize)
+                        summarize=summarize,
+                        # the vLLM head-to-head needs vLLM's CPU build in its own environment (and a GPU row a GPU):
+                        # their numbers come from these files, written by experiments.engine.bench_engine / gpu_engine
+                        quotes=("experiments/results/bench_engine.json", "experiments/results/gpu_engine.json"))

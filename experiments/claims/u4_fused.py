@@ -128,7 +128,8 @@ def cpu_summary(cpu: dict[str, Any]) -> str:
     """Compressed vs plain speed by rows, as the engine serves (same bits) and for the fused tile path."""
     parts = [f"{r['rows']} rows {r['engine_compressed_vs_engine_plain']:.2f}x" for r in cpu["rows"]]
     b1 = next(r for r in cpu["rows"] if r["rows"] == 1)
-    return (f"SmolLM2 ({cpu['layers']} layers) compressed/plain speed as served: " + ", ".join(parts)
+    return (f"C tile products (fast/codec/native/tile_matmul.c; torch's oneDNN above 4 rows), SmolLM2 "
+            f"({cpu['layers']} layers) compressed/plain speed as served: " + ", ".join(parts)
             + f"; batch 1 streams {b1['gbps_tile_compressed']:.1f} GB/s of compressed weights "
             f"(one-thread read bandwidth {cpu['read_bandwidth_gbps_one_thread']:.1f} GB/s)")
 
@@ -180,4 +181,5 @@ def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, ctx: Context) -
 
 
 EXPERIMENT = Experiment(claim="U4", title="On-chip decode fused into the matmul: lossless, and its speed",
-                        run=run, quick_minutes=0.5, summarize=summarize, timed=False)
+                        run=run, quick_minutes=1.5, summarize=summarize,
+                        quotes=("experiments/results/gpu_bench.json",))  # the GPU row, when a GPU run stored it
