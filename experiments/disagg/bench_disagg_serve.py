@@ -46,8 +46,8 @@ from reference.provenance import commit, machine, now
 from reference.safe_write import write_text
 from serve.bench import BenchConfig, run_bench, sharegpt_prompts
 
-RESULTS = Path(__file__).resolve().parent / "results"
-REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+REPO = Path(__file__).resolve().parents[2]
 # the reference engine, colocated and in the workers, unless --engine says otherwise (``Served.engine``, set by
 # main); bench_compressed_serve passes --engine fast after these
 ENGINE = ["--num-blocks", "512", "--block-size", "16", "--max-num-seqs", "32", "--max-num-batched-tokens", "256"]

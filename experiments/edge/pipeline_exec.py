@@ -31,7 +31,7 @@ import numpy as np
 
 from experiments.engine.stats import spread, spread_text
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAIN = "cpu:1,cpu:1x2"
 
 

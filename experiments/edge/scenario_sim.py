@@ -45,8 +45,8 @@ from reference.cluster.scenario import TIERS, Scenario, load_scenario
 from reference.cluster.simulator import Simulator
 from reference.safe_write import write_text
 
-RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULT_SCENARIO = Path(__file__).resolve().parent.parent / "reference/cluster/examples/fleet_small.toml"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+DEFAULT_SCENARIO = Path(__file__).resolve().parents[2] / "reference/cluster/examples/fleet_small.toml"
 NUM_BLOCKS = 256  # KV blocks of every server (the simulator's replicas get as many)
 PS = (50, 90, 99)
 

@@ -54,7 +54,7 @@ from experiments.engine.engine_baselines import (
 from experiments.engine.stats import Job, pct, sharegpt_jobs
 from reference.safe_write import write_text
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 SYSTEMS = ("fast_bf16", "fast_fp32", "transformers_bf16", "reference", "llama_cpp", "vllm_bf16")
 HF_BATCHES = (8, 16, 32)
 

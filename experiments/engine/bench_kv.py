@@ -32,7 +32,7 @@ from typing import Any
 from experiments.registry import pyplot
 from reference.safe_write import write_text
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BATCHES = [1, 4, 16, 64, 256]
 TINY_BATCHES = [1, 3]
 SHAPE = {"heads": 32, "kv_heads": 8, "head_dim": 128, "block_size": 16}
@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             print("bench_kv measures GPU kernels and needs CUDA; use --tiny for a CPU smoke test", file=sys.stderr)
             return 2
-    sys.path.insert(0, str(RESULTS.parent.parent))
+    sys.path.insert(0, str(RESULTS.parents[1]))
     from reference.provenance import commit
 
     res = bench(args.tiny, args.budget, args.context or (40 if args.tiny else 1024))

@@ -43,8 +43,8 @@ from reference.safe_write import write_text
 from serve.bench import BenchConfig, arrival_times, run_bench, sharegpt_prompts
 from serve.latency import RequestRecord, summarize
 
-RESULTS = Path(__file__).resolve().parent / "results"
-REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+REPO = Path(__file__).resolve().parents[2]
 ENGINE = {"num_blocks": 512, "block_size": 16, "max_num_seqs": 32, "max_num_batched_tokens": 256}
 
 

@@ -53,8 +53,8 @@ from reference import provenance as setup_info
 from reference.safe_write import write_text
 from serve.latency import RequestRecord, summarize
 
-RESULTS = Path(__file__).resolve().parent / "results"
-REPO = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+REPO = Path(__file__).resolve().parents[2]
 MODEL = "smollm2"
 METRICS = (("output_throughput_tok_s",), ("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"),
            ("tpot_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"))

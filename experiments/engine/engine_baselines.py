@@ -246,7 +246,7 @@ def run_vllm(python: str, model_dir: Any, jobs: Sequence[Job], *, max_num_seqs: 
         threads = str(len(cpus.split(","))) if cpus else "1"
         env = os.environ | {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                             "VLLM_CPU_OMP_THREADS_BIND": cpus or "0", "OMP_NUM_THREADS": threads,
-                            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+                            "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         log = Path(tmp) / "vllm.log"
         with log.open("w") as f:  # its own session: vLLM's engine-core and worker processes go with it
             proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 from reference.safe_write import write_text
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BATCHES = (1, 4, 16, 64, 256)
 GOAL = "control plane < 5% of a decode step at 64 sequences"
 

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 MODES = ("unweight", "rans")
 SWEEP_BLOCKS = (32, 128, 512, 2048)  # budgets of the README's arithmetic table (blocks the bf16 model gets)
 

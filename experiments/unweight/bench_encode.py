@@ -25,7 +25,7 @@ import numpy as np
 
 from reference.safe_write import write_text
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def load_tensors(source: str, min_elements: int, limit: int | None) -> list[tuple[str, np.ndarray]]:

@@ -62,7 +62,7 @@ def run(model: str, container: Path | None, repeat: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from experiments.setup_info import commit, machine, now
+    from reference.provenance import commit, machine, now
 
     p = argparse.ArgumentParser(prog="python -m experiments.unweight.bench_load",
                                 description=__doc__.splitlines()[0])

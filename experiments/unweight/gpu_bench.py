@@ -32,7 +32,7 @@ from typing import Any
 
 from reference.safe_write import write_text
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 SHAPES = [(14336, 4096), (4096, 14336)]  # Llama-3.1-8B: gate/up [14336, 4096], down [4096, 14336]
 BATCHES = [1, 2, 4, 8, 16, 32, 64, 256]  # every batch the CPU benchmark measures too
 TINY_SHAPES, TINY_BATCHES = [(48, 256)], [1, 5]
