@@ -16,11 +16,23 @@ from reference.model.rope import apply_rope as reference_rope  # noqa: E402
 from reference.model.rope import inverse_frequencies, rope_tables  # noqa: E402
 
 
+@pytest.fixture
+def onednn(monkeypatch: pytest.MonkeyPatch):
+    """The engine's products without the tile products (UNFIRE_TILE_MATMUL=0): oneDNN's packed weights."""
+    from fast.engine import linear
+
+    monkeypatch.setenv("UNFIRE_TILE_MATMUL", "0")
+    linear.tile_products.cache_clear()
+    yield
+    linear.tile_products.cache_clear()
+
+
 @pytest.mark.parametrize("shape", [(96, 64), (200, 576), (64, 1536)])
-def test_packed_weights_give_f_linear_bit_for_bit(shape: tuple[int, int]) -> None:
+def test_packed_weights_give_f_linear_bit_for_bit(shape: tuple[int, int], onednn: None) -> None:
     gen = torch.Generator().manual_seed(shape[0])
     w = (torch.randn(shape, generator=gen) * 0.05).to(torch.bfloat16)
     lin = DenseLinear(w)
+    assert lin.tiles is None
     if lin.packed is None:
         pytest.skip("oneDNN packing is unavailable on this CPU (DenseLinear serves F.linear)")
     for rows in (1, 7, 64, 300):

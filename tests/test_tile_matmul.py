@@ -85,26 +85,24 @@ def test_bad_inputs_are_named() -> None:
 
 @pytest.mark.skipif(not matmul_c.available(), reason="the CPU lacks AVX-512 BF16 or AMX: the engine keeps oneDNN")
 def test_engine_compressed_gives_plain_tokens_through_the_tile_products() -> None:
-    """Batches of 1 and 2 rows take the tile products, bigger ones oneDNN: every step, same bits."""
+    """Every product takes the tile products (1-row decode steps to 64-row prefills), plain and compressed
+    alike: same tokens, and a prompt's tokens alone are its tokens in a batch."""
     from fast.engine import Engine, FastModel, TorchLlama
     from fast.engine.linear import CompressedLinear, DenseLinear
     from reference.engine import SamplingParams
     from tests.tiny_llama import CONFIG, tiny_weights
 
-    calls = {"tile": 0}
+    rows: list[int] = []
     real = TileWeight.matmul
 
-    def counted(self: TileWeight, *args: object, **kwargs: object) -> torch.Tensor:
-        calls["tile"] += 1
-        return real(self, *args, **kwargs)
+    def counted(self: TileWeight, x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        rows.append(x.numel() // x.shape[-1])
+        return real(self, x, *args, **kwargs)
 
     prompts = [list(range(1, 30)), [7] * 5, list(range(40, 80))]
     outputs = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the engine takes the tile products on one thread (fast/engine/linear.py)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(TileWeight, "matmul", counted)
-        mp.setattr(torch, "set_num_threads", lambda n: None)  # the engine may not change it meanwhile
         for compressed in (False, True):
             model = TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16", compressed=compressed)
             layer = model.layers[0]
@@ -115,6 +113,58 @@ def test_engine_compressed_gives_plain_tokens_through_the_tile_products() -> Non
                                    ignore_eos=True))] for p in prompts]
             outputs[compressed] += [[o.output_token_ids for o in engine.generate(prompts, SamplingParams(
                 max_tokens=10, ignore_eos=True))]]
-    torch.set_num_threads(threads)
     assert outputs[True] == outputs[False]
-    assert calls["tile"] > 0
+    alone, together = outputs[False][:3], outputs[False][3]
+    assert [a[0] for a in alone] == together
+    assert min(rows) == 1 and max(rows) > 32  # decode steps and packed prefills both went through the tiles
+
+
+@pytest.mark.skipif(not matmul_c.available(), reason="the CPU lacks AVX-512 BF16 or AMX: the engine keeps oneDNN")
+@pytest.mark.parametrize("compressed", [False, True])
+def test_logits_do_not_depend_on_the_batch_or_the_threads(compressed: bool) -> None:
+    """Batch invariance: a prompt's logits computed alone, packed after another prompt and a decode row, and on
+    two threads are the same bits (each output of every product is summed in order of k, whatever M)."""
+    from fast.engine import TorchLlama
+    from fast.kv import KVStep
+    from tests.tiny_llama import CONFIG, tiny_weights
+
+    model = TorchLlama(CONFIG, tiny_weights(), dtype="bfloat16", compressed=compressed)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(1, CONFIG.vocab_size, (37,), generator=gen)
+    other = torch.randint(1, CONFIG.vocab_size, (23,), generator=gen)
+
+    def logits(chunks: list[torch.Tensor], threads: int) -> torch.Tensor:
+        """The last row's logits of the last chunk; every chunk starts at position 0 in its own blocks."""
+        tables, first = [], 0
+        for c in chunks:
+            tables.append(list(range(first, first + -(-len(c) // 4))))
+            first += len(tables[-1])
+        step = KVStep.build(query_lens=[len(c) for c in chunks], starts=[0] * len(chunks), block_tables=tables,
+                            block_size=4, num_blocks=first)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = model.forward(torch.cat(chunks), torch.cat([torch.arange(len(c)) for c in chunks]), step,
+                                model.new_cache(first, 4), torch.tensor([sum(len(c) for c in chunks) - 1]))
+        finally:
+            torch.set_num_threads(before)
+        return out.view(torch.int32)
+
+    alone = logits([prompt], 1)
+    assert torch.equal(logits([other, prompt[:1], prompt], 1), alone)
+    assert torch.equal(logits([other, prompt], 2), alone)
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 150), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
+def test_a_rows_product_does_not_depend_on_the_other_rows(m: int, threads: int, seed: int) -> None:
+    """Each output row equals that row multiplied alone (1 row: the AVX-512 path), whatever the row count, the
+    row's place among the blocks of 16 and 32, and the threads: the batch invariance the engine relies on.
+    (oneDNN's products differ here: their blocking over k changes with the row count at this shape.)"""
+    rng = np.random.default_rng(seed)
+    w = _bf16(rng.standard_normal((1536, 576)) * 0.05)
+    x = _bf16(rng.standard_normal((m, 576)))
+    tw = TileWeight.from_dense(w)
+    y = tw.matmul(x, threads=threads)
+    for i in sorted({0, m // 2, m - 1, int(rng.integers(0, m))}):
+        assert torch.equal(y[i:i + 1].view(torch.int16), tw.matmul(x[i:i + 1]).view(torch.int16)), i

@@ -128,9 +128,12 @@ def cpu_summary(cpu: dict[str, Any]) -> str:
     """Compressed vs plain speed by rows, as the engine serves (same bits) and for the fused tile path."""
     parts = [f"{r['rows']} rows {r['engine_compressed_vs_engine_plain']:.2f}x" for r in cpu["rows"]]
     b1 = next(r for r in cpu["rows"] if r["rows"] == 1)
-    return (f"C tile products (fast/codec/native/tile_matmul.c; torch's oneDNN above 4 rows), SmolLM2 "
+    gbps = b1.get("gbps_engine_compressed", b1.get("gbps_tile_compressed", 0.0))  # the key before 2026-12-05
+    how = ("AMX at every row count: batch-invariant" if "gbps_engine_compressed" in b1
+           else "torch's oneDNN above 4 rows")
+    return (f"C tile products (fast/codec/native/tile_matmul.c; {how}), SmolLM2 "
             f"({cpu['layers']} layers) compressed/plain speed as served: " + ", ".join(parts)
-            + f"; batch 1 streams {b1['gbps_tile_compressed']:.1f} GB/s of compressed weights "
+            + f"; batch 1 streams {gbps:.1f} GB/s of compressed weights "
             f"(one-thread read bandwidth {cpu['read_bandwidth_gbps_one_thread']:.1f} GB/s)")
 
 

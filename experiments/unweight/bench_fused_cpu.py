@@ -3,15 +3,17 @@
     python -m experiments.unweight.bench_fused_cpu [--model smollm2] [--threads 1 2] [--repeats 5] [--quick]
 
 For each number of rows M (1, 2, 4, 8, 16, 32, 64 and a 256-row prefill chunk) and each thread
-count, the model's four projections of every layer are multiplied by random bf16 rows, five ways,
-alternating within each repeat (the machine's noise falls on all five alike):
+count, the model's four projections of every layer are multiplied by random bf16 rows, alternating
+within each repeat (the machine's noise falls on every way alike):
 
-* ``onednn``: torch's oneDNN product on the packed weight (the plain engine before the tile products);
-* ``engine_plain`` / ``engine_compressed``: the fast engine's matrices as they now serve
-  (``fast/engine/linear.py``: the tile product up to ``TILE_ROWS`` rows, oneDNN above it; the
-  compressed matrix decoded into a reused buffer for oneDNN there);
-* ``tile_plain`` / ``tile_compressed``: the C tile products alone at every M (AVX-512 BF16 up to 4
-  rows, AMX above), the fused path the engine does not yet take for bigger batches.
+* ``onednn``: torch's oneDNN product on the packed weight (the plain engine with ``UNFIRE_TILE_MATMUL=0``,
+  and on CPUs without AMX);
+* ``engine_plain`` / ``engine_compressed``: the fast engine's matrices as they serve
+  (``fast/engine/linear.py``: the C tile products at every M, AMX, batch-invariant; the compressed tiles
+  decoded inside the product);
+* ``avx512_plain`` / ``avx512_compressed`` (M <= 4 only): the AVX-512 BF16 tile products, which decode in
+  registers; the faster at one or two rows, but not the same bits as AMX on every output, so the engine
+  does not take them where AMX runs.
 
 Also measured in the same run: this core's read bandwidth (a 512 MiB float32 sum, one thread), the
 weight bytes each way streams per product set (so GB/s beside the bandwidth), and the resident
@@ -32,7 +34,8 @@ import numpy as np
 import torch
 
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256)
-WAYS = ("onednn", "engine_plain", "engine_compressed", "tile_plain", "tile_compressed")
+WAYS = ("onednn", "engine_plain", "engine_compressed", "avx512_plain", "avx512_compressed")
+AVX512_ROWS = 4  # the AVX-512 products take at most this many rows
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
@@ -71,8 +74,8 @@ def build(mats: list[torch.Tensor]) -> dict[str, list[Any]]:
         ways["onednn"].append(cpu_packed(w))
         ways["engine_plain"].append(DenseLinear(w))
         ways["engine_compressed"].append(compress(w, torch.bfloat16))
-        ways["tile_plain"].append(TileWeight.from_dense(w))
-        ways["tile_compressed"].append(TileWeight.from_palette(form))
+        ways["avx512_plain"].append(TileWeight.from_dense(w))
+        ways["avx512_compressed"].append(TileWeight.from_palette(form))
     return ways
 
 
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def measure(model: str, limit: int | None, threads: list[int], repeats: int, rows_list: tuple[int, ...] = ROWS,
             verbose: bool = True) -> dict[str, Any]:
     """The benchmark's record (see the module docstring); ``limit`` layers (None: all)."""
+    from fast.codec.matmul_c import GEMV
     from fast.engine.linear import _packed_linear
     from reference.provenance import commit, machine
 
@@ -110,8 +114,6 @@ def measure(model: str, limit: int | None, threads: list[int], repeats: int, row
     mats = projections(model, limit)
     ways = build(mats)
     nbytes = {"plain_bf16": sum(w.numel() * 2 for w in mats),
-              "tile_plain": sum(t.nbytes() for t in ways["tile_plain"]),
-              "tile_compressed": sum(t.nbytes() for t in ways["tile_compressed"]),
               "engine_plain": sum(d.nbytes() for d in ways["engine_plain"]),
               "engine_compressed": sum(c.nbytes() for c in ways["engine_compressed"])}
     widths = sorted({w.shape[1] for w in mats})
@@ -121,34 +123,37 @@ def measure(model: str, limit: int | None, threads: list[int], repeats: int, row
         for m in rows_list:
             xs = {k: torch.randn((m, k)).to(torch.bfloat16) for k in widths}
             keyed = {way: [(o, w.shape[1]) for o, w in zip(objs, mats, strict=True)] for way, objs in ways.items()}
-            times: dict[str, list[float]] = {w: [] for w in WAYS}
+            now = [w for w in WAYS if m <= AVX512_ROWS or not w.startswith("avx512")]
+            times: dict[str, list[float]] = {w: [] for w in now}
             for r in range(repeats + 1):  # the first pass warms caches and buffers, not recorded
-                for way in WAYS:
+                for way in now:
                     t = time.perf_counter()
                     for o, k in keyed[way]:
                         x = xs[k]
                         if way == "onednn":
                             _packed_linear(x, o)
-                        elif way.startswith("tile"):
-                            o.matmul(x, threads=nt)
+                        elif way.startswith("avx512"):
+                            o.matmul(x, path=GEMV, threads=nt)
                         else:
                             o(x)
                     if r:
                         times[way].append(time.perf_counter() - t)
             row = {"threads": nt, "rows": m, "ms": {w: 1e3 * statistics.median(v) for w, v in times.items()},
                    "ms_min": {w: 1e3 * min(v) for w, v in times.items()}}
-            for a, b in (("engine_compressed", "engine_plain"), ("engine_plain", "onednn"),
-                         ("engine_compressed", "onednn"), ("tile_compressed", "onednn"),
-                         ("tile_compressed", "tile_plain")):
+            pairs = [("engine_compressed", "engine_plain"), ("engine_plain", "onednn"), ("engine_compressed", "onednn")]
+            if m <= AVX512_ROWS:
+                pairs += [("avx512_compressed", "onednn"), ("avx512_compressed", "avx512_plain")]
+            for a, b in pairs:
                 row[f"{a}_vs_{b}"] = statistics.median(y / x for x, y in zip(times[a], times[b], strict=True))
-            row["gbps_tile_compressed"] = nbytes["tile_compressed"] / (row["ms_min"]["tile_compressed"] / 1e3) / 1e9
+            row["gbps_engine_compressed"] = (nbytes["engine_compressed"] / (row["ms_min"]["engine_compressed"] / 1e3)
+                                             / 1e9)
             row["gbps_onednn"] = nbytes["plain_bf16"] / (row["ms_min"]["onednn"] / 1e3) / 1e9
             rows.append(row)
             if verbose:
-                print(f"threads {nt} rows {m:3d}: " + "  ".join(f"{w} {row['ms'][w]:.1f}" for w in WAYS)
+                print(f"threads {nt} rows {m:3d}: " + "  ".join(f"{w} {row['ms'][w]:.1f}" for w in now)
                   + f"  | engine comp/plain speed {row['engine_compressed_vs_engine_plain']:.2f}x"
                       + f"  plain/onednn {row['engine_plain_vs_onednn']:.2f}x"
-                      + f"  tile comp GB/s {row['gbps_tile_compressed']:.1f}", flush=True)
+                      + f"  compressed GB/s {row['gbps_engine_compressed']:.1f}", flush=True)
     return {"what": "projection products of every layer, plain vs compressed (speed ratios: >1 = faster)",
             "model": model, "layers": limit or "all", "matrices": len(mats), "repeats": repeats,
             "read_bandwidth_gbps_one_thread": bandwidth, "weight_bytes": nbytes, "rows": rows,
@@ -167,9 +172,10 @@ def plot(out: dict[str, Any], path: Path) -> None:
         rs = [r for r in out["rows"] if r["threads"] == nt]
         ms = [r["rows"] for r in rs]
         for way, style in (("onednn", "k-"), ("engine_plain", "b-"), ("engine_compressed", "r-"),
-                           ("tile_compressed", "r:")):
-            axes[0].plot(ms, [r["ms"][way] for r in rs], style, marker="o", alpha=1 if nt == 1 else 0.5,
-                         label=f"{way}, {nt} thr")
+                           ("avx512_compressed", "r:")):
+            have = [r for r in rs if way in r["ms"]]
+            axes[0].plot([r["rows"] for r in have], [r["ms"][way] for r in have], style, marker="o",
+                         alpha=1 if nt == 1 else 0.5, label=f"{way}, {nt} thr")
         axes[1].plot(ms, [r["engine_compressed_vs_engine_plain"] for r in rs], "r-", marker="o",
                      label=f"engine compressed / plain speed, {nt} thr")
         axes[1].plot(ms, [r["engine_plain_vs_onednn"] for r in rs], "b-", marker="o",

@@ -12,11 +12,16 @@ Conformance level: same-kernel exact. The two loaders produce the same bf16 word
 compressed product equals the plain product of the decoded weight bit for bit, at every batch size
 (``conformance/cases/tile_matmul_cases.py``, ``tests/test_tile_matmul.py``). Against a float64 product
 the result is bounded like any bf16 matmul with float32 sums (VDPBF16PS and TDPBF16PS treat bf16
-subnormal inputs as zero). Which product runs is a function of the number of rows M alone, so plain and
-compressed serving take the same one: M <= 4, AVX-512 BF16 (decode steps, memory-bound: the fewer
-bytes, the faster); M > 4, AMX (Intel CPUs from Sapphire Rapids on). On a CPU without them, ``path``
-is the portable C loop (exact between the loaders too, but slow): the fast engine then keeps its
-oneDNN path (``available()`` says which).
+subnormal inputs as zero).
+
+Which product runs (``path=None``): AMX for every row count where the CPU has it (Intel, Sapphire
+Rapids on), so each output row is the same bits whatever the number of rows, the row's place in the
+batch or the threads: batch-invariant (the tile rows are configured to M below 16 rows, so a decode
+step pays for its rows only). Without AMX, AVX-512 BF16 for M <= 4 (``GEMV``). The two instructions
+agree on almost every output but not all (their float32 sums round differently in rare cases, about
+1 output in 10^4 by one bf16 step), which is why one of them serves every M. ``path`` forces one (the
+benchmarks compare them); the portable C loop runs anywhere (exact between the loaders too, but
+slow): on a CPU without AMX the fast engine keeps its oneDNN path (``available()`` says which).
 """
 
 from __future__ import annotations
@@ -196,17 +201,17 @@ class TileWeight:
         m = int(np.prod(lead)) if lead else 1
         if m == 0:
             return x.new_empty((*lead, self.out_features))
+        lib = _need_library()
         if path is None:
-            path = GEMV if m <= GEMV_MAX_ROWS else AMX
+            path = AMX if lib.tm_amx_ready() else GEMV if m <= GEMV_MAX_ROWS else PORTABLE
         kp = self.steps * TILE_K
-        mp = -(-m // 32) * 32 if path == AMX else m
+        mp = -(-m // 16) * 16 if path == AMX else m
         if mp == m and kp == self.in_features and x.is_contiguous():
             xp = x  # already the padded layout the C code reads
         else:
             xp = torch.zeros((mp, kp), dtype=torch.bfloat16)
             xp[:m, : self.in_features] = x.reshape(m, self.in_features)
         y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
-        lib = _need_library()
         plain = self.plain.data_ptr() if self.plain is not None else None
         compressed = (None,) * 6 if self.plain is not None else self._compressed_pointers()
         rc = lib.tm_matmul(xp.data_ptr(), m, mp, kp, self.out_features, plain, *compressed, y.data_ptr(), path,

@@ -10,11 +10,14 @@ Where the decode runs:
 * on a GPU, bf16: ``UnweightLinear`` itself (the fused decode+matmul kernel for a few rows; decode
   then cuBLAS for many);
 * on a CPU with AVX-512 BF16 and AMX (``fast.codec.matmul_c.available()``): the weight is held in
-  tile order (``fast/codec/matmul_c.py``) and a product of at most ``TILE_ROWS`` rows on one thread (decode steps)
-  decodes each tile in registers inside the product (C); more rows decode the matrix into a reused
-  buffer and call oneDNN (``F.linear``). Plain matrices take the same two paths (tile product of the
-  plain tiles; oneDNN's packed copy, checked bit-identical to ``F.linear`` at load), so plain and
-  compressed serving give the same logits bit for bit. ``UNFIRE_TILE_MATMUL=0`` switches this off;
+  tile order (``fast/codec/matmul_c.py``), one copy, and every product goes through the C tile
+  products, which decode each compressed tile inside the product (AVX-512 BF16 in registers for up
+  to 4 rows, AMX from an L1/L2 buffer above). Plain matrices take the same products on their plain
+  tiles. Every output sums its products in order of k whatever the number of rows, the rows' place
+  in the batch or the thread count, so the engine is batch-invariant here (a sequence's tokens do
+  not depend on what it is batched with, nor on the topology: P/D, pipeline, fleet), and plain and
+  compressed serving give the same logits bit for bit. ``UNFIRE_TILE_MATMUL=0`` switches this off
+  (oneDNN's packed products: faster for plain prefill of 64+ rows, not batch-invariant);
 * on other CPUs: the plain torch decoder, then ``F.linear``. Triton's interpreter would be far too slow
   for a whole model, so the interpreter is never used here.
 """
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import os
-import threading
 from typing import Protocol
 
 import torch
@@ -35,7 +37,7 @@ from fast.codec.encode import encode
 from fast.codec.linear import UnweightLinear
 from fast.codec.matmul_c import TileWeight
 
-TILE_ROWS = 4  # products of at most this many rows go through the tile product (as fast as oneDNN or faster)
+SHARED_ROWS = 16  # products of more rows than this share the work among torch's threads
 PROBE_ROWS = (3, 5, 17, 64)  # packed oneDNN must equal F.linear at these row counts to be used
 
 
@@ -48,27 +50,28 @@ class Linear(Protocol):
 class DenseLinear:
     """y = x W^T with a plain weight [out, in] in the model's dtype.
 
-    On a CPU in bf16 the weight is held in oneDNN's blocked layout (``cpu_packed``), so each call skips
-    re-laying the weight out (1.2-1.8x faster at decode batch sizes), bit-identical to ``F.linear``
-    (checked on probes when packing; else not packed). Where the tile products run
-    (``tile_products()``), the few-row products go through the plain tiles instead and the row-major
-    weight is dropped: two layouts of the weight, each used where it is the faster.
+    Where the tile products run (``tile_products()``, bf16) the weight is held once, in tile order,
+    and every product goes through it (see the module docstring). Elsewhere on a CPU in bf16 it is
+    held in oneDNN's blocked layout (``cpu_packed``), so each call skips re-laying the weight out
+    (1.2-1.8x faster at decode batch sizes), bit-identical to ``F.linear`` (checked on probes when
+    packing; else not packed).
     """
 
     def __init__(self, weight: torch.Tensor, *, pack: bool = True):
         self.out_features = weight.shape[0]
-        self.packed = cpu_packed(weight) if pack else None
-        self.tiles = TileWeight.from_dense(weight) if self.packed is not None and tile_products() else None
-        self._weight = weight if self.tiles is None else None  # dropped: the tiles and packed copies serve
+        bf16_cpu = weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+        self.tiles = TileWeight.from_dense(weight) if pack and bf16_cpu and tile_products() else None
+        self.packed = cpu_packed(weight) if pack and self.tiles is None else None
+        self._weight = weight if self.tiles is None else None  # the tiles are the one copy
 
     @property
     def weight(self) -> torch.Tensor:
-        """The weight [out, in] (rebuilt from the tiles when the row-major copy was dropped)."""
+        """The weight [out, in] (rebuilt from the tiles when they are the only copy)."""
         return self._weight if self._weight is not None else self.tiles.dense()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None and x.dtype == torch.bfloat16 and tile_rows(x):
-            return self.tiles.matmul(x, threads=1)
+        if self.tiles is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return self.tiles.matmul(x, threads=tile_threads(x))
         if self.packed is not None and x.dtype == self.packed.dtype and x.device.type == "cpu":
             return _packed_linear(x, self.packed)
         return F.linear(x, self.weight)
@@ -83,28 +86,17 @@ def rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
-def tile_rows(x: torch.Tensor) -> bool:
-    """Whether this product takes the tile path: at most ``TILE_ROWS`` rows, on one thread. Plain and
-    compressed matrices decide alike, so they take the same arithmetic. With more threads oneDNN's
-    products win at these sizes (the tile products start threads per call), so both take oneDNN."""
-    return rows(x) <= TILE_ROWS and torch.get_num_threads() == 1
+def tile_threads(x: torch.Tensor) -> int:
+    """Threads for a tile product: torch's count, or 1 for a few rows (a decode step's product is
+    too short to pay for starting threads). The split never changes a result (threads share out the
+    output features, each output is summed by one thread), only the speed."""
+    return torch.get_num_threads() if rows(x) > SHARED_ROWS else 1
 
 
 @functools.cache
 def tile_products() -> bool:
     """True when the CPU's products go through ``fast.codec.matmul_c`` (see the module docstring)."""
     return os.environ.get("UNFIRE_TILE_MATMUL", "1") != "0" and matmul_c.available()
-
-
-_scratch = threading.local()
-
-
-def scratch_matrix(shape: tuple[int, int]) -> torch.Tensor:
-    """A bf16 buffer of ``shape`` reused by this thread's decoded-matrix products (one per shape)."""
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    if shape not in buffers:
-        buffers[shape] = torch.empty(shape, dtype=torch.bfloat16)
-    return buffers[shape]
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
@@ -151,11 +143,8 @@ class CompressedLinear:
         return w.to(self.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiles is not None and x.dtype == torch.bfloat16:
-            if tile_rows(x):
-                return self.tiles.matmul(x, threads=1)
-            shape = (self.tiles.out_features, self.tiles.in_features)
-            return F.linear(x, self.tiles.dense(out=scratch_matrix(shape)))
+        if self.tiles is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            return self.tiles.matmul(x, threads=tile_threads(x))
         if x.device.type == "cuda" and self.dtype == torch.bfloat16:
             return self.unweight(x)
         return F.linear(x, self.weight())

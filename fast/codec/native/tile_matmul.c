@@ -14,7 +14,7 @@
  * Two products, chosen by the caller from the number of input rows M, identical for both loaders:
  *   path 0, M <= 4 (decode steps): AVX-512 BF16; each tile is decoded into registers/L1 and used at
  *           once for every row of x; per output, the pairs are summed in order of k by VDPBF16PS.
- *   path 1, M > 4 (bigger batches, prefill): AMX; the 2 x T tiles of two panels are decoded into an
+ *   path 1, M > 4 (bigger batches, prefill): AMX; the 4 x T tiles of four panels are decoded into an
  *           L1/L2 buffer once and multiplied with every 32-row block of x by TDPBF16PS.
  *   path 2: portable C (any CPU; for tests and machines without AVX-512 BF16): float sums in order.
  * Threads split the panels (the output features).
@@ -44,6 +44,7 @@ typedef struct {
     const uint16_t *pword;
     const uint8_t *pexp;
     uint16_t *y;            /* [M][N] */
+    const uint16_t *xa;     /* path 1: x as A tiles [Mp/16][T][16 x 32] */
     int64_t p0, p1;
     int path, status;
 } job;
@@ -160,11 +161,20 @@ static inline int no_patches(const job *j, int64_t first, int64_t T) {
     return 1;
 }
 
-T512 static void store_row(const job *j, int64_t m, int64_t p, __m512 acc) {
-    float v[16];
-    _mm512_storeu_ps(v, acc);
-    for (int n = 0; n < 16 && 16 * p + n < j->N; n++)
-        j->y[m * j->N + 16 * p + n] = to_bf16(v[n]);
+/* 16 floats -> 16 bf16 words, exactly as to_bf16 (round to nearest even; NaN stays NaN, quiet) */
+T512 static inline __m256i bf16_words(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* row m of panel p's 16 outputs (fewer at the matrix's edge) */
+T512 static inline void store_row(const job *j, int64_t m, int64_t p, __m512 acc) {
+    const int64_t left = j->N - 16 * p;
+    const __mmask16 keep = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
+    _mm256_mask_storeu_epi16(j->y + m * j->N + 16 * p, keep, bf16_words(acc));
 }
 
 /* ---- path 0: AVX-512 BF16, M <= 4 rows, 4 panels at a time ---- */
@@ -235,8 +245,147 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
+/* C tiles -> rows m0.. of panel pp (rows past M are padding: not stored) */
+TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, float *scratch) {
+    switch (c) { /* the tile number must be a constant */
+    case 0: _tile_stored(0, scratch, 64); break;
+    case 1: _tile_stored(1, scratch, 64); break;
+    case 2: _tile_stored(2, scratch, 64); break;
+    default: _tile_stored(3, scratch, 64); break;
+    }
+    for (int r = 0; r < 16 && m0 + r < j->M; r++)
+        store_row(j, m0 + r, pp, _mm512_load_ps(scratch + 16 * r));
+}
+
+#define TM_PF 4  /* B tiles fetched this many steps ahead on their first use (from memory) */
+#define TM_KC 16 /* steps of k per block: a pair's B tiles of a block (32 KB) stay in L1 */
+#define AMX_STEP(A0, A1, B0, B1)                                                                    \
+    do {                                                                                            \
+        _tile_loadd(4, A0, 64);                                                                     \
+        _tile_loadd(6, B0, 64);                                                                     \
+        _tile_loadd(5, A1, 64);                                                                     \
+        _tile_loadd(7, B1, 64);                                                                     \
+        _tile_dpbf16ps(0, 4, 6);                                                                    \
+        _tile_dpbf16ps(2, 5, 6);                                                                    \
+        _tile_dpbf16ps(1, 4, 7);                                                                    \
+        _tile_dpbf16ps(3, 5, 7);                                                                    \
+    } while (0)
+
+static inline void fetch_tile(const uint16_t *tile) { /* its 16 cache lines, into L1 */
+    for (int l = 0; l < 16; l++)
+        _mm_prefetch((const char *)tile + 64 * l, _MM_HINT_T0);
+}
+
+/* Panels [p, p + np) (np <= 4), B tiles at b[q] (T tiles each, 512 words apart), every row of x.
+ * Two panels at a time, in blocks of TM_KC steps of k: the pair's B tiles of the block stay in L1
+ * while every 32-row block of x (2 A tiles per step, fetched one step ahead from L2) meets them in
+ * 2 x 2 C tiles (a last block of 16 rows takes 1 x 2). Partial sums wait in cbuf as float32
+ * between blocks (stored and reloaded exactly). Each output thus sums its pairs in order of k, one
+ * TDPBF16PS per step, whatever the blocking or M: the numbers of path 0. */
+TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int64_t p, float *cbuf,
+                           float *scratch) {
     static const uint16_t zero[TILE_WORDS] __attribute__((aligned(64)));
+    const int64_t T = j->T;
+    for (int qq = 0; qq < np; qq += 2) {
+        const uint16_t *b0 = b[qq], *b1 = qq + 1 < np ? b[qq + 1] : zero;
+        const int64_t s1 = qq + 1 < np ? TILE_WORDS : 0;
+        for (int64_t k0 = 0; k0 < T; k0 += TM_KC) {
+            const int64_t k1 = k0 + TM_KC < T ? k0 + TM_KC : T;
+            const int first = k0 == 0, last = k1 == T;
+            for (int64_t m0 = 0; m0 < j->Mp; m0 += 32) {
+                const int two = m0 + 32 <= j->Mp; /* else 16 rows left */
+                const uint16_t *x0 = j->xa + m0 / 16 * T * TILE_WORDS, *x1 = x0 + T * TILE_WORDS;
+                float *c = cbuf + m0 / 32 * 1024; /* [Mp/32][4 tiles][256] */
+                if (first) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                } else {
+                    _tile_loadd(0, c, 64);
+                    _tile_loadd(1, c + 256, 64);
+                    _tile_loadd(2, c + 512, 64);
+                    _tile_loadd(3, c + 768, 64);
+                }
+                if (two && m0 == 0 && j->plain) { /* the B tiles' first use: fetch them ahead */
+                    for (int64_t t = k0; t < k1; t++) {
+                        fetch_tile(b0 + (t + TM_PF) * TILE_WORDS);
+                        fetch_tile(b1 + (t + TM_PF) * s1);
+                        AMX_STEP(x0 + t * TILE_WORDS, x1 + t * TILE_WORDS, b0 + t * TILE_WORDS, b1 + t * s1);
+                    }
+                } else if (two) {
+                    for (int64_t t = k0; t < k1; t++) {
+                        fetch_tile(x0 + (t + 1) * TILE_WORDS);
+                        fetch_tile(x1 + (t + 1) * TILE_WORDS);
+                        AMX_STEP(x0 + t * TILE_WORDS, x1 + t * TILE_WORDS, b0 + t * TILE_WORDS, b1 + t * s1);
+                    }
+                } else { /* 16 rows (or fewer: the tile rows are configured to M < 16) */
+                    const int ahead = m0 == 0 && j->plain;
+                    for (int64_t t = k0; t < k1; t++) {
+                        if (ahead) {
+                            fetch_tile(b0 + (t + TM_PF) * TILE_WORDS);
+                            fetch_tile(b1 + (t + TM_PF) * s1);
+                        }
+                        _tile_loadd(4, x0 + t * TILE_WORDS, 64);
+                        _tile_loadd(6, b0 + t * TILE_WORDS, 64);
+                        _tile_loadd(7, b1 + t * s1, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(1, 4, 7);
+                    }
+                }
+                if (!last) {
+                    _tile_stored(0, c, 64);
+                    _tile_stored(1, c + 256, 64);
+                    _tile_stored(2, c + 512, 64);
+                    _tile_stored(3, c + 768, 64);
+                    continue;
+                }
+                store_tile(j, 0, m0, p + qq, scratch);
+                if (s1)
+                    store_tile(j, 1, m0, p + qq + 1, scratch);
+                if (two) {
+                    store_tile(j, 2, m0 + 16, p + qq, scratch);
+                    if (s1)
+                        store_tile(j, 3, m0 + 16, p + qq + 1, scratch);
+                }
+            }
+        }
+    }
+}
+
+/* Compressed panels [p, p + np) for one block of at most 16 rows (decode steps, small batches): each
+ * step's two tiles are decoded into a 2 KB L1 buffer just before their products (two buffers, used
+ * in turn), so a tile is read once from memory and never leaves L1 decoded; the C tiles hold the sums
+ * over all of k. Same products, same order as amx_block. */
+TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, uint16_t *ring,
+                           float *scratch) {
+    const int64_t T = j->T;
+    for (int qq = 0; qq < np; qq += 2) {
+        const int pair = qq + 1 < np;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t t = 0; t < T; t++) {
+            uint16_t *b0 = ring + (t & 1) * 2 * TILE_WORDS, *b1 = b0 + TILE_WORDS;
+            decode_tile(j, d, (p + qq) * T + t, b0);
+            if (pair)
+                decode_tile(j, d, (p + qq + 1) * T + t, b1);
+            else
+                memset(b1, 0, TILE_WORDS * 2);
+            _tile_loadd(4, j->xa + t * TILE_WORDS, 64);
+            _tile_loadd(6, b0, 64);
+            _tile_loadd(7, b1, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        store_tile(j, 0, 0, p + qq, scratch);
+        if (pair)
+            store_tile(j, 1, 0, p + qq + 1, scratch);
+    }
+}
+
+/* path 1: x has Mp rows (a multiple of 16, zero padded). Four panels at a time: compressed ones are
+ * decoded once into buf (4 T tiles, L1/L2) and used by every row block. */
+TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
@@ -244,52 +393,36 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
+    if (j->M < 16) /* one block of M rows: C and A tiles of M rows (the products cost by the row) */
+        cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[3] = cfg.rows[4] = cfg.rows[5] = (uint8_t)j->M;
     _tile_loadconfig(&cfg);
-    float c[4][256] __attribute__((aligned(64)));
-    const int64_t T = j->T, ld = j->Kp * 2;
-    for (int64_t p = j->p0; p < j->p1; p += 2) {
-        const int two = p + 1 < j->p1;
-        const uint16_t *b0, *b1;
-        if (j->plain) {
-            b0 = j->plain + p * T * TILE_WORDS;
-            b1 = two ? b0 + T * TILE_WORDS : NULL;
-        } else {
-            for (int64_t t = 0; t < T; t++) {
-                decode_tile(j, d, p * T + t, buf + t * TILE_WORDS);
-                if (two)
-                    decode_tile(j, d, (p + 1) * T + t, buf + (T + t) * TILE_WORDS);
-            }
-            b0 = buf;
-            b1 = two ? buf + T * TILE_WORDS : NULL;
-        }
-        for (int64_t m0 = 0; m0 < j->Mp; m0 += 32) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t t = 0; t < T; t++) {
-                _tile_loadd(4, j->x + m0 * j->Kp + 32 * t, ld);
-                _tile_loadd(5, j->x + (m0 + 16) * j->Kp + 32 * t, ld);
-                _tile_loadd(6, b0 + t * TILE_WORDS, 64);
-                _tile_loadd(7, b1 ? b1 + t * TILE_WORDS : zero, 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_dpbf16ps(2, 5, 6);
-                _tile_dpbf16ps(3, 5, 7);
-            }
-            _tile_stored(0, c[0], 64);
-            _tile_stored(1, c[1], 64);
-            _tile_stored(2, c[2], 64);
-            _tile_stored(3, c[3], 64);
-            for (int q = 0; q < 4; q++) {
-                const int64_t pp = p + (q & 1);
-                if ((q & 1) && !two)
-                    continue;
-                for (int r = 0; r < 16 && m0 + 16 * (q >> 1) + r < j->M; r++)
-                    store_row(j, m0 + 16 * (q >> 1) + r, pp, _mm512_load_ps(c[q] + 16 * r));
-            }
-        }
+    float scratch[256] __attribute__((aligned(64)));
+    float *cbuf = j->T > TM_KC ? aligned_alloc(64, (size_t)(j->Mp + 16) * 32 * 4) : NULL;
+    if (j->T > TM_KC && !cbuf) {
+        _tile_release();
+        ((job *)j)->status = 1;
+        return;
     }
+    const int64_t T = j->T;
+    for (int64_t p = j->p0; p < j->p1; p += 4) {
+        const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);
+        if (!j->plain && j->Mp == 16) {
+            amx_small(j, d, p, np, buf, scratch);
+            continue;
+        }
+        const uint16_t *b[4] = {NULL, NULL, NULL, NULL};
+        for (int q = 0; q < np; q++) {
+            if (j->plain) {
+                b[q] = j->plain + (p + q) * T * TILE_WORDS;
+            } else {
+                for (int64_t t = 0; t < T; t++)
+                    decode_tile(j, d, (p + q) * T + t, buf + (q * T + t) * TILE_WORDS);
+                b[q] = buf + q * T * TILE_WORDS;
+            }
+        }
+        amx_block(j, b, np, p, cbuf, scratch);
+    }
+    free(cbuf);
     _tile_release();
 }
 
@@ -319,7 +452,7 @@ static void *work(void *arg) {
     job *j = arg;
     if (j->p0 >= j->p1)
         return NULL;
-    const int64_t words = j->path == 1 ? 2 * j->T * TILE_WORDS : 4 * TILE_WORDS;
+    const int64_t words = j->path == 1 ? 4 * j->T * TILE_WORDS : 4 * TILE_WORDS;
     uint16_t *buf = j->plain ? NULL : aligned_alloc(64, (size_t)words * 2);
     if (!j->plain && !buf) {
         j->status = 1;
@@ -353,7 +486,7 @@ static void *work(void *arg) {
 int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, const uint16_t *plain,
               const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const int64_t *pstart,
               const uint16_t *pword, const uint8_t *pexp, uint16_t *y, int path, int threads) {
-    if (M < 1 || N < 1 || Kp < 32 || Kp % 32 || Mp < M || (path == 1 && Mp % 32) || (path == 0 && M > 4))
+    if (M < 1 || N < 1 || Kp < 32 || Kp % 32 || Mp < M || (path == 1 && Mp % 16) || (path == 0 && M > 4))
         return 3;
     if ((path == 1 && !tm_amx_ready()) || (path == 0 && !tm_avx512_ready()) || path < 0 || path > 2)
         return 2;
@@ -362,13 +495,24 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
         threads = 1;
     if (threads > MAX_THREADS)
         threads = MAX_THREADS;
-    const int64_t unit = path == 1 ? 2 : 4; /* panels a thread takes together */
+    const int64_t unit = 4; /* panels a thread takes together */
     const int64_t units = (P + unit - 1) / unit;
     if (threads > units)
         threads = (int)units;
+    uint16_t *xa = NULL;
+    if (path == 1) { /* x as A tiles: each 16 x 32 block contiguous (one 1 KB load) */
+        xa = aligned_alloc(64, (size_t)Mp * Kp * 2);
+        if (!xa)
+            return 1;
+        const int64_t T = Kp / 32;
+        for (int64_t b = 0; b < Mp / 16; b++)
+            for (int64_t t = 0; t < T; t++)
+                for (int r = 0; r < 16; r++)
+                    memcpy(xa + ((b * T + t) * 16 + r) * 32, x + (16 * b + r) * Kp + 32 * t, 64);
+    }
     job jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        job j = {x, M, Mp, Kp, N, Kp / 32, plain, sm, idx, pal, pstart, pword, pexp, y, 0, 0, path, 0};
+        job j = {x, M, Mp, Kp, N, Kp / 32, plain, sm, idx, pal, pstart, pword, pexp, y, xa, 0, 0, path, 0};
         j.p0 = units * t / threads * unit;
         j.p1 = units * (t + 1) / threads * unit;
         if (j.p1 > P)
@@ -376,6 +520,7 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
         jobs[t] = j;
     }
     run_threads(work, jobs, sizeof(job), threads);
+    free(xa);
     for (int t = 0; t < threads; t++)
         if (jobs[t].status)
             return jobs[t].status;
@@ -386,7 +531,7 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
 int tm_decode_tiles(const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const int64_t *pstart,
                     const uint16_t *pword, const uint8_t *pexp, int64_t first, int64_t count, uint16_t *out,
                     int vector) {
-    job j = {NULL, 0, 0, 0, 0, 0, NULL, sm, idx, pal, pstart, pword, pexp, NULL, 0, 0, 0, 0};
+    job j = {NULL, 0, 0, 0, 0, 0, NULL, sm, idx, pal, pstart, pword, pexp, NULL, NULL, 0, 0, 0, 0};
 #ifdef TM_X86
     if (vector && tm_avx512_ready()) {
         const decoder d = decoder_for(pal);
@@ -474,7 +619,7 @@ int tm_unpack(const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const i
         threads = (int)P;
     unpack_job jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        job j = {NULL, 0, 0, 0, N, (K + 31) / 32, NULL, sm, idx, pal, pstart, pword, pexp, NULL,
+        job j = {NULL, 0, 0, 0, N, (K + 31) / 32, NULL, sm, idx, pal, pstart, pword, pexp, NULL, NULL,
                  P * t / threads, P * (t + 1) / threads, vector ? 0 : 2, 0};
         jobs[t].j = j;
         jobs[t].K = K;
