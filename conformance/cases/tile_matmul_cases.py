@@ -80,17 +80,36 @@ def _run(tw: Any, inputs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _invariant(x: Any) -> bool:  # noqa: ARG001 (one answer for every x today)
+    """Whether the default product (``path=None``) is batch-invariant here: AMX at every row count."""
+    from fast.codec import matmul_c
+
+    lib = matmul_c.library()
+    return lib is not None and bool(lib.tm_amx_ready())
+
+
 def _reference(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec.matmul_c import TileWeight
 
-    return _run(TileWeight.from_dense(inputs["w"]), inputs)
+    tw = TileWeight.from_dense(inputs["w"])
+    out = _run(tw, inputs)
+    for x in inputs["xs"]:  # batch invariance: the fast side multiplies each row alone
+        if _invariant(x):
+            out[f"rows={x.shape[0]} default path, each row alone"] = tw.matmul(x)
+    return out
 
 
 def _fast(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec import matmul_c
 
     tw = matmul_c.TileWeight.from_palette(inputs["form"])
+    import torch
+
     out = _run(tw, inputs)
+    for x in inputs["xs"]:
+        if _invariant(x):
+            out[f"rows={x.shape[0]} default path, each row alone"] = torch.cat([tw.matmul(x[i:i + 1])
+                                                                                for i in range(x.shape[0])])
     lib = matmul_c.library()
     if lib is not None and lib.tm_avx512_ready():  # the vector tile decoder, where the CPU has it
         out["tiles"] = tw.decoded_tiles(vector=True)
@@ -106,4 +125,5 @@ def _requires() -> str | None:
 for _kind in ("odd", "full_palette", "all_verbatim", "special"):
     register(Case(f"codec.tile_matmul_c.{_kind}", Level.SAME_KERNEL, _inputs(_kind), _reference, _fast,
                   about="C tile product on the palette form vs the same product on the plain tiles, every "
-                  f"path this CPU has, rows 1-64 ({_kind} weights)", requires=_requires))
+                  f"path this CPU has, rows 1-64 ({_kind} weights); with AMX, each row alone vs the batch",
+                  requires=_requires))

@@ -142,11 +142,12 @@ T512 static inline void decode64(const decoder *d, const uint8_t *sm, const uint
 }
 
 /* one tile's 512 words from its sm bytes and palette indices, 64 at a time, then the patches */
-T512 static void decode_tile(const job *j, const decoder *d, int64_t tile, uint16_t *out) {
+T512 static inline void decode_tile(const job *j, const decoder *d, int64_t tile, uint16_t *out) {
     const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2);
+    const decoder dd = *d; /* in registers: the stores below could alias *d for all the compiler knows */
     for (int q = 0; q < 8; q++) {
         __m512i w0, w1;
-        decode64(d, sm + 64 * q, ix + 32 * q, &w0, &w1);
+        decode64(&dd, sm + 64 * q, ix + 32 * q, &w0, &w1);
         _mm512_storeu_si512(out + 64 * q, w0);
         _mm512_storeu_si512(out + 64 * q + 32, w1);
     }
@@ -258,7 +259,7 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 }
 
 #define TM_PF 4  /* B tiles fetched this many steps ahead on their first use (from memory) */
-#define TM_KC 16 /* steps of k per block: a pair's B tiles of a block (32 KB) stay in L1 */
+#define TM_KC 20 /* at most this many steps of k per block (a pair of panels: <= 40 KB of B tiles in L1) */
 #define AMX_STEP(A0, A1, B0, B1)                                                                    \
     do {                                                                                            \
         _tile_loadd(4, A0, 64);                                                                     \
@@ -276,21 +277,44 @@ static inline void fetch_tile(const uint16_t *tile) { /* its 16 cache lines, int
         _mm_prefetch((const char *)tile + 64 * l, _MM_HINT_T0);
 }
 
+/* C tiles whose conversion to bf16 waits: stored as float32 in buf (4 x 256), to be written to y
+ * a little later, while the next block's products run (an AMX store read back at once stalls). */
+typedef struct {
+    int n, two, pair;
+    int64_t m0, p;
+    float *buf;
+} pending;
+
+T512 static void flush(const job *j, pending *w) {
+    for (int q = 0; q < (w->two ? 4 : 2); q++) {
+        if ((q & 1) && !w->pair)
+            continue;
+        const int64_t m = w->m0 + 16 * (q >> 1);
+        for (int r = 0; r < 16 && m + r < j->M; r++)
+            store_row(j, m + r, w->p + (q & 1), _mm512_load_ps(w->buf + 256 * q + 16 * r));
+    }
+    w->n = 0;
+}
+
 /* Panels [p, p + np) (np <= 4), B tiles at b[q] (T tiles each, 512 words apart), every row of x.
- * Two panels at a time, in blocks of TM_KC steps of k: the pair's B tiles of the block stay in L1
- * while every 32-row block of x (2 A tiles per step, fetched one step ahead from L2) meets them in
- * 2 x 2 C tiles (a last block of 16 rows takes 1 x 2). Partial sums wait in cbuf as float32
- * between blocks (stored and reloaded exactly). Each output thus sums its pairs in order of k, one
- * TDPBF16PS per step, whatever the blocking or M: the numbers of path 0. */
+ * Two panels at a time, in blocks of at most TM_KC steps of k (equal blocks): the pair's B tiles of
+ * the block stay in L1 while every 32-row block of x (2 A tiles per step, fetched one step ahead
+ * from L2) meets them in 2 x 2 C tiles (a last block of 16 rows takes 1 x 2). Partial sums wait in
+ * cbuf as float32 between blocks (stored and reloaded exactly); finished C tiles go to sbuf (two
+ * sets, used in turn) and are converted during the next block's first step. Each output thus sums
+ * its pairs in order of k, one TDPBF16PS per step, whatever the blocking or M. */
 TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int64_t p, float *cbuf,
-                           float *scratch) {
+                           float *sbuf) {
     static const uint16_t zero[TILE_WORDS] __attribute__((aligned(64)));
-    const int64_t T = j->T;
+    const int64_t T = j->T, blocks = j->Mp <= 32 ? 1 : (T + TM_KC - 1) / TM_KC; /* one row block: no reuse */
+    const int64_t kc = (T + blocks - 1) / blocks;
+    pending w = {0, 0, 0, 0, 0, NULL};
+    int set = 0;
     for (int qq = 0; qq < np; qq += 2) {
         const uint16_t *b0 = b[qq], *b1 = qq + 1 < np ? b[qq + 1] : zero;
         const int64_t s1 = qq + 1 < np ? TILE_WORDS : 0;
-        for (int64_t k0 = 0; k0 < T; k0 += TM_KC) {
-            const int64_t k1 = k0 + TM_KC < T ? k0 + TM_KC : T;
+        for (int64_t k0 = 0; k0 < T; k0 += kc) {
+            const int64_t k1 = k0 + kc < T ? k0 + kc : T;
             const int first = k0 == 0, last = k1 == T;
             for (int64_t m0 = 0; m0 < j->Mp; m0 += 32) {
                 const int two = m0 + 32 <= j->Mp; /* else 16 rows left */
@@ -307,17 +331,19 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
                     _tile_loadd(2, c + 512, 64);
                     _tile_loadd(3, c + 768, 64);
                 }
-                if (two && m0 == 0 && j->plain) { /* the B tiles' first use: fetch them ahead */
+                if (two) {
+                    const int ahead = m0 == 0 && j->plain; /* the B tiles' first use: fetch them ahead */
                     for (int64_t t = k0; t < k1; t++) {
-                        fetch_tile(b0 + (t + TM_PF) * TILE_WORDS);
-                        fetch_tile(b1 + (t + TM_PF) * s1);
+                        if (ahead) {
+                            fetch_tile(b0 + (t + TM_PF) * TILE_WORDS);
+                            fetch_tile(b1 + (t + TM_PF) * s1);
+                        } else {
+                            fetch_tile(x0 + (t + 1) * TILE_WORDS);
+                            fetch_tile(x1 + (t + 1) * TILE_WORDS);
+                        }
                         AMX_STEP(x0 + t * TILE_WORDS, x1 + t * TILE_WORDS, b0 + t * TILE_WORDS, b1 + t * s1);
-                    }
-                } else if (two) {
-                    for (int64_t t = k0; t < k1; t++) {
-                        fetch_tile(x0 + (t + 1) * TILE_WORDS);
-                        fetch_tile(x1 + (t + 1) * TILE_WORDS);
-                        AMX_STEP(x0 + t * TILE_WORDS, x1 + t * TILE_WORDS, b0 + t * TILE_WORDS, b1 + t * s1);
+                        if (w.n)
+                            flush(j, &w);
                     }
                 } else { /* 16 rows (or fewer: the tile rows are configured to M < 16) */
                     const int ahead = m0 == 0 && j->plain;
@@ -331,6 +357,8 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
                         _tile_loadd(7, b1 + t * s1, 64);
                         _tile_dpbf16ps(0, 4, 6);
                         _tile_dpbf16ps(1, 4, 7);
+                        if (w.n)
+                            flush(j, &w);
                     }
                 }
                 if (!last) {
@@ -340,40 +368,51 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
                     _tile_stored(3, c + 768, 64);
                     continue;
                 }
-                store_tile(j, 0, m0, p + qq, scratch);
-                if (s1)
-                    store_tile(j, 1, m0, p + qq + 1, scratch);
+                float *out = sbuf + set * 1024;
+                set ^= 1;
+                _tile_stored(0, out, 64);
+                _tile_stored(1, out + 256, 64);
                 if (two) {
-                    store_tile(j, 2, m0 + 16, p + qq, scratch);
-                    if (s1)
-                        store_tile(j, 3, m0 + 16, p + qq + 1, scratch);
+                    _tile_stored(2, out + 512, 64);
+                    _tile_stored(3, out + 768, 64);
                 }
+                w = (pending){1, two, s1 != 0, m0, p + qq, out};
             }
         }
     }
+    if (w.n)
+        flush(j, &w);
 }
 
 /* Compressed panels [p, p + np) for one block of at most 16 rows (decode steps, small batches): each
- * step's two tiles are decoded into a 2 KB L1 buffer just before their products (two buffers, used
- * in turn), so a tile is read once from memory and never leaves L1 decoded; the C tiles hold the sums
- * over all of k. Same products, same order as amx_block. */
+ * step's two tiles are decoded into a 2 KB L1 buffer one step before their products (two buffers,
+ * used in turn: the vector decode of step t + 1 overlaps the tile products of step t), so a tile is
+ * read once from memory and never leaves L1 decoded; the C tiles hold the sums over all of k. Same
+ * products, same order as amx_block. */
 TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, uint16_t *ring,
                            float *scratch) {
     const int64_t T = j->T;
     for (int qq = 0; qq < np; qq += 2) {
         const int pair = qq + 1 < np;
+        const int64_t first0 = (p + qq) * T, first1 = (p + qq + 1) * T;
+        if (!pair)
+            memset(ring + TILE_WORDS, 0, TILE_WORDS * 2), memset(ring + 3 * TILE_WORDS, 0, TILE_WORDS * 2);
+        decode_tile(j, d, first0, ring);
+        if (pair)
+            decode_tile(j, d, first1, ring + TILE_WORDS);
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t t = 0; t < T; t++) {
-            uint16_t *b0 = ring + (t & 1) * 2 * TILE_WORDS, *b1 = b0 + TILE_WORDS;
-            decode_tile(j, d, (p + qq) * T + t, b0);
-            if (pair)
-                decode_tile(j, d, (p + qq + 1) * T + t, b1);
-            else
-                memset(b1, 0, TILE_WORDS * 2);
+            const uint16_t *b0 = ring + (t & 1) * 2 * TILE_WORDS;
             _tile_loadd(4, j->xa + t * TILE_WORDS, 64);
             _tile_loadd(6, b0, 64);
-            _tile_loadd(7, b1, 64);
+            _tile_loadd(7, b0 + TILE_WORDS, 64);
+            if (t + 1 < T) {
+                uint16_t *next = ring + ((t + 1) & 1) * 2 * TILE_WORDS;
+                decode_tile(j, d, first0 + t + 1, next);
+                if (pair)
+                    decode_tile(j, d, first1 + t + 1, next + TILE_WORDS);
+            }
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
         }
@@ -396,9 +435,10 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
     if (j->M < 16) /* one block of M rows: C and A tiles of M rows (the products cost by the row) */
         cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[3] = cfg.rows[4] = cfg.rows[5] = (uint8_t)j->M;
     _tile_loadconfig(&cfg);
-    float scratch[256] __attribute__((aligned(64)));
-    float *cbuf = j->T > TM_KC ? aligned_alloc(64, (size_t)(j->Mp + 16) * 32 * 4) : NULL;
-    if (j->T > TM_KC && !cbuf) {
+    float scratch[2048] __attribute__((aligned(64))); /* amx_block's two sets of C tiles */
+    const int spill = j->T > TM_KC && j->Mp > 32; /* amx_block splits k */
+    float *cbuf = spill ? aligned_alloc(64, (size_t)(j->Mp + 16) * 32 * 4) : NULL;
+    if (spill && !cbuf) {
         _tile_release();
         ((job *)j)->status = 1;
         return;
@@ -519,7 +559,7 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
             j.p1 = P;
         jobs[t] = j;
     }
-    run_threads(work, jobs, sizeof(job), threads);
+    pool_run(work, jobs, sizeof(job), threads);
     free(xa);
     for (int t = 0; t < threads; t++)
         if (jobs[t].status)
@@ -625,6 +665,6 @@ int tm_unpack(const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const i
         jobs[t].K = K;
         jobs[t].out = out;
     }
-    run_threads(unpack_work, jobs, sizeof(unpack_job), threads);
+    pool_run(unpack_work, jobs, sizeof(unpack_job), threads);
     return 0;
 }
