@@ -259,6 +259,7 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 }
 
 #define TM_PF 4  /* B tiles fetched this many steps ahead on their first use (from memory) */
+#define TM_PC 4  /* compressed tiles fetched this many steps ahead (small batches) */
 #define TM_KC 20 /* at most this many steps of k per block (a pair of panels: <= 40 KB of B tiles in L1) */
 #define AMX_STEP(A0, A1, B0, B1)                                                                    \
     do {                                                                                            \
@@ -407,6 +408,19 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
             _tile_loadd(4, j->xa + t * TILE_WORDS, 64);
             _tile_loadd(6, b0, 64);
             _tile_loadd(7, b0 + TILE_WORDS, 64);
+            if (t + TM_PC < T) { /* the compressed bytes a few steps ahead */
+                const int64_t ahead0 = first0 + t + TM_PC, ahead1 = first1 + t + TM_PC;
+                for (int l = 0; l < 8; l++)
+                    _mm_prefetch((const char *)(j->sm + ahead0 * TILE_WORDS) + 64 * l, _MM_HINT_T0);
+                for (int l = 0; l < 4; l++)
+                    _mm_prefetch((const char *)(j->idx + ahead0 * (TILE_WORDS / 2)) + 64 * l, _MM_HINT_T0);
+                if (pair) {
+                    for (int l = 0; l < 8; l++)
+                        _mm_prefetch((const char *)(j->sm + ahead1 * TILE_WORDS) + 64 * l, _MM_HINT_T0);
+                    for (int l = 0; l < 4; l++)
+                        _mm_prefetch((const char *)(j->idx + ahead1 * (TILE_WORDS / 2)) + 64 * l, _MM_HINT_T0);
+                }
+            }
             if (t + 1 < T) {
                 uint16_t *next = ring + ((t + 1) & 1) * 2 * TILE_WORDS;
                 decode_tile(j, d, first0 + t + 1, next);
