@@ -168,3 +168,42 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(m: int, threads: int, 
     y = tw.matmul(x, threads=threads)
     for i in sorted({0, m // 2, m - 1, int(rng.integers(0, m))}):
         assert torch.equal(y[i:i + 1].view(torch.int16), tw.matmul(x[i:i + 1]).view(torch.int16)), i
+
+
+def test_the_thread_pool_serves_concurrent_callers_and_a_forked_child() -> None:
+    """The products' threads stay alive between calls (fast/codec/native/threads.h): callers on several Python
+    threads at once (one holds the pool, the others start threads of their own) and a child forked after the
+    pool started (it builds a pool of its own) all get the one-thread result."""
+    script = r"""
+import os, threading
+import numpy as np, torch
+torch.set_num_threads(1)
+from fast.codec.matmul_c import TileWeight
+w = torch.from_numpy(np.random.default_rng(0).standard_normal((1000, 576)).astype(np.float32)).bfloat16()
+tw = TileWeight.from_dense(w)
+xs = {m: torch.from_numpy(np.random.default_rng(m).standard_normal((m, 576)).astype(np.float32)).bfloat16()
+      for m in (1, 3, 40)}
+want = {m: tw.matmul(x, threads=1).view(torch.int16).numpy().copy() for m, x in xs.items()}
+bad = []
+def hammer(seed):
+    r = np.random.default_rng(seed)
+    for _ in range(300):
+        m, nt = int(r.choice([1, 3, 40])), int(r.integers(1, 5))
+        if not np.array_equal(tw.matmul(xs[m], threads=nt).view(torch.int16).numpy(), want[m]):
+            bad.append((m, nt))
+ts = [threading.Thread(target=hammer, args=(i,)) for i in range(3)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+assert not bad, bad
+pid = os.fork()
+if pid == 0:
+    ok = np.array_equal(tw.matmul(xs[40], threads=3).view(torch.int16).numpy(), want[40])
+    os._exit(0 if ok else 1)
+assert os.waitpid(pid, 0)[1] == 0
+print("pool ok")
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "pool ok" in out.stdout, out.stderr[-2000:]

@@ -2,15 +2,18 @@
 
     python -m experiments.unweight.bench_fused_serve [--batches 1 8 32] [--max-tokens 48] [--repeats 2]
 
-Two servers of the fast engine on SmolLM2, each pinned to core 0 (``taskset``) with one thread:
-plain, and every projection compressed (the palette form in tile order, products of the C tile
-kernels: ``fast/engine/linear.py``). For each batch size B, ``serve.bench`` sends B ShareGPT prompts
-at once (streamed chat completions, greedy, exactly ``--max-tokens`` each), so after the prefills
-the engine decodes B sequences per step. The two servers alternate within each repeat. Reported per
-server and B: output tok/s, TPOT and ITL p50, and the compressed/plain ratio of output tok/s (median
-over repeats); each server's resident memory (VmRSS) and peak (VmHWM) after the runs; and whether the
-two answered the first 8 prompts, sent one at a time, with the same text (greedy; compression is
-lossless and both take the same products, so they must). Results:
+Three servers of the fast engine on SmolLM2, each pinned to core 0 (``taskset``) with one thread:
+``plain`` and ``compressed`` (every projection in the palette form in tile order), both served by the C
+tile products (``fast/engine/linear.py``), and ``onednn``: plain weights through torch's oneDNN
+(``UNFIRE_TILE_MATMUL=0``, the engine before the tile products). For each batch size B,
+``serve.bench`` sends B ShareGPT prompts at once (streamed chat completions, greedy, exactly
+``--max-tokens`` each), so after the prefills the engine decodes B sequences per step. The servers
+alternate within each repeat. Reported per
+server and B: output tok/s, TPOT and ITL p50, and the ratios of output tok/s (median over repeats);
+each server's resident memory (VmRSS) and peak (VmHWM) after the runs; and whether plain and
+compressed answered the batch's first 8 prompts, sent together, with the same text (greedy;
+compression is lossless, both take the same products, and those are batch-invariant, so they must).
+Results:
 experiments/results/bench_fused_serve.json.
 """
 
@@ -31,14 +34,22 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
-def start(model: str, compressed: bool) -> tuple[subprocess.Popen, str]:
+SERVERS = ("plain", "compressed", "onednn")
+
+
+def start(model: str, name: str) -> tuple[subprocess.Popen, str]:
+    """``python -m serve`` as the server ``name`` (one of SERVERS); returns the process and its URL."""
+    import os
+
+    compressed = name == "compressed"
     cmd = [sys.executable, "-m", "serve", "--model", model, "--port", "0", "--threads", "1",
            "--served-model-name", "m", "--log-level", "error", "--max-num-seqs", "64"]
     if compressed:
         cmd.append("--compressed")
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", "0", *cmd]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = dict(os.environ, UNFIRE_TILE_MATMUL="0" if name == "onednn" else "1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     ready, _, _ = select.select([proc.stdout], [], [], 600)
     line = proc.stdout.readline() if ready else ""
     if " on http://" not in line:
@@ -65,11 +76,10 @@ def run(url: str, batch: int, max_tokens: int) -> dict[str, Any]:
 
 
 def answers(url: str, batch: int, max_tokens: int) -> list[str]:
-    """The texts the server gives the batch's first 8 prompts, one at a time (not streamed, greedy).
+    """The texts the server gives the batch's first 8 prompts, sent together (not streamed, greedy).
 
-    One at a time, so that both servers run the same steps: sent together, the rows a step multiplies
-    depend on arrival timing, and in bf16 a product's bits depend on its row count (for oneDNN as for
-    the tile products), so two runs of one server may differ there too."""
+    Together: which rows a step multiplies then depends on arrival timing, which the tile products'
+    results do not (batch-invariant); oneDNN's do (its blocking changes with the row count)."""
     import httpx
 
     from serve.bench import sharegpt_prompts
@@ -83,7 +93,7 @@ def answers(url: str, batch: int, max_tokens: int) -> list[str]:
                 r.raise_for_status()
                 return r.json()["choices"][0]["message"]["content"]
 
-            return [await one(q) for q in sharegpt_prompts(min(batch, 8), 400)]
+            return list(await asyncio.gather(*(one(q) for q in sharegpt_prompts(min(batch, 8), 400))))
 
     return asyncio.run(go())
 
@@ -99,11 +109,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     from reference.provenance import commit, machine
 
-    servers = {name: start(args.model, name == "compressed") for name in ("plain", "compressed")}
+    servers = {name: start(args.model, name) for name in SERVERS}
     rows, texts = [], {}
     try:
         for b in args.batches:
-            runs: dict[str, list[dict[str, Any]]] = {"plain": [], "compressed": []}
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SERVERS}
             for _ in range(args.repeats):
                 for name, (_, url) in servers.items():
                     runs[name].append(run(url, b, args.max_tokens))
@@ -115,13 +125,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "itl_p50_ms": statistics.median(x["itl_ms"]["p50"] for x in s),
                              "runs_tok_s": [x["output_throughput_tok_s"] for x in s]}
                 texts[(name, b)] = answers(servers[name][1], b, args.max_tokens)
-            row["compressed_vs_plain"] = statistics.median(
-                c["summary"]["output_throughput_tok_s"] / p_["summary"]["output_throughput_tok_s"]
-                for c, p_ in zip(runs["compressed"], runs["plain"], strict=True))
+            for a, b_ in (("compressed", "plain"), ("plain", "onednn"), ("compressed", "onednn")):
+                row[f"{a}_vs_{b_}"] = statistics.median(
+                    x["summary"]["output_throughput_tok_s"] / y["summary"]["output_throughput_tok_s"]
+                    for x, y in zip(runs[a], runs[b_], strict=True))
             row["same_text"] = texts[("plain", b)] == texts[("compressed", b)]
             rows.append(row)
-            print(f"batch {b:3d}: plain {row['plain']['output_tok_s']:.1f} tok/s, compressed "
-                  f"{row['compressed']['output_tok_s']:.1f} tok/s -> {row['compressed_vs_plain']:.2f}x; "
+            print(f"batch {b:3d}: " + ", ".join(f"{n} {row[n]['output_tok_s']:.1f} tok/s" for n in SERVERS)
+                  + f"; compressed/plain {row['compressed_vs_plain']:.2f}x, plain/onednn "
+                  f"{row['plain_vs_onednn']:.2f}x, compressed/onednn {row['compressed_vs_onednn']:.2f}x; "
                   f"same text: {row['same_text']}", flush=True)
         mem = {name: memory(proc.pid) for name, (proc, _) in servers.items()}
     finally:
@@ -132,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-    out = {"what": "python -m serve, plain vs --compressed, one thread pinned to core 0, burst of B greedy streams",
+    out = {"what": "python -m serve: plain and --compressed (tile products) and plain through oneDNN, one thread "
+                   "pinned to core 0, burst of B greedy streams",
            "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
            "memory_mib": mem, "commit": commit(), "machine": machine(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
