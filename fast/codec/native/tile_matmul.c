@@ -103,7 +103,8 @@ static void panel_portable(const job *j, int64_t p, uint16_t *buf) {
 
 #ifdef TM_X86
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16")))
-#define TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vbmi,avx512bf16,amx-tile,amx-bf16")))
+#define TAMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16,amx-tile,amx-bf16")))
+#define TD32 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx512bf16")))
 
 static const uint8_t interleave[2][64] = {
     {0, 64, 1, 65, 2, 66, 3, 67, 4, 68, 5, 69, 6, 70, 7, 71, 8, 72, 9, 73, 10, 74, 11, 75, 12, 76, 13, 77,
@@ -286,13 +287,27 @@ typedef struct {
     float *buf;
 } pending;
 
-T512 static void flush(const job *j, pending *w) {
-    for (int q = 0; q < (w->two ? 4 : 2); q++) {
-        if ((q & 1) && !w->pair)
-            continue;
-        const int64_t m = w->m0 + 16 * (q >> 1);
-        for (int r = 0; r < 16 && m + r < j->M; r++)
-            store_row(j, m + r, w->p + (q & 1), _mm512_load_ps(w->buf + 256 * q + 16 * r));
+/* Rows of two C tiles side by side (panels p and p + 1) as 32 bf16 words: VCVTNE2PS2BF16 rounds as
+ * to_bf16 does (nearest even, NaN kept quiet) except that it flushes float32 subnormals to zero, so a
+ * row holding one takes the exact integer path (store_row) instead. */
+TD32 static void flush(const job *j, pending *w) {
+    const int64_t left = j->N - 16 * w->p;
+    const __mmask32 keep = !w->pair ? (left >= 16 ? 0xffffu : (1u << left) - 1)
+                           : left >= 32 ? 0xffffffffu : (__mmask32)((1ull << left) - 1);
+    for (int h = 0; h < (w->two ? 2 : 1); h++) {
+        const int64_t m = w->m0 + 16 * h;
+        const float *lo = w->buf + 512 * h, *hi = lo + 256;
+        for (int r = 0; r < 16 && m + r < j->M; r++) {
+            const __m512 a = _mm512_load_ps(lo + 16 * r), b = w->pair ? _mm512_load_ps(hi + 16 * r) : a;
+            if (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) { /* a subnormal */
+                store_row(j, m + r, w->p, a);
+                if (w->pair)
+                    store_row(j, m + r, w->p + 1, b);
+                continue;
+            }
+            _mm512_mask_storeu_epi16(j->y + (m + r) * j->N + 16 * w->p, keep,
+                                     (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
     }
     w->n = 0;
 }
