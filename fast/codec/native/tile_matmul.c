@@ -264,9 +264,9 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 #define TM_KC 20 /* at most this many steps of k per block (a pair of panels: <= 40 KB of B tiles in L1) */
 #define AMX_STEP(A0, A1, B0, B1)                                                                    \
     do {                                                                                            \
-        _tile_loadd(4, A0, 64);                                                                     \
+        _tile_stream_loadd(4, A0, 64);                                                              \
         _tile_loadd(6, B0, 64);                                                                     \
-        _tile_loadd(5, A1, 64);                                                                     \
+        _tile_stream_loadd(5, A1, 64);                                                              \
         _tile_loadd(7, B1, 64);                                                                     \
         _tile_dpbf16ps(0, 4, 6);                                                                    \
         _tile_dpbf16ps(2, 5, 6);                                                                    \
