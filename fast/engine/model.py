@@ -127,8 +127,9 @@ class TorchLlama:
 
     def weight_nbytes(self) -> dict[str, int]:
         """Resident bytes of the weights: ``dense`` (plain tensors: embedding, head if untied, plain
-        matrices, norms), ``compressed`` (the palette forms' buffers) and ``packed`` (the CPU's
-        oneDNN copies of plain bf16 matrices, ``DenseLinear.packed``: a speed copy, 0 on a GPU)."""
+        matrices, in tile order where the CPU's tile products run, norms), ``compressed`` (the palette
+        forms' buffers) and ``packed`` (oneDNN's copies of plain bf16 matrices, ``DenseLinear.packed``,
+        on a CPU without the tile products; 0 on a GPU and where the tiles are the one copy)."""
         out = {"dense": 0, "compressed": 0, "packed": 0}
 
         def nb(t: torch.Tensor) -> int:
