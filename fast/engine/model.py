@@ -105,7 +105,7 @@ class TorchLlama:
         self.embedding = tensor(weights.embedding)
         tied = weights.lm_head is weights.embedding
         self.lm_head = self.embedding if tied else tensor(weights.lm_head)
-        self.head = DenseLinear(self.lm_head)  # the output projection (a packed copy on a CPU in bf16)
+        self.head = DenseLinear(self.lm_head)  # the output projection (tiles or a packed copy on a CPU in bf16)
         self.final_norm = tensor(weights.final_norm, torch.float32)
         # RoPE tables for every position, computed by the reference's own code (identical values)
         inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
