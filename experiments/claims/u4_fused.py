@@ -114,8 +114,8 @@ def run(ctx: Context) -> Result:
     figure = plot(rows, gpu, ctx)
     return Result(
         clock="wall",
-        clock_detail=("kernel times only on a GPU run (CUDA events, in the GPU benchmark); on the CPU only "
-                      "losslessness is checked"),
+        clock_detail=("CPU: wall time of the C tile products over every projection of SmolLM2, plain and compressed "
+                      "alternating (bench_fused_cpu.measure); GPU: CUDA events in the GPU benchmark (quoted)"),
         measured=measured, summary=summarize({"measured": measured}), verdict=verdict, why=why, figures=[figure],
         setup={"weights": "minilm (every 2-D float tensor with >= 4096 weights, cast to bf16 with RNE)",
                "kernels": ("Triton under TRITON_INTERPRET=1 on CPU (palette decoder tiles: "
