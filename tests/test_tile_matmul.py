@@ -72,6 +72,19 @@ def test_padding_words_decode_to_zero_with_a_full_palette() -> None:
     assert torch.isnan(y[:, 3]).all() and torch.isfinite(torch.cat([y[:, :3], y[:, 4:]], 1)).all()
 
 
+def test_strided_and_odd_inputs_give_the_contiguous_result() -> None:
+    """x as a column slice of a wider tensor (rows further apart than K), a transposed copy, and K not a
+    multiple of 32: the C code packs x from its strides and pads it with zeros itself."""
+    rng = np.random.default_rng(4)
+    for k in (576, 77):
+        w = _bf16(rng.standard_normal((50, k)))
+        tw = TileWeight.from_dense(w)
+        wide = _bf16(rng.standard_normal((37, k + 45)))
+        for x in (wide[:, :k], wide[:, 3:k + 3], _bf16(rng.standard_normal((k, 21))).t(), wide[:1, :k]):
+            want = tw.matmul(x.contiguous())
+            assert torch.equal(tw.matmul(x).view(torch.int16), want.view(torch.int16))
+
+
 def test_bad_inputs_are_named() -> None:
     tw = TileWeight.from_dense(torch.zeros((4, 8), dtype=torch.bfloat16))
     with pytest.raises(KernelInputError, match="expected input"):

@@ -45,7 +45,7 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "tm_amx_ready": (_INT, []),
     "tm_avx512_ready": (_INT, []),
-    "tm_matmul": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _INT, _INT]),
+    "tm_matmul": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _INT, _INT, _I64, _I64]),
     "tm_decode_tiles": (_INT, [_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _INT]),
     "tm_unpack": (_INT, [_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _INT, _INT]),
 }
@@ -205,17 +205,23 @@ class TileWeight:
         if path is None:
             path = AMX if lib.tm_amx_ready() else GEMV if m <= GEMV_MAX_ROWS else PORTABLE
         kp = self.steps * TILE_K
-        mp = -(-m // 16) * 16 if path == AMX else m
-        if mp == m and kp == self.in_features and x.is_contiguous():
-            xp = x  # already the padded layout the C code reads
+        if path == AMX:  # the C code packs (and pads) x itself
+            mp, xp = -(-m // 16) * 16, x.reshape(m, self.in_features)
+            if xp.stride(-1) != 1 or (m > 1 and xp.stride(0) < self.in_features):
+                xp = xp.contiguous()
+            ldx = xp.stride(0) if m > 1 else self.in_features
         else:
-            xp = torch.zeros((mp, kp), dtype=torch.bfloat16)
-            xp[:m, : self.in_features] = x.reshape(m, self.in_features)
+            mp, ldx = m, kp
+            if kp == self.in_features and x.is_contiguous():
+                xp = x  # already the padded layout the C code reads
+            else:
+                xp = torch.zeros((mp, kp), dtype=torch.bfloat16)
+                xp[:m, : self.in_features] = x.reshape(m, self.in_features)
         y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
         plain = self.plain.data_ptr() if self.plain is not None else None
         compressed = (None,) * 6 if self.plain is not None else self._compressed_pointers()
         rc = lib.tm_matmul(xp.data_ptr(), m, mp, kp, self.out_features, plain, *compressed, y.data_ptr(), path,
-                           threads or torch.get_num_threads())
+                           threads or torch.get_num_threads(), ldx, self.in_features)
         if rc:
             raise KernelInputError({1: "tile matmul: out of memory", 2: f"tile matmul: path {path} cannot run "
                                     "on this CPU", 3: "tile matmul: bad sizes"}.get(rc, f"tile matmul: error {rc}"))

@@ -49,6 +49,23 @@ typedef struct {
     int path, status;
 } job;
 
+/* Working memory kept per thread between calls (a product is too short to pay for fresh pages each
+ * time): slot 0 x's A tiles (the caller), 1 decoded tiles, 2 partial sums (each worker). Grows only. */
+static __thread void *kept[3];
+static __thread size_t kept_bytes[3];
+
+static void *scratch(int slot, size_t bytes) {
+    if (kept_bytes[slot] < bytes) {
+        free(kept[slot]);
+        kept_bytes[slot] = 0;
+        kept[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!kept[slot])
+            return NULL;
+        kept_bytes[slot] = bytes;
+    }
+    return kept[slot];
+}
+
 static inline uint16_t to_bf16(float f) { /* round to nearest even; NaN stays NaN */
     uint32_t u;
     memcpy(&u, &f, 4);
@@ -464,9 +481,9 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
     if (j->M < 16) /* one block of M rows: C and A tiles of M rows (the products cost by the row) */
         cfg.rows[0] = cfg.rows[1] = cfg.rows[2] = cfg.rows[3] = cfg.rows[4] = cfg.rows[5] = (uint8_t)j->M;
     _tile_loadconfig(&cfg);
-    float scratch[2048] __attribute__((aligned(64))); /* amx_block's two sets of C tiles */
+    float sets[2048] __attribute__((aligned(64))); /* amx_block's two sets of C tiles */
     const int spill = j->T > TM_KC && j->Mp > 32; /* amx_block splits k */
-    float *cbuf = spill ? aligned_alloc(64, (size_t)(j->Mp + 16) * 32 * 4) : NULL;
+    float *cbuf = spill ? scratch(2, (size_t)(j->Mp + 16) * 32 * 4) : NULL;
     if (spill && !cbuf) {
         _tile_release();
         ((job *)j)->status = 1;
@@ -476,7 +493,7 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
     for (int64_t p = j->p0; p < j->p1; p += 4) {
         const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);
         if (!j->plain && j->Mp == 16) {
-            amx_small(j, d, p, np, buf, scratch);
+            amx_small(j, d, p, np, buf, sets);
             continue;
         }
         const uint16_t *b[4] = {NULL, NULL, NULL, NULL};
@@ -489,9 +506,8 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
                 b[q] = buf + q * T * TILE_WORDS;
             }
         }
-        amx_block(j, b, np, p, cbuf, scratch);
+        amx_block(j, b, np, p, cbuf, sets);
     }
-    free(cbuf);
     _tile_release();
 }
 
@@ -522,7 +538,7 @@ static void *work(void *arg) {
     if (j->p0 >= j->p1)
         return NULL;
     const int64_t words = j->path == 1 ? 4 * j->T * TILE_WORDS : 4 * TILE_WORDS;
-    uint16_t *buf = j->plain ? NULL : aligned_alloc(64, (size_t)words * 2);
+    uint16_t *buf = j->plain ? NULL : scratch(1, (size_t)words * 2);
     if (!j->plain && !buf) {
         j->status = 1;
         return NULL;
@@ -541,21 +557,23 @@ static void *work(void *arg) {
             gemv_3(j, &d, buf);
         else
             gemv_4(j, &d, buf);
-        free(buf);
         return NULL;
     }
 #endif
     for (int64_t p = j->p0; p < j->p1; p++)
         panel_portable(j, p, buf);
-    free(buf);
     return NULL;
 }
 
 /* Returns 0, 1 if memory ran out, 2 for a path this build or CPU cannot run, 3 for bad sizes. */
 int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, const uint16_t *plain,
               const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const int64_t *pstart,
-              const uint16_t *pword, const uint8_t *pexp, uint16_t *y, int path, int threads) {
-    if (M < 1 || N < 1 || Kp < 32 || Kp % 32 || Mp < M || (path == 1 && Mp % 16) || (path == 0 && M > 4))
+              const uint16_t *pword, const uint8_t *pexp, uint16_t *y, int path, int threads, int64_t ldx,
+              int64_t K) {
+    /* x: M rows of K inputs, ldx apart; the AMX path packs them (zero padded) itself, the others read
+     * x as [Mp][Kp] (ldx == Kp, padded by the caller) */
+    if (M < 1 || N < 1 || Kp < 32 || Kp % 32 || Mp < M || (path == 1 && Mp % 16) || (path == 0 && M > 4) ||
+        K < 1 || K > Kp || Kp - K >= 32 || ldx < K || (path != 1 && ldx != Kp))
         return 3;
     if ((path == 1 && !tm_amx_ready()) || (path == 0 && !tm_avx512_ready()) || path < 0 || path > 2)
         return 2;
@@ -569,15 +587,24 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
     if (threads > units)
         threads = (int)units;
     uint16_t *xa = NULL;
-    if (path == 1) { /* x as A tiles: each 16 x 32 block contiguous (one 1 KB load) */
-        xa = aligned_alloc(64, (size_t)Mp * Kp * 2);
+    if (path == 1) { /* x as A tiles: each 16 x 32 block contiguous (one 1 KB load), zero padded */
+        xa = scratch(0, (size_t)Mp * Kp * 2);
         if (!xa)
             return 1;
         const int64_t T = Kp / 32;
         for (int64_t b = 0; b < Mp / 16; b++)
             for (int64_t t = 0; t < T; t++)
-                for (int r = 0; r < 16; r++)
-                    memcpy(xa + ((b * T + t) * 16 + r) * 32, x + (16 * b + r) * Kp + 32 * t, 64);
+                for (int r = 0; r < 16; r++) {
+                    uint16_t *to = xa + ((b * T + t) * 16 + r) * 32;
+                    const int64_t row = 16 * b + r, have = K - 32 * t < 32 ? K - 32 * t : 32;
+                    if (row < M && have == 32) {
+                        memcpy(to, x + row * ldx + 32 * t, 64);
+                    } else {
+                        memset(to, 0, 64);
+                        if (row < M)
+                            memcpy(to, x + row * ldx + 32 * t, (size_t)have * 2);
+                    }
+                }
     }
     job jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
@@ -589,7 +616,6 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
         jobs[t] = j;
     }
     pool_run(work, jobs, sizeof(job), threads);
-    free(xa);
     for (int t = 0; t < threads; t++)
         if (jobs[t].status)
             return jobs[t].status;
