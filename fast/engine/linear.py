@@ -37,7 +37,6 @@ from fast.codec.encode import encode
 from fast.codec.linear import UnweightLinear
 from fast.codec.matmul_c import TileWeight
 
-SHARED_ROWS = 16  # products of more rows than this share the work among torch's threads
 PROBE_ROWS = (3, 5, 17, 64)  # packed oneDNN must equal F.linear at these row counts to be used
 
 
@@ -86,11 +85,11 @@ def rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
-def tile_threads(x: torch.Tensor) -> int:
-    """Threads for a tile product: torch's count, or 1 for a few rows (a decode step's product is
-    too short to pay for starting threads). The split never changes a result (threads share out the
-    output features, each output is summed by one thread), only the speed."""
-    return torch.get_num_threads() if rows(x) > SHARED_ROWS else 1
+def tile_threads(x: torch.Tensor) -> int:  # noqa: ARG001 (one rule for every product today)
+    """Threads for a tile product: torch's count. Threads share out the output features (each output is
+    summed by one thread), so the count never changes a result, only the speed; they stay alive between
+    products (fast/codec/native/threads.h), so even a decode step's short products can share them."""
+    return torch.get_num_threads()
 
 
 @functools.cache
