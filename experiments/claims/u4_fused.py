@@ -111,7 +111,7 @@ def run(ctx: Context) -> Result:
         why = lossless_text + cpu_text + ("" if gpu is None else
                                           f". GPU numbers quoted from experiments/results/gpu_bench.json "
                                           f"({gpu.get('date')}, commit {gpu.get('commit')}).")
-    figure = plot(rows, gpu, ctx)
+    figure = plot(rows, gpu, ctx, measured["cpu"])
     return Result(
         clock="wall",
         clock_detail=("CPU: wall time of the C tile products over every projection of SmolLM2, plain and compressed "
@@ -153,11 +153,14 @@ def summarize(record: dict[str, Any]) -> str:
             f"decode {gpu['goals']['palette_decode_TBps']:.2f} TB/s; lossless")
 
 
-def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, ctx: Context) -> str:
-    """Bits per weight of each form per matrix; with GPU results, fused / cuBLAS speed by batch."""
+def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, ctx: Context,
+         cpu: dict[str, Any] | None = None) -> str:
+    """Bits per weight of each form per matrix; the CPU's speed ratios by batch (measured in this run);
+    with GPU results, fused / cuBLAS speed by batch."""
     plt = pyplot()
 
-    fig, axes = plt.subplots(1, 2 if gpu else 1, figsize=(13 if gpu else 7, 3.8), squeeze=False)
+    panels = 1 + (cpu is not None) + (gpu is not None)
+    fig, axes = plt.subplots(1, panels, figsize=(6.5 * panels, 3.8), squeeze=False)
     ax = axes[0][0]
     idx = range(len(rows))
     ax.axhline(16, color="k", lw=0.8, ls="--", label="bf16")
@@ -168,8 +171,21 @@ def plot(rows: list[dict[str, Any]], gpu: dict[str, Any] | None, ctx: Context) -
     ax.set_ylim(0, 17)
     ax.set_title("U4: every matrix decodes bit-exact; size of each form", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
-    if gpu:
+    if cpu is not None:
         ax = axes[0][1]
+        rs = [r for r in cpu["rows"] if r["threads"] == 1]
+        ms = [r["rows"] for r in rs]
+        ax.plot(ms, [r["engine_compressed_vs_engine_plain"] for r in rs], "ro-", label="compressed / plain (as served)")
+        if all("engine_plain_vs_onednn" in r for r in rs):
+            ax.plot(ms, [r["engine_plain_vs_onednn"] for r in rs], "bs-", label="plain tiles / oneDNN")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("rows per product (batch)")
+        ax.set_ylabel("speed ratio (one thread)")
+        ax.set_title(f"CPU tile products, SmolLM2 ({cpu['layers']} layers), every projection", fontsize=9)
+        ax.legend(fontsize=7)
+    if gpu:
+        ax = axes[0][-1]
         for shape in sorted({tuple(r["shape"]) for r in gpu["matmul"]}):
             pts = [(r["batch"], r["fused_speedup_vs_cublas"]) for r in gpu["matmul"] if tuple(r["shape"]) == shape]
             ax.plot(*zip(*pts, strict=True), "o-", label=f"W {shape[0]}x{shape[1]}")
