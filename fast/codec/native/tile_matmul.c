@@ -417,7 +417,7 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
         flush(j, &w);
 }
 
-/* Compressed panels [p, p + np) for one block of at most 16 rows (decode steps, small batches): each
+/* Compressed panels [p, p + np) for at most 32 rows (decode steps, small batches): each
  * step's two tiles are decoded into a 2 KB L1 buffer one step before their products (two buffers,
  * used in turn: the vector decode of step t + 1 overlaps the tile products of step t), so a tile is
  * read once from memory and never leaves L1 decoded; the C tiles hold the sums over all of k. Same
@@ -433,13 +433,18 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
         decode_tile(j, d, first0, ring);
         if (pair)
             decode_tile(j, d, first1, ring + TILE_WORDS);
+        const int two = j->Mp == 32; /* two blocks of 16 rows: 2 x 2 C tiles */
         _tile_zero(0);
         _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
         for (int64_t t = 0; t < T; t++) {
             const uint16_t *b0 = ring + (t & 1) * 2 * TILE_WORDS;
-            _tile_loadd(4, j->xa + t * TILE_WORDS, 64);
+            _tile_stream_loadd(4, j->xa + t * TILE_WORDS, 64);
             _tile_loadd(6, b0, 64);
             _tile_loadd(7, b0 + TILE_WORDS, 64);
+            if (two)
+                _tile_stream_loadd(5, j->xa + (T + t) * TILE_WORDS, 64);
             if (t + TM_PC < T) { /* the compressed bytes a few steps ahead */
                 const int64_t ahead0 = first0 + t + TM_PC, ahead1 = first1 + t + TM_PC;
                 for (int l = 0; l < 8; l++)
@@ -461,10 +466,19 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
             }
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
         }
         store_tile(j, 0, 0, p + qq, scratch);
         if (pair)
             store_tile(j, 1, 0, p + qq + 1, scratch);
+        if (two) {
+            store_tile(j, 2, 16, p + qq, scratch);
+            if (pair)
+                store_tile(j, 3, 16, p + qq + 1, scratch);
+        }
     }
 }
 
@@ -492,7 +506,7 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
     const int64_t T = j->T;
     for (int64_t p = j->p0; p < j->p1; p += 4) {
         const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);
-        if (!j->plain && j->Mp == 16) {
+        if (!j->plain && j->Mp <= 32) {
             amx_small(j, d, p, np, buf, sets);
             continue;
         }
