@@ -278,6 +278,9 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 
 #define TM_PF 4  /* B tiles fetched this many steps ahead on their first use (from memory) */
 #define TM_PC 4  /* compressed tiles fetched this many steps ahead (small batches) */
+#ifndef TM_RING_ROWS
+#define TM_RING_ROWS 32 /* compressed: up to this many rows decode each step into the L1 ring */
+#endif
 #define TM_KC 20 /* at most this many steps of k per block (a pair of panels: <= 40 KB of B tiles in L1) */
 #define AMX_STEP(A0, A1, B0, B1)                                                                    \
     do {                                                                                            \
@@ -423,8 +426,9 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
  * read once from memory and never leaves L1 decoded; the C tiles hold the sums over all of k. Same
  * products, same order as amx_block. */
 TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, uint16_t *ring,
-                           float *scratch) {
+                           float *scratch, int64_t m0) {
     const int64_t T = j->T;
+    const uint16_t *xa = j->xa + m0 / 16 * T * TILE_WORDS;
     for (int qq = 0; qq < np; qq += 2) {
         const int pair = qq + 1 < np;
         const int64_t first0 = (p + qq) * T, first1 = (p + qq + 1) * T;
@@ -433,18 +437,18 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
         decode_tile(j, d, first0, ring);
         if (pair)
             decode_tile(j, d, first1, ring + TILE_WORDS);
-        const int two = j->Mp == 32; /* two blocks of 16 rows: 2 x 2 C tiles */
+        const int two = j->Mp - m0 >= 32; /* two blocks of 16 rows: 2 x 2 C tiles */
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t t = 0; t < T; t++) {
             const uint16_t *b0 = ring + (t & 1) * 2 * TILE_WORDS;
-            _tile_stream_loadd(4, j->xa + t * TILE_WORDS, 64);
+            _tile_stream_loadd(4, xa + t * TILE_WORDS, 64);
             _tile_loadd(6, b0, 64);
             _tile_loadd(7, b0 + TILE_WORDS, 64);
             if (two)
-                _tile_stream_loadd(5, j->xa + (T + t) * TILE_WORDS, 64);
+                _tile_stream_loadd(5, xa + (T + t) * TILE_WORDS, 64);
             if (t + TM_PC < T) { /* the compressed bytes a few steps ahead */
                 const int64_t ahead0 = first0 + t + TM_PC, ahead1 = first1 + t + TM_PC;
                 for (int l = 0; l < 8; l++)
@@ -471,13 +475,13 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
                 _tile_dpbf16ps(3, 5, 7);
             }
         }
-        store_tile(j, 0, 0, p + qq, scratch);
+        store_tile(j, 0, m0, p + qq, scratch);
         if (pair)
-            store_tile(j, 1, 0, p + qq + 1, scratch);
+            store_tile(j, 1, m0, p + qq + 1, scratch);
         if (two) {
-            store_tile(j, 2, 16, p + qq, scratch);
+            store_tile(j, 2, m0 + 16, p + qq, scratch);
             if (pair)
-                store_tile(j, 3, 16, p + qq + 1, scratch);
+                store_tile(j, 3, m0 + 16, p + qq + 1, scratch);
         }
     }
 }
@@ -506,8 +510,9 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
     const int64_t T = j->T;
     for (int64_t p = j->p0; p < j->p1; p += 4) {
         const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);
-        if (!j->plain && j->Mp <= 32) {
-            amx_small(j, d, p, np, buf, sets);
+        if (!j->plain && j->Mp <= TM_RING_ROWS) {
+            for (int64_t m0 = 0; m0 < j->Mp; m0 += 32)
+                amx_small(j, d, p, np, buf, sets, m0);
             continue;
         }
         const uint16_t *b[4] = {NULL, NULL, NULL, NULL};
