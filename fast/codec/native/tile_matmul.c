@@ -279,7 +279,7 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 #define TM_PF 4  /* B tiles fetched this many steps ahead on their first use (from memory) */
 #define TM_PC 4  /* compressed tiles fetched this many steps ahead (small batches) */
 #ifndef TM_RING_ROWS
-#define TM_RING_ROWS 32 /* compressed: up to this many rows decode each step into the L1 ring */
+#define TM_RING_ROWS 128 /* compressed: up to this many rows decode each step just before its products */
 #endif
 #define TM_KC 20 /* at most this many steps of k per block (a pair of panels: <= 40 KB of B tiles in L1) */
 #define AMX_STEP(A0, A1, B0, B1)                                                                    \
@@ -426,14 +426,16 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
  * read once from memory and never leaves L1 decoded; the C tiles hold the sums over all of k. Same
  * products, same order as amx_block. */
 TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, uint16_t *ring,
-                           float *scratch, int64_t m0) {
-    const int64_t T = j->T;
-    const uint16_t *xa = j->xa + m0 / 16 * T * TILE_WORDS;
+                           float *scratch) {
+    const int64_t T = j->T, keep = j->Mp > 32; /* keep: every step's tiles stay for the next row blocks */
+    const uint16_t *xa = j->xa;
+    const int64_t m0 = 0;
     for (int qq = 0; qq < np; qq += 2) {
         const int pair = qq + 1 < np;
         const int64_t first0 = (p + qq) * T, first1 = (p + qq + 1) * T;
-        if (!pair)
-            memset(ring + TILE_WORDS, 0, TILE_WORDS * 2), memset(ring + 3 * TILE_WORDS, 0, TILE_WORDS * 2);
+        if (!pair) /* the second panel's tiles are zero */
+            for (int64_t t = 0; t < (keep ? T : 2); t++)
+                memset(ring + (2 * t + 1) * TILE_WORDS, 0, TILE_WORDS * 2);
         decode_tile(j, d, first0, ring);
         if (pair)
             decode_tile(j, d, first1, ring + TILE_WORDS);
@@ -443,7 +445,7 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t t = 0; t < T; t++) {
-            const uint16_t *b0 = ring + (t & 1) * 2 * TILE_WORDS;
+            const uint16_t *b0 = ring + (keep ? t : t & 1) * 2 * TILE_WORDS;
             _tile_stream_loadd(4, xa + t * TILE_WORDS, 64);
             _tile_loadd(6, b0, 64);
             _tile_loadd(7, b0 + TILE_WORDS, 64);
@@ -463,7 +465,7 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
                 }
             }
             if (t + 1 < T) {
-                uint16_t *next = ring + ((t + 1) & 1) * 2 * TILE_WORDS;
+                uint16_t *next = ring + (keep ? t + 1 : (t + 1) & 1) * 2 * TILE_WORDS;
                 decode_tile(j, d, first0 + t + 1, next);
                 if (pair)
                     decode_tile(j, d, first1 + t + 1, next + TILE_WORDS);
@@ -482,6 +484,35 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
             store_tile(j, 2, m0 + 16, p + qq, scratch);
             if (pair)
                 store_tile(j, 3, m0 + 16, p + qq + 1, scratch);
+        }
+        for (int64_t m1 = 32; keep && m1 < j->Mp; m1 += 32) { /* the next row blocks: tiles from buf */
+            const uint16_t *x0 = j->xa + m1 / 16 * T * TILE_WORDS, *x1 = x0 + T * TILE_WORDS;
+            const int both = j->Mp - m1 >= 32;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t t = 0; t < T; t++) {
+                const uint16_t *b0 = ring + 2 * t * TILE_WORDS;
+                _tile_stream_loadd(4, x0 + t * TILE_WORDS, 64);
+                _tile_loadd(6, b0, 64);
+                _tile_loadd(7, b0 + TILE_WORDS, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if (both) {
+                    _tile_stream_loadd(5, x1 + t * TILE_WORDS, 64);
+                    _tile_dpbf16ps(2, 5, 6);
+                    _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            store_tile(j, 0, m1, p + qq, scratch);
+            if (pair)
+                store_tile(j, 1, m1, p + qq + 1, scratch);
+            if (both) {
+                store_tile(j, 2, m1 + 16, p + qq, scratch);
+                if (pair)
+                    store_tile(j, 3, m1 + 16, p + qq + 1, scratch);
+            }
         }
     }
 }
@@ -511,8 +542,7 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
     for (int64_t p = j->p0; p < j->p1; p += 4) {
         const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);
         if (!j->plain && j->Mp <= TM_RING_ROWS) {
-            for (int64_t m0 = 0; m0 < j->Mp; m0 += 32)
-                amx_small(j, d, p, np, buf, sets, m0);
+            amx_small(j, d, p, np, buf, sets);
             continue;
         }
         const uint16_t *b[4] = {NULL, NULL, NULL, NULL};
