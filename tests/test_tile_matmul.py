@@ -171,16 +171,19 @@ def test_logits_do_not_depend_on_the_batch_or_the_threads(compressed: bool) -> N
 @settings(max_examples=12, deadline=None)
 @given(m=st.integers(1, 150), threads=st.sampled_from([1, 2, 3]), seed=st.integers(0, 2**16))
 def test_a_rows_product_does_not_depend_on_the_other_rows(m: int, threads: int, seed: int) -> None:
-    """Each output row equals that row multiplied alone (1 row: the AVX-512 path), whatever the row count, the
-    row's place among the blocks of 16 and 32, and the threads: the batch invariance the engine relies on.
+    """Each output row equals that row multiplied alone, plain or compressed, whatever the row count (1-150: every
+    way the compressed products take), the row's place among the blocks of 16 and 32, and the threads: the
+    batch invariance the engine relies on.
     (oneDNN's products differ here: their blocking over k changes with the row count at this shape.)"""
     rng = np.random.default_rng(seed)
     w = _bf16(rng.standard_normal((1536, 576)) * 0.05)
     x = _bf16(rng.standard_normal((m, 576)))
-    tw = TileWeight.from_dense(w)
-    y = tw.matmul(x, threads=threads)
+    _, form = encode(w.contiguous(), with_palette_form=True)
+    plain, comp = TileWeight.from_dense(w), TileWeight.from_palette(form)
+    y = plain.matmul(x, threads=threads)
+    assert torch.equal(comp.matmul(x, threads=threads).view(torch.int16), y.view(torch.int16))
     for i in sorted({0, m // 2, m - 1, int(rng.integers(0, m))}):
-        assert torch.equal(y[i:i + 1].view(torch.int16), tw.matmul(x[i:i + 1]).view(torch.int16)), i
+        assert torch.equal(y[i:i + 1].view(torch.int16), comp.matmul(x[i:i + 1]).view(torch.int16)), i
 
 
 def test_the_thread_pool_serves_concurrent_callers_and_a_forked_child() -> None:
