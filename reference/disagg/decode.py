@@ -73,6 +73,9 @@ class DecodeStream:
     done_owed: bool = False
 
 
+WAITING = object()  # yielded by install work that waits for a NIXL read: stop installing for now
+
+
 @dataclass
 class PendingRead:
     """A KV descriptor's READ: posted (``read``), or waiting for room in this worker's arena, until
@@ -116,7 +119,7 @@ class DecodeWorker(WorkerBase):
         self.counters = link.counters
         self.install_share = install_share
         # KV and DONE work not done yet, in arrival order
-        self.installs: deque[Iterator[None]] = deque()
+        self.installs: deque[Iterator[object]] = deque()
         self.install_s = 0.0  # CPU seconds of install work since the last step
         self.last_step_s = 0.0
 
@@ -242,7 +245,7 @@ class DecodeWorker(WorkerBase):
         return None
 
     # -- installing received KV -----------------------------------------------------------
-    def _queue(self, work: Iterator[None]) -> None:
+    def _queue(self, work: Iterator[object]) -> None:
         self.installs.append(work)
         # nobody's next token waits for it
         if self.install_share is None or not self.scheduler.running:
@@ -259,7 +262,8 @@ class DecodeWorker(WorkerBase):
         start = time.process_time()
         while self.installs:
             try:
-                next(self.installs[0])
+                if next(self.installs[0]) is WAITING:
+                    break  # a NIXL read in flight: take frames (post their reads) meanwhile
             except StopIteration:
                 self.installs.popleft()
             if time.process_time() - start >= budget_s:
@@ -292,7 +296,7 @@ class DecodeWorker(WorkerBase):
         self.link.count("kv_bytes_received", len(payload))
         yield
 
-    def _kv_nixl(self, st: DecodeStream, frame: Frame) -> Iterator[None]:
+    def _kv_nixl(self, st: DecodeStream, frame: Frame) -> Iterator[object]:
         """A KV descriptor (NIXL carrier): post the READ now, install its bytes once they land."""
         if st.state != "receiving" or st.source is None or self.nixl is None:
             return self.link.count("kv_frames_late" if st.state != "receiving" else
@@ -305,7 +309,7 @@ class DecodeWorker(WorkerBase):
         while not pending.resolved:
             self._poll_reads(st)
             if not pending.resolved:
-                yield
+                yield WAITING
         if pending.error is not None:
             self.link.count("kv_nixl_reads_failed")
             self.link.count("kv_frames_refused")

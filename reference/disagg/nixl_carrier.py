@@ -4,7 +4,7 @@ With ``--kv-carrier nixl`` the bytes of a KV payload (``wire.py``: header, K, V,
 exactly what a TCP KV frame carries) no longer travel inside the frame. The prefill worker
 writes them into a staging arena that its NIXL agent registered (host DRAM, UCX backend) and
 sends, in the KV frame, a *descriptor*: the layer and positions, where the bytes lie in that
-arena, and a BLAKE2b-256 digest of them (``PROTOCOL.md`` section 4.1). The decode worker posts a
+arena, and a SHA-256 digest of them (``PROTOCOL.md`` section 4.1). The decode worker posts a
 NIXL READ from the prefill agent's arena into its own registered arena, checks the digest (so
 the bytes are as authenticated as a signed frame's), and installs them as it installs a TCP KV
 frame. The frames keep the control: the prefill agent's metadata and arena travel in the
@@ -61,8 +61,9 @@ def require_nixl() -> None:
 
 
 def payload_digest(data: bytes | memoryview) -> bytes:
-    """BLAKE2b-256 of a KV payload, carried in its (signed) descriptor frame."""
-    return hashlib.blake2b(data, digest_size=32, person=b"unfire-nixlkv-v1").digest()
+    """SHA-256 of a KV payload, carried in its (signed) descriptor frame. SHA-256, not BLAKE2b: with
+    the CPU's SHA instructions ~1.2 GB/s here, BLAKE2b ~0.44 (measured on this machine)."""
+    return hashlib.sha256(data).digest()
 
 
 class Arena:
