@@ -121,6 +121,7 @@ class DecodeWorker(WorkerBase):
         # KV and DONE work not done yet, in arrival order
         self.installs: deque[Iterator[object]] = deque()
         self.install_s = 0.0  # CPU seconds of install work since the last step
+        self.waiting_on_read = False  # the queue's head waits for a NIXL read (_install)
         self.last_step_s = 0.0
 
     # -- frames in ------------------------------------------------------------------------
@@ -260,10 +261,13 @@ class DecodeWorker(WorkerBase):
         if not self.installs:
             return
         start = time.process_time()
+        self.waiting_on_read = False
         while self.installs:
             try:
                 if next(self.installs[0]) is WAITING:
-                    break  # a NIXL read in flight: take frames (post their reads) meanwhile
+                    # a NIXL read in flight: take frames (post their reads) meanwhile
+                    self.waiting_on_read = True
+                    break
             except StopIteration:
                 self.installs.popleft()
             if time.process_time() - start >= budget_s:
@@ -274,7 +278,13 @@ class DecodeWorker(WorkerBase):
             self.install_s += spent
 
     def has_work(self) -> bool:
-        return bool(self.installs) or super().has_work()
+        """Work to do now. Install work that waits for a NIXL read is not: the loop then sleeps
+        ``poll_s`` between polls instead of spinning beside the prefill worker's compute."""
+        return (bool(self.installs) and not self.waiting_on_read) or super().has_work()
+
+    def poll_s(self) -> float:
+        """How long the worker loop may wait for a frame when ``has_work`` is False."""
+        return 0.0005 if self.waiting_on_read else 0.02
 
     def _kv(self, st: DecodeStream, frame: Frame) -> Iterator[None]:
         if st.state != "receiving" or st.layout is None or st.covered is None:

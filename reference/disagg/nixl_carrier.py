@@ -105,19 +105,52 @@ class Arena:
         return sum(length for _, length in self.free_list)
 
 
+PROGRESS_DELAY_US = 100  # the progress thread sleeps this long between polls (_new_agent)
+
+
+def _new_agent(name: str) -> Any:
+    """A NIXL agent (UCX backend) whose progress thread sleeps PROGRESS_DELAY_US between polls.
+
+    nixl 1.5.1's Python API hard-codes ``pthrDelay = 0``: the progress thread then spins, a core
+    per agent even when idle (measured here: 1.0 CPU-s per second for two idle agents), which on a
+    2-core machine starves the workers' own compute. It cannot be turned off either: over UCX's TCP
+    transport (the one UCX picks here: its shared-memory transports lack the peer-failure handling
+    NIXL asks for) a READ only progresses while the *target* agent progresses too. So the agent is
+    built with a config whose ``pthrDelay`` is at least PROGRESS_DELAY_US: idle CPU 0.02 s/s, and
+    30 reads of 96 KB take ~5 ms instead of ~14-40 ms (/tmp probe, this machine)."""
+    import nixl._api as api
+
+    bind, base = api.nixlBind, api.nixlBind.nixlAgentConfig
+
+    class Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # noqa: N802 (the binding's name)
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:  # noqa: N802
+            base.pthrDelay.__set__(self, max(int(value), PROGRESS_DELAY_US))
+
+    bind.nixlAgentConfig = Config
+    try:
+        return api.nixl_agent(name, api.nixl_agent_config(backends=["UCX"]))
+    finally:
+        bind.nixlAgentConfig = base
+
+
 class _Agent:
     """One NIXL agent (UCX backend) with one registered DRAM arena."""
 
     def __init__(self, role: str, node: int, arena_bytes: int) -> None:
         require_nixl()
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            import nixl._api  # noqa: F401
         except ImportError as e:  # installed but broken (a missing shared library)
             raise CarrierError(f"the nixl package is installed but does not load ({e}): "
                                f"{INSTALL_HINT}") from e
         self.name = f"unfire-{role}-{node}-{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            self.agent = nixl_agent(self.name, nixl_agent_config(backends=["UCX"]))
+            self.agent = _new_agent(self.name)
             self.arena = Arena(arena_bytes)
             self.reg = self.agent.register_memory([(self.arena.addr, arena_bytes, 0, "")], "DRAM")
         except Exception as e:  # nixl raises its own types (nixlBackendError, ...)

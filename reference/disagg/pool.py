@@ -164,7 +164,8 @@ def serve(worker: PrefillWorker | DecodeWorker, link: Link, heartbeat_s: float =
     inbox, next_beat = link.endpoint.inbox, 0.0
     while True:
         try:
-            item = inbox.get(timeout=0 if worker.has_work() else 0.02)
+            idle = getattr(worker, "poll_s", lambda: 0.02)()  # a decode worker awaiting NIXL reads
+            item = inbox.get(timeout=0 if worker.has_work() else idle)
             while True:
                 _, data = item
                 if data is None or not handle(worker, link, data):
