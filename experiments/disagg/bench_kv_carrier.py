@@ -92,7 +92,9 @@ def run_carrier(carrier: str, todo: list[list[int]], args: argparse.Namespace) -
             row: dict[str, Any] = {"carrier": carrier, "prompt_tokens": len(prompt), "warmup": i == 0, "ok": ok,
                                    "error": result["error"], "kv_bytes": size[0]}
             if ok:
-                row.update(handoff_s=seen["ack_done"] - start, tail_s=seen["ack_done"] - seen["done"],
+                row.update(first_kv_s=seen["first_kv"] - start, done_s=seen["done"] - start,
+                           handoff_s=seen["ack_done"] - start, tail_s=seen["ack_done"] - seen["done"],
+                           at=start,
                            bytes_per_s=size[0] / max(seen["ack_done"] - seen["first_kv"], 1e-9))
             rows.append(row)
             print(json.dumps(row), flush=True)
