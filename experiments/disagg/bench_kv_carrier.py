@@ -118,19 +118,21 @@ def medians(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m experiments.disagg.bench_kv_carrier",
+                                description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--model", default="smollm2", help="the workers' model")
     p.add_argument("--lengths", default="128,512,1536", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--prompts", type=int, default=3, help="prompts per length per round")
     p.add_argument("--repeats", type=int, default=2, help="rounds; the carriers alternate within each")
-    p.add_argument("--wire", default="fp32", choices=["fp32", "bf16", "fp8"])
+    p.add_argument("--wire", default="fp32", choices=["fp32", "bf16", "fp8"], help="KV dtype on the wire")
     p.add_argument("--dtype", default="float32", help="the workers' torch dtype (and the decode cache's)")
-    p.add_argument("--num-blocks", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-blocks", type=int, default=256, help="KV blocks per worker")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="the prefill chunk (a longer prompt is computed in several)")
     p.add_argument("--arena-mb", type=int, default=128, help="each worker's NIXL-registered arena")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=RESULTS / "kv_carrier.json")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--out", type=Path, default=RESULTS / "kv_carrier.json", help="the JSON written")
     a = p.parse_args(argv)
     try:
         require_nixl()
