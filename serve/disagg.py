@@ -52,6 +52,7 @@ from typing import Any
 
 from reference.disagg.accounting import NodeStats
 from reference.disagg.coordinator import Coordinator, CoordinatorError, RequestState
+from reference.disagg.nixl_carrier import CARRIERS, CarrierError, require_nixl
 from reference.disagg.pool import SECRET_ENV, ProcessPool, WorkerOptions, parse_workers
 from reference.engine.params import RequestRejected, SamplingParams
 from reference.engine.request import RequestMetrics, RequestOutput, TokenEvent
@@ -219,6 +220,9 @@ class DisaggEngine:
              lambda w, s: s.kv_bytes_sent),
             ("unfire_disagg_worker_kv_bytes_received_total", "counter", "KV payload bytes received (decode).",
              lambda w, s: s.kv_bytes_received),
+            ("unfire_disagg_worker_kv_bytes_nixl_total", "counter",
+             "Of the KV bytes sent / received: read by the decode worker with NIXL (--kv-carrier nixl).",
+             lambda w, s: s.kv_bytes_nixl),
             ("unfire_disagg_worker_exposed_transfer_seconds_total", "counter",
              "Decode: DONE forwarded to the first token back, summed over handoffs.",
              lambda w, s: round(s.exposed_transfer_s, 6)),
@@ -324,6 +328,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", default="", help="HOST:PORT,... of workers started with `python -m reference.disagg "
                                                  f"worker --listen HOST:PORT` (shared secret in ${SECRET_ENV})")
     g.add_argument("--kv-wire", choices=["fp32", "bf16", "fp8"], default="fp32", help="KV dtype on the wire")
+    g.add_argument("--kv-carrier", choices=list(CARRIERS), default="tcp",
+                   help="how KV moves prefill -> decode: tcp (inside the frames) or nixl (the decode worker reads the "
+                        "prefill worker's registered memory with NIXL/UCX; needs pip install -e '.[nixl]')")
     g.add_argument("--worker-lease", type=float, default=15.0,
                    help="seconds a worker may send nothing before it is treated as lost")
 
@@ -346,6 +353,14 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         p.error("a disaggregated endpoint needs --prefill-workers >= 1 and --decode-workers >= 1")
     if args.worker_lease <= 0:
         p.error("--worker-lease must be > 0")
+    if getattr(args, "kv_carrier", "tcp") == "nixl":
+        if not wanted(args) or args.workers or getattr(args, "ray", None):
+            p.error("--kv-carrier nixl works only with workers this server starts (--prefill-workers P "
+                    "--decode-workers D); not with --workers, --ray or torchrun")
+        try:
+            require_nixl()
+        except CarrierError as e:
+            p.error(str(e))
 
 
 def worker_program(args: argparse.Namespace) -> tuple[list[str], str]:
@@ -376,7 +391,8 @@ def build(args: argparse.Namespace, tenants: Tenants | None = None) -> DisaggEng
     except ValueError:
         raise ValueError(f"${SECRET_ENV} must be hex digits") from None
     opts = WorkerOptions(num_blocks=args.num_blocks, block_size=args.block_size, wire=args.kv_wire, kv_dtype=kv_dtype,
-                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+                         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                         kv_carrier=getattr(args, "kv_carrier", "tcp"))
     pool = None
     if getattr(args, "ray", None):  # the workers as Ray actors (serve/disagg_ray.py)
         from serve import disagg_ray

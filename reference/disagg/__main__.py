@@ -221,6 +221,14 @@ def worker_main(args: argparse.Namespace, load: Any = None) -> int:
             return 2
         values[name] = fields[name](value)
     opts = WorkerOptions(**values)
+    if opts.kv_carrier == "nixl":
+        from reference.disagg.nixl_carrier import CarrierError, require_nixl
+
+        try:
+            require_nixl()
+        except CarrierError as e:
+            print(f"worker: {e}", file=sys.stderr)
+            return 2
     if not args.listen and (args.node is None or args.port is None):
         print("worker: give --node and --port, or --listen HOST:PORT", file=sys.stderr)
         return 2

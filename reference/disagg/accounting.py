@@ -14,6 +14,8 @@ from typing import Any
 
 from reference.disagg import messages
 from reference.disagg.frames import Frame, Kind
+from reference.disagg.nixl_carrier import DESCRIPTOR, DESCRIPTOR_FLAG
+from reference.disagg.wire import KV_HEADER
 
 # streams whose DONE was forwarded but whose first token has not come back
 MAX_OPEN_TRANSFERS = 65536
@@ -27,10 +29,20 @@ class NodeStats:
     pid: int = 0
     kv_bytes_sent: int = 0
     kv_bytes_received: int = 0
+    kv_bytes_nixl: int = 0  # of kv_bytes_sent/received: read with NIXL, only a descriptor framed
     handoffs: int = 0
     recomputes: int = 0
     exposed_transfer_s: float = 0.0  # decode: DONE forwarded -> first token back, summed
     exposed_transfers: int = 0
+
+
+def kv_payload_size(payload: bytes) -> tuple[int, bool]:
+    """(KV payload bytes, read with NIXL?) of a KV frame: its own length, or for a NIXL descriptor
+    (``nixl_carrier.py``) the length of the payload it points at."""
+    flag_at, size = 3, KV_HEADER.size
+    if len(payload) == size + DESCRIPTOR.size and payload[flag_at] == DESCRIPTOR_FLAG:
+        return DESCRIPTOR.unpack_from(payload, size)[1], True
+    return len(payload), False
 
 
 class Accounting:
@@ -53,8 +65,12 @@ class Accounting:
         if sender.role == "prefill" and frame.kind is Kind.KV:
             peer = self.stats.get(decode_node) if decode_node is not None else None
             if peer is not None:
-                mine.kv_bytes_sent += len(frame.payload)
-                peer.kv_bytes_received += len(frame.payload)
+                size, nixl = kv_payload_size(frame.payload)
+                mine.kv_bytes_sent += size
+                peer.kv_bytes_received += size
+                if nixl:
+                    mine.kv_bytes_nixl += size
+                    peer.kv_bytes_nixl += size
         elif sender.role == "prefill" and frame.kind is Kind.DONE:
             mine.handoffs += 1
             self.done_at.setdefault(frame.stream, now)

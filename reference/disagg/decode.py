@@ -34,14 +34,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from reference.disagg import messages
 from reference.disagg.frames import Frame, Kind
+from reference.disagg.nixl_carrier import DESCRIPTOR_FLAG, NixlSink, Read
 from reference.disagg.transport import Link
-from reference.disagg.wire import KVLayout, WireError, decode_kv, kv_digest_by_layer
+from reference.disagg.wire import KV_HEADER, KVLayout, WireError, decode_kv, kv_digest_by_layer
 from reference.disagg.worker_base import WorkerBase
 from reference.engine.params import SamplingParams
 from reference.kv.block_manager import BlockManager
@@ -65,6 +66,30 @@ class DecodeStream:
     recomputed: bool = False
     # how its tokens are picked (greedy unless told)
     params: SamplingParams = SamplingParams(seed=0)
+    # NIXL carrier: the prefill agent named in the MANIFEST, its reads not yet resolved, and
+    # whether an ACK(done) is owed once they are (the prefill worker frees its arena on that ACK)
+    source: dict | None = None
+    reads: list[PendingRead] = field(default_factory=list)
+    done_owed: bool = False
+
+
+WAITING = object()  # yielded by install work that waits for a NIXL read: stop installing for now
+
+
+@dataclass
+class PendingRead:
+    """A KV descriptor's READ: posted (``read``), or waiting for room in this worker's arena, until
+    it resolves to the payload's bytes (``data``) or a reason it failed (``error``)."""
+
+    header: bytes
+    descriptor: bytes
+    read: Read | None = None
+    data: bytes | None = None
+    error: str | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return self.data is not None or self.error is not None
 
 
 class DecodeWorker(WorkerBase):
@@ -75,7 +100,8 @@ class DecodeWorker(WorkerBase):
                  wires: tuple[str, ...] = ("fp32", "bf16", "fp8"),
                  max_num_batched_tokens: int = 256, max_num_seqs: int = 32,
                  stream_timeout: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 install_share: float | None = 0.25) -> None:
+                 install_share: float | None = 0.25, nixl: NixlSink | None = None) -> None:
+        self.nixl = nixl  # None: KV descriptors are refused (the TCP carrier only)
         self.model, self.link, self.digest, self.clock = model, link, model_digest, clock
         c = model.config
         self.block_size, self.wires = block_size, wires
@@ -93,8 +119,9 @@ class DecodeWorker(WorkerBase):
         self.counters = link.counters
         self.install_share = install_share
         # KV and DONE work not done yet, in arrival order
-        self.installs: deque[Iterator[None]] = deque()
+        self.installs: deque[Iterator[object]] = deque()
         self.install_s = 0.0  # CPU seconds of install work since the last step
+        self.waiting_on_read = False  # the queue's head waits for a NIXL read (_install)
         self.last_step_s = 0.0
 
     # -- frames in ------------------------------------------------------------------------
@@ -109,10 +136,17 @@ class DecodeWorker(WorkerBase):
         if frame.kind is Kind.MANIFEST:
             self._manifest(st, frame)
         elif frame.kind is Kind.KV:
-            self._queue(self._kv(st, frame))
+            if len(frame.payload) > 3 and frame.payload[3] == DESCRIPTOR_FLAG:
+                self._queue(self._kv_nixl(st, frame))
+            else:
+                self._queue(self._kv(st, frame))
         elif frame.kind is Kind.DONE:
             body = messages.load(Kind.DONE, frame.payload)
-            self._ack(st, "done")
+            self._poll_reads(st)
+            if all(r.resolved for r in st.reads):
+                self._ack(st, "done")
+            else:  # the prefill worker frees its arena on this ACK: not while reads are in flight
+                st.done_owed = True
             self._queue(self._done(st, body))
         elif frame.kind is Kind.ABORT:
             self._install(float("inf"))  # what arrived before the ABORT lands first
@@ -152,6 +186,12 @@ class DecodeWorker(WorkerBase):
             return self.link.count("manifests_late")
         body = messages.load(Kind.MANIFEST, frame.payload)
         problem = self._manifest_problem(st, body)
+        if problem is None and "kv_source" in body:
+            problem = (
+                "this decode worker reads no NIXL (started with the TCP carrier)"
+                if self.nixl is None
+                else self.nixl.connect(body["kv_source"])
+            )
         if problem is None and not self.block_manager.can_allocate(st.seq):
             problem = "no free KV blocks on the decode worker"
         if problem is not None:
@@ -163,6 +203,7 @@ class DecodeWorker(WorkerBase):
             )
             return self._admit(st, first_token=None)
         lay = body["layout"]
+        st.source = body.get("kv_source")
         st.layout = KVLayout(lay["num_layers"], lay["num_kv_heads"], lay["head_dim"],
                              lay["block_size"], lay["wire"])
         bm, seq = self.block_manager, st.seq
@@ -205,7 +246,7 @@ class DecodeWorker(WorkerBase):
         return None
 
     # -- installing received KV -----------------------------------------------------------
-    def _queue(self, work: Iterator[None]) -> None:
+    def _queue(self, work: Iterator[object]) -> None:
         self.installs.append(work)
         # nobody's next token waits for it
         if self.install_share is None or not self.scheduler.running:
@@ -220,9 +261,13 @@ class DecodeWorker(WorkerBase):
         if not self.installs:
             return
         start = time.process_time()
+        self.waiting_on_read = False
         while self.installs:
             try:
-                next(self.installs[0])
+                if next(self.installs[0]) is WAITING:
+                    # a NIXL read in flight: take frames (post their reads) meanwhile
+                    self.waiting_on_read = True
+                    break
             except StopIteration:
                 self.installs.popleft()
             if time.process_time() - start >= budget_s:
@@ -233,13 +278,24 @@ class DecodeWorker(WorkerBase):
             self.install_s += spent
 
     def has_work(self) -> bool:
-        return bool(self.installs) or super().has_work()
+        """Work to do now. Install work that waits for a NIXL read is not: the loop then sleeps
+        ``poll_s`` between polls instead of spinning beside the prefill worker's compute."""
+        return (bool(self.installs) and not self.waiting_on_read) or super().has_work()
+
+    def poll_s(self) -> float:
+        """How long the worker loop may wait for a frame when ``has_work`` is False."""
+        return 0.0005 if self.waiting_on_read else 0.02
 
     def _kv(self, st: DecodeStream, frame: Frame) -> Iterator[None]:
         if st.state != "receiving" or st.layout is None or st.covered is None:
             return self.link.count("kv_frames_late")
+        yield from self._write_kv(st, frame.payload)
+
+    def _write_kv(self, st: DecodeStream, payload: bytes) -> Iterator[None]:
+        """Check one KV payload against the stream's layout, write it into this worker's cache."""
+        assert st.layout is not None and st.covered is not None
         try:
-            layer, start, k, v = decode_kv(st.layout, st.seq.num_prompt_tokens, frame.payload)
+            layer, start, k, v = decode_kv(st.layout, st.seq.num_prompt_tokens, payload)
         except WireError:
             return self.link.count("kv_frames_refused")
         if start < st.cached:  # those positions live in shared cached blocks: never written
@@ -247,8 +303,60 @@ class DecodeWorker(WorkerBase):
         self.cache.write(layer, self.cache.slots(st.seq.block_table, start, len(k)), k, v)
         st.covered[layer, start:start + len(k)] = True
         self.link.count("kv_frames_received")
-        self.link.count("kv_bytes_received", len(frame.payload))
+        self.link.count("kv_bytes_received", len(payload))
         yield
+
+    def _kv_nixl(self, st: DecodeStream, frame: Frame) -> Iterator[object]:
+        """A KV descriptor (NIXL carrier): post the READ now, install its bytes once they land."""
+        if st.state != "receiving" or st.source is None or self.nixl is None:
+            return self.link.count("kv_frames_late" if st.state != "receiving" else
+                                   "kv_frames_refused")
+        size = KV_HEADER.size
+        pending = PendingRead(frame.payload[:size], frame.payload[size:])
+        st.reads.append(pending)
+        self._poll_reads(st)
+        yield
+        while not pending.resolved:
+            self._poll_reads(st)
+            if not pending.resolved:
+                yield WAITING
+        if pending.error is not None:
+            self.link.count("kv_nixl_reads_failed")
+            self.link.count("kv_frames_refused")
+            self.nixl.forget(st.source["agent"])
+            return
+        assert pending.data is not None
+        # the bytes read must be the payload the signed descriptor announced: layer, wire, positions
+        mine, theirs = KV_HEADER.unpack_from(pending.header), KV_HEADER.unpack_from(pending.data)
+        if mine[:2] != theirs[:2] or mine[3:] != theirs[3:] or theirs[2] != 0:
+            return self.link.count("kv_frames_refused")
+        self.link.count("kv_bytes_read_nixl", len(pending.data))
+        if st.state == "receiving":
+            yield from self._write_kv(st, pending.data)
+
+    def _poll_reads(self, st: DecodeStream) -> None:
+        """Post what waits for arena room, collect finished reads, and send an owed ACK(done) once
+        every read of the stream has resolved."""
+        if self.nixl is None or st.source is None:
+            return
+        for pending in st.reads:
+            if pending.resolved:
+                continue
+            if pending.read is None:
+                posted = self.nixl.post(st.source, pending.descriptor)
+                if isinstance(posted, str):
+                    pending.error = posted
+                elif posted is not None:
+                    pending.read = posted
+                continue
+            result = self.nixl.poll(pending.read)
+            if isinstance(result, str):
+                pending.error = result
+            elif result is not None:
+                pending.data = result
+        if st.done_owed and all(r.resolved for r in st.reads):
+            st.done_owed = False
+            self._ack(st, "done")
 
     def _done(self, st: DecodeStream, body: dict) -> Iterator[None]:
         if st.state != "receiving" or st.layout is None:

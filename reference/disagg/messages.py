@@ -96,6 +96,21 @@ def layout_check(v: Any) -> bool:
     return isinstance(v, dict) and set(v) == set(LAYOUT) and all(LAYOUT[k](v[k]) for k in LAYOUT)
 
 
+def hex_text(max_len: int) -> Check:
+    return lambda v: (isinstance(v, str) and 0 < len(v) <= max_len and len(v) % 2 == 0
+                      and all(c in "0123456789abcdef" for c in v))
+
+
+# MANIFEST kv_source (the NIXL carrier, PROTOCOL.md section 4.1): the prefill worker's NIXL agent
+KV_SOURCE = {"agent": text(128), "metadata": hex_text(1 << 17), "addr": integer(1, (1 << 64) - 1),
+             "size": integer(1, (1 << 40))}
+
+
+def kv_source_check(v: Any) -> bool:
+    return (isinstance(v, dict) and set(v) == set(KV_SOURCE)
+            and all(KV_SOURCE[k](v[k]) for k in KV_SOURCE))
+
+
 SCHEMAS: dict[Kind, dict[str, Check]] = {
     Kind.HELLO: {
         "role": one_of("prefill", "decode"),
@@ -128,6 +143,7 @@ SCHEMAS: dict[Kind, dict[str, Check]] = {
         "prefix_keys": hex_keys(),
         "model_digest": text(64),
         "layout": layout_check,
+        "kv_source": kv_source_check,
     },
     Kind.DONE: {"first_token": integer(), "kv_frames": integer(), "kv_digest": text(64)},
     Kind.ABORT: {"reason": text(512), "action": one_of("cancel", "recompute", "refused")},
@@ -157,6 +173,8 @@ OPTIONAL: dict[Kind, frozenset[str]] = {
     Kind.REQUEST: frozenset(
         {"tenant", "cache_salt", "weight", "temperature", "top_k", "top_p", "seed"}
     ),
+    # sent only by a prefill worker on the NIXL carrier (PROTOCOL.md section 4.1)
+    Kind.MANIFEST: frozenset({"kv_source"}),
 }
 # revision 2: present together or not at all (greedy)
 SAMPLING = ("temperature", "top_k", "top_p", "seed")

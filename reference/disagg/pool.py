@@ -40,6 +40,7 @@ from reference.disagg.faults import FaultInjector
 from reference.disagg.frames import Kind
 from reference.disagg.messages import MessageError
 from reference.disagg.models import digest_of, load_model
+from reference.disagg.nixl_carrier import CARRIERS, NixlSink, NixlSource
 from reference.disagg.prefill import PrefillWorker
 from reference.disagg.routing import Worker
 from reference.disagg.transport import Link, SocketEndpoint, listen, pipe, socket_peer
@@ -96,6 +97,10 @@ class WorkerOptions:
     # step while sequences are running (DecodeWorker.install_share); 0: install each frame as it
     # arrives
     install_share: float = 0.25
+    # how KV values move: "tcp" inside the KV frames, "nixl" read by the decode worker out of the
+    # prefill worker's registered arena (nixl_carrier.py; the frames carry only descriptors)
+    kv_carrier: str = "tcp"
+    nixl_arena_mb: int = 64  # each worker's registered NIXL arena (MiB)
 
 
 FAST_FAULTS = {"handshake_timeout": 0.5, "handshake_retries": 2, "stream_timeout": 3.0}
@@ -111,11 +116,17 @@ def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions,
     common = {"model_digest": digest, "num_blocks": opts.num_blocks, "block_size": opts.block_size,
               "max_num_batched_tokens": opts.max_num_batched_tokens,
               "max_num_seqs": opts.max_num_seqs}
+    if opts.kv_carrier not in CARRIERS:
+        raise ValueError(f"kv_carrier must be one of {CARRIERS}, got {opts.kv_carrier!r}")
+    nixl = opts.kv_carrier == "nixl"
+    arena = opts.nixl_arena_mb << 20
     if role == "prefill":
         return PrefillWorker(model, link, wire=opts.wire, handshake_timeout=opts.handshake_timeout,
-                             retries=opts.handshake_retries, **common)
+                             retries=opts.handshake_retries,
+                             nixl=NixlSource(link.node, arena) if nixl else None, **common)
     return DecodeWorker(model, link, kv_dtype=opts.kv_dtype, stream_timeout=opts.stream_timeout,
-                        install_share=opts.install_share or None, **common)
+                        install_share=opts.install_share or None,
+                        nixl=NixlSink(link.node, arena) if nixl else None, **common)
 
 
 def hello(worker: PrefillWorker | DecodeWorker, link: Link, model_spec: str,
@@ -153,7 +164,8 @@ def serve(worker: PrefillWorker | DecodeWorker, link: Link, heartbeat_s: float =
     inbox, next_beat = link.endpoint.inbox, 0.0
     while True:
         try:
-            item = inbox.get(timeout=0 if worker.has_work() else 0.02)
+            idle = getattr(worker, "poll_s", lambda: 0.02)()  # a decode worker awaiting NIXL reads
+            item = inbox.get(timeout=0 if worker.has_work() else idle)
             while True:
                 _, data = item
                 if data is None or not handle(worker, link, data):

@@ -25,8 +25,9 @@ import numpy as np
 
 from reference.disagg import messages
 from reference.disagg.frames import Frame, Kind
+from reference.disagg.nixl_carrier import DESCRIPTOR_FLAG, NixlSource
 from reference.disagg.transport import Link
-from reference.disagg.wire import KVLayout, encode_kv, kv_digest
+from reference.disagg.wire import KV_HEADER, KVLayout, encode_kv, kv_digest
 from reference.disagg.worker_base import WorkerBase
 from reference.engine.params import SamplingParams
 from reference.kv.block_manager import BlockManager
@@ -53,6 +54,8 @@ class PrefillStream:
     tries: int = 0
     # how its first token is picked (greedy unless told)
     params: SamplingParams = SamplingParams(seed=0)
+    # NIXL carrier: (offset, length) of its payloads staged in the arena, freed when it ends
+    regions: list[tuple[int, int]] = field(default_factory=list)
 
 
 class PrefillWorker(WorkerBase):
@@ -61,7 +64,9 @@ class PrefillWorker(WorkerBase):
     def __init__(self, model: LlamaModel, link: Link, *, model_digest: str, num_blocks: int = 512,
                  block_size: int = 16, wire: str = "fp32", max_num_batched_tokens: int = 256,
                  max_num_seqs: int = 32, handshake_timeout: float = 1.0, retries: int = 8,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 nixl: NixlSource | None = None) -> None:
+        self.nixl = nixl  # None: KV values go inline in the KV frames (the TCP carrier)
         self.model, self.link, self.digest, self.clock = model, link, model_digest, clock
         self.layout = KVLayout(model.config.num_layers, model.config.num_kv_heads,
                                model.config.head_dim, block_size, wire)
@@ -98,7 +103,7 @@ class PrefillWorker(WorkerBase):
                 if st.done is not None:
                     self._send_done(st)
             elif body["of"] == "done" and st.state == "done_sent":
-                del self.streams[st.stream]
+                self._close(st)
         elif frame.kind is Kind.ABORT:
             self.link.count("streams_aborted_by_peer")
             self._drop(st)
@@ -125,9 +130,11 @@ class PrefillWorker(WorkerBase):
     def _send_manifest(self, st: PrefillStream) -> None:
         keys = [k.hex() for k in prefix_keys(st.seq.prompt_token_ids, self.layout.block_size,
                                              st.seq.cache_salt)]
-        self.link.send(Kind.MANIFEST, st.stream, messages.dump(Kind.MANIFEST, {
-            "id": st.request_id, "prompt_len": st.seq.num_prompt_tokens, "prefix_keys": keys,
-            "model_digest": self.digest, "layout": self.layout.as_message()}))
+        body = {"id": st.request_id, "prompt_len": st.seq.num_prompt_tokens, "prefix_keys": keys,
+                "model_digest": self.digest, "layout": self.layout.as_message()}
+        if self.nixl is not None:
+            body["kv_source"] = self.nixl.descriptor()
+        self.link.send(Kind.MANIFEST, st.stream, messages.dump(Kind.MANIFEST, body))
         st.last_send, st.tries = self.clock(), st.tries + 1
 
     def _send_kv(self, st: PrefillStream, layer: int, start: int, k: np.ndarray,
@@ -136,7 +143,17 @@ class PrefillWorker(WorkerBase):
             return
         if start < st.skip:
             k, v, start = k[st.skip - start:], v[st.skip - start:], st.skip
-        self.link.send(Kind.KV, st.stream, encode_kv(self.layout, layer, start, k, v))
+        payload = encode_kv(self.layout, layer, start, k, v)
+        staged = self.nixl.stage(payload) if self.nixl is not None else None
+        if staged is None:  # the TCP carrier, or the NIXL arena is full: the values go inline
+            self.link.send(Kind.KV, st.stream, payload)
+        else:  # a descriptor: the decode worker reads the bytes from the arena (nixl_carrier.py)
+            off, descriptor = staged
+            st.regions.append((off, len(payload)))
+            header = KV_HEADER.pack(*KV_HEADER.unpack_from(payload)[:2], DESCRIPTOR_FLAG,
+                                    start, len(k))
+            self.link.send(Kind.KV, st.stream, header + descriptor)
+            self.link.count("kv_bytes_staged_nixl", len(payload))
         st.kv_frames += 1
 
     def _send_done(self, st: PrefillStream) -> None:
@@ -159,7 +176,13 @@ class PrefillWorker(WorkerBase):
 
     def _drop(self, st: PrefillStream) -> None:
         self.scheduler.abort(st.seq.seq_id, self.clock())  # None when it already finished
+        self._close(st)
+
+    def _close(self, st: PrefillStream) -> None:
+        """The stream is over here: forget it and free what it staged for NIXL reads."""
         self.streams.pop(st.stream, None)
+        if self.nixl is not None:
+            self.nixl.release(st.regions)
 
     # -- the loop -------------------------------------------------------------------------
     def tick(self) -> bool:
@@ -178,7 +201,7 @@ class PrefillWorker(WorkerBase):
                                           f"{self.retries} retries")
                     else:
                         self.link.count("done_unacked")
-                        self.streams.pop(st.stream, None)
+                        self._close(st)
                 elif st.state == "handshake":
                     self._send_manifest(st)
                 else:
