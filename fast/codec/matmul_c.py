@@ -187,8 +187,11 @@ class TileWeight:
         return out
 
     def _compressed_pointers(self) -> tuple[int, ...]:
-        return (self.sm.data_ptr(), self.idx.data_ptr(), self.palette.data_ptr(), self.pstart.data_ptr(),
-                self.pword.data_ptr(), self.pexp.data_ptr())
+        got = self.__dict__.get("_pointers")  # the arrays never move: worked out once
+        if got is None:
+            got = self.__dict__["_pointers"] = (self.sm.data_ptr(), self.idx.data_ptr(), self.palette.data_ptr(),
+                                                self.pstart.data_ptr(), self.pword.data_ptr(), self.pexp.data_ptr())
+        return got
 
     def matmul(self, x: torch.Tensor, path: int | None = None, threads: int | None = None) -> torch.Tensor:
         """x [..., in_features] bf16 -> [..., out_features] bf16. ``path``: None = by rows (see module)."""
@@ -198,12 +201,12 @@ class TileWeight:
             raise KernelInputError(f"TileWeight.matmul: expected input [..., {self.in_features}], "
                                    f"got {tuple(x.shape)}")
         lead = x.shape[:-1]
-        m = int(np.prod(lead)) if lead else 1
+        m = x.numel() // self.in_features if self.in_features else 0
         if m == 0:
             return x.new_empty((*lead, self.out_features))
-        lib = _need_library()
+        lib = _lib() or _need_library()
         if path is None:
-            path = AMX if lib.tm_amx_ready() else GEMV if m <= GEMV_MAX_ROWS else PORTABLE
+            path = _default_path(m)
         kp = self.steps * TILE_K
         if path == AMX:  # the C code packs (and pads) x itself
             mp, xp = -(-m // 16) * 16, x.reshape(m, self.in_features)
@@ -219,13 +222,35 @@ class TileWeight:
                 xp[:m, : self.in_features] = x.reshape(m, self.in_features)
         y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
         plain = self.plain.data_ptr() if self.plain is not None else None
-        compressed = (None,) * 6 if self.plain is not None else self._compressed_pointers()
+        compressed = _NO_POINTERS if self.plain is not None else self._compressed_pointers()
         rc = lib.tm_matmul(xp.data_ptr(), m, mp, kp, self.out_features, plain, *compressed, y.data_ptr(), path,
                            threads or torch.get_num_threads(), ldx, self.in_features)
         if rc:
             raise KernelInputError({1: "tile matmul: out of memory", 2: f"tile matmul: path {path} cannot run "
                                     "on this CPU", 3: "tile matmul: bad sizes"}.get(rc, f"tile matmul: error {rc}"))
         return y.reshape(*lead, self.out_features)
+
+
+_NO_POINTERS = (None,) * 6
+
+
+def _lib() -> ctypes.CDLL | None:
+    """The built library once it is loaded (a dict lookup: every product asks)."""
+    return _state.get("lib")
+
+
+@functools.cache
+def _amx() -> bool:
+    lib = library()
+    return lib is not None and bool(lib.tm_amx_ready())
+
+
+def _default_path(m: int) -> int:
+    """AMX at every row count where the CPU has it (batch-invariant), else AVX-512 up to 4 rows, else C."""
+    if _amx():
+        return AMX
+    lib = library()
+    return GEMV if m <= GEMV_MAX_ROWS and lib is not None and lib.tm_avx512_ready() else PORTABLE
 
 
 def _need_library() -> ctypes.CDLL:

@@ -28,7 +28,7 @@ static int run_threads(void *(*fn)(void *), void *arg, size_t size, int threads)
  * run_threads (same results). Between calls a worker spins a little (the next product usually comes
  * within microseconds), then sleeps on a condition variable; every started worker answers every call
  * (those beyond `threads` with nothing to do). After fork() the child starts a fresh pool. */
-#define POOL_SPINS 4000
+#define POOL_SPINS 256
 
 typedef struct {
     pthread_mutex_t busy, lock;
