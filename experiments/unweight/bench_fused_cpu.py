@@ -4,7 +4,7 @@
 
 For each number of rows M (1, 2, 4, 8, 16, 32, 64 and a 256-row prefill chunk) and each thread
 count, the model's four projections of every layer are multiplied by random bf16 rows, alternating
-within each repeat (the machine's noise falls on every way alike):
+within each repeat, each repeat starting at another way (the machine's noise falls on every way alike):
 
 * ``onednn``: torch's oneDNN product on the packed weight (the plain engine with ``UNFIRE_TILE_MATMUL=0``,
   and on CPUs without AMX);
@@ -126,7 +126,9 @@ def measure(model: str, limit: int | None, threads: list[int], repeats: int, row
             now = [w for w in WAYS if m <= AVX512_ROWS or not w.startswith("avx512")]
             times: dict[str, list[float]] = {w: [] for w in now}
             for r in range(repeats + 1):  # the first pass warms caches and buffers, not recorded
-                for way in now:
+                # each repeat starts at another way: none always runs right after oneDNN, whose OpenMP
+                # threads spin for a while after each call (with 2 threads they would slow the next way)
+                for way in now[r % len(now):] + now[:r % len(now)]:
                     t = time.perf_counter()
                     for o, k in keyed[way]:
                         x = xs[k]
