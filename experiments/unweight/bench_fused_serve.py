@@ -114,9 +114,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for b in args.batches:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SERVERS}
-            for _ in range(args.repeats):
-                for name, (_, url) in servers.items():
-                    runs[name].append(run(url, b, args.max_tokens))
+            for r in range(args.repeats):  # each repeat starts at another server
+                for name in SERVERS[r % len(SERVERS):] + SERVERS[:r % len(SERVERS)]:
+                    runs[name].append(run(servers[name][1], b, args.max_tokens))
             row: dict[str, Any] = {"batch": b}
             for name, rs in runs.items():
                 s = [r["summary"] for r in rs]
