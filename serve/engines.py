@@ -19,11 +19,10 @@ from typing import Any
 from reference.sched import Tenants
 
 # the colocated engine's step: a burst into an idle engine is prefilled in few large steps, while a step
-# that carries d decodes takes at most STALL_BUDGET // d prompt tokens (README, "The step budget" and "A
-# burst's tail"; chosen with experiments/engine/bench_serve_vllm.py, bench_burst_policy_run2.json; before it,
-# a flat PREFILL_CAP of 256). --pipeline and disaggregated workers keep the earlier 256, and a budget given on
-# the command line gets neither unless given too (the scheduler as before).
-BUDGET, PREFILL_CAP, STALL_BUDGET, OTHER_BUDGET = 2048, 256, 1024, 256
+# that carries decodes takes at most PREFILL_CAP prompt tokens (README, "The step budget"; chosen with
+# experiments/engine/bench_serve_vllm.py). --pipeline and disaggregated workers keep the earlier 256, and a
+# budget given on the command line gets no cap unless one is given too (the scheduler as before).
+BUDGET, PREFILL_CAP, OTHER_BUDGET = 2048, 256, 256
 AT_LEAST_ONE = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
                 "max_prefill_tokens_with_decodes", "decode_stall_budget", "threads")
 
@@ -129,14 +128,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens-with-decodes", type=int, metavar="N",
                    help=f"prompt tokens a step may take when it also carries decodes: bounds the inter-token "
                         f"latency a new prompt adds to running streams, while a step without decodes still takes "
-                        "prompts up to the whole budget (default none; the server's default before "
-                        f"--decode-stall-budget was {PREFILL_CAP})")
+                        f"prompts up to the whole budget (default {PREFILL_CAP} with the default budget; none "
+                        "with a --max-num-batched-tokens of your own, --pipeline or disaggregated workers)")
     g.add_argument("--decode-stall-budget", type=int, metavar="S",
                    help="a step that carries d decodes takes at most max(1, S // d) prompt tokens (and no more "
                         "than --max-prefill-tokens-with-decodes): a burst's late prompts stall few streams by "
-                        f"much or many streams by little (the tail of the inter-token latency); default {STALL_BUDGET} "
-                        "with the default budget, none with a --max-num-batched-tokens or "
-                        "--max-prefill-tokens-with-decodes of your own, --pipeline or disaggregated workers")
+                        "much or many streams by little (the tail of the inter-token latency); default none")
     g.add_argument("--max-model-len", type=int,
                    help="context length in tokens (default: the model's, capped by the KV cache)")
     g.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
@@ -150,10 +147,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, colocated: bool) -> None:
     """Fill in the step budget's defaults (``colocated``: neither a pipeline nor disaggregated workers) and
     refuse counts below 1."""
-    if args.max_num_batched_tokens is None:  # the defaults come together: a budget given alone gets no cap
+    if args.max_num_batched_tokens is None:  # the defaults come as a pair: a budget given alone gets no cap
         args.max_num_batched_tokens = BUDGET if colocated else OTHER_BUDGET
-        if colocated and args.max_prefill_tokens_with_decodes is None and args.decode_stall_budget is None:
-            args.decode_stall_budget = STALL_BUDGET
+        if args.max_prefill_tokens_with_decodes is None and colocated:
+            args.max_prefill_tokens_with_decodes = PREFILL_CAP
     for name in AT_LEAST_ONE:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")

@@ -142,18 +142,16 @@ def test_cli_step_budget_options(capsys):
     args = parse_args(["--max-num-batched-tokens", "2048", "--max-prefill-tokens-with-decodes", "256",
                        "--threads", "1"])
     assert (args.max_num_batched_tokens, args.max_prefill_tokens_with_decodes, args.threads) == (2048, 256, 1)
-    assert args.decode_stall_budget is None  # a cap of one's own: no stall budget unless given
-    d = parse_args([])  # what bench_serve_vllm chose (bench_burst_policy_run2); a budget of one's own gets none
-    assert (d.max_num_batched_tokens, d.max_prefill_tokens_with_decodes, d.decode_stall_budget, d.threads) == (
-        2048, None, 1024, None)
-    own = parse_args(["--max-num-batched-tokens", "512"])
-    assert (own.max_prefill_tokens_with_decodes, own.decode_stall_budget) == (None, None)
-    pipe = parse_args(["--pipeline", "2"])
-    assert (pipe.max_num_batched_tokens, pipe.max_prefill_tokens_with_decodes, pipe.decode_stall_budget) == (
-        256, None, None)
-    stall = parse_args(["--decode-stall-budget", "512"])
+    default = parse_args([])  # the pair bench_serve_vllm chose; a budget of one's own gets no cap
+    d = default
+    assert (d.max_num_batched_tokens, d.max_prefill_tokens_with_decodes, d.threads) == (2048, 256, None)
+    assert parse_args(["--max-num-batched-tokens", "512"]).max_prefill_tokens_with_decodes is None
+    assert (parse_args(["--pipeline", "2"]).max_num_batched_tokens,
+            parse_args(["--pipeline", "2"]).max_prefill_tokens_with_decodes) == (256, None)
+    assert parse_args([]).decode_stall_budget is None  # measured, not (yet) the default: serve/README.md
+    stall = parse_args(["--decode-stall-budget", "512"])  # given alone: the default budget and cap stay
     assert (stall.max_num_batched_tokens, stall.max_prefill_tokens_with_decodes, stall.decode_stall_budget) == (
-        2048, None, 512)
+        2048, 256, 512)
     for bad in (["--max-prefill-tokens-with-decodes", "0"], ["--threads", "0"], ["--decode-stall-budget", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
