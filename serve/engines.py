@@ -24,7 +24,7 @@ from reference.sched import Tenants
 # budget given on the command line gets no cap unless one is given too (the scheduler as before).
 BUDGET, PREFILL_CAP, OTHER_BUDGET = 2048, 256, 256
 AT_LEAST_ONE = ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                "max_prefill_tokens_with_decodes", "threads")
+                "max_prefill_tokens_with_decodes", "decode_stall_budget", "threads")
 
 
 class EngineUnavailable(RuntimeError):
@@ -130,6 +130,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"latency a new prompt adds to running streams, while a step without decodes still takes "
                         f"prompts up to the whole budget (default {PREFILL_CAP} with the default budget; none "
                         "with a --max-num-batched-tokens of your own, --pipeline or disaggregated workers)")
+    g.add_argument("--decode-stall-budget", type=int, metavar="S",
+                   help="a step that carries d decodes takes at most max(1, S // d) prompt tokens (and no more "
+                        "than --max-prefill-tokens-with-decodes): a burst's late prompts stall few streams by "
+                        "much or many streams by little (the tail of the inter-token latency); default none")
     g.add_argument("--max-model-len", type=int,
                    help="context length in tokens (default: the model's, capped by the KV cache)")
     g.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
@@ -159,4 +163,5 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return dict(policy=args.policy, dtype=args.dtype, compressed=parse_compressed(args.compressed),
                 num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                threads=args.threads, max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes)
+                threads=args.threads, max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
+                **({"decode_stall_budget": stall} if (stall := getattr(args, "decode_stall_budget", None)) else {}))

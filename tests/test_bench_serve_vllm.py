@@ -10,7 +10,14 @@ import json
 
 import pytest
 
-from experiments.engine.bench_serve_vllm import agreement, medians, parse_args, random_prompts, write_prompt_file
+from experiments.engine.bench_serve_vllm import (
+    agreement,
+    medians,
+    parse_args,
+    parse_setting,
+    random_prompts,
+    write_prompt_file,
+)
 from serve.bench import file_prompts
 from tests.smollm import smollm2_tokenizer
 
@@ -51,6 +58,32 @@ def test_options(monkeypatch):
     monkeypatch.delenv("UNFIRE_VLLM_PYTHON", raising=False)
     a = parse_args(["--ours", "256, 2048/256", "--cpus", "0"])
     assert a.ours == ["256", "2048/256"] and a.vllm_python is None  # without vLLM: only our server runs
-    for bad in (["--ours", "256/x"], ["--ours", "0"], ["--num-prompts", "0"], ["--vllm-python", "/no/such/python"]):
+    assert [parse_setting(x) for x in ("2048", "2048/256", "2048//1024", "2048/256/512")] == [
+        (2048, None, None), (2048, 256, None), (2048, None, 1024), (2048, 256, 512)]
+    for bad in (["--ours", "256/x"], ["--ours", "0"], ["--num-prompts", "0"], ["--vllm-python", "/no/such/python"],
+                ["--ours", "2048//0"], ["--ours", "2048/1/2/3"], ["--ours", "/256"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_burst_policy_figure_and_table(tmp_path):
+    """burst_policy_figure: one point per setting and client, the README's table with each setting's label."""
+    from experiments.engine.burst_policy_figure import figure, table
+
+    def med(tps, ttft, itl):
+        return {"output_throughput_tok_s": tps, "ttft_ms.p50": ttft, "itl_ms.p50": 40.0, "itl_ms.p99": itl,
+                "server_cpu_ms_per_output_token": 5.0}
+
+    both = ("serve.bench", "vllm bench serve")
+    result = {"setup": {"workload": "w", "servers_on_cpus": "0", "repeats": 1, "passes": 1, "commit": "c",
+                        "ours": {"2048//1024": {"max_num_batched_tokens": 2048, "max_prefill_tokens_with_decodes": None,
+                                                "decode_stall_budget": 1024},
+                                 "2048/256": {"max_num_batched_tokens": 2048, "max_prefill_tokens_with_decodes": 256,
+                                              "decode_stall_budget": None}}},
+              "median": {"ours@2048//1024": {c: med(180.0, 950.0, 120.0) for c in both},
+                         "ours@2048/256": {c: med(150.0, 1150.0, 230.0) for c in both},
+                         "vllm@2048": {c: med(170.0, 1000.0, 80.0) for c in both}},
+              "runs": {"ours@2048//1024": [{"passes": [{"load_average": [1.0, 2.0]}]}]}}
+    assert figure(result, tmp_path / "f.png").stat().st_size > 0
+    rows = table(result).splitlines()
+    assert "S=1024" in rows[2] and "180.0 / 180.0" in rows[2] and "cap 256" in rows[3] and "vLLM" in rows[4]

@@ -68,6 +68,25 @@ def test_prefill_cap_beside_decodes_changes_the_steps_not_the_tokens():
         engine(max_prefill_tokens_with_decodes=0)
 
 
+def test_decode_stall_budget_changes_the_steps_not_the_tokens():
+    """decode_stall_budget S: a step with d decodes takes at most max(1, S // d) prompt tokens; greedy outputs
+    are those of the plain engine."""
+    prompts = [chat(q) for q in QUESTIONS[:3]]
+    plain = engine().generate(prompts, SamplingParams(max_tokens=6))
+    eng = engine(decode_stall_budget=8)
+    eng.add_request(prompts[0], SamplingParams(max_tokens=6))
+    eng.step()  # one stream decodes beside the later prompts: 8 prompt tokens, then 4 beside two
+    stalled = eng.generate(prompts[1:], SamplingParams(max_tokens=6))
+    assert [o.output_token_ids for o in stalled] == [o.output_token_ids for o in plain[1:]]
+    mixed = [r for r in eng.step_log if not all(r.is_prefill)]
+    for r in mixed:
+        decodes = sum(not p for p in r.is_prefill)
+        assert sum(n for n, p in zip(r.new_tokens, r.is_prefill, strict=True) if p) <= max(1, 8 // decodes)
+    assert any(sum(n for n, p in zip(r.new_tokens, r.is_prefill, strict=True) if p) == 8 for r in mixed)
+    with pytest.raises(EngineError, match="decode_stall_budget"):
+        engine(decode_stall_budget=0)
+
+
 @pytest.mark.slow
 def test_preemption_by_recompute_keeps_greedy_outputs():
     """So few blocks that running sequences must be preempted and recomputed."""

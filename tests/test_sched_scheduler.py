@@ -108,6 +108,32 @@ def test_prompt_tokens_beside_decodes_are_capped_but_an_idle_step_takes_the_budg
         SchedulerConfig(16, 4, max_prefill_tokens_with_decodes=0)
 
 
+def test_decode_stall_budget_shrinks_the_prompt_chunk_with_the_decodes_waiting():
+    """decode_stall_budget S: a step with d decodes takes at most max(1, S // d) prompt tokens, and no more than
+    max_prefill_tokens_with_decodes; a step without decodes takes the whole budget."""
+    sched, kv = make(budget=32, max_seqs=8, decode_stall_budget=8)
+    a = Sequence(list(range(1, 11)), max_tokens=20, arrival_time=0.0)
+    sched.add(a)
+    first, _ = run_step(sched, kv, 1.0)  # idle: the whole prompt
+    assert [(e.seq, e.num_new_tokens) for e in first.entries] == [(a, 10)]
+    b, c, d = (Sequence(list(range(20 + 10 * i, 29 + 10 * i)), max_tokens=20, arrival_time=1.0) for i in range(3))
+    for s in (b, c, d):
+        sched.add(s)
+    second, _ = run_step(sched, kv, 2.0)  # one decode: 8 prompt tokens
+    assert [(e.seq, e.num_new_tokens, e.is_prefill) for e in second.entries] == [(a, 1, False), (b, 8, True)]
+    third, _ = run_step(sched, kv, 3.0)  # b's last token is a decode now: two decodes, 8 // 2 = 4 prompt tokens
+    assert [(e.seq, e.num_new_tokens, e.is_prefill) for e in third.entries] == [(a, 1, False), (b, 1, False),
+                                                                                (c, 4, True)]
+    assert sched.prefill_cap(0) is None and sched.prefill_cap(3) == 2 and sched.prefill_cap(9) == 1
+    drain(sched, kv)
+    assert all(s.status is SequenceStatus.FINISHED and s.num_output_tokens == s.max_tokens for s in (a, b, c, d))
+    both, _ = make(budget=32, max_seqs=8, decode_stall_budget=64, max_prefill_tokens_with_decodes=5)
+    assert (both.prefill_cap(1), both.prefill_cap(16), both.prefill_cap(0)) == (5, 4, None)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ConfigError, match="decode_stall_budget"):
+            SchedulerConfig(16, 4, decode_stall_budget=bad)
+
+
 def test_outputs_follow_the_model_and_stop_ids_finish():
     sched, kv = make()
     seq = Sequence([5, 6, 7], max_tokens=50, arrival_time=0.0)

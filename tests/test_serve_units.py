@@ -148,7 +148,11 @@ def test_cli_step_budget_options(capsys):
     assert parse_args(["--max-num-batched-tokens", "512"]).max_prefill_tokens_with_decodes is None
     assert (parse_args(["--pipeline", "2"]).max_num_batched_tokens,
             parse_args(["--pipeline", "2"]).max_prefill_tokens_with_decodes) == (256, None)
-    for bad in (["--max-prefill-tokens-with-decodes", "0"], ["--threads", "0"]):
+    assert parse_args([]).decode_stall_budget is None  # measured, not (yet) the default: serve/README.md
+    stall = parse_args(["--decode-stall-budget", "512"])  # given alone: the default budget and cap stay
+    assert (stall.max_num_batched_tokens, stall.max_prefill_tokens_with_decodes, stall.decode_stall_budget) == (
+        2048, 256, 512)
+    for bad in (["--max-prefill-tokens-with-decodes", "0"], ["--threads", "0"], ["--decode-stall-budget", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
         assert "must be >= 1" in capsys.readouterr().err

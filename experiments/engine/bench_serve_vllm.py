@@ -22,7 +22,8 @@ it), the same seeds on every server:
    vLLM's own printed summary is kept beside.
 
 Our server runs at each ``--ours`` setting: ``B`` is ``--max-num-batched-tokens B``; ``B/C`` adds
-``--max-prefill-tokens-with-decodes C`` (a step that carries decodes takes at most C prompt tokens).
+``--max-prefill-tokens-with-decodes C`` (a step that carries decodes takes at most C prompt tokens);
+``B/C/S`` or ``B//S`` adds ``--decode-stall-budget S`` (with d decodes, at most S // d prompt tokens).
 The servers alternate over ``--repeats`` rounds (ours first in odd rounds, vLLM first in even ones) so
 load drifts hit both. CPU seconds per output token are those of each server's whole process tree
 (vLLM's API server and its engine-core process; ours is one process) over the measured pass. The
@@ -145,10 +146,11 @@ def server(kind: str, setting: str, a: argparse.Namespace, model_dir: Path | Non
     threads = str(len(a.cpus.split(",")))
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
     if kind == "ours":
-        budget, _, cap = setting.partition("/")
+        budget, cap, stall = parse_setting(setting)
         cmd = [sys.executable, "-m", "serve", "--model", MODEL, "--engine", "fast", "--port", str(port),
-               "--threads", threads, "--max-num-batched-tokens", budget, "--max-num-seqs", str(a.max_num_seqs)]
-        cmd += ["--max-prefill-tokens-with-decodes", cap] if cap else []
+               "--threads", threads, "--max-num-batched-tokens", str(budget), "--max-num-seqs", str(a.max_num_seqs)]
+        cmd += ["--max-prefill-tokens-with-decodes", str(cap)] if cap else []
+        cmd += ["--decode-stall-budget", str(stall)] if stall else []
     else:
         assert model_dir is not None
         env |= {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -172,6 +174,17 @@ def server(kind: str, setting: str, a: argparse.Namespace, model_dir: Path | Non
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def parse_setting(setting: str) -> tuple[int, int | None, int | None]:
+    """``B``, ``B/C``, ``B/C/S`` or ``B//S`` as (budget, prefill cap beside decodes, decode stall budget)."""
+    parts = setting.split("/")
+    if not 1 <= len(parts) <= 3 or not parts[0]:
+        raise ValueError(setting)
+    budget, cap, stall = int(parts[0]), *(int(x) if x else None for x in (parts[1:] + ["", ""])[:2])
+    if budget < 1 or any(x is not None and x < 1 for x in (cap, stall)):
+        raise ValueError(setting)
+    return budget, cap, stall
 
 
 # -- the two load generators -------------------------------------------------------------------------
@@ -375,7 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cores the load generators run on (default: the machine's cores not in --cpus, else --cpus)")
     p.add_argument("--ours", default="256,2048,2048/256",
                    help="our server's settings, comma-separated: B (--max-num-batched-tokens B) or B/C (and "
-                        "--max-prefill-tokens-with-decodes C); default 256,2048,2048/256")
+                        "--max-prefill-tokens-with-decodes C), B/C/S or B//S (and --decode-stall-budget S); "
+                        "default 256,2048,2048/256")
     p.add_argument("--vllm-budget", type=int, default=2048,
                    help="vLLM's --max-num-batched-tokens (default 2048: its own default for a CPU server)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step, both servers (default 32)")
@@ -400,11 +414,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         settings = [s.strip() for s in a.ours.split(",") if s.strip()]
         for s in settings:
-            budget, _, cap = s.partition("/")
-            if int(budget) < 1 or (cap and not 1 <= int(cap)):
-                raise ValueError(s)
+            parse_setting(s)
     except ValueError:
-        p.error(f"--ours {a.ours!r}: settings are B or B/C with integers >= 1, comma-separated")
+        p.error(f"--ours {a.ours!r}: settings are B, B/C, B/C/S or B//S with integers >= 1, comma-separated")
     a.ours = settings
     for name in ("num_prompts", "input_len", "max_tokens", "repeats", "passes", "max_num_seqs", "vllm_budget"):
         if getattr(a, name) < 1:
@@ -432,9 +444,8 @@ def main(argv: list[str] | None = None) -> int:
              "workload": (f"{a.num_prompts} prompts of {a.input_len} random token ids, {a.max_tokens} output tokens "
                           "each (ignore_eos, greedy), all at once, /v1/completions, streamed"),
              "servers_on_cpus": a.cpus, "clients_on_cpus": a.client_cpus, "nice": a.nice,
-             "ours": {s: {"max_num_batched_tokens": int(s.partition("/")[0]),
-                          "max_prefill_tokens_with_decodes": int(s.partition("/")[2]) if "/" in s else None}
-                      for s in a.ours},
+             "ours": {s: dict(zip(("max_num_batched_tokens", "max_prefill_tokens_with_decodes",
+                                   "decode_stall_budget"), parse_setting(s), strict=True)) for s in a.ours},
              "vllm": {"max_num_batched_tokens": a.vllm_budget, "python": a.vllm_python,
                       "server": not a.no_vllm_server} if a.vllm_python else None,
              "max_num_seqs": a.max_num_seqs, "repeats": a.repeats, "passes": a.passes, "machine": setup_info.machine(),

@@ -82,7 +82,8 @@ class Engine:
                  tenants: Tenants | None = None,
                  aging: float = 0.0, prefix_cache: bool = True, watermark: float = 0.0,
                  seed: int = 0, clock: Callable[[], float] = time.monotonic,
-                 max_prefill_tokens_with_decodes: int | None = None):
+                 max_prefill_tokens_with_decodes: int | None = None,
+                 decode_stall_budget: int | None = None):
         check_engine_args(num_blocks=num_blocks, block_size=block_size,
                           max_num_batched_tokens=max_num_batched_tokens,
                            max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed)
@@ -92,6 +93,11 @@ class Engine:
             got = max_prefill_tokens_with_decodes
             raise EngineError(f"max_prefill_tokens_with_decodes={got!r}: must be None "
                               "(the whole step budget) or an integer >= 1")
+        if decode_stall_budget is not None and (
+            type(decode_stall_budget) is not int or decode_stall_budget < 1
+        ):
+            raise EngineError(f"decode_stall_budget={decode_stall_budget!r}: must be None "
+                              "(no such limit) or an integer >= 1")
         self.model, self.tokenizer, self.clock, self.seed = model, tokenizer, clock, seed
         # the context: the checkpoint's, or less if asked, and never more than the whole KV cache
         # holds
@@ -106,7 +112,8 @@ class Engine:
         if isinstance(policy, str):
             policy = make_policy(policy, tenants, aging)
         config = SchedulerConfig(max_num_batched_tokens, max_num_seqs, self.max_model_len,
-                                 watermark, max_prefill_tokens_with_decodes)
+                                 watermark, max_prefill_tokens_with_decodes,
+                                 decode_stall_budget)
         self.scheduler = Scheduler(self.block_manager, config, policy, tenants)
         self.requests: dict[str, Request] = {}
         self.step_log: list[StepRecord] = []

@@ -25,6 +25,13 @@ class SchedulerConfig:
         their
         inter-token latency; a step without decodes (new prompts into an idle engine) still takes
         prompt chunks up to the whole budget. None (default): the whole budget, as vLLM's scheduler.
+    decode_stall_budget: S, a prompt-token budget of a step that carries decodes which shrinks with
+        the decodes waiting on it: with d decodes in the step it takes at most max(1, S // d) prompt
+        tokens (and no more than ``max_prefill_tokens_with_decodes``, if set). A step stalls every
+        running stream, so this bounds prompt tokens x stalled streams per step: a prompt arriving
+        beside one or two streams is taken in a large chunk (few gaps get longer), beside many in a
+        small one (each of the many gaps gets only a little longer). At least one prompt token a
+        step: no waiting prompt starves. None (default): no such limit.
     """
 
     max_num_batched_tokens: int = 512
@@ -32,14 +39,16 @@ class SchedulerConfig:
     max_model_len: int | None = None
     watermark: float = 0.0
     max_prefill_tokens_with_decodes: int | None = None
+    decode_stall_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.watermark < 1.0:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
-                     "max_prefill_tokens_with_decodes"):
+                     "max_prefill_tokens_with_decodes", "decode_stall_budget"):
             value = getattr(self, name)
-            if value is None and name in ("max_model_len", "max_prefill_tokens_with_decodes"):
+            if value is None and name in ("max_model_len", "max_prefill_tokens_with_decodes",
+                                          "decode_stall_budget"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")

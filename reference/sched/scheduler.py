@@ -17,6 +17,9 @@ Each step has a token budget (``max_num_batched_tokens``) and a sequence limit (
 4. Optionally (``SchedulerConfig.max_prefill_tokens_with_decodes``), a step that carries decodes
    takes at most that many prompt tokens in all (steps 1 and 3), so that a new prompt delays the
    running streams by a bounded amount; a step without decodes uses the whole budget for prompts.
+   ``SchedulerConfig.decode_stall_budget`` S is such a cap that shrinks with the decodes d in the
+   step: at most max(1, S // d) prompt tokens (a burst's late arrivals stall few streams by much, or
+   many streams by little; never no prompt token at all, so nothing waiting starves).
 
 Use: ``add(seq)``; loop ``batch = schedule(now)``; run the model on ``batch``; ``postprocess(batch,
 token_ids, now)``. ``abort(seq_id)`` frees everything of a request at any time between steps.
@@ -234,11 +237,23 @@ class Scheduler:
 
     def _prefill_room(self, batch: Batch, budget: int) -> int:
         """Prompt tokens this step may still take: the budget left, and once the step carries a
-        decode, no more than ``max_prefill_tokens_with_decodes`` in all."""
-        cap = self.config.max_prefill_tokens_with_decodes
-        if cap is None or all(e.is_prefill for e in batch.entries):
+        decode, no more than ``prefill_cap`` in all."""
+        cap = self.prefill_cap(sum(not e.is_prefill for e in batch.entries))
+        if cap is None:
             return budget
         return max(0, min(budget, cap - batch.num_prefill_tokens))
+
+    def prefill_cap(self, num_decodes: int) -> int | None:
+        """Most prompt tokens a step that carries ``num_decodes`` decodes may take (None: the
+        budget's): ``max_prefill_tokens_with_decodes`` and ``max(1, decode_stall_budget //
+        num_decodes)``, the smaller; none without decodes."""
+        if num_decodes == 0:
+            return None
+        caps = [self.config.max_prefill_tokens_with_decodes]
+        if self.config.decode_stall_budget is not None:
+            caps.append(max(1, self.config.decode_stall_budget // num_decodes))
+        caps = [c for c in caps if c is not None]
+        return min(caps) if caps else None
 
     def _schedule_one(self, seq: Sequence, n: int, is_prefill: bool, batch: Batch) -> int:
         batch.block_copies += self.block_manager.may_append(seq, n)
