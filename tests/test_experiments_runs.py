@@ -142,7 +142,7 @@ def test_u3_cell_names_the_comparable_mlp_only_saving_and_the_decoder() -> None:
 
 
 def test_every_speed_in_the_table_names_the_code_that_produced_it() -> None:
-    code = ("NumPy", "torch", "Triton", "cuBLAS", "simulat", "roofline")
+    code = ("NumPy", "torch", "Triton", "cuBLAS", "simulat", "roofline", "native/")  # native/: our C kernels
     speed = re.compile(r"(MB|GB|TB|tok|tokens)/s\b|\d ms\b")
     rows = report.table_rows(discover(), load_results(), ran=set())
     timed = [(cid, ours) for cid, _, _, ours, _ in rows if speed.search(ours)]

@@ -86,7 +86,7 @@ def table(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.engine.burst_policy_figure", description=__doc__)
-    p.add_argument("result", type=Path)
+    p.add_argument("result", type=Path, help="a bench_serve_vllm results JSON")
     p.add_argument("--out", type=Path, default=None, help="figure (default: the result's name + _tradeoff.png)")
     p.add_argument("--table", action="store_true", help="print the README's table")
     a = p.parse_args(argv)
