@@ -420,11 +420,24 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
         flush(j, &w);
 }
 
-/* Compressed panels [p, p + np) for at most 32 rows (decode steps, small batches): each
- * step's two tiles are decoded into a 2 KB L1 buffer one step before their products (two buffers,
- * used in turn: the vector decode of step t + 1 overlaps the tile products of step t), so a tile is
- * read once from memory and never leaves L1 decoded; the C tiles hold the sums over all of k. Same
- * products, same order as amx_block. */
+/* C tiles 0-3 -> rows m.. of panels p (tiles 0, 2) and p + 1 (tiles 1, 3, if pair); tiles 2, 3 (rows
+ * m + 16..) only if two */
+TAMX static void store_block(const job *j, int64_t m, int64_t p, int pair, int two, float *scratch) {
+    store_tile(j, 0, m, p, scratch);
+    if (pair)
+        store_tile(j, 1, m, p + 1, scratch);
+    if (two) {
+        store_tile(j, 2, m + 16, p, scratch);
+        if (pair)
+            store_tile(j, 3, m + 16, p + 1, scratch);
+    }
+}
+
+/* Compressed panels [p, p + np) for at most TM_RING_ROWS rows (decode steps, small batches): each
+ * step's two tiles are decoded one step before their products (the vector decode of step t + 1
+ * overlaps the tile products of step t) into a 2 KB L1 ring of two buffers for up to 32 rows, or
+ * kept in buf for more, where the first 32-row block decodes and the next blocks reuse the tiles.
+ * The C tiles hold the sums over all of k. Same products, same order as amx_block. */
 TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, uint16_t *ring,
                            float *scratch) {
     const int64_t T = j->T, keep = j->Mp > 32; /* keep: every step's tiles stay for the next row blocks */
@@ -477,14 +490,7 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
                 _tile_dpbf16ps(3, 5, 7);
             }
         }
-        store_tile(j, 0, m0, p + qq, scratch);
-        if (pair)
-            store_tile(j, 1, m0, p + qq + 1, scratch);
-        if (two) {
-            store_tile(j, 2, m0 + 16, p + qq, scratch);
-            if (pair)
-                store_tile(j, 3, m0 + 16, p + qq + 1, scratch);
-        }
+        store_block(j, m0, p + qq, pair, two, scratch);
         for (int64_t m1 = 32; keep && m1 < j->Mp; m1 += 32) { /* the next row blocks: tiles from buf */
             const uint16_t *x0 = j->xa + m1 / 16 * T * TILE_WORDS, *x1 = x0 + T * TILE_WORDS;
             const int both = j->Mp - m1 >= 32;
@@ -505,14 +511,7 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
                     _tile_dpbf16ps(3, 5, 7);
                 }
             }
-            store_tile(j, 0, m1, p + qq, scratch);
-            if (pair)
-                store_tile(j, 1, m1, p + qq + 1, scratch);
-            if (both) {
-                store_tile(j, 2, m1 + 16, p + qq, scratch);
-                if (pair)
-                    store_tile(j, 3, m1 + 16, p + qq + 1, scratch);
-            }
+            store_block(j, m1, p + qq, pair, both, scratch);
         }
     }
 }
