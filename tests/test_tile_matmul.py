@@ -192,6 +192,27 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(m: int, threads: int, 
         assert torch.equal(y[i:i + 1].view(torch.int16), comp.matmul(x[i:i + 1]).view(torch.int16)), i
 
 
+@pytest.mark.skipif(not _amx(), reason="no AMX: products of up to 4 rows take AVX-512, more rows another path")
+@pytest.mark.parametrize("k, m", [(4130, 300), (576, 1000)])
+def test_rows_in_passes_and_k_in_blocks_give_each_rows_product(k: int, m: int) -> None:
+    """Past TM_PASS_BYTES of x the rows go through the panels in passes (128 rows at k = 4130, 896 at 576), and
+    k splits into blocks over 64 steps (4130: 3 blocks, partial sums kept as float32): every row still equals
+    that row multiplied alone, plain or compressed, and the result is close to float64."""
+    rng = np.random.default_rng(k)
+    w = _bf16(rng.standard_normal((40, k)) * 0.05)
+    x = _bf16(rng.standard_normal((m, k)))
+    _, form = encode(w.contiguous(), with_palette_form=True)
+    plain, comp = TileWeight.from_dense(w), TileWeight.from_palette(form)
+    y = plain.matmul(x, threads=2)
+    assert torch.equal(comp.matmul(x, threads=1).view(torch.int16), y.view(torch.int16))
+    for i in (0, 127, 128, 129, 255, 256, 299, 895, 896, 999):
+        if i < m:
+            assert torch.equal(y[i:i + 1].view(torch.int16), plain.matmul(x[i:i + 1]).view(torch.int16)), i
+    exact = torch.nn.functional.linear(x.double(), w.double())
+    scale = torch.nn.functional.linear(x.double().abs(), w.double().abs())
+    assert torch.all((y.double() - exact).abs() <= scale * (2**-8 + k * 2**-23))
+
+
 def test_the_thread_pool_serves_concurrent_callers_and_a_forked_child() -> None:
     """The products' threads stay alive between calls (fast/codec/native/threads.h): callers on several Python
     threads at once (one holds the pool, the others start threads of their own) and a child forked after the

@@ -281,7 +281,10 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 #ifndef TM_RING_ROWS
 #define TM_RING_ROWS 128 /* compressed: up to this many rows decode each step just before its products */
 #endif
-#define TM_KC 20 /* at most this many steps of k per block (a pair of panels: <= 40 KB of B tiles in L1) */
+#ifndef TM_PASS_BYTES
+#define TM_PASS_BYTES (1 << 20) /* A tiles of one pass over the panels (rows of x kept in L2) */
+#endif
+#define TM_KC 64 /* at most this many steps of k per block (a pair of panels: <= 128 KB of B tiles, in L2) */
 #define AMX_STEP(A0, A1, B0, B1)                                                                    \
     do {                                                                                            \
         _tile_stream_loadd(4, A0, 64);                                                              \
@@ -334,8 +337,10 @@ TD32 static void flush(const job *j, pending *w) {
 
 /* Panels [p, p + np) (np <= 4), B tiles at b[q] (T tiles each, 512 words apart), every row of x.
  * Two panels at a time, in blocks of at most TM_KC steps of k (equal blocks): the pair's B tiles of
- * the block stay in L1 while every 32-row block of x (2 A tiles per step, fetched one step ahead
- * from L2) meets them in 2 x 2 C tiles (a last block of 16 rows takes 1 x 2). Partial sums wait in
+ * the block stay in cache while every 32-row block of x (2 A tiles per step, fetched one step ahead
+ * from L2) meets them in 2 x 2 C tiles (a last block of 16 rows takes 1 x 2). (Blocks of <= 20 steps,
+ * whose B tiles fit L1, ran 5-7% slower at 256-2048 rows: the C tiles' stores and reloads between
+ * blocks cost more than L2 reads of B.) Partial sums wait in
  * cbuf as float32 between blocks (stored and reloaded exactly); finished C tiles go to sbuf (two
  * sets, used in turn) and are converted during the next block's first step. Each output thus sums
  * its pairs in order of k, one TDPBF16PS per step, whatever the blocking or M. */
@@ -538,23 +543,36 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
         return;
     }
     const int64_t T = j->T;
-    for (int64_t p = j->p0; p < j->p1; p += 4) {
-        const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);
-        if (!j->plain && j->Mp <= TM_RING_ROWS) {
-            amx_small(j, d, p, np, buf, sets);
-            continue;
-        }
-        const uint16_t *b[4] = {NULL, NULL, NULL, NULL};
-        for (int q = 0; q < np; q++) {
-            if (j->plain) {
-                b[q] = j->plain + (p + q) * T * TILE_WORDS;
-            } else {
-                for (int64_t t = 0; t < T; t++)
-                    decode_tile(j, d, (p + q) * T + t, buf + (q * T + t) * TILE_WORDS);
-                b[q] = buf + q * T * TILE_WORDS;
+    /* Rows in passes of at most TM_PASS_BYTES of A tiles (a multiple of 32 rows, at least
+     * TM_RING_ROWS): each pass's x stays in L2 while every panel meets it; past that (a 2048-token
+     * prefill step's x is MBs) each panel pair would read all of x from L3 again. */
+    int64_t pass = TM_PASS_BYTES / (T * TILE_WORDS * 2 * 2) * 32; /* 32 rows: 2 A tiles per step */
+    if (pass < TM_RING_ROWS)
+        pass = TM_RING_ROWS;
+    for (int64_t m = 0; m < j->Mp; m += pass) {
+        job rows = *j; /* rows [m, m + pass) of x and y */
+        rows.xa = j->xa + m / 16 * T * TILE_WORDS;
+        rows.y = j->y + m * j->N;
+        rows.Mp = j->Mp - m < pass ? j->Mp - m : pass;
+        rows.M = j->M - m < rows.Mp ? j->M - m : rows.Mp;
+        for (int64_t p = j->p0; p < j->p1; p += 4) {
+            const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);
+            if (!j->plain && j->Mp <= TM_RING_ROWS) {
+                amx_small(&rows, d, p, np, buf, sets);
+                continue;
             }
+            const uint16_t *b[4] = {NULL, NULL, NULL, NULL};
+            for (int q = 0; q < np; q++) {
+                if (j->plain) {
+                    b[q] = j->plain + (p + q) * T * TILE_WORDS;
+                } else {
+                    for (int64_t t = 0; t < T; t++)
+                        decode_tile(j, d, (p + q) * T + t, buf + (q * T + t) * TILE_WORDS);
+                    b[q] = buf + q * T * TILE_WORDS;
+                }
+            }
+            amx_block(&rows, b, np, p, cbuf, sets);
         }
-        amx_block(j, b, np, p, cbuf, sets);
     }
     _tile_release();
 }
