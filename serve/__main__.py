@@ -130,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             engine = load_engine(args.model, args.engine, tenants=tenants, **engine_options(args),
                                  **pipeline.options(args))
-            worker = EngineThread(engine, step_floor_s=args.emulate_step_ms / 1000)
+            worker = EngineThread(engine, step_floor_s=args.emulate_step_ms / 1000,
+                                  gather_s=args.burst_gather_ms / 1000,
+                                  gather_gap_s=args.burst_gather_gap_ms / 1000)
     except (EngineUnavailable, ValueError, OSError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         sock.close()

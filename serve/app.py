@@ -77,8 +77,12 @@ async def _generate(state: ServeState, request: Request, chat: bool) -> Response
     client = bearer_client(state.keys, request)
     parse = (parse_chat if chat else parse_completion)
     limit = state.worker.max_model_len
-    incoming = await read_request(request, lambda body: parse(body, state.model_name),
-                                  state.tokenizer, limit, state.body_timeout_s)
+    state.worker.arriving += 1  # the engine, if idle and gathering a burst, waits for this one
+    try:
+        incoming = await read_request(request, lambda body: parse(body, state.model_name),
+                                      state.tokenizer, limit, state.body_timeout_s)
+    finally:
+        state.worker.arriving -= 1
     if incoming is None:
         return gone()
     parsed, ids = incoming.parsed, incoming.ids

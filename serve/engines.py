@@ -134,6 +134,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a step that carries d decodes takes at most max(1, S // d) prompt tokens (and no more "
                         "than --max-prefill-tokens-with-decodes): a burst's late prompts stall few streams by "
                         "much or many streams by little (the tail of the inter-token latency); default none")
+    g.add_argument("--burst-gather-ms", type=float, default=0.0, metavar="MS",
+                   help="when requests reach an idle engine, its first step waits while more keep coming "
+                        "(each within --burst-gather-gap-ms of the last), for at most MS ms: a burst is prefilled "
+                        "together and no early arrival decodes beside the others' prefill chunks (default 0: no "
+                        "wait)")
+    g.add_argument("--burst-gather-gap-ms", type=float, default=15.0, metavar="MS",
+                   help="with --burst-gather-ms: the longest pause between two arrivals of one burst (default 15: "
+                        "a burst's requests reach the engine 3-9 ms apart on one busy core); a lone request "
+                        "waits this long once")
     g.add_argument("--max-model-len", type=int,
                    help="context length in tokens (default: the model's, capped by the KV cache)")
     g.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")
@@ -156,6 +165,9 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, coloca
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if not 0 <= args.emulate_step_ms <= 10_000:
         p.error("--emulate-step-ms must be in 0..10000")
+    for name in ("burst_gather_ms", "burst_gather_gap_ms"):
+        if not 0 <= getattr(args, name, 0.0) <= 10_000:
+            p.error(f"--{name.replace('_', '-')} must be in 0..10000")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

@@ -218,6 +218,9 @@ class ServerMetrics:
         ]
         for name, help_text, value in gauges:
             lines += family(name, "gauge", help_text, {(): value})
+        lines += family("unfire_burst_gathered_requests_total", "counter",
+                        "Requests that joined an idle engine's first step while it waited for a burst "
+                        "(--burst-gather-ms).", {(): stats.gathered})
         lines += family("unfire_requests_total", "counter", "Requests by outcome.",
                         {(("outcome", k),): v for k, v in self.requests.items()})
         v = vllm_labels(self.model_name)

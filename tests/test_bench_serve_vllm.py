@@ -16,6 +16,7 @@ from experiments.engine.bench_serve_vllm import (
     parse_args,
     parse_setting,
     random_prompts,
+    split_gather,
     write_prompt_file,
 )
 from serve.bench import file_prompts
@@ -60,8 +61,10 @@ def test_options(monkeypatch):
     assert a.ours == ["256", "2048/256"] and a.vllm_python is None  # without vLLM: only our server runs
     assert [parse_setting(x) for x in ("2048", "2048/256", "2048//1024", "2048/256/512")] == [
         (2048, None, None), (2048, 256, None), (2048, None, 1024), (2048, 256, 512)]
+    assert split_gather("2048/256+g30") == ("2048/256", 30.0) and split_gather("2048") == ("2048", None)
     for bad in (["--ours", "256/x"], ["--ours", "0"], ["--num-prompts", "0"], ["--vllm-python", "/no/such/python"],
-                ["--ours", "2048//0"], ["--ours", "2048/1/2/3"], ["--ours", "/256"]):
+                ["--ours", "2048//0"], ["--ours", "2048/1/2/3"], ["--ours", "/256"], ["--ours", "2048+g0"],
+                ["--ours", "2048+gx"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 

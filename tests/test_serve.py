@@ -8,6 +8,7 @@ tested on a real subprocess.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import select
@@ -271,7 +272,8 @@ def server_process():
     """A real server process for the SIGTERM test, started first so that it loads while the others run."""
     cmd = [sys.executable, "-m", "serve", "--model", "smollm2", "--engine", "reference", "--port", "0",
            "--num-blocks", "32", "--shutdown-grace", "1", "--log-level", "error",
-           "--max-prefill-tokens-with-decodes", "16"]  # the step cap, taken by a real server process
+           "--max-prefill-tokens-with-decodes", "16",  # the step cap, taken by a real server process
+           "--burst-gather-ms", "6000", "--burst-gather-gap-ms", "2000"]  # and the burst gathering
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     yield proc
@@ -289,6 +291,16 @@ def test_sigterm_drains_and_exits_cleanly(server_process):
     line = proc.stdout.readline()
     assert "serving smollm2" in line, line + proc.stderr.read()
     url = line.split(" on ")[1].split()[0]
+    # --burst-gather-ms: a request 0.3 s after another (within the 2 s gap) joins the idle engine's first step
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        first = pool.submit(httpx.post, url + "/completions", json={"model": "smollm2", "prompt": "Hi",
+                                                                     "max_tokens": 2}, timeout=60)
+        time.sleep(0.3)
+        second = httpx.post(url + "/completions", json={"model": "smollm2", "prompt": "Yo", "max_tokens": 2},
+                            timeout=60)
+        assert first.result().status_code == 200 and second.status_code == 200
+    metrics = httpx.get(url.removesuffix("/v1") + "/metrics").text
+    assert "unfire_burst_gathered_requests_total 1" in metrics, metrics
     body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 800, "ignore_eos": True,
             "stream": True}
     events, sent = [], None

@@ -150,3 +150,73 @@ def test_emulate_step_ms_is_checked():
     r = subprocess.run([sys.executable, "-m", "serve", "--emulate-step-ms", "-1"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "--emulate-step-ms must be in 0..10000" in r.stderr
+
+
+class CountingEngine(ScriptedEngine):
+    """Records how many requests each step carries and when the first step ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+        self.first_step_at: float | None = None
+
+    def step(self) -> list[TokenEvent]:
+        self.sizes.append(len(self.live))
+        if self.first_step_at is None:
+            self.first_step_at = time.monotonic()
+        return super().step()
+
+
+def test_a_burst_reaching_an_idle_engine_is_gathered_into_one_first_step():
+    """--burst-gather-ms: requests arriving 5 ms apart (gap allowed: 200 ms) join the first step; a lone
+    request waits one gap, not the whole 2 s window."""
+    engine = CountingEngine()
+    worker = EngineThread(engine, gather_s=2.0, gather_gap_s=0.2)
+    worker.start()
+
+    async def burst() -> list:
+        async def late(i: int) -> list:
+            await asyncio.sleep(0.005 * i)
+            return await collect(worker, 3)
+        return await asyncio.gather(*(late(i) for i in range(4)))
+
+    try:
+        results = asyncio.run(burst())
+        assert all(isinstance(r[-1], Finished) for r in results)
+        assert engine.sizes[0] == 4
+        lone = CountingEngine()
+        alone = EngineThread(lone, gather_s=2.0, gather_gap_s=0.2)
+        alone.start()
+        try:
+            t0 = time.monotonic()
+            assert isinstance(asyncio.run(collect(alone, 2))[-1], Finished)
+            assert lone.first_step_at - t0 < 1.0  # one gap, not the 2 s window
+        finally:
+            alone.stop()
+    finally:
+        worker.stop()
+
+
+def test_the_gather_waits_for_a_request_still_being_read_past_the_gap():
+    """A request an HTTP handler is still reading (``arriving``) holds the first step past the gap; the
+    step goes as soon as nothing is arriving and the gap passes."""
+    engine = CountingEngine()
+    worker = EngineThread(engine, gather_s=5.0, gather_gap_s=0.05)
+    worker.start()
+
+    async def two() -> list:
+        worker.arriving += 1  # a second request is on its way
+        first = asyncio.ensure_future(collect(worker, 2))
+        await asyncio.sleep(0.4)  # 8 gaps
+        worker.arriving -= 1
+        second = await collect(worker, 2)
+        return [await first, second]
+
+    try:
+        t0 = time.monotonic()
+        results = asyncio.run(two())
+        assert all(isinstance(r[-1], Finished) for r in results)
+        assert engine.sizes[0] == 2 and worker.gathered == 1
+        assert engine.first_step_at - t0 < 3.0  # not the whole 5 s window
+    finally:
+        worker.stop()

@@ -23,7 +23,9 @@ it), the same seeds on every server:
 
 Our server runs at each ``--ours`` setting: ``B`` is ``--max-num-batched-tokens B``; ``B/C`` adds
 ``--max-prefill-tokens-with-decodes C`` (a step that carries decodes takes at most C prompt tokens);
-``B/C/S`` or ``B//S`` adds ``--decode-stall-budget S`` (with d decodes, at most S // d prompt tokens).
+``B/C/S`` or ``B//S`` adds ``--decode-stall-budget S`` (with d decodes, at most S // d prompt tokens);
+a suffix ``+gMS`` (e.g. ``2048/256+g30``) adds ``--burst-gather-ms MS`` (an idle engine's first step
+waits up to MS ms for the rest of a burst).
 The servers alternate over ``--repeats`` rounds (ours first in odd rounds, vLLM first in even ones) so
 load drifts hit both. CPU seconds per output token are those of each server's whole process tree
 (vLLM's API server and its engine-core process; ours is one process) over the measured pass. The
@@ -146,11 +148,13 @@ def server(kind: str, setting: str, a: argparse.Namespace, model_dir: Path | Non
     threads = str(len(a.cpus.split(",")))
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": threads}
     if kind == "ours":
-        budget, cap, stall = parse_setting(setting)
+        base, gather = split_gather(setting)
+        budget, cap, stall = parse_setting(base)
         cmd = [sys.executable, "-m", "serve", "--model", MODEL, "--engine", "fast", "--port", str(port),
                "--threads", threads, "--max-num-batched-tokens", str(budget), "--max-num-seqs", str(a.max_num_seqs)]
         cmd += ["--max-prefill-tokens-with-decodes", str(cap)] if cap else []
         cmd += ["--decode-stall-budget", str(stall)] if stall else []
+        cmd += ["--burst-gather-ms", str(gather)] if gather else []
     else:
         assert model_dir is not None
         env |= {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -174,6 +178,17 @@ def server(kind: str, setting: str, a: argparse.Namespace, model_dir: Path | Non
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def split_gather(setting: str) -> tuple[str, float | None]:
+    """``B/C+gMS`` as (``B/C``, MS); a setting without the suffix as (setting, None)."""
+    base, sep, ms = setting.partition("+g")
+    if not sep:
+        return setting, None
+    value = float(ms)  # ValueError if not a number
+    if not 0 < value <= 1000:
+        raise ValueError(setting)
+    return base, value
 
 
 def parse_setting(setting: str) -> tuple[int, int | None, int | None]:
@@ -388,8 +403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="cores the load generators run on (default: the machine's cores not in --cpus, else --cpus)")
     p.add_argument("--ours", default="256,2048,2048/256",
                    help="our server's settings, comma-separated: B (--max-num-batched-tokens B) or B/C (and "
-                        "--max-prefill-tokens-with-decodes C), B/C/S or B//S (and --decode-stall-budget S); "
-                        "default 256,2048,2048/256")
+                        "--max-prefill-tokens-with-decodes C), B/C/S or B//S (and --decode-stall-budget S), "
+                        "any of them +gMS (and --burst-gather-ms MS); default 256,2048,2048/256")
     p.add_argument("--vllm-budget", type=int, default=2048,
                    help="vLLM's --max-num-batched-tokens (default 2048: its own default for a CPU server)")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences per step, both servers (default 32)")
@@ -414,9 +429,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         settings = [s.strip() for s in a.ours.split(",") if s.strip()]
         for s in settings:
-            parse_setting(s)
+            parse_setting(split_gather(s)[0])
     except ValueError:
-        p.error(f"--ours {a.ours!r}: settings are B, B/C, B/C/S or B//S with integers >= 1, comma-separated")
+        p.error(f"--ours {a.ours!r}: settings are B, B/C, B/C/S or B//S with integers >= 1, "
+                "each optionally +gMS (0 < MS <= 1000), comma-separated")
     a.ours = settings
     for name in ("num_prompts", "input_len", "max_tokens", "repeats", "passes", "max_num_seqs", "vllm_budget"):
         if getattr(a, name) < 1:
@@ -445,7 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                           "each (ignore_eos, greedy), all at once, /v1/completions, streamed"),
              "servers_on_cpus": a.cpus, "clients_on_cpus": a.client_cpus, "nice": a.nice,
              "ours": {s: dict(zip(("max_num_batched_tokens", "max_prefill_tokens_with_decodes",
-                                   "decode_stall_budget"), parse_setting(s), strict=True)) for s in a.ours},
+                                   "decode_stall_budget"), parse_setting(split_gather(s)[0]), strict=True))
+                       | {"burst_gather_ms": split_gather(s)[1]} for s in a.ours},
              "vllm": {"max_num_batched_tokens": a.vllm_budget, "python": a.vllm_python,
                       "server": not a.no_vllm_server} if a.vllm_python else None,
              "max_num_seqs": a.max_num_seqs, "repeats": a.repeats, "passes": a.passes, "machine": setup_info.machine(),

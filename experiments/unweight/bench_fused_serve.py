@@ -1,6 +1,6 @@
 """Compressed vs plain weights served: ``python -m serve --compressed`` against ``python -m serve``.
 
-    python -m experiments.unweight.bench_fused_serve [--batches 1 8 32] [--max-tokens 48] [--repeats 2]
+    python -m experiments.unweight.bench_fused_serve [--batches 1 2 4 8 16 32 64] [--prefill 16] [--repeats 3]
 
 Three servers of the fast engine on SmolLM2, each pinned to core 0 (``taskset``) with one thread:
 ``plain`` and ``compressed`` (every projection in the palette form in tile order), both served by the C
@@ -13,7 +13,9 @@ server and B: output tok/s, TPOT and ITL p50, and the ratios of output tok/s (me
 each server's resident memory (VmRSS) and peak (VmHWM) after the runs; and whether plain and
 compressed answered the batch's first 8 prompts, sent together, with the same text (greedy;
 compression is lossless, both take the same products, and those are batch-invariant, so they must).
-Results:
+Prefill (``--prefill P``): P longer ShareGPT prompts (up to 2,000 characters) at once, one token each,
+so the time is the prefill chunks' products; reported are the burst's wall seconds, TTFT p50 and
+the ratio of plain's seconds to compressed's (higher: compressed faster). Results:
 experiments/results/bench_fused_serve.json.
 """
 
@@ -67,12 +69,29 @@ def memory(pid: int) -> dict[str, float]:
     return out
 
 
-def run(url: str, batch: int, max_tokens: int) -> dict[str, Any]:
+PREFILL_CHARS = 2000  # the prefill row's prompts: ShareGPT first turns of at least 1,000 characters, cut here
+
+
+def long_prompts(n: int, chars: int = PREFILL_CHARS) -> list[str]:
+    """The first ``n`` ShareGPT first turns of at least ``chars // 2`` characters, cut at ``chars``."""
+    from reference.workload import iter_sharegpt
+
+    out = []
+    for c in iter_sharegpt(limit=20000):
+        if len(c.prompt) >= chars // 2:
+            out.append(c.prompt[:chars])
+            if len(out) == n:
+                return out
+    raise SystemExit(f"bench_fused_serve: ShareGPT has only {len(out)} prompts of {chars // 2}+ characters")
+
+
+def run(url: str, batch: int, max_tokens: int, prompts: list[str] | None = None) -> dict[str, Any]:
     from serve.bench import BenchConfig, run_bench, sharegpt_prompts
 
-    cfg = BenchConfig(url=url, num_prompts=batch, burst=True, max_tokens=max_tokens, ignore_eos=True,
-                      max_prompt_chars=400)
-    return asyncio.run(run_bench(cfg, sharegpt_prompts(batch, 400), None))
+    prompts = prompts or sharegpt_prompts(batch, 400)
+    cfg = BenchConfig(url=url, num_prompts=len(prompts), burst=True, max_tokens=max_tokens, ignore_eos=True,
+                      max_prompt_chars=max(len(q) for q in prompts))
+    return asyncio.run(run_bench(cfg, prompts, None))
 
 
 def answers(url: str, batch: int, max_tokens: int) -> list[str]:
@@ -102,9 +121,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m experiments.unweight.bench_fused_serve",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2", help="a packaged name or checkpoint path (default smollm2)")
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="streams sent at once (1 8 32)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
+                   help="streams sent at once (1 2 4 8 16 32 64)")
+    p.add_argument("--prefill", type=int, default=16,
+                   help="prompts of the prefill row, one token each (16; 0: no prefill row)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens each stream generates (48)")
-    p.add_argument("--repeats", type=int, default=2, help="alternating repeats per batch (2)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating repeats per batch (3)")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_serve.json", help="the JSON to write")
     args = p.parse_args(argv)
     from reference.provenance import commit, machine
@@ -135,6 +157,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   + f"; compressed/plain {row['compressed_vs_plain']:.2f}x, plain/onednn "
                   f"{row['plain_vs_onednn']:.2f}x, compressed/onednn {row['compressed_vs_onednn']:.2f}x; "
                   f"same text: {row['same_text']}", flush=True)
+        prefill = None
+        if args.prefill:
+            long = long_prompts(args.prefill)
+            pruns: dict[str, list[dict[str, Any]]] = {name: [] for name in SERVERS}
+            for r in range(args.repeats):
+                for name in SERVERS[r % len(SERVERS):] + SERVERS[:r % len(SERVERS)]:
+                    pruns[name].append(run(servers[name][1], args.prefill, 1, long)["summary"])
+            prefill = {"prompts": args.prefill, "max_prompt_chars": PREFILL_CHARS, "max_tokens": 1}
+            for name, s in pruns.items():
+                prefill[name] = {"seconds": statistics.median(x["duration_s"] for x in s),
+                                 "ttft_p50_ms": statistics.median(x["ttft_ms"]["p50"] for x in s),
+                                 "runs_s": [x["duration_s"] for x in s]}
+            for a, b_ in (("compressed", "plain"), ("plain", "onednn"), ("compressed", "onednn")):
+                prefill[f"{a}_vs_{b_}"] = statistics.median(
+                    y["duration_s"] / x["duration_s"] for x, y in zip(pruns[a], pruns[b_], strict=True))
+            print(f"prefill of {args.prefill} prompts: " + ", ".join(f"{n} {prefill[n]['seconds']:.2f} s"
+                  for n in SERVERS) + f"; compressed/plain {prefill['compressed_vs_plain']:.2f}x, plain/onednn "
+                  f"{prefill['plain_vs_onednn']:.2f}x (speed)", flush=True)
         mem = {name: memory(proc.pid) for name, (proc, _) in servers.items()}
     finally:
         for proc, _ in servers.values():
@@ -147,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = {"what": "python -m serve: plain and --compressed (tile products) and plain through oneDNN, one thread "
                    "pinned to core 0, burst of B greedy streams",
            "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
-           "memory_mib": mem, "commit": commit(), "machine": machine(),
+           "prefill": prefill, "memory_mib": mem, "commit": commit(), "machine": machine(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
