@@ -47,6 +47,7 @@ typedef struct {
     const uint16_t *xa;     /* path 1: x as A tiles [Mp/16][T][16 x 32] */
     int64_t p0, p1;
     int path, status;
+    int stream; /* y is large (>= TM_STREAM_BYTES): whole lines of it are written with non-temporal stores */
 } job;
 
 /* Working memory kept per thread between calls (a product is too short to pay for fresh pages each
@@ -284,6 +285,9 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 #ifndef TM_PASS_BYTES
 #define TM_PASS_BYTES (1 << 20) /* A tiles of one pass over the panels (rows of x kept in L2) */
 #endif
+#ifndef TM_STREAM_BYTES
+#define TM_STREAM_BYTES (4 << 20) /* outputs this large bypass the caches (they would evict x and B from L2) */
+#endif
 #define TM_KC 64 /* at most this many steps of k per block (a pair of panels: <= 128 KB of B tiles, in L2) */
 #define AMX_STEP(A0, A1, B0, B1)                                                                    \
     do {                                                                                            \
@@ -303,37 +307,62 @@ static inline void fetch_tile(const uint16_t *tile) { /* its 16 cache lines, int
 }
 
 /* C tiles whose conversion to bf16 waits: stored as float32 in buf (4 x 256), to be written to y
- * a little later, while the next block's products run (an AMX store read back at once stalls). */
+ * a little later, a few rows per step while the next block's products run (an AMX store read back
+ * at once stalls, and converting a whole block in one step held up the products by a third). */
 typedef struct {
-    int n, two, pair;
+    int n, two, pair, done; /* done: rows converted so far (of 16, or 32 if two) */
     int64_t m0, p;
     float *buf;
 } pending;
 
-/* Rows of two C tiles side by side (panels p and p + 1) as 32 bf16 words: VCVTNE2PS2BF16 rounds as
- * to_bf16 does (nearest even, NaN kept quiet) except that it flushes float32 subnormals to zero, so a
- * row holding one takes the exact integer path (store_row) instead. */
-TD32 static void flush(const job *j, pending *w) {
+#define TM_FLUSH_AFTER 2 /* a finished block's rows are converted from this step of the next block on */
+#define TM_FLUSH_ROWS 4  /* rows converted per step */
+
+/* Row i (0-31) of a pending block's two C tiles side by side (panels p and p + 1) -> 32 bf16 words of
+ * y: VCVTNE2PS2BF16 rounds as to_bf16 does (nearest even, NaN kept quiet) except that it flushes
+ * float32 subnormals to zero, so a row holding one takes the exact integer path (store_row) instead. */
+TD32 static inline void flush_row(const job *j, const pending *w, int i, __mmask32 keep) {
+    const int64_t m = w->m0 + i;
+    const float *lo = w->buf + 512 * (i >> 4) + 16 * (i & 15), *hi = lo + 256;
+    const __m512 a = _mm512_load_ps(lo), b = w->pair ? _mm512_load_ps(hi) : a;
+    if (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) { /* a subnormal */
+        store_row(j, m, w->p, a);
+        if (w->pair)
+            store_row(j, m, w->p + 1, b);
+        return;
+    }
+    uint16_t *to = j->y + m * j->N + 16 * w->p;
+    if (j->stream && keep == 0xffffffffu && !((uintptr_t)to & 63)) /* a whole line: around the caches */
+        _mm512_stream_si512((void *)to, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+    else
+        _mm512_mask_storeu_epi16(to, keep, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+
+/* Rows [w->done, upto) of the pending block (of 16, or 32 if two; none past M) */
+TD32 static void flush_rows(const job *j, pending *w, int upto) {
+    const int rows = w->two ? 32 : 16;
     const int64_t left = j->N - 16 * w->p;
     const __mmask32 keep = !w->pair ? (left >= 16 ? 0xffffu : (1u << left) - 1)
                            : left >= 32 ? 0xffffffffu : (__mmask32)((1ull << left) - 1);
-    for (int h = 0; h < (w->two ? 2 : 1); h++) {
-        const int64_t m = w->m0 + 16 * h;
-        const float *lo = w->buf + 512 * h, *hi = lo + 256;
-        for (int r = 0; r < 16 && m + r < j->M; r++) {
-            const __m512 a = _mm512_load_ps(lo + 16 * r), b = w->pair ? _mm512_load_ps(hi + 16 * r) : a;
-            if (_mm512_fpclass_ps_mask(a, 0x20) | _mm512_fpclass_ps_mask(b, 0x20)) { /* a subnormal */
-                store_row(j, m + r, w->p, a);
-                if (w->pair)
-                    store_row(j, m + r, w->p + 1, b);
-                continue;
-            }
-            _mm512_mask_storeu_epi16(j->y + (m + r) * j->N + 16 * w->p, keep,
-                                     (__m512i)_mm512_cvtne2ps_pbh(b, a));
-        }
-    }
-    w->n = 0;
+    if (upto > rows)
+        upto = rows;
+    const int64_t end = j->M - w->m0 < upto ? j->M - w->m0 : upto;
+    for (int i = w->done; i < end; i++)
+        flush_row(j, w, i, keep);
+    w->done = upto;
+    if (upto == rows)
+        w->n = 0;
 }
+
+TD32 static inline void flush(const job *j, pending *w) { flush_rows(j, w, 32); }
+
+/* during step t of a block that started at k0: the next rows of the pending block, if any (from step
+ * `after` on, `per` rows a step: amx_block takes all at once when there is one row block per panel) */
+#define FLUSH_STEP(j, w, t, k0)                                                                  \
+    do {                                                                                          \
+        if ((w).n && (t) - (k0) >= after)                                                         \
+            flush_rows(j, &(w), (w).done + per);                                                  \
+    } while (0)
 
 /* Panels [p, p + np) (np <= 4), B tiles at b[q] (T tiles each, 512 words apart), every row of x.
  * Two panels at a time, in blocks of at most TM_KC steps of k (equal blocks): the pair's B tiles of
@@ -349,7 +378,8 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
     static const uint16_t zero[TILE_WORDS] __attribute__((aligned(64)));
     const int64_t T = j->T, blocks = j->Mp <= 32 ? 1 : (T + TM_KC - 1) / TM_KC; /* one row block: no reuse */
     const int64_t kc = (T + blocks - 1) / blocks;
-    pending w = {0, 0, 0, 0, 0, NULL};
+    pending w = {0, 0, 0, 0, 0, 0, NULL};
+    const int after = j->Mp <= 32 ? 0 : TM_FLUSH_AFTER, per = j->Mp <= 32 ? 32 : TM_FLUSH_ROWS;
     int set = 0;
     for (int qq = 0; qq < np; qq += 2) {
         const uint16_t *b0 = b[qq], *b1 = qq + 1 < np ? b[qq + 1] : zero;
@@ -383,8 +413,7 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
                             fetch_tile(x1 + (t + 1) * TILE_WORDS);
                         }
                         AMX_STEP(x0 + t * TILE_WORDS, x1 + t * TILE_WORDS, b0 + t * TILE_WORDS, b1 + t * s1);
-                        if (w.n)
-                            flush(j, &w);
+                        FLUSH_STEP(j, w, t, k0);
                     }
                 } else { /* 16 rows (or fewer: the tile rows are configured to M < 16) */
                     const int ahead = m0 == 0 && j->plain;
@@ -417,7 +446,9 @@ TAMX static void amx_block(const job *j, const uint16_t *const b[4], int np, int
                     _tile_stored(2, out + 512, 64);
                     _tile_stored(3, out + 768, 64);
                 }
-                w = (pending){1, two, s1 != 0, m0, p + qq, out};
+                if (w.n) /* a block too short to convert the previous one's rows in its steps */
+                    flush(j, &w);
+                w = (pending){1, two, s1 != 0, 0, m0, p + qq, out};
             }
         }
     }
@@ -574,6 +605,8 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
             amx_block(&rows, b, np, p, cbuf, sets);
         }
     }
+    if (j->stream)
+        _mm_sfence(); /* the non-temporal stores are visible before the caller reads y */
     _tile_release();
 }
 
@@ -674,7 +707,8 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
     }
     job jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        job j = {x, M, Mp, Kp, N, Kp / 32, plain, sm, idx, pal, pstart, pword, pexp, y, xa, 0, 0, path, 0};
+        job j = {x, M, Mp, Kp, N, Kp / 32, plain, sm, idx, pal, pstart, pword, pexp, y, xa, 0, 0, path, 0,
+                 M * N * 2 >= TM_STREAM_BYTES};
         j.p0 = units * t / threads * unit;
         j.p1 = units * (t + 1) / threads * unit;
         if (j.p1 > P)
@@ -692,7 +726,7 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
 int tm_decode_tiles(const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const int64_t *pstart,
                     const uint16_t *pword, const uint8_t *pexp, int64_t first, int64_t count, uint16_t *out,
                     int vector) {
-    job j = {NULL, 0, 0, 0, 0, 0, NULL, sm, idx, pal, pstart, pword, pexp, NULL, NULL, 0, 0, 0, 0};
+    job j = {NULL, 0, 0, 0, 0, 0, NULL, sm, idx, pal, pstart, pword, pexp, NULL, NULL, 0, 0, 0, 0, 0};
 #ifdef TM_X86
     if (vector && tm_avx512_ready()) {
         const decoder d = decoder_for(pal);
