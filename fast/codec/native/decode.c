@@ -99,49 +99,68 @@ static inline __attribute__((always_inline)) unsigned m_len(uint64_t t) { return
 static inline __attribute__((always_inline)) uint32_t m_exps(uint64_t t) { return (uint32_t)(t >> 8); }
 static inline __attribute__((always_inline)) uint64_t m_count(uint64_t t) { return t >> 61; }
 
+/* The used symbols of a code, by length (shortest first): their lengths, codes and exponents. */
+typedef struct {
+    int n, complete;      /* complete: every window starts with a code (Kraft's sum is 1) */
+    uint32_t len[256], code[256];
+    uint64_t exp[256];
+} Code;
+
 /* Every window that starts with the codes of `prefix` (`used` bits, k codes, their exponents `exps`): the
  * entry of these k codes, then, for each code that fits in the bits left, the windows that go on with it
- * (overwritten: the entry of a window is its longest run of whole codes, up to 4). */
-static void fill_multi(uint64_t *multi, const uint32_t *code, const uint8_t *lengths, const uint8_t *palette, int p,
-                       uint32_t L, uint32_t prefix, uint32_t used, uint32_t k, uint64_t exps) {
-    uint64_t entry = k ? used | exps << 8 | (uint64_t)k << 61 : M_INVALID | 1ull << 61;
-    uint64_t *at = multi + ((uint64_t)prefix << (L - used));
-    for (uint32_t i = 0, n = 1u << (L - used); i < n; i++)
-        at[i] = entry;
-    if (k == 4)
+ * (overwritten: the entry of a window is its longest run of whole codes, up to 4). Where every code fits
+ * (and the code is complete) those cover all the windows, which are then not filled first. */
+static void fill_multi(uint64_t *multi, const uint16_t *single, const Code *c, uint32_t L, uint32_t prefix,
+                       uint32_t used, uint32_t k, uint64_t exps) {
+    uint32_t left = L - used;
+    if (k == 3) { /* the fourth code, window by window (from the one-symbol table: fewer, larger steps) */
+        uint64_t *at = multi + ((uint64_t)prefix << left);
+        for (uint32_t i = 0, n = 1u << left; i < n; i++) {
+            uint32_t e = single[i << used], len = e >> 8; /* the bits after the three codes, zeros shifted in */
+            at[i] = len && len <= left ? (used + len) | (exps | (uint64_t)(e & 0xFF) << 24) << 8 | 4ull << 61
+                                       : used | exps << 8 | 3ull << 61;
+        }
         return;
-    for (int s = 0; s < p; s++)
-        if (lengths[s] && lengths[s] <= L - used)
-            fill_multi(multi, code, lengths, palette, p, L, prefix << lengths[s] | code[s], used + lengths[s], k + 1,
-                       exps | (uint64_t)palette[s] << (8 * k));
+    }
+    if (!c->complete || c->n == 0 || c->len[c->n - 1] > left) {
+        uint64_t entry = k ? used | exps << 8 | (uint64_t)k << 61 : M_INVALID | 1ull << 61;
+        uint64_t *at = multi + ((uint64_t)prefix << left);
+        for (uint32_t i = 0, n = 1u << left; i < n; i++)
+            at[i] = entry;
+    }
+    for (int j = 0; j < c->n && c->len[j] <= left; j++)
+        fill_multi(multi, single, c, L, prefix << c->len[j] | c->code[j], used + c->len[j], k + 1,
+                   exps | c->exp[j] << (8 * k));
 }
 
 /* The decoding tables of a code, from its lengths (checked by the caller: FORMAT.md 3.3) and palette:
  * single[w] = exponent | length << 8 for every L-bit window w (the canonical code's symbol whose code
  * starts w; length 0: no code starts there), and multi[w] as above. */
 void unw_tables(const uint8_t *lengths, const uint8_t *palette, int p, int L, uint16_t *single, uint64_t *multi) {
-    uint32_t count[33] = {0}, next[33], code[256];
+    uint32_t count[33] = {0}, next[33];
+    uint64_t kraft = 0;
+    Code c;
     memset(single, 0, sizeof(uint16_t) << L);
     p = p < 256 ? p : 256;
     for (int s = 0; s < p; s++)
         count[lengths[s] <= 32 ? lengths[s] : 0]++;
     count[0] = 0;
-    for (uint32_t len = 1, c = 0; len <= (uint32_t)L; len++) { /* canonical codes, as DEFLATE's */
-        c = (c + count[len - 1]) << 1;
-        next[len] = c;
+    for (uint32_t len = 1, k = 0; len <= (uint32_t)L; len++) { /* canonical codes, as DEFLATE's */
+        k = (k + count[len - 1]) << 1;
+        next[len] = k;
     }
-    uint8_t used_lengths[256];
-    for (int s = 0; s < p; s++) {
-        uint32_t len = lengths[s];
-        used_lengths[s] = len <= (uint32_t)L ? (uint8_t)len : 0;
-        if (len == 0 || len > (uint32_t)L)
-            continue;
-        code[s] = next[len]++;
-        uint32_t first = code[s] << (L - len), n = 1u << (L - len); /* every window this code starts */
-        for (uint32_t w = first; w < first + n && w < (1u << L); w++)
-            single[w] = (uint16_t)(palette[s] | len << 8);
-    }
-    fill_multi(multi, code, used_lengths, palette, p, (uint32_t)L, 0, 0, 0, 0);
+    c.n = 0;
+    for (uint32_t len = 1; len <= (uint32_t)L; len++) /* by length, then symbol: canonical order */
+        for (int s = 0; s < p; s++)
+            if (lengths[s] == len) {
+                uint32_t code = next[len]++, first = code << (L - len), n = 1u << (L - len);
+                for (uint32_t w = first; w < first + n && w < (1u << L); w++) /* every window this code starts */
+                    single[w] = (uint16_t)(palette[s] | len << 8);
+                c.len[c.n] = len, c.code[c.n] = code, c.exp[c.n] = palette[s], c.n++;
+                kraft += n;
+            }
+    c.complete = kraft == (1ull << L);
+    fill_multi(multi, single, &c, (uint32_t)L, 0, 0, 0, 0);
 }
 
 /* ---- decoding ---- */
