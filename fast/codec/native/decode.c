@@ -41,9 +41,11 @@
  *     where the CPU has it (chosen at run time), in rounds counted ahead (no end check per round);
  *     in that build the rounds are x86-64 assembly that keeps all four chains in registers (the
  *     compiler's code kept some on the stack: a store and a load in every chain), ~7% faster;
- *   - bf16 is assembled with AVX-512BW where the CPU has it (32 weights an instruction sequence).
- * The CRCs of the output and of sm are computed per block while the data is in cache, and joined
- * (crc32_combine, as zlib does) in block order.
+ *   - bf16 is assembled with AVX-512BW where the CPU has it (32 weights an instruction sequence), and
+ *     with VPCLMULQDQ too the output's CRC is folded from the registers as it is assembled, the output
+ *     written past the cache (assemble_crc_512).
+ * The CRCs of the output (where not fused as above) and of sm are computed per block while the data is in
+ * cache, and joined (crc32_combine, as zlib does) in block order.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -395,30 +397,91 @@ static void assemble_512_init(void) {
     assemble_512_cpu = assemble_512_use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
 }
 
+/* The 32 bf16 words of 32 weights (keep: 0x807F in every word). */
+static inline __attribute__((always_inline, target("avx2,avx512f,avx512bw"))) __m512i
+words_512(const uint8_t *q, const uint8_t *e, __m512i keep) {
+    __m512i sm = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    __m512i ex = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)e));
+    __m512i sign_mantissa = _mm512_ternarylogic_epi32(sm, _mm512_slli_epi16(sm, 8), keep, 0xA8); /* (a | b) & c */
+    return _mm512_or_si512(sign_mantissa, _mm512_slli_epi16(ex, 7));
+}
+
 __attribute__((target("avx2,avx512f,avx512bw"))) static void assemble_512(uint16_t *restrict o,
                                                                          const uint8_t *restrict q,
                                                                          const uint8_t *restrict e, int64_t n) {
     const __m512i keep = _mm512_set1_epi16(0x807F);
     int64_t t = 0;
-    for (; t + 32 <= n; t += 32) {
-        __m512i sm = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + t)));
-        __m512i ex = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(e + t)));
-        __m512i sign_mantissa = _mm512_ternarylogic_epi32(sm, _mm512_slli_epi16(sm, 8), keep, 0xA8); /* (a | b) & c */
-        _mm512_storeu_si512(o + t, _mm512_or_si512(sign_mantissa, _mm512_slli_epi16(ex, 7)));
-    }
+    for (; t + 32 <= n; t += 32)
+        _mm512_storeu_si512(o + t, words_512(q + t, e + t, keep));
     assemble(o + t, q + t, e + t, n - t);
+}
+
+/* assemble_512 that also continues the CRC state c of the output over the n weights written, folding
+ * (as crc_vclmul, the same constants) the 256 bytes of each 128 weights while they are in registers, and
+ * writing them past the cache (non-temporal stores: nothing in the decoder reads the output again, and
+ * the cache keeps the tables). The head up to a 64-byte boundary and the tail go as assemble + crc_update. */
+__attribute__((target("avx2,avx512f,avx512bw,vpclmulqdq,pclmul,sse4.1"))) static uint32_t
+assemble_crc_512(uint16_t *restrict o, const uint8_t *restrict q, const uint8_t *restrict e, int64_t n, uint32_t c) {
+    int64_t head = (int64_t)(((64 - ((uintptr_t)o & 63)) & 63) >> 1);
+    head = head < n ? head : n;
+    assemble(o, q, e, head);
+    c = crc_update(c, (const uint8_t *)o, (size_t)(2 * head));
+    o += head, q += head, e += head, n -= head;
+    int64_t blocks = n / 128;
+    if (blocks > 0) {
+        const __m512i keep = _mm512_set1_epi16(0x807F);
+        const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x01322d1430, 0x011542778a)); /* crc_vclmul's */
+        const __m512i k512 = _mm512_broadcast_i32x4(K512);
+        __m512i x[4];
+#define WORDS(t) words_512(q + (t), e + (t), keep)
+#define FOLD512(a, k, b) \
+    _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a, k, 0x00), _mm512_clmulepi64_epi128(a, k, 0x11), b, 0x96)
+        for (int l = 0; l < 4; l++) {
+            x[l] = WORDS(32 * l);
+            _mm512_stream_si512((void *)(o + 32 * l), x[l]);
+        }
+        x[0] = _mm512_xor_si512(x[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)c)));
+        for (int64_t b = 1; b < blocks; b++) {
+            const int64_t t = 128 * b;
+            for (int l = 0; l < 4; l++) {
+                __m512i y = WORDS(t + 32 * l);
+                _mm512_stream_si512((void *)(o + t + 32 * l), y);
+                x[l] = FOLD512(x[l], k2048, y);
+            }
+        }
+        x[1] = FOLD512(x[0], k512, x[1]); /* four 512-bit lanes into one, then its four 128-bit lanes */
+        x[2] = FOLD512(x[1], k512, x[2]);
+        x[3] = FOLD512(x[2], k512, x[3]);
+#undef FOLD512
+#undef WORDS
+        __m128i y = fold128(_mm512_extracti32x4_epi32(x[3], 0), K128, _mm512_extracti32x4_epi32(x[3], 1));
+        y = fold128(y, K128, _mm512_extracti32x4_epi32(x[3], 2));
+        y = fold128(y, K128, _mm512_extracti32x4_epi32(x[3], 3));
+        c = clmul_finish(y, NULL, 0);
+        _mm_sfence();
+        o += 128 * blocks, q += 128 * blocks, e += 128 * blocks, n -= 128 * blocks;
+    }
+    assemble_512(o, q, e, n);
+    return crc_update(c, (const uint8_t *)o, (size_t)(2 * n));
 }
 #endif
 
-/* assemble, in the AVX-512BW code where the build is wide and the CPU has it. */
+/* assemble, in the AVX-512BW code where the build is wide and the CPU has it; with `crc` (the output's
+ * CRC fused in: the build is wide, the CPU has VPCLMULQDQ too), continue *crc over what was written. */
 static inline __attribute__((always_inline)) void assemble_run(uint16_t *restrict o, const uint8_t *restrict q,
-                                                               const uint8_t *restrict e, int64_t n, const int wide) {
+                                                               const uint8_t *restrict e, int64_t n, const int wide,
+                                                               uint32_t *crc) {
 #ifdef HAVE_ASSEMBLE_512
+    if (wide && crc) {
+        *crc = assemble_crc_512(o, q, e, n, *crc);
+        return;
+    }
     if (wide && assemble_512_use) {
         assemble_512(o, q, e, n);
         return;
     }
 #endif
+    (void)crc;
     assemble(o, q, e, n);
 }
 
@@ -494,6 +557,11 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
     job->last = k1 < x->n_chunks ? (k1 / x->cpr) * x->cols + (k1 % x->cpr) * x->cs : x->rows * x->cols;
     uint32_t crc_out = ~0u, crc_sm = ~0u;
     int64_t crc_done = job->first;
+    uint32_t *fused = NULL; /* the output's CRC fused into its assembly (assemble_crc_512), else per batch */
+#ifdef HAVE_ASSEMBLE_512
+    if (wide && assemble_512_use && crc_level == 2 && ((uintptr_t)x->out & 1) == 0)
+        fused = &crc_out;
+#endif
     int64_t lo = 0, hi = x->n_verbatim; /* v = the first verbatim chunk >= k0 (a binary search) */
     while (lo < hi) {
         int64_t mid = (lo + hi) / 2;
@@ -553,10 +621,10 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
         for (int64_t k = gk0; k < gk1; k++) {
             int64_t n = min64(x->cs, x->cols - j * x->cs);
             if (v < x->n_verbatim && x->vchunks[v] == (uint64_t)k) {
-                assemble_run(x->out + run, x->sm + run, coded, start - run, wide);
+                assemble_run(x->out + run, x->sm + run, coded, start - run, wide, fused);
                 coded += start - run;
                 check_verbatim(x, job, v, n);
-                assemble_run(x->out + start, x->sm + start, x->vexp + v * x->cs, n, wide);
+                assemble_run(x->out + start, x->sm + start, x->vexp + v * x->cs, n, wide, fused);
                 v++;
                 run = start + n;
             }
@@ -564,9 +632,10 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
             if (++j == x->cpr)
                 j = 0;
         }
-        assemble_run(x->out + run, x->sm + run, coded, start - run, wide);
+        assemble_run(x->out + run, x->sm + run, coded, start - run, wide, fused);
         if (start - crc_done >= CRC_BATCH || g + ng >= g1) { /* CRC what was just written, while it is in cache */
-            crc_out = crc_update(crc_out, (const uint8_t *)(x->out + crc_done), (size_t)(2 * (start - crc_done)));
+            if (!fused)
+                crc_out = crc_update(crc_out, (const uint8_t *)(x->out + crc_done), (size_t)(2 * (start - crc_done)));
             crc_sm = crc_update(crc_sm, x->sm + crc_done, (size_t)(start - crc_done));
             crc_done = start;
         }
