@@ -669,13 +669,15 @@ int unw_decode_use(int wide) { return builds_use(wide); }
 
 /* Check and decode a Huffman-form tensor into out (uint16 [rows * cols]). The header was checked by
  * the caller (array lengths as FORMAT.md 3.2 implies, code lengths valid, single = the decoding
- * table of exponents, multi_* from unw_multi_table). With threads > 1 the work is cut into blocks of
- * about block_weights weights (whole groups), which the threads take in turn. crc_io[0..5]: the expected CRC-32 of sm, stream,
- * offsets, vchunks, vexp and the data. Returns OK or an error code, with crc_io[6], crc_io[7] saying
+ * table of exponents and multi the multi-symbol one, both from unw_tables). With threads > 1 the work
+ * is cut into blocks of about block_weights weights (whole groups), which the threads take in turn.
+ * crc_io[0..5]: the expected CRC-32 of sm, stream, offsets, vchunks, vexp and the data. Returns OK or an
+ * error code, with crc_io[6], crc_io[7] saying
  * where (a group and a bit position, a verbatim entry, which array). */
 int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const uint32_t *offsets,
                const uint32_t *vchunks, int64_t n_verbatim, const uint8_t *vexp, const uint8_t *sm,
-               const uint8_t *palette, int p, const uint16_t *single, const uint64_t *multi, int L, int64_t rows, int64_t cols, int64_t cs, int64_t cpg, int threads,
+               const uint8_t *palette, int p, const uint16_t *single, const uint64_t *multi, int L, int64_t rows,
+               int64_t cols, int64_t cs, int64_t cpg, int threads,
                int64_t block_weights, uint32_t *crc_io, uint16_t *out) {
     Tensor x;
     crc_setup();
