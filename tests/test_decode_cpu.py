@@ -55,14 +55,69 @@ def build(use: Callable[[int], int], wide: bool) -> Iterator[None]:
 
 @needs_c
 @settings(max_examples=150, deadline=None)
-@given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([1, 2, 3, 7]), wide=st.booleans())
-def test_c_decoder_equals_plain_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
-    """Both builds of the decoding loop (portable, and AVX2 + BMI2 where the CPU has it)."""
+@given(bits=bf16_tensors(), params=codec_params(), threads=st.sampled_from([1, 2, 3, 7]), wide=st.booleans(),
+       wide_assembly=st.booleans())
+def test_c_decoder_equals_plain_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool,
+                                                  wide_assembly: bool) -> None:
+    """Both builds of the decoding loop (portable, and AVX2 + BMI2 where the CPU has it: its rounds in
+    assembly), with and without the AVX-512BW assembly of bf16 (where the CPU has it)."""
     ct = encode(bits, **params)
-    with build(decode_c.library().unw_decode_use, wide), many_threads():
+    lib = decode_c.library()
+    with build(lib.unw_decode_use, wide), build(lib.unw_assemble_use, wide_assembly), many_threads():
         got = decode_cpu(ct, threads=threads, native=True)
     assert got.dtype == np.uint16 and got.shape == bits.shape
     assert np.array_equal(got, decode(ct)) and np.array_equal(got, bits)
+
+
+@needs_c
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("wide_assembly", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_c_decoder_many_groups_every_path(wide: bool, wide_assembly: bool, seed: int) -> None:
+    """Trained-like tensors of many groups at L = 12 (the four-group rounds, in assembly in the AVX2 + BMI2
+    build), odd shapes (short chunks, runs of any length), verbatim chunks: every path gives the original."""
+    r = np.random.default_rng(seed)
+    rows, cols = int(r.integers(20, 90)), int(r.integers(100, 3000))
+    bits = ((r.standard_normal((rows, cols)) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    bits.reshape(-1)[r.integers(0, bits.size, 5)] = 0x0001  # subnormals: verbatim chunks
+    ct = encode(bits)
+    assert ct.max_code_length == 12
+    lib = decode_c.library()
+    with build(lib.unw_decode_use, wide), build(lib.unw_assemble_use, wide_assembly):
+        assert np.array_equal(decode_cpu(ct, native=True), bits)
+
+
+def multi_table_by_definition(single: np.ndarray, length: int) -> np.ndarray:
+    """decode.c's multi-symbol table, entry by entry: the up to 4 whole codes at the start of each window."""
+    mask, out = (1 << length) - 1, np.zeros(1 << length, np.uint64)
+    for w in range(1 << length):
+        used = count = exps = 0
+        while count < 4:
+            e = int(single[(w << used) & mask])
+            if e >> 8 == 0 or used + (e >> 8) > length:
+                break
+            exps |= (e & 0xFF) << (8 * count)
+            used += e >> 8
+            count += 1
+        out[w] = used | exps << 8 | count << 61 if count else 0x80 | 1 << 61
+    return out
+
+
+@needs_c
+@settings(max_examples=40, deadline=None)
+@given(bits=bf16_tensors(), params=codec_params())
+def test_c_tables_equal_the_reference_table(bits: np.ndarray, params: dict) -> None:
+    """unw_tables: the one-symbol table is FORMAT.md 3.3's (reference.codec.huffman.decode_table), the
+    multi-symbol table as defined in decode.c (the tables are built from the code in C, not entry by entry)."""
+    from reference.codec.huffman import decode_table
+
+    ct = encode(bits, **params)
+    single, multi, *_ = decode_c.tables.__wrapped__(tuple(ct.palette), tuple(ct.code_lengths), ct.max_code_length)
+    symbols, lengths = decode_table(ct.code_lengths, ct.max_code_length)
+    expected = np.asarray(ct.palette or (0,), np.uint16)[symbols] | lengths.astype(np.uint16) << 8
+    expected[lengths == 0] = 0  # no code starts there: length 0 (its exponent byte is never used)
+    assert np.array_equal(single, expected)
+    assert np.array_equal(multi, multi_table_by_definition(single, ct.max_code_length))
 
 
 def decodes_exactly_or_raises(header: object, arrays: dict[str, np.ndarray], original: np.ndarray,
@@ -157,16 +212,18 @@ def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> 
 @needs_c
 def test_a_broken_c_decoder_fails_the_conformance_suite_readably(monkeypatch: pytest.MonkeyPatch, tmp_path,
                                                                  capsys: pytest.CaptureFixture) -> None:
-    """Mutation: the exponent shifted by 6 instead of 7 in decode.c's assembly. The decoder's own data CRC
-    catches it before the comparison would: the case errors, naming the case and the failed check."""
+    """Mutation: the exponent shifted by 6 instead of 7 in decode.c's assembly (the portable and the AVX-512BW
+    one). The decoder's own data CRC catches it before the comparison would: the case errors, naming the case
+    and the failed check."""
     from conformance.__main__ import main
     from fast import build_c
 
     source = decode_c.SOURCE.read_text()
     old = "(uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F))"
-    assert source.count(old) == 1
+    old_512 = "_mm512_slli_epi16(ex, 7)"  # the AVX-512BW assembly's (where the CPU has it; the fused CRC one too)
+    assert source.count(old) == 1 and source.count(old_512) == 1
     mutant = tmp_path / "decode.c"
-    mutant.write_text(source.replace(old, old.replace("<< 7", "<< 6")))
+    mutant.write_text(source.replace(old, old.replace("<< 7", "<< 6")).replace(old_512, old_512.replace("7", "6")))
     for header in decode_c.SOURCE.parent.glob("*.h"):
         (tmp_path / header.name).write_bytes(header.read_bytes())
     monkeypatch.setenv("UNFIRE_CACHE", str(tmp_path / "cache"))

@@ -32,7 +32,6 @@ import numpy as np
 from fast import build_c
 from reference.codec.errors import CodecError
 from reference.codec.format import CompressedTensor
-from reference.codec.huffman import decode_table
 from reference.codec.layout import Layout
 from reference.codec.lockstep import decode_many
 
@@ -44,8 +43,9 @@ _SIGNATURES = {  # name: (return type, argument types), as in native/decode.c
     "unw_crc32": (_U32, [_P, _I64, _INT]),
     "unw_crc_use": (_INT, [_INT]),
     "unw_decode_use": (_INT, [_INT]),
-    "unw_multi_table": (None, [_P, _INT, _P, _P]),
-    "unw_decode": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _INT, _P, _P, _P, _INT,
+    "unw_assemble_use": (_INT, [_INT]),
+    "unw_tables": (None, [_P, _P, _INT, _INT, _P, _P]),
+    "unw_decode": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _INT, _P, _P, _INT,
                           _I64, _I64, _I64, _I64, _INT, _I64, _P, _P]),
 }
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
@@ -74,21 +74,18 @@ def _ptr(a: np.ndarray) -> int:
 
 @functools.lru_cache(maxsize=64)
 def tables(palette: tuple[int, ...], code_lengths: tuple[int, ...], max_code_length: int
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[int, int, int, int]]:
-    """The decoding tables of one code: one-symbol (exponent | length << 8, uint16 [2^L]), the
-    multi-symbol exponents (uint32) and length | count << 8 (uint16) of ``unw_multi_table``, the palette
-    (uint8), and the four arrays' addresses (kept with them: the cache keeps them alive)."""
-    symbols, lengths = decode_table(code_lengths, max_code_length)
-    exponent = np.asarray(palette or (0,), np.uint16)[symbols]
-    single = (exponent | (lengths.astype(np.uint16) << 8)).astype(np.uint16)
-    multi_exp = np.empty(1 << max_code_length, np.uint32)
-    multi_meta = np.empty(1 << max_code_length, np.uint16)
-    library().unw_multi_table(_ptr(single), max_code_length, _ptr(multi_exp), _ptr(multi_meta))
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int, int]]:
+    """The decoding tables of one code (lengths checked by ``check_lengths``), built by ``unw_tables``: the
+    one-symbol table (exponent | length << 8, uint16 [2^L]), the multi-symbol table (uint64 [2^L]), the
+    palette (uint8), and the three arrays' addresses (kept with them: the cache keeps them alive)."""
     palette_array = np.asarray(palette, np.uint8)
-    for t in (single, multi_exp, multi_meta, palette_array):
+    lengths = np.asarray(code_lengths, np.uint8)
+    single = np.empty(1 << max_code_length, np.uint16)
+    multi = np.empty(1 << max_code_length, np.uint64)
+    library().unw_tables(_ptr(lengths), _ptr(palette_array), len(palette), max_code_length, _ptr(single), _ptr(multi))
+    for t in (single, multi, palette_array):
         t.flags.writeable = False
-    return single, multi_exp, multi_meta, palette_array, tuple(_ptr(t) for t in (single, multi_exp, multi_meta,
-                                                                                  palette_array))
+    return single, multi, palette_array, tuple(_ptr(t) for t in (single, multi, palette_array))
 
 
 def crc32(data: np.ndarray, threads: int = 1) -> int:
@@ -116,7 +113,7 @@ def decode_cpu(ct: CompressedTensor, *, threads: int = 1, native: bool | None = 
         if a.dtype.byteorder == ">":  # check_header accepts either byte order; C reads native order
             raise CodecError(f"tensor {ct.name!r}: decode_cpu takes native-order arrays, got {a.dtype}")
     stream, offsets, vchunks, vexp, sm = arrays
-    *_, (single, multi_exp, multi_meta, palette) = tables(tuple(ct.palette), tuple(ct.code_lengths),
+    *_, (single, multi, palette) = tables(tuple(ct.palette), tuple(ct.code_lengths),
                                                           ct.max_code_length)
     crc = ct.crc
     io = np.array([crc["sm"], crc["stream"], crc["offsets"], crc["vchunks"], crc["vexp"], crc["data"], 0, 0],
@@ -126,7 +123,7 @@ def decode_cpu(ct: CompressedTensor, *, threads: int = 1, native: bool | None = 
     threads = max(1, min(threads, n // MIN_WEIGHTS_PER_THREAD, 64))
     error = lib.unw_decode(
         _ptr(stream), stream.size, ct.stream_bits, _ptr(offsets), _ptr(vchunks), vchunks.size, _ptr(vexp), _ptr(sm),
-        palette, len(ct.palette), single, multi_exp, multi_meta, ct.max_code_length, layout.rows, layout.cols,
+        palette, len(ct.palette), single, multi, ct.max_code_length, layout.rows, layout.cols,
         layout.chunk_size, layout.chunks_per_group, threads, BLOCK_WEIGHTS, _ptr(io), _ptr(out))
     info = io[6:].astype(np.int64)
     if error:

@@ -4,6 +4,8 @@
  *                                 always_inline function) compiled for any CPU, or compiled for
  *                                 AVX2 + BMI2 (shifts by a register without the cl register, 256-bit
  *                                 vector code) when the CPU has both
+ *   TWO_BUILDS_FLAG(work, body)   the same, with body(arg, wide): wide is 1 in the AVX2 + BMI2 build (a
+ *                                 constant there, so body can hold code only that build may run)
  *   builds_setup()                once before work runs (checks the CPU)
  *   builds_use(wide)              use the AVX2 + BMI2 build if wide and the CPU has it; returns 1 if
  *                                 it is in use (the tests run both builds)
@@ -39,8 +41,14 @@ static inline int builds_use(int wide) {
     static void *fn##_plain(void *arg) { return body(arg); }                                     \
     __attribute__((target("avx2,bmi,bmi2"))) static void *fn##_wide(void *arg) { return body(arg); } \
     static void *fn(void *arg) { return use_wide ? fn##_wide(arg) : fn##_plain(arg); }
+#define TWO_BUILDS_FLAG(fn, body)                                                                     \
+    static void *fn##_plain(void *arg) { return body(arg, 0); }                                      \
+    __attribute__((target("avx2,bmi,bmi2"))) static void *fn##_wide(void *arg) { return body(arg, 1); } \
+    static void *fn(void *arg) { return use_wide ? fn##_wide(arg) : fn##_plain(arg); }
 #else
 #define TWO_BUILDS(fn, body) \
     static void *fn(void *arg) { return body(arg); }
+#define TWO_BUILDS_FLAG(fn, body) \
+    static void *fn(void *arg) { return body(arg, 0); }
 #endif
 #endif

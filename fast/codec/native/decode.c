@@ -6,7 +6,9 @@
  *   unw_crc32          CRC-32 (IEEE, the value zlib.crc32 gives) of a buffer, in threads (crc32.h)
  *   unw_crc_use        which CRC-32 path to use at most (for the tests)
  *   unw_decode_use     whether to use the AVX2 + BMI2 build of the decoding loop (for the tests)
- *   unw_multi_table    the multi-symbol decoding table, from the one-symbol table (FORMAT.md 3.3)
+ *   unw_assemble_use   whether to use the AVX-512BW assembly of bf16 in that build (for the tests)
+ *   unw_tables         the one-symbol decoding table of FORMAT.md 3.3 and the multi-symbol table,
+ *                      from the code lengths and the palette
  *   unw_decode         every check of FORMAT.md 3.6 that reads array contents, and the decode
  *
  * Python checks the header (ranges, array dtypes and lengths) first; unw_decode checks the rest:
@@ -28,16 +30,22 @@
  *   - the 64-bit window is built once per refill from three stream words (MSB first within each
  *     32-bit word, so the words are swapped as they are read) and serves 64 / L table lookups;
  *   - the multi-symbol table, indexed by the next L bits as the one-symbol table of FORMAT.md 3.3
- *     is, gives up to 4 whole codes that fit in those L bits at once: their exponents (4 bytes,
- *     written in one store) and their total length. With L = 12 and ~2.7-bit codes that is ~4
+ *     is, gives up to 4 whole codes that fit in those L bits at once, in one 64-bit entry: their
+ *     total length (the low bits: the window is shifted by the entry itself), their exponents (4
+ *     bytes, written in one store) and their count. With L = 12 and ~2.7-bit codes that is ~3.7
  *     weights per lookup. The last few weights of a group go one code at a time, so a group never
  *     reads a code past its own count;
  *   - an invalid window is an entry of 1 symbol and 0 bits with a flag: the loop always advances
  *     and stays stuck at that window (see decode_4_groups for how it is caught);
  *   - four groups are decoded at once (independent chains the CPU overlaps), in AVX2 + BMI2 code
- *     where the CPU has it (chosen at run time).
- * The CRCs of the output and of sm are computed per block while the data is in cache, and joined
- * (crc32_combine, as zlib does) in block order.
+ *     where the CPU has it (chosen at run time), in rounds counted ahead (no end check per round);
+ *     in that build the rounds are x86-64 assembly that keeps all four chains in registers (the
+ *     compiler's code kept some on the stack: a store and a load in every chain), ~7% faster;
+ *   - bf16 is assembled with AVX-512BW where the CPU has it (32 weights an instruction sequence), and
+ *     with VPCLMULQDQ too the output's CRC is folded from the registers as it is assembled, the output
+ *     written past the cache (assemble_crc_512).
+ * The CRCs of the output (where not fused as above) and of sm are computed per block while the data is in
+ * cache, and joined (crc32_combine, as zlib does) in block order.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -48,7 +56,6 @@
 #include "crc32.h"
 #include "threads.h"
 
-#define INVALID 0x80    /* multi_meta flag: the window starts with no valid code */
 #define CRC_BATCH 8192  /* weights of output between two CRC updates (stays in cache) */
 
 typedef struct {
@@ -85,26 +92,77 @@ uint32_t unw_crc32(const uint8_t *p, int64_t n, int threads) {
 
 /* ---- the tables ---- */
 
-/* single[w] = exponent | length << 8 for every L-bit window w (length 0: no code starts there).
- * multi_exp[w] = the exponents of the (up to 4) whole codes that lie inside w, one per byte;
- * multi_meta[w] = their total length | count << 8, or INVALID | 1 << 8 if w starts with no code (the
- * length sits in bits 0-4, so `x << (meta & 63)` is a shift by the length alone). */
-void unw_multi_table(const uint16_t *single, int L, uint32_t *multi_exp, uint16_t *multi_meta) {
-    uint32_t mask = (1u << L) - 1;
-    for (uint32_t w = 0; w <= mask; w++) {
-        uint32_t exps = 0, used = 0, k = 0;
-        while (k < 4) {
-            uint16_t e = single[(w << used) & mask]; /* the bits after `used`, zeros shifted in */
-            uint32_t len = e >> 8;
-            if (len == 0 || used + len > (uint32_t)L) /* invalid, or not wholly inside w */
-                break;
-            exps |= (uint32_t)(e & 0xFF) << (8 * k);
-            used += len;
-            k++;
+/* One entry of the multi-symbol table (uint64): the total length of the up to 4 whole codes that lie
+ * inside the L-bit window (bits 0-5: `x << t` by a register, as x86 shifts take the count's low 6 bits),
+ * INVALID (bit 7) if the window starts with no code, their exponents, one per byte (bits 8-39, stored in
+ * one 4-byte store), and their count (bits 61-63: `t >> 61`, no mask). An invalid window is 1 code of 0 bits. */
+#define M_INVALID 0x80u
+static inline __attribute__((always_inline)) unsigned m_len(uint64_t t) { return (unsigned)t & 63; }
+static inline __attribute__((always_inline)) uint32_t m_exps(uint64_t t) { return (uint32_t)(t >> 8); }
+static inline __attribute__((always_inline)) uint64_t m_count(uint64_t t) { return t >> 61; }
+
+/* The used symbols of a code, by length (shortest first): their lengths, codes and exponents. */
+typedef struct {
+    int n, complete;      /* complete: every window starts with a code (Kraft's sum is 1) */
+    uint32_t len[256], code[256];
+    uint64_t exp[256];
+} Code;
+
+/* Every window that starts with the codes of `prefix` (`used` bits, k codes, their exponents `exps`): the
+ * entry of these k codes, then, for each code that fits in the bits left, the windows that go on with it
+ * (overwritten: the entry of a window is its longest run of whole codes, up to 4). Where every code fits
+ * (and the code is complete) those cover all the windows, which are then not filled first. */
+static void fill_multi(uint64_t *multi, const uint16_t *single, const Code *c, uint32_t L, uint32_t prefix,
+                       uint32_t used, uint32_t k, uint64_t exps) {
+    uint32_t left = L - used;
+    if (k == 3) { /* the fourth code, window by window (from the one-symbol table: fewer, larger steps) */
+        uint64_t *at = multi + ((uint64_t)prefix << left);
+        for (uint32_t i = 0, n = 1u << left; i < n; i++) {
+            uint32_t e = single[i << used], len = e >> 8; /* the bits after the three codes, zeros shifted in */
+            at[i] = len && len <= left ? (used + len) | (exps | (uint64_t)(e & 0xFF) << 24) << 8 | 4ull << 61
+                                       : used | exps << 8 | 3ull << 61;
         }
-        multi_exp[w] = exps;
-        multi_meta[w] = k ? (uint16_t)(used | k << 8) : (uint16_t)(INVALID | 1 << 8);
+        return;
     }
+    if (!c->complete || c->n == 0 || c->len[c->n - 1] > left) {
+        uint64_t entry = k ? used | exps << 8 | (uint64_t)k << 61 : M_INVALID | 1ull << 61;
+        uint64_t *at = multi + ((uint64_t)prefix << left);
+        for (uint32_t i = 0, n = 1u << left; i < n; i++)
+            at[i] = entry;
+    }
+    for (int j = 0; j < c->n && c->len[j] <= left; j++)
+        fill_multi(multi, single, c, L, prefix << c->len[j] | c->code[j], used + c->len[j], k + 1,
+                   exps | c->exp[j] << (8 * k));
+}
+
+/* The decoding tables of a code, from its lengths (checked by the caller: FORMAT.md 3.3) and palette:
+ * single[w] = exponent | length << 8 for every L-bit window w (the canonical code's symbol whose code
+ * starts w; length 0: no code starts there), and multi[w] as above. */
+void unw_tables(const uint8_t *lengths, const uint8_t *palette, int p, int L, uint16_t *single, uint64_t *multi) {
+    uint32_t count[33] = {0}, next[33];
+    uint64_t kraft = 0;
+    Code c;
+    memset(single, 0, sizeof(uint16_t) << L);
+    p = p < 256 ? p : 256;
+    for (int s = 0; s < p; s++)
+        count[lengths[s] <= 32 ? lengths[s] : 0]++;
+    count[0] = 0;
+    for (uint32_t len = 1, k = 0; len <= (uint32_t)L; len++) { /* canonical codes, as DEFLATE's */
+        k = (k + count[len - 1]) << 1;
+        next[len] = k;
+    }
+    c.n = 0;
+    for (uint32_t len = 1; len <= (uint32_t)L; len++) /* by length, then symbol: canonical order */
+        for (int s = 0; s < p; s++)
+            if (lengths[s] == len) {
+                uint32_t code = next[len]++, first = code << (L - len), n = 1u << (L - len);
+                for (uint32_t w = first; w < first + n && w < (1u << L); w++) /* every window this code starts */
+                    single[w] = (uint16_t)(palette[s] | len << 8);
+                c.len[c.n] = len, c.code[c.n] = code, c.exp[c.n] = palette[s], c.n++;
+                kraft += n;
+            }
+    c.complete = kraft == (1ull << L);
+    fill_multi(multi, single, &c, (uint32_t)L, 0, 0, 0, 0);
 }
 
 /* ---- decoding ---- */
@@ -116,8 +174,8 @@ typedef struct {
     const uint32_t *stream, *offsets, *vchunks;
     int64_t words, stream_bits, n_verbatim;
     const uint8_t *vexp, *sm;
-    const uint16_t *single, *multi_meta;
-    const uint32_t *multi_exp;
+    const uint16_t *single;
+    const uint64_t *multi;
     uint8_t in_palette[256];
     int L;
     int64_t rows, cols, cs, cpg, cpr, n_chunks, n_groups;
@@ -149,19 +207,18 @@ static inline __attribute__((always_inline)) uint64_t window64(const uint32_t *s
 static inline __attribute__((always_inline)) unsigned decode_group(const Tensor *x, const uint32_t *s, int64_t words,
                                                                    uint64_t *pos_io, int64_t i, int64_t count,
                                                                    uint8_t *dst, const int L, const int R) {
-    const uint16_t *meta = x->multi_meta, *single = x->single;
-    const uint32_t *mexp = x->multi_exp;
-    uint64_t pos = *pos_io;
-    unsigned bad = 0;
+    const uint16_t *single = x->single;
+    const uint64_t *multi = x->multi;
+    uint64_t pos = *pos_io, bad = 0;
     while (i + 4 <= count) { /* up to R lookups of up to 4 codes each per refill, while 4 codes are left */
         uint64_t win = window64(s, words, pos) | 1; /* bit 0, never read (R * L < 64), marks the bits used */
         for (int r = 0; r < R && i + 4 <= count; r++) {
-            uint64_t w = win >> (64 - L);
-            unsigned m = meta[w];
-            memcpy(dst + i, &mexp[w], 4);
-            i += m >> 8;
-            win <<= m & 63;
-            bad |= m;
+            uint64_t t = multi[win >> (64 - L)];
+            uint32_t e = m_exps(t);
+            memcpy(dst + i, &e, 4);
+            i += (int64_t)m_count(t);
+            win <<= m_len(t);
+            bad |= t;
         }
         pos += (uint64_t)__builtin_ctzll(win); /* the mark moved up by the bits used */
     }
@@ -169,10 +226,30 @@ static inline __attribute__((always_inline)) unsigned decode_group(const Tensor 
         unsigned e = single[window64(s, words, pos) >> (64 - L)];
         dst[i] = (uint8_t)e;
         pos += e >> 8;
-        bad |= (e >> 8) == 0 ? INVALID : 0;
+        bad |= (e >> 8) == 0 ? M_INVALID : 0;
     }
     *pos_io = pos;
-    return bad & INVALID;
+    return (bad & M_INVALID) != 0;
+}
+
+/* One lookup of group q's chain: up to 4 exponents stored at once, the window shifted past their bits. */
+#define STEP(q)                                     \
+    {                                               \
+        uint64_t t = multi[win##q >> (64 - L)];     \
+        uint32_t e = m_exps(t);                     \
+        memcpy(o##q, &e, 4);                        \
+        o##q += m_count(t);                         \
+        win##q <<= m_len(t);                        \
+    }
+
+/* The rounds of lookups that all four groups can take for sure: each round takes at most 4 * R codes
+ * of a group, and a group takes rounds while its output pointer is at most its end less 4 * R. So the
+ * inner loops need no end check per round (and no registers for the four ends). */
+static inline __attribute__((always_inline)) int64_t safe_rounds(uint8_t *const *o, uint8_t *const *end, int R) {
+    int64_t slack = end[0] - o[0];
+    for (int q = 1; q < 4; q++)
+        slack = end[q] - o[q] < slack ? end[q] - o[q] : slack;
+    return slack < 0 ? 0 : slack / (4 * R) + 1;
 }
 
 /* Four groups at once (their chains of lookups are independent, so the CPU overlaps them), as far as
@@ -185,33 +262,24 @@ static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *
                                                                   uint64_t *pos, const int64_t *count,
                                                                   uint8_t *const *dst, unsigned *bad, const int L,
                                                                   const int R) {
-    const uint16_t *meta = x->multi_meta;
-    const uint32_t *mexp = x->multi_exp;
+    const uint64_t *multi = x->multi;
     uint64_t p0 = pos[0], p1 = pos[1], p2 = pos[2], p3 = pos[3];
     uint8_t *o0 = dst[0], *o1 = dst[1], *o2 = dst[2], *o3 = dst[3];
-    uint8_t *const e0 = dst[0] + count[0] - 4 * R, *const e1 = dst[1] + count[1] - 4 * R;
-    uint8_t *const e2 = dst[2] + count[2] - 4 * R, *const e3 = dst[3] + count[3] - 4 * R;
-#define STEP(q)                                   \
-    {                                             \
-        uint64_t w = win##q >> (64 - L);          \
-        uint32_t m = meta[w];                     \
-        uint32_t e = mexp[w];                     \
-        memcpy(o##q, &e, 4);                      \
-        o##q += m >> 8;                           \
-        win##q <<= m & 63;                        \
-    }
-    while (o0 <= e0 && o1 <= e1 && o2 <= e2 && o3 <= e3) {
-        /* bit 0 of each window, never read (R * L < 64), is a mark: it moves up by the bits used */
-        uint64_t win0 = window64(s, words, p0) | 1, win1 = window64(s, words, p1) | 1;
-        uint64_t win2 = window64(s, words, p2) | 1, win3 = window64(s, words, p3) | 1;
+    uint8_t *end[4];
+    for (int q = 0; q < 4; q++)
+        end[q] = dst[q] + count[q] - 4 * R;
+    for (int64_t n; (n = safe_rounds((uint8_t *[4]){o0, o1, o2, o3}, end, R)) > 0;)
+        for (; n > 0; n--) {
+            /* bit 0 of each window, never read (R * L < 64), is a mark: it moves up by the bits used */
+            uint64_t win0 = window64(s, words, p0) | 1, win1 = window64(s, words, p1) | 1;
+            uint64_t win2 = window64(s, words, p2) | 1, win3 = window64(s, words, p3) | 1;
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            STEP(0) STEP(1) STEP(2) STEP(3)
+            for (int r = 0; r < R; r++) {
+                STEP(0) STEP(1) STEP(2) STEP(3)
+            }
+            p0 += (uint64_t)__builtin_ctzll(win0), p1 += (uint64_t)__builtin_ctzll(win1);
+            p2 += (uint64_t)__builtin_ctzll(win2), p3 += (uint64_t)__builtin_ctzll(win3);
         }
-        p0 += (uint64_t)__builtin_ctzll(win0), p1 += (uint64_t)__builtin_ctzll(win1);
-        p2 += (uint64_t)__builtin_ctzll(win2), p3 += (uint64_t)__builtin_ctzll(win3);
-    }
-#undef STEP
     bad[0] = decode_group(x, s, words, &p0, o0 - dst[0], count[0], dst[0], L, R);
     bad[1] = decode_group(x, s, words, &p1, o1 - dst[1], count[1], dst[1], L, R);
     bad[2] = decode_group(x, s, words, &p2, o2 - dst[2], count[2], dst[2], L, R);
@@ -232,39 +300,72 @@ static inline __attribute__((always_inline)) uint64_t window_bytes(const uint8_t
     return __builtin_bswap64(v) << (rel & 7);
 }
 
+/* The rounds in x86-64 assembly, for the AVX2 + BMI2 build (L = 12, R = 4): the compiler's own code kept
+ * windows and bit positions on the stack, which put a store and a load into each chain of lookups; here
+ * every group's window, bit position (as an absolute bit address: the copy's byte address * 8 + the bit)
+ * and output pointer stay in registers (14 in all). A refill: the byte at bit p, clamped to `last` (as
+ * window_bytes; no group starts before the copy: decode_block takes this path only if the four groups'
+ * offsets rise), 8 bytes byte-swapped and shifted by p & 7, the mark set. A lookup: t = multi[win >> 52];
+ * win <<= t (the low 6 bits of t: its length); t >>= 8; store its exponents (t's low 4 bytes); o += its
+ * count (t >> 53). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_ASM_ROUNDS 1
+#define ASM_REFILL(w, p)                                                             \
+    "movq %[" #p "], %[t]\n\tshrq $3, %[t]\n\tcmpq %[last], %[t]\n\tcmovaq %[last], %[t]\n\t" \
+    "movq (%[t]), %[" #w "]\n\tbswapq %[" #w "]\n\tmovl %k[" #p "], %k[t]\n\tandl $7, %k[t]\n\t"    \
+    "shlxq %[t], %[" #w "], %[" #w "]\n\torq $1, %[" #w "]\n\t"
+#define ASM_STEP(w, o)                                                               \
+    "movq %[" #w "], %[t]\n\tshrq $52, %[t]\n\tmovq (%[m], %[t], 8), %[t]\n\t"        \
+    "shlxq %[t], %[" #w "], %[" #w "]\n\tshrq $8, %[t]\n\tmovl %k[t], (%[" #o "])\n\t" \
+    "shrq $53, %[t]\n\taddq %[t], %[" #o "]\n\t"
+#define ASM_ADVANCE(w, p) "tzcntq %[" #w "], %[t]\n\taddq %[t], %[" #p "]\n\t"
+#define ASM_ROUND ASM_STEP(w0, o0) ASM_STEP(w1, o1) ASM_STEP(w2, o2) ASM_STEP(w3, o3)
+#endif
+
 static inline __attribute__((always_inline)) void decode_4_copied(const Tensor *x, const uint8_t *buf, uint64_t last,
                                                                   uint64_t base, uint64_t *pos, const int64_t *count,
                                                                   uint8_t *const *dst, uint8_t **out, const int L,
-                                                                  const int R) {
-    const uint16_t *meta = x->multi_meta;
-    const uint32_t *mexp = x->multi_exp;
+                                                                  const int R, const int wide) {
+    const uint64_t *multi = x->multi;
     uint64_t p0 = pos[0] - base, p1 = pos[1] - base, p2 = pos[2] - base, p3 = pos[3] - base;
     uint8_t *o0 = dst[0], *o1 = dst[1], *o2 = dst[2], *o3 = dst[3];
-    uint8_t *const e0 = dst[0] + count[0] - 4 * R, *const e1 = dst[1] + count[1] - 4 * R;
-    uint8_t *const e2 = dst[2] + count[2] - 4 * R, *const e3 = dst[3] + count[3] - 4 * R;
-#define STEP(q)                                   \
-    {                                             \
-        uint64_t w = win##q >> (64 - L);          \
-        uint32_t m = meta[w];                     \
-        uint32_t e = mexp[w];                     \
-        memcpy(o##q, &e, 4);                      \
-        o##q += m >> 8;                           \
-        win##q <<= m & 63;                        \
-    }
-    while (o0 <= e0 && o1 <= e1 && o2 <= e2 && o3 <= e3) {
-        uint64_t win0 = window_bytes(buf, last, p0) | 1, win1 = window_bytes(buf, last, p1) | 1;
-        uint64_t win2 = window_bytes(buf, last, p2) | 1, win3 = window_bytes(buf, last, p3) | 1;
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            STEP(0) STEP(1) STEP(2) STEP(3)
+    uint8_t *end[4];
+    for (int q = 0; q < 4; q++)
+        end[q] = dst[q] + count[q] - 4 * R;
+#ifdef HAVE_ASM_ROUNDS
+    if (wide && L == 12 && R == 4) {
+        uint64_t at = (uint64_t)(uintptr_t)buf << 3, a0 = at + p0, a1 = at + p1, a2 = at + p2, a3 = at + p3;
+        const uint8_t *last_byte = buf + last;
+        for (int64_t n; (n = safe_rounds((uint8_t *[4]){o0, o1, o2, o3}, end, R)) > 0;) {
+            uint64_t w0, w1, w2, w3, t;
+            __asm__ volatile("1:\n\t" ASM_REFILL(w0, a0) ASM_REFILL(w1, a1) ASM_REFILL(w2, a2) ASM_REFILL(w3, a3)
+                             ASM_ROUND ASM_ROUND ASM_ROUND ASM_ROUND
+                             ASM_ADVANCE(w0, a0) ASM_ADVANCE(w1, a1) ASM_ADVANCE(w2, a2) ASM_ADVANCE(w3, a3)
+                             "decq %[n]\n\tjnz 1b\n\t"
+                             : [w0] "=&r"(w0), [w1] "=&r"(w1), [w2] "=&r"(w2), [w3] "=&r"(w3), [o0] "+r"(o0),
+                               [o1] "+r"(o1), [o2] "+r"(o2), [o3] "+r"(o3), [a0] "+r"(a0), [a1] "+r"(a1),
+                               [a2] "+r"(a2), [a3] "+r"(a3), [t] "=&r"(t), [n] "+m"(n)
+                             : [m] "r"(multi), [last] "m"(last_byte)
+                             : "memory", "cc");
         }
-        p0 += (uint64_t)__builtin_ctzll(win0), p1 += (uint64_t)__builtin_ctzll(win1);
-        p2 += (uint64_t)__builtin_ctzll(win2), p3 += (uint64_t)__builtin_ctzll(win3);
-    }
-#undef STEP
+        p0 = a0 - at, p1 = a1 - at, p2 = a2 - at, p3 = a3 - at;
+    } else
+#endif
+    for (int64_t n; (n = safe_rounds((uint8_t *[4]){o0, o1, o2, o3}, end, R)) > 0;)
+        for (; n > 0; n--) {
+            uint64_t win0 = window_bytes(buf, last, p0) | 1, win1 = window_bytes(buf, last, p1) | 1;
+            uint64_t win2 = window_bytes(buf, last, p2) | 1, win3 = window_bytes(buf, last, p3) | 1;
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                STEP(0) STEP(1) STEP(2) STEP(3)
+            }
+            p0 += (uint64_t)__builtin_ctzll(win0), p1 += (uint64_t)__builtin_ctzll(win1);
+            p2 += (uint64_t)__builtin_ctzll(win2), p3 += (uint64_t)__builtin_ctzll(win3);
+        }
     pos[0] = p0 + base, pos[1] = p1 + base, pos[2] = p2 + base, pos[3] = p3 + base;
     out[0] = o0, out[1] = o1, out[2] = o2, out[3] = o3;
 }
+#undef STEP
 
 /* Copy the stream words [w0, w1) byte-swapped into buf, then 8 zero bytes. */
 static inline __attribute__((always_inline)) void copy_swapped(uint8_t *restrict buf, const uint32_t *restrict s,
@@ -281,6 +382,120 @@ static inline __attribute__((always_inline)) void assemble(uint16_t *restrict o,
                                                            const uint8_t *restrict e, int64_t n) {
     for (int64_t t = 0; t < n; t++)
         o[t] = (uint16_t)(((q[t] & 0x80) << 8) | (e[t] << 7) | (q[t] & 0x7F));
+}
+
+/* The same with AVX-512BW, 32 weights a step (the compiler's AVX2 code takes ~3 times the instructions):
+ * sign and mantissa from the zero-extended sm (its low 7 bits, and bit 7 shifted to 15, in one ternary
+ * logic step), or the exponent shifted by 7. For the AVX2 + BMI2 build, where the CPU has AVX-512BW. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_ASSEMBLE_512 1
+static int assemble_512_cpu, assemble_512_use;
+static pthread_once_t assemble_512_once = PTHREAD_ONCE_INIT;
+
+static void assemble_512_init(void) {
+    __builtin_cpu_init();
+    assemble_512_cpu = assemble_512_use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+}
+
+/* The 32 bf16 words of 32 weights (keep: 0x807F in every word). */
+static inline __attribute__((always_inline, target("avx2,avx512f,avx512bw"))) __m512i
+words_512(const uint8_t *q, const uint8_t *e, __m512i keep) {
+    __m512i sm = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    __m512i ex = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)e));
+    __m512i sign_mantissa = _mm512_ternarylogic_epi32(sm, _mm512_slli_epi16(sm, 8), keep, 0xA8); /* (a | b) & c */
+    return _mm512_or_si512(sign_mantissa, _mm512_slli_epi16(ex, 7));
+}
+
+__attribute__((target("avx2,avx512f,avx512bw"))) static void assemble_512(uint16_t *restrict o,
+                                                                         const uint8_t *restrict q,
+                                                                         const uint8_t *restrict e, int64_t n) {
+    const __m512i keep = _mm512_set1_epi16(0x807F);
+    int64_t t = 0;
+    for (; t + 32 <= n; t += 32)
+        _mm512_storeu_si512(o + t, words_512(q + t, e + t, keep));
+    assemble(o + t, q + t, e + t, n - t);
+}
+
+/* assemble_512 that also continues the CRC state c of the output over the n weights written, folding
+ * (as crc_vclmul, the same constants) the 256 bytes of each 128 weights while they are in registers, and
+ * writing them past the cache (non-temporal stores: nothing in the decoder reads the output again, and
+ * the cache keeps the tables). The head up to a 64-byte boundary and the tail go as assemble + crc_update. */
+__attribute__((target("avx2,avx512f,avx512bw,vpclmulqdq,pclmul,sse4.1"))) static uint32_t
+assemble_crc_512(uint16_t *restrict o, const uint8_t *restrict q, const uint8_t *restrict e, int64_t n, uint32_t c) {
+    int64_t head = (int64_t)(((64 - ((uintptr_t)o & 63)) & 63) >> 1);
+    head = head < n ? head : n;
+    assemble(o, q, e, head);
+    c = crc_update(c, (const uint8_t *)o, (size_t)(2 * head));
+    o += head, q += head, e += head, n -= head;
+    int64_t blocks = n / 128;
+    if (blocks > 0) {
+        const __m512i keep = _mm512_set1_epi16(0x807F);
+        const __m512i k2048 = _mm512_broadcast_i32x4(_mm_set_epi64x(0x01322d1430, 0x011542778a)); /* crc_vclmul's */
+        const __m512i k512 = _mm512_broadcast_i32x4(K512);
+        __m512i x[4];
+#define WORDS(t) words_512(q + (t), e + (t), keep)
+#define FOLD512(a, k, b) \
+    _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a, k, 0x00), _mm512_clmulepi64_epi128(a, k, 0x11), b, 0x96)
+        for (int l = 0; l < 4; l++) {
+            x[l] = WORDS(32 * l);
+            _mm512_stream_si512((void *)(o + 32 * l), x[l]);
+        }
+        x[0] = _mm512_xor_si512(x[0], _mm512_zextsi128_si512(_mm_cvtsi32_si128((int)c)));
+        for (int64_t b = 1; b < blocks; b++) {
+            const int64_t t = 128 * b;
+            for (int l = 0; l < 4; l++) {
+                __m512i y = WORDS(t + 32 * l);
+                _mm512_stream_si512((void *)(o + t + 32 * l), y);
+                x[l] = FOLD512(x[l], k2048, y);
+            }
+        }
+        x[1] = FOLD512(x[0], k512, x[1]); /* four 512-bit lanes into one, then its four 128-bit lanes */
+        x[2] = FOLD512(x[1], k512, x[2]);
+        x[3] = FOLD512(x[2], k512, x[3]);
+#undef FOLD512
+#undef WORDS
+        __m128i y = fold128(_mm512_extracti32x4_epi32(x[3], 0), K128, _mm512_extracti32x4_epi32(x[3], 1));
+        y = fold128(y, K128, _mm512_extracti32x4_epi32(x[3], 2));
+        y = fold128(y, K128, _mm512_extracti32x4_epi32(x[3], 3));
+        c = clmul_finish(y, NULL, 0);
+        _mm_sfence();
+        o += 128 * blocks, q += 128 * blocks, e += 128 * blocks, n -= 128 * blocks;
+    }
+    assemble_512(o, q, e, n);
+    return crc_update(c, (const uint8_t *)o, (size_t)(2 * n));
+}
+#endif
+
+/* assemble, in the AVX-512BW code where the build is wide and the CPU has it; with `crc` (the output's
+ * CRC fused in: the build is wide, the CPU has VPCLMULQDQ too), continue *crc over what was written. */
+static inline __attribute__((always_inline)) void assemble_run(uint16_t *restrict o, const uint8_t *restrict q,
+                                                               const uint8_t *restrict e, int64_t n, const int wide,
+                                                               uint32_t *crc) {
+#ifdef HAVE_ASSEMBLE_512
+    if (wide && crc) {
+        *crc = assemble_crc_512(o, q, e, n, *crc);
+        return;
+    }
+    if (wide && assemble_512_use) {
+        assemble_512(o, q, e, n);
+        return;
+    }
+#endif
+    (void)crc;
+    assemble(o, q, e, n);
+}
+
+/* Use the AVX-512BW assembly if on (and the CPU has it; in the AVX2 + BMI2 build only); returns 1 if it is
+ * in use. For the tests. */
+int unw_assemble_use(int on) {
+#ifdef HAVE_ASSEMBLE_512
+    pthread_once(&assemble_512_once, assemble_512_init);
+    assemble_512_use = on && assemble_512_cpu;
+    return assemble_512_use;
+#else
+    (void)on;
+    return 0;
+#endif
 }
 
 static void fail(Job *job, int error, int64_t where, int64_t detail) {
@@ -321,7 +536,7 @@ static void check_verbatim(const Tensor *x, Job *job, int64_t v, int64_t n) {
 
 /* Decode block b: groups [g0, g1) of an even split of the tensor's groups into n_blocks. */
 static inline __attribute__((always_inline)) void decode_block(const Tensor *x, int64_t b, uint8_t *scratch,
-                                                               uint8_t *copy, int64_t copy_bytes) {
+                                                               uint8_t *copy, int64_t copy_bytes, const int wide) {
     Job *job = &x->blocks[b];
     int64_t g0 = x->n_groups * b / x->n_blocks, g1 = x->n_groups * (b + 1) / x->n_blocks;
     uint32_t pad[2] = {0, 0};
@@ -342,6 +557,11 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
     job->last = k1 < x->n_chunks ? (k1 / x->cpr) * x->cols + (k1 % x->cpr) * x->cs : x->rows * x->cols;
     uint32_t crc_out = ~0u, crc_sm = ~0u;
     int64_t crc_done = job->first;
+    uint32_t *fused = NULL; /* the output's CRC fused into its assembly (assemble_crc_512), else per batch */
+#ifdef HAVE_ASSEMBLE_512
+    if (wide && assemble_512_use && crc_level == 2 && ((uintptr_t)x->out & 1) == 0)
+        fused = &crc_out;
+#endif
     int64_t lo = 0, hi = x->n_verbatim; /* v = the first verbatim chunk >= k0 (a binary search) */
     while (lo < hi) {
         int64_t mid = (lo + hi) / 2;
@@ -370,10 +590,14 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
             dst[q] = q ? dst[q - 1] + count[q - 1] : scratch;
         }
         int64_t cw0 = pos[0] >> 5, cw1 = min64(((int64_t)x->offsets[g + ng] >> 5) + 3, words);
-        if (ng == 4 && x->L == 12 && cw0 < cw1 && 4 * (cw1 - cw0) + 8 <= copy_bytes) {
+        /* the copy holds the four groups' bits if their offsets rise (else check_index fails the tensor): no
+         * group then starts before it (decode_4_copied's assembly clamps reads past its end, not before) */
+        int rising = ng == 4 && pos[0] <= pos[1] && pos[1] <= pos[2] && pos[2] <= pos[3] &&
+                     pos[3] <= (uint64_t)x->offsets[g + 4];
+        if (rising && x->L == 12 && cw0 < cw1 && 4 * (cw1 - cw0) + 8 <= copy_bytes) {
             uint8_t *at[4];
             copy_swapped(copy, s, cw0, cw1);
-            decode_4_copied(x, copy, (uint64_t)(4 * (cw1 - cw0)), (uint64_t)cw0 << 5, pos, count, dst, at, 12, 4);
+            decode_4_copied(x, copy, (uint64_t)(4 * (cw1 - cw0)), (uint64_t)cw0 << 5, pos, count, dst, at, 12, 4, wide);
             for (int q = 0; q < 4; q++)
                 bad[q] = decode_group(x, s, words, &pos[q], at[q] - dst[q], count[q], dst[q], 12, 5);
         } else if (ng == 4 && x->L == 12)
@@ -397,10 +621,10 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
         for (int64_t k = gk0; k < gk1; k++) {
             int64_t n = min64(x->cs, x->cols - j * x->cs);
             if (v < x->n_verbatim && x->vchunks[v] == (uint64_t)k) {
-                assemble(x->out + run, x->sm + run, coded, start - run);
+                assemble_run(x->out + run, x->sm + run, coded, start - run, wide, fused);
                 coded += start - run;
                 check_verbatim(x, job, v, n);
-                assemble(x->out + start, x->sm + start, x->vexp + v * x->cs, n);
+                assemble_run(x->out + start, x->sm + start, x->vexp + v * x->cs, n, wide, fused);
                 v++;
                 run = start + n;
             }
@@ -408,9 +632,10 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
             if (++j == x->cpr)
                 j = 0;
         }
-        assemble(x->out + run, x->sm + run, coded, start - run);
+        assemble_run(x->out + run, x->sm + run, coded, start - run, wide, fused);
         if (start - crc_done >= CRC_BATCH || g + ng >= g1) { /* CRC what was just written, while it is in cache */
-            crc_out = crc_update(crc_out, (const uint8_t *)(x->out + crc_done), (size_t)(2 * (start - crc_done)));
+            if (!fused)
+                crc_out = crc_update(crc_out, (const uint8_t *)(x->out + crc_done), (size_t)(2 * (start - crc_done)));
             crc_sm = crc_update(crc_sm, x->sm + crc_done, (size_t)(start - crc_done));
             crc_done = start;
         }
@@ -420,7 +645,7 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
 }
 
 /* A thread: take the next block until none is left. */
-static inline __attribute__((always_inline)) void *work_body(void *arg) {
+static inline __attribute__((always_inline)) void *work_body(void *arg, const int wide) {
     Tensor *x = arg;
     uint8_t *scratch = malloc((size_t)(4 * x->cpg * x->cs + 64));
     /* room for four valid groups' stream words (at most L bits per weight) and the three words after */
@@ -428,7 +653,7 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
     uint8_t *copy = malloc((size_t)copy_bytes);
     for (int64_t b; (b = __atomic_fetch_add(&x->next_block, 1, __ATOMIC_RELAXED)) < x->n_blocks;) {
         if (scratch && copy)
-            decode_block(x, b, scratch, copy, copy_bytes);
+            decode_block(x, b, scratch, copy, copy_bytes, wide);
         else
             fail(&x->blocks[b], NO_MEMORY, 0, 0);
     }
@@ -437,29 +662,33 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
     return NULL;
 }
 
-TWO_BUILDS(work, work_body) /* builds.h: any CPU, or AVX2 + BMI2 */
+TWO_BUILDS_FLAG(work, work_body) /* builds.h: any CPU, or AVX2 + BMI2 (told so: wide = 1) */
 
 /* Use the AVX2 + BMI2 build if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
 int unw_decode_use(int wide) { return builds_use(wide); }
 
 /* Check and decode a Huffman-form tensor into out (uint16 [rows * cols]). The header was checked by
  * the caller (array lengths as FORMAT.md 3.2 implies, code lengths valid, single = the decoding
- * table of exponents, multi_* from unw_multi_table). With threads > 1 the work is cut into blocks of
- * about block_weights weights (whole groups), which the threads take in turn. crc_io[0..5]: the expected CRC-32 of sm, stream,
- * offsets, vchunks, vexp and the data. Returns OK or an error code, with crc_io[6], crc_io[7] saying
+ * table of exponents and multi the multi-symbol one, both from unw_tables). With threads > 1 the work
+ * is cut into blocks of about block_weights weights (whole groups), which the threads take in turn.
+ * crc_io[0..5]: the expected CRC-32 of sm, stream, offsets, vchunks, vexp and the data. Returns OK or an
+ * error code, with crc_io[6], crc_io[7] saying
  * where (a group and a bit position, a verbatim entry, which array). */
 int unw_decode(const uint32_t *stream, int64_t words, int64_t stream_bits, const uint32_t *offsets,
                const uint32_t *vchunks, int64_t n_verbatim, const uint8_t *vexp, const uint8_t *sm,
-               const uint8_t *palette, int p, const uint16_t *single, const uint32_t *multi_exp,
-               const uint16_t *multi_meta, int L, int64_t rows, int64_t cols, int64_t cs, int64_t cpg, int threads,
+               const uint8_t *palette, int p, const uint16_t *single, const uint64_t *multi, int L, int64_t rows,
+               int64_t cols, int64_t cs, int64_t cpg, int threads,
                int64_t block_weights, uint32_t *crc_io, uint16_t *out) {
     Tensor x;
     crc_setup();
     builds_setup();
+#ifdef HAVE_ASSEMBLE_512
+    pthread_once(&assemble_512_once, assemble_512_init);
+#endif
     memset(&x, 0, sizeof x);
     x.stream = stream, x.offsets = offsets, x.vchunks = vchunks, x.words = words, x.stream_bits = stream_bits;
-    x.n_verbatim = n_verbatim, x.vexp = vexp, x.sm = sm, x.single = single, x.multi_meta = multi_meta;
-    x.multi_exp = multi_exp, x.L = L, x.rows = rows, x.cols = cols, x.cs = cs, x.cpg = cpg;
+    x.n_verbatim = n_verbatim, x.vexp = vexp, x.sm = sm, x.single = single, x.multi = multi;
+    x.L = L, x.rows = rows, x.cols = cols, x.cs = cs, x.cpg = cpg;
     x.cpr = (cols + cs - 1) / cs, x.n_chunks = rows * x.cpr, x.n_groups = (x.n_chunks + cpg - 1) / cpg, x.out = out;
     for (int i = 0; i < p; i++)
         x.in_palette[palette[i]] = 1;
