@@ -82,11 +82,16 @@ def test_burst_policy_figure_and_table(tmp_path):
                         "ours": {"2048//1024": {"max_num_batched_tokens": 2048, "max_prefill_tokens_with_decodes": None,
                                                 "decode_stall_budget": 1024},
                                  "2048/256": {"max_num_batched_tokens": 2048, "max_prefill_tokens_with_decodes": 256,
-                                              "decode_stall_budget": None}}},
+                                              "decode_stall_budget": None},
+                                 "2048/256+g100": {"max_num_batched_tokens": 2048,
+                                                   "max_prefill_tokens_with_decodes": 256,
+                                                   "decode_stall_budget": None, "burst_gather_ms": 100.0}}},
               "median": {"ours@2048//1024": {c: med(180.0, 950.0, 120.0) for c in both},
                          "ours@2048/256": {c: med(150.0, 1150.0, 230.0) for c in both},
+                         "ours@2048/256+g100": {c: med(160.0, 1200.0, 75.0) for c in both},
                          "vllm@2048": {c: med(170.0, 1000.0, 80.0) for c in both}},
               "runs": {"ours@2048//1024": [{"passes": [{"load_average": [1.0, 2.0]}]}]}}
     assert figure(result, tmp_path / "f.png").stat().st_size > 0
     rows = table(result).splitlines()
-    assert "S=1024" in rows[2] and "180.0 / 180.0" in rows[2] and "cap 256" in rows[3] and "vLLM" in rows[4]
+    assert "S=1024" in rows[2] and "180.0 / 180.0" in rows[2] and "cap 256" in rows[3] and "vLLM" in rows[5]
+    assert "cap 256, gather 100 ms" in rows[4]

@@ -193,9 +193,10 @@ def test_a_rows_product_does_not_depend_on_the_other_rows(m: int, threads: int, 
 
 
 @pytest.mark.skipif(not _amx(), reason="no AMX: products of up to 4 rows take AVX-512, more rows another path")
-@pytest.mark.parametrize("k, m, n", [(4130, 300, 40), (576, 1000, 40), (64, 1100, 2048), (64, 1100, 2056)])
+@pytest.mark.parametrize("k, m, n", [(4130, 300, 40), (576, 1000, 1000), (64, 1100, 2048), (64, 1100, 2056)])
 def test_rows_in_passes_and_k_in_blocks_give_each_rows_product(k: int, m: int, n: int) -> None:
-    """Past TM_PASS_BYTES of x the rows go through the panels in passes (128 rows at k = 4130, 896 at 576), and
+    """Past TM_PASS_BYTES of x the rows go through the panels in passes (128 rows at k = 4130, 896 at 576; the
+    compressed panels decoded in groups of up to TM_GROUP_BYTES: 28 panels at k = 576, so 3 groups for n = 1000), and
     k splits into blocks over 64 steps (4130: 3 blocks, partial sums kept as float32); an output of 4 MiB or
     more is written around the caches (n = 2048: every row's lines whole and aligned; 2056: most not): every
     row still equals that row multiplied alone, plain or compressed, and the result is close to float64."""

@@ -21,13 +21,15 @@ CLIENTS = ("serve.bench", "vllm bench serve")
 
 
 def label(name: str, setup: dict[str, Any]) -> str:
-    """``ours@2048//512`` -> "S=512"; ``ours@2048/256`` -> "cap 256"; ``vllm@2048`` -> "vLLM"."""
+    """``ours@2048//512`` -> "S=512"; ``ours@2048/256`` -> "cap 256"; ``ours@2048/256+g100`` -> "cap 256,
+    gather 100 ms"; ``vllm@2048`` -> "vLLM"."""
     kind, _, setting = name.partition("@")
     if kind == "vllm":
         return "vLLM"
     o = setup["ours"][setting]
     parts = [f"cap {o['max_prefill_tokens_with_decodes']}"] if o.get("max_prefill_tokens_with_decodes") else []
     parts += [f"S={o['decode_stall_budget']}"] if o.get("decode_stall_budget") else []
+    parts += [f"gather {o['burst_gather_ms']:g} ms"] if o.get("burst_gather_ms") else []
     return ", ".join(parts) or f"budget {o['max_num_batched_tokens']}"
 
 

@@ -288,6 +288,9 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 #ifndef TM_STREAM_BYTES
 #define TM_STREAM_BYTES (4 << 20) /* outputs this large bypass the caches (they would evict x and B from L2) */
 #endif
+#ifndef TM_GROUP_BYTES
+#define TM_GROUP_BYTES (512 << 10) /* compressed panels decoded at once for many rows (beside a pass of x in L2) */
+#endif
 #define TM_KC 64 /* at most this many steps of k per block (a pair of panels: <= 128 KB of B tiles, in L2) */
 #define AMX_STEP(A0, A1, B0, B1)                                                                    \
     do {                                                                                            \
@@ -552,8 +555,14 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
     }
 }
 
-/* path 1: x has Mp rows (a multiple of 16, zero padded). Four panels at a time: compressed ones are
- * decoded once into buf (4 T tiles, L1/L2) and used by every row block. */
+/* compressed panels decoded together for more than TM_RING_ROWS rows: a multiple of 4, at least 4 */
+static int64_t group_panels(int64_t T) {
+    const int64_t g = TM_GROUP_BYTES / (T * TILE_WORDS * 2) / 4 * 4;
+    return g < 4 ? 4 : g;
+}
+
+/* path 1: x has Mp rows (a multiple of 16, zero padded). Panels four at a time; compressed ones are
+ * decoded once into buf (a group of them, L2) and used by every row block. */
 TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -575,34 +584,43 @@ TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
     }
     const int64_t T = j->T;
     /* Rows in passes of at most TM_PASS_BYTES of A tiles (a multiple of 32 rows, at least
-     * TM_RING_ROWS): each pass's x stays in L2 while every panel meets it; past that (a 2048-token
-     * prefill step's x is MBs) each panel pair would read all of x from L3 again. */
+     * TM_RING_ROWS): each pass's x stays in L2 while the panels meet it; past that (a 2048-token
+     * prefill step's x is MBs) each panel pair would read all of x from L3 again. Plain panels: the
+     * passes outside (B is read again per pass, from L3). Compressed ones: a group of panels (up to
+     * TM_GROUP_BYTES of tiles) is decoded once into buf, then every pass meets it, 4 panels at a time. */
     int64_t pass = TM_PASS_BYTES / (T * TILE_WORDS * 2 * 2) * 32; /* 32 rows: 2 A tiles per step */
     if (pass < TM_RING_ROWS)
         pass = TM_RING_ROWS;
-    for (int64_t m = 0; m < j->Mp; m += pass) {
-        job rows = *j; /* rows [m, m + pass) of x and y */
-        rows.xa = j->xa + m / 16 * T * TILE_WORDS;
-        rows.y = j->y + m * j->N;
-        rows.Mp = j->Mp - m < pass ? j->Mp - m : pass;
-        rows.M = j->M - m < rows.Mp ? j->M - m : rows.Mp;
-        for (int64_t p = j->p0; p < j->p1; p += 4) {
-            const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);
+    const int64_t group = j->plain ? 4 : group_panels(T);
+    const int64_t outer = j->plain ? pass : j->Mp;
+    for (int64_t m1 = 0; m1 < j->Mp; m1 += outer) {
+        for (int64_t p = j->p0; p < j->p1; p += group) {
+            const int64_t ng = j->p1 - p < group ? j->p1 - p : group;
             if (!j->plain && j->Mp <= TM_RING_ROWS) {
-                amx_small(&rows, d, p, np, buf, sets);
+                for (int64_t q = 0; q < ng; q += 4)
+                    amx_small(j, d, p + q, (int)(ng - q < 4 ? ng - q : 4), buf, sets);
                 continue;
             }
-            const uint16_t *b[4] = {NULL, NULL, NULL, NULL};
-            for (int q = 0; q < np; q++) {
-                if (j->plain) {
-                    b[q] = j->plain + (p + q) * T * TILE_WORDS;
-                } else {
+            if (!j->plain)
+                for (int64_t q = 0; q < ng; q++)
                     for (int64_t t = 0; t < T; t++)
                         decode_tile(j, d, (p + q) * T + t, buf + (q * T + t) * TILE_WORDS);
-                    b[q] = buf + q * T * TILE_WORDS;
+            const uint16_t *tiles = j->plain ? j->plain + p * T * TILE_WORDS : buf;
+            const int64_t m_end = m1 + outer < j->Mp ? m1 + outer : j->Mp;
+            for (int64_t m = m1; m < m_end; m += pass) {
+                job rows = *j; /* rows [m, m + pass) of x and y */
+                rows.xa = j->xa + m / 16 * T * TILE_WORDS;
+                rows.y = j->y + m * j->N;
+                rows.Mp = j->Mp - m < pass ? j->Mp - m : pass;
+                rows.M = j->M - m < rows.Mp ? j->M - m : rows.Mp;
+                for (int64_t q = 0; q < ng; q += 4) {
+                    const int np = (int)(ng - q < 4 ? ng - q : 4);
+                    const uint16_t *b[4] = {NULL, NULL, NULL, NULL};
+                    for (int i = 0; i < np; i++)
+                        b[i] = tiles + (q + i) * T * TILE_WORDS;
+                    amx_block(&rows, b, np, p + q, cbuf, sets);
                 }
             }
-            amx_block(&rows, b, np, p, cbuf, sets);
         }
     }
     if (j->stream)
@@ -636,7 +654,7 @@ static void *work(void *arg) {
     job *j = arg;
     if (j->p0 >= j->p1)
         return NULL;
-    const int64_t words = j->path == 1 ? 4 * j->T * TILE_WORDS : 4 * TILE_WORDS;
+    const int64_t words = j->path == 1 ? group_panels(j->T) * j->T * TILE_WORDS : 4 * TILE_WORDS;
     uint16_t *buf = j->plain ? NULL : scratch(1, (size_t)words * 2);
     if (!j->plain && !buf) {
         j->status = 1;
