@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if split:
             engine = disagg_dist.build(args) if ranks else disagg.build(args, tenants=tenants)
-            worker = disagg.DisaggEngineThread(engine)
+            worker = disagg.DisaggEngineThread(engine, gather_s=args.burst_gather_ms / 1000,
+                                               gather_gap_s=args.burst_gather_gap_ms / 1000)
         else:
             engine = load_engine(args.model, args.engine, tenants=tenants, **engine_options(args),
                                  **pipeline.options(args))
