@@ -212,7 +212,7 @@ class EngineThread:
         deadline = time.monotonic() + self.gather_s
         while (left := deadline - time.monotonic()) > 0:
             try:
-                cmd = self._commands.get(timeout=min(self.gather_gap_s, left))
+                cmd = self._commands.get(timeout=max(0.001, min(self.gather_gap_s, left)))  # no spin at gap 0
             except queue.Empty:
                 if self.arriving > 0:  # a handler is still reading or tokenizing one: it will come
                     continue
