@@ -17,6 +17,7 @@ import importlib.util
 from typing import Any
 
 from reference.sched import Tenants
+from serve.engine_thread import GATHER_GAP_S
 
 # the colocated engine's step: a burst into an idle engine is prefilled in few large steps, while a step
 # that carries decodes takes at most PREFILL_CAP prompt tokens (README, "The step budget"; chosen with
@@ -139,10 +140,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(each within --burst-gather-gap-ms of the last), for at most MS ms: a burst is prefilled "
                         "together and no early arrival decodes beside the others' prefill chunks (default 0: no "
                         "wait)")
-    g.add_argument("--burst-gather-gap-ms", type=float, default=15.0, metavar="MS",
-                   help="with --burst-gather-ms: the longest pause between two arrivals of one burst (default 15: "
-                        "a burst's requests reach the engine 3-9 ms apart on one busy core); a lone request "
-                        "waits this long once")
+    g.add_argument("--burst-gather-gap-ms", type=float, default=GATHER_GAP_S * 1000, metavar="MS",
+                   help=f"with --burst-gather-ms: the longest pause between two arrivals of one burst (default "
+                        f"{GATHER_GAP_S * 1000:g}: a burst's requests reach the engine 3-9 ms apart on one busy "
+                        "core); a lone request waits this long once")
     g.add_argument("--max-model-len", type=int,
                    help="context length in tokens (default: the model's, capped by the KV cache)")
     g.add_argument("--blas-threads", type=int, default=1, help="BLAS threads of the reference engine")

@@ -117,6 +117,17 @@ def answers(url: str, batch: int, max_tokens: int) -> list[str]:
     return asyncio.run(go())
 
 
+def rotated(r: int) -> tuple[str, ...]:
+    """The servers in the order of repeat ``r``: each repeat starts at another one."""
+    return SERVERS[r % len(SERVERS):] + SERVERS[:r % len(SERVERS)]
+
+
+def speed_ratios(speeds: dict[str, list[float]]) -> dict[str, float]:
+    """``a_vs_b``: the median over repeats of a's speed / b's in the same repeat, for the three pairs."""
+    return {f"{a}_vs_{b}": statistics.median(x / y for x, y in zip(speeds[a], speeds[b], strict=True))
+            for a, b in (("compressed", "plain"), ("plain", "onednn"), ("compressed", "onednn"))}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m experiments.unweight.bench_fused_serve",
                                 description=__doc__.split("\n\n")[0])
@@ -136,8 +147,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for b in args.batches:
             runs: dict[str, list[dict[str, Any]]] = {name: [] for name in SERVERS}
-            for r in range(args.repeats):  # each repeat starts at another server
-                for name in SERVERS[r % len(SERVERS):] + SERVERS[:r % len(SERVERS)]:
+            for r in range(args.repeats):
+                for name in rotated(r):
                     runs[name].append(run(servers[name][1], b, args.max_tokens))
             row: dict[str, Any] = {"batch": b}
             for name, rs in runs.items():
@@ -147,10 +158,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "itl_p50_ms": statistics.median(x["itl_ms"]["p50"] for x in s),
                              "runs_tok_s": [x["output_throughput_tok_s"] for x in s]}
                 texts[(name, b)] = answers(servers[name][1], b, args.max_tokens)
-            for a, b_ in (("compressed", "plain"), ("plain", "onednn"), ("compressed", "onednn")):
-                row[f"{a}_vs_{b_}"] = statistics.median(
-                    x["summary"]["output_throughput_tok_s"] / y["summary"]["output_throughput_tok_s"]
-                    for x, y in zip(runs[a], runs[b_], strict=True))
+            row |= speed_ratios({n: [x["summary"]["output_throughput_tok_s"] for x in rs] for n, rs in runs.items()})
             row["same_text"] = texts[("plain", b)] == texts[("compressed", b)]
             rows.append(row)
             print(f"batch {b:3d}: " + ", ".join(f"{n} {row[n]['output_tok_s']:.1f} tok/s" for n in SERVERS)
@@ -162,16 +170,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             long = long_prompts(args.prefill)
             pruns: dict[str, list[dict[str, Any]]] = {name: [] for name in SERVERS}
             for r in range(args.repeats):
-                for name in SERVERS[r % len(SERVERS):] + SERVERS[:r % len(SERVERS)]:
+                for name in rotated(r):
                     pruns[name].append(run(servers[name][1], args.prefill, 1, long)["summary"])
             prefill = {"prompts": args.prefill, "max_prompt_chars": PREFILL_CHARS, "max_tokens": 1}
             for name, s in pruns.items():
                 prefill[name] = {"seconds": statistics.median(x["duration_s"] for x in s),
                                  "ttft_p50_ms": statistics.median(x["ttft_ms"]["p50"] for x in s),
                                  "runs_s": [x["duration_s"] for x in s]}
-            for a, b_ in (("compressed", "plain"), ("plain", "onednn"), ("compressed", "onednn")):
-                prefill[f"{a}_vs_{b_}"] = statistics.median(
-                    y["duration_s"] / x["duration_s"] for x, y in zip(pruns[a], pruns[b_], strict=True))
+            prefill |= speed_ratios({n: [1 / x["duration_s"] for x in rs] for n, rs in pruns.items()})
             print(f"prefill of {args.prefill} prompts: " + ", ".join(f"{n} {prefill[n]['seconds']:.2f} s"
                   for n in SERVERS) + f"; compressed/plain {prefill['compressed_vs_plain']:.2f}x, plain/onednn "
                   f"{prefill['plain_vs_onednn']:.2f}x (speed)", flush=True)
