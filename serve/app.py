@@ -24,7 +24,7 @@ from starlette.routing import Route
 from reference.engine.params import SamplingParams
 from serve.answer import Answer, EventStream
 from serve.door import BODY_TIMEOUT_S, bearer_client, door_app, gone, read_request
-from serve.engine_thread import EngineThread, Rejected, Submission
+from serve.engine_thread import Arrival, EngineThread, Rejected, Submission
 from serve.keys import KeyTable
 from serve.metrics import ServerMetrics
 from serve.protocol import ApiError, parse_chat, parse_completion
@@ -74,15 +74,21 @@ def create_app(worker: EngineThread, tokenizer: Any, *, model_name: str, keys: K
 
 
 async def _generate(state: ServeState, request: Request, chat: bool) -> Response:
+    """Answer one request; while it is read and until the engine's queue holds it, it counts as arriving
+    (an idle engine gathering a burst waits for it: ``--burst-gather-ms``)."""
+    arrival = Arrival(state.worker)
+    try:
+        return await _answer(state, request, chat, arrival)
+    finally:
+        arrival.close()
+
+
+async def _answer(state: ServeState, request: Request, chat: bool, arrival: Arrival) -> Response:
     client = bearer_client(state.keys, request)
     parse = (parse_chat if chat else parse_completion)
     limit = state.worker.max_model_len
-    state.worker.arriving += 1  # the engine, if idle and gathering a burst, waits for this one
-    try:
-        incoming = await read_request(request, lambda body: parse(body, state.model_name),
-                                      state.tokenizer, limit, state.body_timeout_s)
-    finally:
-        state.worker.arriving -= 1
+    incoming = await read_request(request, lambda body: parse(body, state.model_name),
+                                  state.tokenizer, limit, state.body_timeout_s)
     if incoming is None:
         return gone()
     parsed, ids = incoming.parsed, incoming.ids
@@ -97,7 +103,7 @@ async def _generate(state: ServeState, request: Request, chat: bool) -> Response
     cache_salt = None if state.keys is None else client.tenant
     state.metrics.in_flight += 1  # counted before the await, so concurrent requests see each other
     try:
-        ticket = await state.worker.submit(Submission(ids, params, client.tenant, cache_salt))
+        ticket = await state.worker.submit(Submission(ids, params, client.tenant, cache_salt), arrival)
     except Rejected as e:
         state.metrics.in_flight -= 1
         state.metrics.count("rejected")

@@ -89,6 +89,20 @@ class Stats:
     extra_lines: list[str] = field(default_factory=list)  # the engine's own /metrics lines, if it has any
 
 
+class Arrival:
+    """A request an HTTP handler is reading, counted in its worker's ``arriving`` until ``close()``
+    (``submit`` closes it once the request is queued; the handler closes it on any other way out)."""
+
+    def __init__(self, worker: EngineThread) -> None:
+        self.worker, self.open = worker, True
+        worker.arriving += 1
+
+    def close(self) -> None:
+        if self.open:
+            self.open = False
+            self.worker.arriving -= 1
+
+
 class EngineThread:
     """Owns an engine on a thread of its own. Start with ``start()``; stop with ``stop()``."""
 
@@ -126,12 +140,16 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    async def submit(self, sub: Submission) -> Ticket:
-        """Queue a request; returns once the engine has accepted it. Raises ``Rejected`` if not."""
+    async def submit(self, sub: Submission, arrival: Arrival | None = None) -> Ticket:
+        """Queue a request; returns once the engine has accepted it. Raises ``Rejected`` if not.
+        ``arrival``: the request's place in ``arriving``, given up once the engine's queue holds it (not
+        before: an engine gathering a burst would otherwise see nothing arriving and nothing queued)."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         rid = f"req-{next(self._ids)}"
         self._commands.put(("add", rid, sub, _Live(loop, q)))
+        if arrival is not None:
+            arrival.close()
         try:
             first = await q.get()
         except asyncio.CancelledError:  # the client left before the engine answered

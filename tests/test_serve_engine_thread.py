@@ -9,7 +9,7 @@ import pytest
 
 from reference.engine.params import EngineError, SamplingParams
 from reference.engine.request import RequestMetrics, RequestOutput, TokenEvent
-from serve.engine_thread import EngineThread, Failed, Finished, Rejected, Submission
+from serve.engine_thread import Arrival, EngineThread, Failed, Finished, Rejected, Submission
 
 
 class ScriptedEngine:
@@ -205,11 +205,12 @@ def test_the_gather_waits_for_a_request_still_being_read_past_the_gap():
     worker.start()
 
     async def two() -> list:
-        worker.arriving += 1  # a second request is on its way
+        arrival = Arrival(worker)  # a second request is on its way
         first = asyncio.ensure_future(collect(worker, 2))
         await asyncio.sleep(0.4)  # 8 gaps
-        worker.arriving -= 1
-        second = await collect(worker, 2)
+        ticket = await worker.submit(Submission([1, 2], SamplingParams(max_tokens=2)), arrival)  # queued, then closed
+        assert not arrival.open and worker.arriving == 0
+        second = [item async for item in ticket]
         return [await first, second]
 
     try:
