@@ -52,10 +52,11 @@ def _run(cache: PagedKVCache, step: KVStep, q: torch.Tensor, scale: float) -> to
     return out
 
 
-@pytest.mark.parametrize("simd", ["1", "2", "0"])
+@pytest.mark.parametrize("simd", ["1", "3", "2", "0"])
 @settings(max_examples=15, deadline=None)
 @given(lengths=st.lists(st.integers(1, 90), min_size=1, max_size=6), shape=st.sampled_from(
-    [(1, 1, 16), (2, 2, 16), (3, 3, 64), (2, 5, 32), (1, 17, 16)]), block_size=st.sampled_from([1, 4, 16]),
+    [(1, 1, 16), (2, 2, 16), (3, 3, 64), (2, 5, 32), (1, 17, 16), (1, 17, 32), (8, 4, 128)]),
+    block_size=st.sampled_from([1, 4, 16]),
     seed=st.integers(0, 2**16))
 def test_matches_float64(simd: str, lengths: list[int], shape: tuple[int, int, int], block_size: int,
                          seed: int) -> None:
@@ -71,14 +72,15 @@ def test_matches_float64(simd: str, lengths: list[int], shape: tuple[int, int, i
 
 @pytest.mark.parametrize("d", [16, 32, 64, 128, 48])
 def test_simd_and_plain_loops_agree(monkeypatch: pytest.MonkeyPatch, d: int) -> None:
-    """The three loop sets (AVX-512 BF16, AVX-512 float32, plain C) give one answer within one bf16 step."""
+    """The four paths (AMX where the CPU has it, AVX-512 BF16, AVX-512 float32, plain C) give one answer within one
+    bf16 step."""
     cache, step, q, scale, _ = _setup([200, 33, 1, 129, 17], 3, 3, d, 16, 7)
     outs = []
-    for simd in ("1", "2", "0"):
+    for simd in ("1", "3", "2", "0"):
         monkeypatch.setenv("UNFIRE_NATIVE_SIMD", simd)
         outs.append(_run(cache, step, q, scale).float())
-    for other in outs[:2]:
-        assert ((other - outs[2]).abs() <= 2.0**-7 * outs[2].abs() + 1e-6).all()  # one bf16 step at most
+    for other in outs[:3]:
+        assert ((other - outs[3]).abs() <= 2.0**-7 * outs[3].abs() + 1e-6).all()  # one bf16 step at most
 
 
 def test_decode_attention_uses_it_and_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -142,7 +144,7 @@ def test_bf16_engine_decodes_through_the_kernel(monkeypatch: pytest.MonkeyPatch)
     assert same >= 30  # of 36: float32 vs bf16-rounded scores may flip a near tie on random weights
 
 
-@pytest.mark.parametrize("simd", ["1", "2", "0"])
+@pytest.mark.parametrize("simd", ["1", "3", "2", "0"])
 @settings(max_examples=10, deadline=None)
 @given(chunks=st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40)), min_size=1, max_size=4),
        shape=st.sampled_from([(1, 2, 16), (3, 3, 64), (2, 2, 32)]), block_size=st.sampled_from([1, 16]),
@@ -188,3 +190,77 @@ def test_row_lengths_past_the_sequence_raise(monkeypatch: pytest.MonkeyPatch) ->
                                      torch.tensor([20, 6], dtype=torch.int32))
     with pytest.raises(KernelInputError, match="int32"):
         attention_c.decode_rows(q, cache, 0, step, every, every, scale, out, torch.tensor([20, 5]))
+
+
+@pytest.mark.parametrize("simd", ["1", "3", "0"])
+@settings(max_examples=12, deadline=None)
+@given(lengths=st.lists(st.integers(1, 80), min_size=1, max_size=4), shape=st.sampled_from(
+    [(3, 3, 64), (2, 5, 32), (1, 17, 32), (8, 4, 128), (2, 2, 16)]), block_size=st.sampled_from([1, 4, 16]),
+    cut=st.integers(0, 79), seed=st.integers(0, 2**16))
+def test_a_row_has_the_same_bits_wherever_it_is_computed(simd: str, lengths: list[int], shape: tuple[int, int, int],
+                                                        block_size: int, cut: int, seed: int) -> None:
+    """Every position of every sequence computed three ways, over a cache whose unused slots hold NaN: in one
+    prefill chunk per sequence; each row alone (a step of one-row chunks, as a chunk's last token may be; the last
+    rows also as a decode step computes them); and a mixed step (each sequence's rows from ``cut`` on as a chunk
+    beside the rows before it as one-row chunks, and threads splitting the rows). The same bits every way:
+    chunking, prefix caching, preemption and the P/D and pipelined topologies rely on it (the AMX path puts up to
+    16 rows' heads in one tile product)."""
+    kv, group, d = shape
+    cache, whole, _, scale, _ = _setup(lengths, kv, group, d, block_size, seed)
+    tables = whole.block_tables.tolist()
+    total = sum(lengths)
+    q = torch.randn((total, kv * group, d), generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("UNFIRE_NATIVE_SIMD", simd)
+        chunked = at.prefill_attention(q, cache, 0, KVStep.build(
+            query_lens=lengths, starts=[0] * len(lengths), block_tables=tables, block_size=block_size,
+            num_blocks=cache.num_blocks), scale)
+        starts = [p for n in lengths for p in range(n)]
+        alone_step = KVStep.build(query_lens=[1] * total, starts=starts,
+                                  block_tables=[tables[i] for i, n in enumerate(lengths) for _ in range(n)],
+                                  block_size=block_size, num_blocks=cache.num_blocks)
+        every = torch.arange(total)
+        alone = torch.full_like(q, float("nan"))
+        assert attention_c.decode_rows(q, cache, 0, alone_step, every, every, scale, alone,
+                                       torch.tensor([s + 1 for s in starts], dtype=torch.int32))
+        last = torch.tensor(lengths).cumsum(0) - 1  # each sequence's last row, as a decode step computes it
+        decode = torch.full_like(q, float("nan"))
+        chunks = torch.arange(len(lengths))
+        assert attention_c.decode_rows(q, cache, 0, whole, chunks, last, scale, decode)
+        query_lens, mixed_starts, mixed_tables = [], [], []
+        for i, n in enumerate(lengths):
+            c = min(cut, n - 1)
+            for pos in range(c):  # one-row chunks first, then the rest of the sequence as one chunk
+                query_lens.append(1), mixed_starts.append(pos), mixed_tables.append(tables[i])
+            query_lens.append(n - c), mixed_starts.append(c), mixed_tables.append(tables[i])
+        mixed_step = KVStep.build(query_lens=query_lens, starts=mixed_starts, block_tables=mixed_tables,
+                                  block_size=block_size, num_blocks=cache.num_blocks)
+        torch.set_num_threads(2)
+        try:
+            chunk, rows, lens, longest = at.row_layout(mixed_step)
+            mixed = torch.full_like(q, float("nan"))
+            assert attention_c.decode_rows(q, cache, 0, mixed_step, chunk, rows, scale, mixed, lens, longest)
+        finally:
+            torch.set_num_threads(1)
+    assert torch.isfinite(chunked).all()
+    assert torch.equal(chunked, alone) and torch.equal(chunked, mixed)
+    assert torch.equal(chunked[last], decode[last])
+
+
+def test_amx_path_is_taken_where_the_cpu_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where AMX is there the default path is the tile products' (=3 the AVX-512 BF16 loops'), and both meet the
+    float64 answer; a head size the tiles do not take (16) falls back to the loops."""
+    cache, step, q, scale, want = _setup([300, 17, 64], 3, 3, 64, 16, 11)
+    paths = {}
+    for simd in ("1", "3"):
+        monkeypatch.setenv("UNFIRE_NATIVE_SIMD", simd)
+        got = _run(cache, step, q, scale)
+        paths[simd] = attention_c.last_path()
+        assert ((got.double() - want).abs() <= 2.0**-8 * want.abs() + 1e-5).all()
+    if not attention_c.has_simd():
+        pytest.skip("no AVX-512 on this CPU")
+    assert paths == {"1": "amx" if attention_c.has_amx() else "avx512-bf16", "3": "avx512-bf16"}
+    cache, step, q, scale, _ = _setup([40], 1, 2, 16, 16, 1)
+    monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "1")
+    _run(cache, step, q, scale)
+    assert attention_c.last_path() == "avx512-bf16"
