@@ -554,14 +554,21 @@ static inline void prefetch_kv(const uint16_t *k, const uint16_t *v, const int32
 typedef struct {
     const uint16_t *k, *v;
     row_walk w;
-    int64_t left, per, width;  /* rows still to prefetch, rows per step, values per row */
+    int64_t left, per, width;  /* rows still to prefetch, cache lines per step, values per row */
+    int64_t line, lines;       /* the next line of the current row's keys then values, and how many a row has */
+    const char *kr, *vr;       /* the current row's keys and values (NULL: none started) */
 } pf_stream;
 
 static inline void pf_step(pf_stream *s) {
-    for (int64_t t = 0; t < s->per && s->left > 0; t++, s->left--) {
-        const int64_t r = walk_next(&s->w) * s->width;
-        prefetch_row(s->k + r, s->width * 2);
-        prefetch_row(s->v + r, s->width * 2);
+    for (int64_t t = 0; t < s->per; t++) {
+        if (s->kr == NULL || s->line == 2 * s->lines) {
+            if (s->left <= 0)
+                return;
+            const int64_t r = walk_next(&s->w) * s->width;
+            s->kr = (const char *)(s->k + r), s->vr = (const char *)(s->v + r), s->line = 0, s->left--;
+        }
+        const int64_t l = s->line++;
+        __builtin_prefetch(l < s->lines ? s->kr + 64 * l : s->vr + 64 * (l - s->lines), 0, PF_HINT);
     }
 }
 
@@ -700,7 +707,9 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
     uint32_t *Bq = (uint32_t *)(C + 1024);                            /* [kv][d / 32][16][16] */
     uint16_t *Kt = (uint16_t *)(Bq + kv * 4 * 256);                   /* [16][kv * d] */
     const int64_t width = kv * d;
-    pf->per = pf->left / (ncols * (l32 / 16) + 1) + 1;  /* spread over the weights' steps (about ncols * l32 / 16) */
+    /* the next sequence's lines spread over this one's steps: weights (ncols * l32 / 16), score tiles (l32 / 16),
+     * value chunks (about kv * l32 / 32) */
+    pf->per = pf->left * 2 * pf->lines / ((ncols + 1) * (l32 / 16) + kv * (l32 / 32) + 1) + 1;
     for (int64_t c0 = 0; c0 < ncols; c0 += 16) {
         const int nc = ncols - c0 < 16 ? (int)(ncols - c0) : 16;
         int64_t row_of[16], head_of[16], g_of[16];
@@ -741,7 +750,7 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
                 if (nb > 4) _tile_loadd(6, Bq + 1024, 64);
                 if (nb > 5) _tile_loadd(7, Bq + 1280, 64);
             }
-            for (int64_t t = 0; t < lb16; t += 16) {
+            for (int64_t t = 0; t < lb16; t += 16, pf_step(pf)) {
                 if (t % 32 == 0)  /* the values laid out beside the scores: their reads overlap the tile products */
                     layout_step(lay);
                 const uint16_t *kt = Kt;
@@ -890,7 +899,7 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
             for (int64_t c = 0; c < d; c += 64) {
                 const int nj = d - c >= 64 ? 4 : (int)((d - c) / 16);
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t p = 0; p < lb32; p += 32) {
+                for (int64_t p = 0; p < lb32; p += 32, pf_step(pf)) {
                     const uint16_t *a = A + (p / 32) * 3 * 512;
                     const uint32_t *b = vn + (g * (l32 / 2) + p / 2) * d + c;
                     _tile_loadd(4, a, 64);
@@ -949,8 +958,9 @@ TAMX static void rows_amx(const uint16_t *q, const uint16_t *k, const uint16_t *
                                   one_block ? NULL : kn, vn);
         while (!one_block && lay.p0 < l32)  /* a decode row's values are laid out beside its scores */
             layout_step(&lay);
-        pf_stream pf = {k, v, walk_from(tables + c * table_width, 0, block_size), 0, 1, kv * d};
-        if (j < n) {  /* the next sequence's first positions arrive while this one is worked on */
+        pf_stream pf = {k, v, walk_from(tables + c * table_width, 0, block_size), 0, 1, kv * d, 0,
+                        (kv * d * 2 + 63) / 64, NULL, NULL};
+        if (j < n) {  /* the next sequence's keys and values arrive while this one is worked on */
             int64_t nl = row_lens != NULL ? row_lens[j] : seq_lens[chunks[j]];
             for (int64_t r = j + 1; row_lens != NULL && r < n && chunks[r] == chunks[j]; r++)
                 nl = row_lens[r] > nl ? row_lens[r] : nl;
