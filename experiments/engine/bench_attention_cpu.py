@@ -9,6 +9,8 @@ blocks of 16 tokens, block tables shuffled as after a while of serving, one thre
   prompts of 128 tokens (the burst workload of ``bench_serve_vllm``); time per layer;
 * decode steps: 64 sequences of 110-360 cached tokens (the bench_engine workload's decode), every one of 30
   layers with a cache of its own (the K/V come from memory, as in the engine); time per step;
+* model steps: SmolLM2's whole forward pass (every layer, bf16) over one prefill step of one 2048-token prompt
+  and of 16 prompts of 128 tokens (the burst's step): what the attention's share does to time to first token;
 * with ``--engine N``: the whole fast engine on the bench_engine workload (64 ShareGPT requests at once, greedy,
   end token ignored, 2048-token steps), N passes per path alternating: useful tokens/s and the seconds spent in
   steps with prefill and in pure decode steps.
@@ -131,6 +133,45 @@ def decode_case(rounds: int, batch: int = 64) -> dict[str, Any]:
             "times": times}
 
 
+def model_step_case(lengths: list[int], rounds: int) -> dict[str, Any]:
+    """SmolLM2's forward pass (bf16, every layer) over one prefill step of ``lengths``: ms per step, per path."""
+    from fast.engine.model import TorchLlama
+    from fast.kv import KVStep
+
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = TorchLlama.load("smollm2", dtype="bfloat16")
+    model = _MODEL
+    bs = SHAPE["block_size"]
+    need = [-(-n // bs) for n in lengths]
+    cache = model.new_cache(num_blocks=sum(need) + 1, block_size=bs)
+    tables, at = [], 0
+    for n in need:
+        tables.append(list(range(at, at + n)))
+        at += n
+    step = KVStep.build(query_lens=lengths, starts=[0] * len(lengths), block_tables=tables, block_size=bs,
+                        num_blocks=cache.num_blocks)
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=gen)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    rows = torch.tensor(lengths).cumsum(0) - 1
+    times: dict[str, list[float]] = {p: [] for p in PATHS}
+    logits = {}
+    for r in range(rounds + 1):
+        for name in (list(PATHS) if r % 2 == 0 else list(PATHS)[::-1]):
+            os.environ["UNFIRE_NATIVE_SIMD"] = PATHS[name]
+            t = time.perf_counter()
+            logits[name] = model.forward(tokens, positions, step, cache, rows)
+            if r:
+                times[name].append((time.perf_counter() - t) * 1e3)
+    same = bool(torch.equal(logits["amx"].argmax(-1), logits["avx512_bf16"].argmax(-1)))
+    return {"case": f"model step: prefill {len(lengths)} x {lengths[0]} (SmolLM2, 30 layers)", "unit": "ms per step",
+            "times": times, "same_next_tokens": same}
+
+
+_MODEL: Any = None
+
+
 def engine_case(passes: int) -> dict[str, Any]:
     """The fast engine (SmolLM2, bf16, one thread) on the bench_engine workload, the paths alternating."""
     from experiments.engine.bench_engine import engine_options, phases, run_engine
@@ -179,7 +220,9 @@ def measure(rounds: int, engine_passes: int = 0) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     try:
         cases = [summarize(prefill_case([2048], rounds)), summarize(prefill_case([512], rounds)),
-                 summarize(prefill_case([128] * 16, rounds)), summarize(decode_case(rounds))]
+                 summarize(prefill_case([128] * 16, rounds)), summarize(decode_case(rounds)),
+                 summarize(model_step_case([2048], max(2, rounds // 2))),
+                 summarize(model_step_case([128] * 16, rounds))]
         if engine_passes:
             cases.append(engine_case(engine_passes))
     finally:
@@ -201,10 +244,11 @@ def plot(out: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     cases = out["cases"]
-    fig, ax = plt.subplots(figsize=(8, 3.6))
-    names = [c["case"].replace(", contexts", "\ncontexts").replace(" workload (", "\nworkload (") for c in cases]
-    colors = ["tab:green" if c["case"].startswith("engine") else "tab:orange" if c["case"].startswith("decode")
-              else "tab:blue" for c in cases]
+    fig, ax = plt.subplots(figsize=(9, 5))
+    names = [c["case"].replace(", contexts", "\ncontexts").replace(" workload (", "\nworkload (")
+             .replace(" (SmolLM2", "\n(SmolLM2") for c in cases]
+    colors = ["tab:green" if c["case"].startswith(("engine", "model")) else "tab:orange"
+              if c["case"].startswith("decode") else "tab:blue" for c in cases]
     ax.barh(names, [c["amx_speedup"] for c in cases], color=colors)
     ax.axvline(1, color="gray", lw=0.8)
     for i, c in enumerate(cases):
