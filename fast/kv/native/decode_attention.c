@@ -189,28 +189,33 @@ static void values_avx512(const float *w, int64_t heads, int64_t group, int64_t 
     }
 }
 
+/* e^x on 16 lanes by exp_f32's rule (0 below -87.3; a NaN stays NaN). */
+__attribute__((target("avx512f")))
+static inline __m512 exp_lanes(__m512 x) {
+    const __m512 low = _mm512_set1_ps(-87.3f);
+    const __m512 xc = _mm512_max_ps(low, x);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
+    __m512 q = _mm512_set1_ps(1.9875691500e-4f);
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
+    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
+    q = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512 e = _mm512_scalef_ps(q, n);
+    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ), _mm512_setzero_ps());
+}
+
 /* sh[p] = e^(sh[p] - m) for p < len (exp_f32's rule, 16 lanes at a time); returns their sum (a tree of lanes). */
 __attribute__((target("avx512f")))
 static float softmax_exp_avx512(float *sh, int64_t len, float m) {
-    const __m512 shift = _mm512_set1_ps(m), low = _mm512_set1_ps(-87.3f), log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f), one = _mm512_set1_ps(1.0f);
+    const __m512 shift = _mm512_set1_ps(m);
     __m512 sum = _mm512_setzero_ps();
     for (int64_t p = 0; p < len; p += 16) {
         const __mmask16 live = len - p >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (len - p)) - 1);
-        __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + p), shift);
-        __m512 xc = _mm512_max_ps(low, x);  /* a NaN x stays NaN */
-        __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512 r = _mm512_fnmadd_ps(n, c2, _mm512_fnmadd_ps(n, c1, xc));
-        __m512 q = _mm512_set1_ps(1.9875691500e-4f);
-        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
-        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
-        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
-        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
-        q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
-        q = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), one);
-        __m512 e = _mm512_scalef_ps(q, n);
-        e = _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ), _mm512_setzero_ps());
-        e = _mm512_maskz_mov_ps(live, e);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sh + p), shift)));
         _mm512_mask_storeu_ps(sh + p, live, e);
         sum = _mm512_add_ps(sum, e);
     }
@@ -631,24 +636,6 @@ T512 static void layout_step(layout *L) {
         }
     }
     L->p0 += 32;
-}
-
-/* e^x on 16 lanes, exp_f32's rule (as softmax_exp_avx512). */
-T512 static inline __m512 exp_lanes(__m512 x) {
-    const __m512 low = _mm512_set1_ps(-87.3f);
-    const __m512 xc = _mm512_max_ps(low, x);
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), xc));
-    __m512 q = _mm512_set1_ps(1.9875691500e-4f);
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.3981999507e-3f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(8.3334519073e-3f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(4.1665795894e-2f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(1.6666665459e-1f));
-    q = _mm512_fmadd_ps(q, r, _mm512_set1_ps(5.0000001201e-1f));
-    q = _mm512_add_ps(_mm512_fmadd_ps(q, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-    const __m512 e = _mm512_scalef_ps(q, n);
-    return _mm512_mask_mov_ps(e, _mm512_cmp_ps_mask(x, low, _CMP_LT_OQ), _mm512_setzero_ps());
 }
 
 /* bf16 of 16 floats, nearest even (VCVTNEPS2BF16), and back (exact). */
