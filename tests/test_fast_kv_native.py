@@ -199,17 +199,18 @@ def test_row_lengths_past_the_sequence_raise(monkeypatch: pytest.MonkeyPatch) ->
     cut=st.integers(0, 79), seed=st.integers(0, 2**16))
 def test_a_row_has_the_same_bits_wherever_it_is_computed(simd: str, lengths: list[int], shape: tuple[int, int, int],
                                                         block_size: int, cut: int, seed: int) -> None:
-    """Every position of every sequence computed three ways, over a cache whose unused slots hold NaN: in one
-    prefill chunk per sequence; each row alone (a step of one-row chunks, as a chunk's last token may be; the last
-    rows also as a decode step computes them); and a mixed step (each sequence's rows from ``cut`` on as a chunk
-    beside the rows before it as one-row chunks, and threads splitting the rows). The same bits every way:
-    chunking, prefix caching, preemption and the P/D and pipelined topologies rely on it (the AMX path puts up to
-    16 rows' heads in one tile product)."""
+    """Every position of every sequence computed three ways, over a cache whose unused slots (and the kernel's
+    scratch) hold NaN: in one prefill chunk per sequence; each row alone (a step of one-row chunks, as a chunk's
+    last token may be; the last rows also as a decode step computes them); and a mixed step (each sequence's rows
+    from ``cut`` on as a chunk beside the rows before it as one-row chunks, and threads splitting the rows). The
+    same bits every way: chunking, prefix caching, preemption and the P/D and pipelined topologies rely on it (the
+    AMX path puts up to 16 rows' heads in one tile product)."""
     kv, group, d = shape
     cache, whole, _, scale, _ = _setup(lengths, kv, group, d, block_size, seed)
     tables = whole.block_tables.tolist()
     total = sum(lengths)
     q = torch.randn((total, kv * group, d), generator=torch.Generator().manual_seed(seed + 1)).bfloat16()
+    cache.scratch["native.scores"] = torch.full((1 << 22,), float("nan"))  # the kernel's scratch poisoned too
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("UNFIRE_NATIVE_SIMD", simd)
         chunked = at.prefill_attention(q, cache, 0, KVStep.build(
