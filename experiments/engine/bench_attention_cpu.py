@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per case (default 5)")
     p.add_argument("--engine", type=int, default=0, metavar="N",
                    help="also N passes per path of the whole engine on the bench_engine workload (default 0)")
-    p.add_argument("--json", type=Path, default=RESULTS / "bench_attention_cpu.json")
+    p.add_argument("--json", type=Path, default=RESULTS / "bench_attention_cpu.json",
+                   help="where to write the results (and a .png figure beside them)")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.engine < 0:
         p.error("--rounds must be at least 1 and --engine at least 0")
