@@ -262,7 +262,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.engine.bench_attention_cpu",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per case (default 5)")
     p.add_argument("--engine", type=int, default=0, metavar="N",
                    help="also N passes per path of the whole engine on the bench_engine workload (default 0)")
