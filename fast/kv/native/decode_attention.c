@@ -860,10 +860,10 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
             _tile_loadd(6, a + 1024, 64);
             for (int64_t g = g_lo; g <= g_hi; g++) {
                 const uint32_t *b = vn + (g * (l32 / 2) + p / 2) * d;
-                const int c0 = (int)((g - g_lo) * (d / 16));  /* this kv head's first C tile */
+                const int tile0 = (int)((g - g_lo) * (d / 16));  /* this kv head's first C tile */
                 for (int j = 0; j < d / 16; j++) {
                     _tile_loadd(7, b + 16 * j, d * 4);
-                    switch (c0 + j) {
+                    switch (tile0 + j) {
                     case 0: _tile_dpbf16ps(0, 4, 7); _tile_dpbf16ps(0, 5, 7); _tile_dpbf16ps(0, 6, 7); break;
                     case 1: _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7); _tile_dpbf16ps(1, 6, 7); break;
                     case 2: _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(2, 5, 7); _tile_dpbf16ps(2, 6, 7); break;
