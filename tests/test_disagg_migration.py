@@ -35,8 +35,8 @@ def workload(n: int, seed: int, max_tokens: int = 12) -> list[dict]:
 
 def colocated(requests: list[dict]) -> list[list[int]]:
     engine = Engine(load_model("tiny"), num_blocks=128, block_size=8)
-    outs = engine.generate([r["prompt_token_ids"] for r in requests], SamplingParams(max_tokens=12))
-    return [o.output_token_ids for o in outs]
+    return [engine.generate([r["prompt_token_ids"]], SamplingParams(max_tokens=r["max_tokens"]))[0].output_token_ids
+            for r in requests]
 
 
 def check_migrated(pool, requests: list[dict], results: list[dict]) -> None:
@@ -98,8 +98,10 @@ def test_a_silent_decode_worker_loses_its_lease_and_its_requests_migrate():
 
 def test_a_stopped_decode_worker_process_loses_its_lease_is_killed_and_its_requests_migrate():
     """Real processes: SIGSTOP the decode worker of the only decode slot mid-stream; its lease (2 s) ends, it
-    is killed and restarted, and its requests go on on the new one."""
-    requests = workload(4, seed=9)
+    is killed and restarted, and its requests go on on the new one. The requests are long (200 tokens): the
+    signal lands a few milliseconds after the coordinator reads the second token, and with 12 tokens the worker
+    could already have sent every last one by then (nothing would be left to migrate)."""
+    requests = workload(4, seed=9, max_tokens=200)
     with ProcessPool("tiny", 1, 1, opts=OPTS, lease_s=2.0, deadline=lambda p, o: 30.0) as pool:
         stopped: list = []
 
@@ -110,7 +112,8 @@ def test_a_stopped_decode_worker_process_loses_its_lease_is_killed_and_its_reque
 
         pool.coordinator.on_stream_frame = stop
         results = run_requests(pool, requests, timeout=60)
-        assert stopped and stopped[0].poll() is not None  # killed when its lease ended, and reaped
+        assert stopped and min(len(r["output_token_ids"]) for r in results) == 200
+        assert stopped[0].poll() is not None  # killed when its lease ended, and reaped
         assert pool.coordinator.counters["worker_leases_expired"] == 1 and pool.restarts == 1
         check_migrated(pool, requests, results)
         pool.shutdown()
