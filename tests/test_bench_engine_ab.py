@@ -33,6 +33,10 @@ def test_a_commit_baseline_runs_in_alternation_and_its_worktree_is_removed(tmp_p
     assert 0 < tok["min"] <= tok["median"] <= tok["max"]
     assert "candidate" in done.stdout and "over baseline" in done.stdout
     assert "unfire-baseline-" not in git("worktree", "list").stdout  # the temporary worktree is gone
+    assert result["figures"] == ["ab.png"] and (tmp_path / "ab.png").stat().st_size > 0
+    (tmp_path / "ab.png").unlink()
+    bench_engine_ab.main(["--plot", str(out)])  # drawn again from the stored file
+    assert (tmp_path / "ab.png").stat().st_size > 0
 
 
 def test_a_baseline_that_is_neither_a_commit_nor_a_checkout_is_refused(tmp_path, capsys):
@@ -46,6 +50,10 @@ def test_a_baseline_that_is_neither_a_commit_nor_a_checkout_is_refused(tmp_path,
         bench_engine_ab.main(["--baseline", str(ROOT), "--pairs", "0"])
     assert e.value.code == 2 and "--pairs must be >= 1" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
+    (tmp_path / "x.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        bench_engine_ab.main(["--plot", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and "not a bench_engine_ab results file" in capsys.readouterr().err
 
 
 def test_the_bench_is_found_in_either_layout(tmp_path):

@@ -10,7 +10,8 @@ sides alternate and swap who goes first every pair, so the machine's drift hits 
 run's useful tok/s and its prefill and decode seconds, and per pair this checkout over the baseline
 (median, min, max). This is the check for "not slower than before" after a kernel change: a ratio read
 from two separate runs on a shared machine says little, one from alternating runs says more.
-Results: experiments/results/bench_engine_ab.json (``--out``).
+Results: experiments/results/bench_engine_ab.json (``--out``) and a figure beside it (.png; ``--plot JSON``
+draws it again from a stored file).
 """
 
 from __future__ import annotations
@@ -115,10 +116,42 @@ def compare(candidate: Path, baseline: Path, pairs: int, *, tiny: bool, requests
     return {"runs": runs, "candidate_over_baseline": ratios}
 
 
+def figure(result: dict[str, Any], path: Path) -> Path:
+    """Each pair's useful tok/s of both sides, and the per-pair ratios (above 1: the candidate is faster)."""
+    from experiments.registry import pyplot
+
+    plt = pyplot()
+    s, runs = result["setup"], result["runs"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    pairs = range(1, len(runs["candidate"]) + 1)
+    for side, label in (("baseline", f"baseline {s['baseline_commit']}"),
+                        ("candidate", f"candidate {s['candidate_commit']}")):
+        left.plot(pairs, [r["useful_tok_s"] for r in runs[side]], "o-", label=label)
+    left.set_xticks(list(pairs))
+    left.set_xlabel("pair (runs alternate; who goes first swaps)")
+    left.set_title("useful output tokens/s (higher is better)")
+    left.legend()
+    ratio = result["candidate_over_baseline"]
+    names = list(ratio)
+    right.bar(names, [ratio[n]["median"] for n in names], color="tab:blue", label="median")
+    right.errorbar(names, [ratio[n]["median"] for n in names],
+                   yerr=[[ratio[n]["median"] - ratio[n]["min"] for n in names],
+                         [ratio[n]["max"] - ratio[n]["median"] for n in names]],
+                   fmt="none", color="black", capsize=4, label="min-max over pairs")
+    right.axhline(1.0, color="gray", ls="--")
+    right.set_title("candidate vs baseline per pair (above 1: faster)")
+    right.legend()
+    fig.suptitle(f"{s['workload']}; {s['threads']} thread; {s['machine'].get('cpu', '')}; {s['date']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(prog="python -m experiments.engine.bench_engine_ab",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--baseline", required=True, help="a commit of this repository, or the folder of another checkout")
+    p.add_argument("--baseline", help="a commit of this repository, or the folder of another checkout")
     p.add_argument("--pairs", type=int, default=4, help="runs of each side, alternating (default 4)")
     p.add_argument("--tiny", action="store_true", help="a tiny random model and 6 requests (seconds)")
     p.add_argument("--requests", type=int, default=64, help="ShareGPT requests per run (default 64)")
@@ -126,7 +159,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
     p.add_argument("--out", type=Path, default=RESULTS / "bench_engine_ab.json",
                    help="the results file (default experiments/results/bench_engine_ab.json)")
+    p.add_argument("--plot", type=Path, metavar="JSON", help="only draw the figure of a stored results file again")
     args = p.parse_args(argv)
+    if args.plot is not None:
+        try:
+            stored = json.loads(args.plot.read_text())
+            return {"figure": str(figure(stored, args.plot.with_suffix(".png")))}
+        except (OSError, ValueError, KeyError) as e:
+            p.exit(2, f"error: --plot {args.plot}: not a bench_engine_ab results file ({e!r})\n")
+    if args.baseline is None:
+        p.error("--baseline is required (a commit or a checkout's folder)")
     if args.pairs < 1:
         p.error("--pairs must be >= 1")
     with tempfile.TemporaryDirectory(prefix="unfire-baseline-") as tmp:
@@ -159,6 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "(above 1: the candidate is faster), per pair"},
         **result,
     }
+    result["figures"] = [figure(result, args.out.with_suffix(".png")).name]
     write_text(args.out, json.dumps(result, indent=1))
     print(f"candidate {result['setup']['candidate_commit']} over baseline {result['setup']['baseline_commit']}: "
           + "; ".join(f"{k} {v['median']:.3f}x [{v['min']:.3f}-{v['max']:.3f}]" for k, v in ratio.items()))
