@@ -25,8 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from experiments.engine.stats import spread
 from reference import provenance
 from reference.safe_write import write_text
 
@@ -85,10 +84,6 @@ def run_side(tree: Path, out: Path, *, tiny: bool, requests: int, cpus: str | No
     phases = measured["phases"]["fast_bf16"]
     return {"useful_tok_s": measured["useful_tok_s"]["fast_bf16"], "prefill_s": phases["prefill_s"],
             "decode_s": phases["decode_s"], "load_average": round(os.getloadavg()[0], 2)}
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": round(float(np.median(values)), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
 def compare(candidate: Path, baseline: Path, pairs: int, *, tiny: bool, requests: int, cpus: str | None,
