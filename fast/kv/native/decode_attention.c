@@ -684,6 +684,18 @@ T512 static inline void store_row(const float *c, uint16_t *o, int nj, float sum
     }
 }
 
+/* Every tile 16 rows of 64 bytes (LDTILECFG, which zeroes the tiles). */
+TAMX static void tiles_full(void) {
+    amx_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
 /* Columns of one sequence's rows: column c (0 <= c < R * heads) is row r's head h, in the order kv head g, row r,
  * head within the group; a block takes 16 consecutive columns. */
 TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32_t *lens, int64_t R, int64_t heads,
@@ -887,12 +899,36 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
                           (int)(d / 16), sum[n]);
             continue;
         }
-        for (int64_t g = g_lo; g <= g_hi; g++)
+        /* each kv head's columns are consecutive in the block: the weight and C tiles are configured to those
+         * columns' rows only (the unit's time goes with a tile's rows; an element's arithmetic does not depend on
+         * how many rows share its tile), so a decode row's three heads pay for 3 rows, not 16 */
+        int reshaped = 0;
+        for (int64_t g = g_lo; g <= g_hi; g++) {
+            int n0 = 0, cnt = 0;
+            for (int n = 0; n < nc; n++)
+                if (g_of[n] == g) {
+                    n0 = cnt == 0 ? n : n0;
+                    cnt++;
+                }
+            if (cnt < 16) {  /* tiles 0-3 (C) and 4-6 (weights) of cnt rows; LDTILECFG zeroes every tile */
+                amx_config cfg;
+                memset(&cfg, 0, sizeof cfg);
+                cfg.palette_id = 1;
+                for (int t = 0; t < 8; t++) {
+                    cfg.colsb[t] = 64;
+                    cfg.rows[t] = t == 7 ? 16 : (uint8_t)cnt;
+                }
+                _tile_loadconfig(&cfg);
+                reshaped = 1;
+            } else if (reshaped) {
+                tiles_full();
+                reshaped = 0;
+            }
             for (int64_t c = 0; c < d; c += 64) {
                 const int nj = d - c >= 64 ? 4 : (int)((d - c) / 16);
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 for (int64_t p = 0; p < lb32; p += 32, pf_step(pf)) {
-                    const uint16_t *a = A + (p / 32) * 3 * 512;
+                    const uint16_t *a = A + (p / 32) * 3 * 512 + n0 * 32;
                     const uint32_t *b = vn + (g * (l32 / 2) + p / 2) * d + c;
                     _tile_loadd(4, a, 64);
                     _tile_loadd(5, a + 512, 64);
@@ -903,14 +939,17 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
                     if (nj > 2) { _tile_loadd(7, b + 32, d * 4); _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(2, 5, 7); _tile_dpbf16ps(2, 6, 7); }
                     if (nj > 3) { _tile_loadd(7, b + 48, d * 4); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7); _tile_dpbf16ps(3, 6, 7); }
                 }
-                _tile_stored(0, C, 64);
-                if (nj > 1) _tile_stored(1, C + 256, 64);
-                if (nj > 2) _tile_stored(2, C + 512, 64);
-                if (nj > 3) _tile_stored(3, C + 768, 64);
+                _tile_stored(0, C + 16 * n0, 64);
+                if (nj > 1) _tile_stored(1, C + 256 + 16 * n0, 64);
+                if (nj > 2) _tile_stored(2, C + 512 + 16 * n0, 64);
+                if (nj > 3) _tile_stored(3, C + 768 + 16 * n0, 64);
                 for (int n = 0; n < nc; n++)
                     if (g_of[n] == g)
                         store_row(C + 16 * n, out + (row_of[n] * heads + head_of[n]) * d + c, nj, sum[n]);
             }
+        }
+        if (reshaped)
+            tiles_full();
     }
 }
 
@@ -919,14 +958,7 @@ TAMX static void rows_amx(const uint16_t *q, const uint16_t *k, const uint16_t *
                           const int32_t *seq_lens, const int64_t *chunks, const int64_t *rows, const int32_t *row_lens,
                           int64_t n, int64_t heads, int64_t kv, int64_t d, int64_t block_size, int64_t table_width,
                           int64_t max_len, float scale, uint8_t *scr, uint16_t *out) {
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
+    tiles_full();
     const int64_t l32max = round_up(max_len, 32);
     uint8_t *base = (uint8_t *)(((uintptr_t)scr + 63) & ~(uintptr_t)63);
     uint32_t *kn = (uint32_t *)base, *vn = kn + kv * (l32max + 16) * d / 2;
