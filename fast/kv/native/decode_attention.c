@@ -517,7 +517,8 @@ static int64_t amx_scratch_bytes(int64_t kv, int64_t d, int64_t max_len) {
            + 4 * 1024                             /* the block's queries as A tiles (d / 32 of them) */
            + 4 * 1024                             /* C tiles stored */
            + kv * 4 * 1024                        /* a decode row's queries as B tiles */
-           + 16 * kv * d * 2;                     /* 16 keys gathered (block sizes not a multiple of 16) */
+           + 16 * kv * d * 2                      /* 16 keys gathered (block sizes not a multiple of 16) */
+           + 16 * 64 * 4;                         /* a decode row's values, 32 positions laid out */
 }
 
 T512 static inline void transpose16(__m512i r[16]) {  /* r[i].dword[j] <-> r[j].dword[i] */
@@ -569,16 +570,20 @@ typedef struct {
     const char *kr, *vr;       /* the current row's keys and values (NULL: none started) */
 } pf_stream;
 
-static inline void pf_step(pf_stream *s) {
-    for (int64_t t = 0; t < s->per; t++) {
+static inline void pf_step(pf_stream *s) {  /* the next ``per`` lines (a row's keys, then its values) */
+    int64_t n = s->per;
+    while (n > 0) {
         if (s->kr == NULL || s->line == 2 * s->lines) {
             if (s->left <= 0)
                 return;
             const int64_t r = walk_next(&s->w) * s->width;
             s->kr = (const char *)(s->k + r), s->vr = (const char *)(s->v + r), s->line = 0, s->left--;
         }
-        const int64_t l = s->line++;
-        __builtin_prefetch(l < s->lines ? s->kr + 64 * l : s->vr + 64 * (l - s->lines), 0, PF_HINT);
+        const char *base = s->line < s->lines ? s->kr : s->vr - 64 * s->lines;  /* line l of the row at base + 64 l */
+        const int64_t end = s->line < s->lines ? s->lines : 2 * s->lines, m = end - s->line < n ? end - s->line : n;
+        for (int64_t l = s->line; l < s->line + m; l++)
+            __builtin_prefetch(base + 64 * l, 0, PF_HINT);
+        s->line += m, n -= m;
     }
 }
 
@@ -684,6 +689,54 @@ T512 static inline void store_row(const float *c, uint16_t *o, int nj, float sum
     }
 }
 
+/* A decode row's values, laid out for the weight tiles 32 positions at a time, one kv head's slice of d (columns
+ * off .. off + 16 nj) per pass, right before their products: dst[i][m] = the dword (v_2i[c], v_2i+1[c]) of the
+ * 32 positions' pairs i, c = off + VN_ORDER(m) for each 32 of the slice (as vn, zero from len on). The slice's
+ * lines of the positions a step ahead are prefetched into L1; the whole sequence came into L2 during the one
+ * before (pf_stream). Laid out whole beside the scores instead (as a chunk's values), the 98 KB of a 256-position
+ * row left L1 and were read back from L2: a third of the row's time with its K/V in L2. */
+typedef struct {
+    const uint16_t *v;
+    row_walk w, wa;
+    int64_t len, width, off, p0;
+    int nj;
+} value_pass;
+
+static value_pass value_pass_start(const uint16_t *v, const int32_t *table, int64_t len, int64_t block_size,
+                                   int64_t width, int64_t off, int nj) {
+    const int64_t ahead = len < 32 ? len : 32;
+    value_pass vp = {v, walk_from(table, 0, block_size), walk_from(table, ahead, block_size), len, width, off, 0, nj};
+    row_walk w0 = walk_from(table, 0, block_size);
+    for (int64_t t = 0; t < ahead; t++) {
+        const char *r = (const char *)(v + walk_next(&w0) * width + off);
+        for (int l = 0; l < nj * 32; l += 64)
+            __builtin_prefetch(r + l, 0, 3);
+    }
+    return vp;
+}
+
+T512 static void value_pass_step(value_pass *vp, uint32_t *dst) {
+    const __m512i zero = _mm512_setzero_si512();
+    const int64_t p0 = vp->p0, len = vp->len;
+    for (int64_t t = p0 + 32; t < p0 + 64 && t < len; t++) {  /* the next step's lines */
+        const char *r = (const char *)(vp->v + walk_next(&vp->wa) * vp->width + vp->off);
+        for (int l = 0; l < vp->nj * 32; l += 64)
+            __builtin_prefetch(r + l, 0, 3);
+    }
+    for (int t = 0; t < 32; t += 2) {
+        const uint16_t *x0 = p0 + t < len ? vp->v + walk_next(&vp->w) * vp->width + vp->off : NULL;
+        const uint16_t *x1 = p0 + t + 1 < len ? vp->v + walk_next(&vp->w) * vp->width + vp->off : NULL;
+        uint32_t *o = dst + (t / 2) * 64;
+        for (int c = 0; c < vp->nj * 16; c += 32) {
+            const __m512i x = x0 == NULL ? zero : _mm512_loadu_si512((const void *)(x0 + c));
+            const __m512i y = x1 == NULL ? zero : _mm512_loadu_si512((const void *)(x1 + c));
+            _mm512_storeu_si512((void *)(o + c), _mm512_unpacklo_epi16(x, y));
+            _mm512_storeu_si512((void *)(o + c + 16), _mm512_unpackhi_epi16(x, y));
+        }
+    }
+    vp->p0 += 32;
+}
+
 /* Every tile 16 rows of 64 bytes (LDTILECFG, which zeroes the tiles). */
 TAMX static void tiles_full(void) {
     amx_config cfg;
@@ -699,7 +752,7 @@ TAMX static void tiles_full(void) {
 /* Columns of one sequence's rows: column c (0 <= c < R * heads) is row r's head h, in the order kv head g, row r,
  * head within the group; a block takes 16 consecutive columns. */
 TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32_t *lens, int64_t R, int64_t heads,
-                             int64_t kv, int64_t d, float scale, const uint16_t *k, const int32_t *table,
+                             int64_t kv, int64_t d, float scale, const uint16_t *k, const uint16_t *v, const int32_t *table,
                              int64_t block_size, const uint32_t *kn, const uint32_t *vn, int64_t l16, int64_t l32,
                              uint8_t *scr, uint16_t *out, pf_stream *pf, layout *lay) {
     const int64_t group = heads / kv, ncols = R * heads, ks_n = d / 32;
@@ -710,6 +763,7 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
     float *C = (float *)(Aq + 4 * 512);                               /* [4][16][16] */
     uint32_t *Bq = (uint32_t *)(C + 1024);                            /* [kv][d / 32][16][16] */
     uint16_t *Kt = (uint16_t *)(Bq + kv * 4 * 256);                   /* [16][kv * d] */
+    uint32_t *Vt = (uint32_t *)(Kt + 16 * kv * d);                    /* [16][64]: a decode row's 32 positions */
     const int64_t width = kv * d;
     /* the next sequence's lines spread over this one's steps: weights (ncols * l32 / 16), score tiles (l32 / 16),
      * value chunks (about kv * l32 / 32) */
@@ -755,8 +809,6 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
                 if (nb > 5) _tile_loadd(7, Bq + 1280, 64);
             }
             for (int64_t t = 0; t < lb16; t += 16, pf_step(pf)) {
-                if (t % 32 == 0)  /* the values laid out beside the scores: their reads overlap the tile products */
-                    layout_step(lay);
                 const uint16_t *kt = Kt;
                 if (block_size % 16 == 0) {  /* 16 positions of one block: rows past the length are masked */
                     kt = k + ((int64_t)table[t / block_size] * block_size + t % block_size) * width;
@@ -799,8 +851,6 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
                 for (int n = 0; n < nc; n++)
                     _mm512_storeu_si512((void *)(S + n * ss + t), r[n]);
             }
-            while (lay->p0 < l32)
-                layout_step(lay);
         }
         for (int64_t ks = 0; ks < ks_n && kn != NULL; ks++)  /* the block's queries: A tiles, one per 32 of d */
             for (int n = 0; n < 16; n++) {
@@ -859,7 +909,7 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
         for (int n = 0; n < 16; n++)
             sums[n] = _mm512_setzero_ps();
         const int64_t ng = g_hi - g_lo + 1;
-        const int fused = ng * (d / 16) <= 4;
+        const int fused = kn != NULL && ng * (d / 16) <= 4;
         if (fused) {
             _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         }
@@ -927,17 +977,23 @@ TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32
             for (int64_t c = 0; c < d; c += 64) {
                 const int nj = d - c >= 64 ? 4 : (int)((d - c) / 16);
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                value_pass vp = value_pass_start(v, table, lb, block_size, width, g * d + c, nj);
                 for (int64_t p = 0; p < lb32; p += 32, pf_step(pf)) {
                     const uint16_t *a = A + (p / 32) * 3 * 512 + n0 * 32;
                     const uint32_t *b = vn + (g * (l32 / 2) + p / 2) * d + c;
+                    int64_t stride = d * 4;
+                    if (kn == NULL) {  /* a decode row: these 32 positions of this slice laid out now (in L1) */
+                        value_pass_step(&vp, Vt);
+                        b = Vt, stride = 256;
+                    }
                     _tile_loadd(4, a, 64);
                     _tile_loadd(5, a + 512, 64);
                     _tile_loadd(6, a + 1024, 64);
-                    _tile_loadd(7, b, d * 4);
+                    _tile_loadd(7, b, stride);
                     _tile_dpbf16ps(0, 4, 7); _tile_dpbf16ps(0, 5, 7); _tile_dpbf16ps(0, 6, 7);
-                    if (nj > 1) { _tile_loadd(7, b + 16, d * 4); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7); _tile_dpbf16ps(1, 6, 7); }
-                    if (nj > 2) { _tile_loadd(7, b + 32, d * 4); _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(2, 5, 7); _tile_dpbf16ps(2, 6, 7); }
-                    if (nj > 3) { _tile_loadd(7, b + 48, d * 4); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7); _tile_dpbf16ps(3, 6, 7); }
+                    if (nj > 1) { _tile_loadd(7, b + 16, stride); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7); _tile_dpbf16ps(1, 6, 7); }
+                    if (nj > 2) { _tile_loadd(7, b + 32, stride); _tile_dpbf16ps(2, 4, 7); _tile_dpbf16ps(2, 5, 7); _tile_dpbf16ps(2, 6, 7); }
+                    if (nj > 3) { _tile_loadd(7, b + 48, stride); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7); _tile_dpbf16ps(3, 6, 7); }
                 }
                 _tile_stored(0, C + 16 * n0, 64);
                 if (nj > 1) _tile_stored(1, C + 256 + 16 * n0, 64);
@@ -980,7 +1036,7 @@ TAMX static void rows_amx(const uint16_t *q, const uint16_t *k, const uint16_t *
         const int one_block = (j - i) * heads <= 16;  /* a decode row: its scores from the cache's keys */
         layout lay = layout_start(k, v, tables + c * table_width, len, kv, d, block_size, l16, l32,
                                   one_block ? NULL : kn, vn);
-        while (!one_block && lay.p0 < l32)  /* a decode row's values are laid out beside its scores */
+        while (!one_block && lay.p0 < l32)  /* a decode row lays its values out in the value passes */
             layout_step(&lay);
         pf_stream pf = {k, v, walk_from(tables + c * table_width, 0, block_size), 0, 1, kv * d, 0,
                         (kv * d * 2 + 63) / 64, NULL, NULL};
@@ -991,7 +1047,7 @@ TAMX static void rows_amx(const uint16_t *q, const uint16_t *k, const uint16_t *
             pf.w = walk_from(tables + chunks[j] * table_width, 0, block_size);
             pf.left = nl;
         }
-        segment_amx(q, rows + i, lens, j - i, heads, kv, d, scale, k, tables + c * table_width, block_size,
+        segment_amx(q, rows + i, lens, j - i, heads, kv, d, scale, k, v, tables + c * table_width, block_size,
                     one_block ? NULL : kn, vn, l16, l32, blocks, out, &pf, &lay);
         i = j;
     }
