@@ -16,7 +16,8 @@ Four paths, one answer within one bf16 step (``UNFIRE_NATIVE_SIMD`` picks for te
 (Sapphire Rapids and later; head sizes 32/64/128) tile products for every row, decode and prefill alike: scores
 by TDPBF16PS, the float32 weights split exactly into three bf16 parts for the values' products, so nothing is
 rounded below float32 (prefill attention 2.3-4.1x the loops below, a 2048-token prompt's whole prefill step
-2.5x; decode rows 0.71x, the bench_engine workload 0.98x: experiments/engine/bench_attention_cpu.py);
+2.5x; decode rows with their K/V cold 0.93x, the bench_engine workload 1.01x:
+experiments/engine/bench_attention_cpu.py);
 on a CPU with AVX-512 BF16 (Zen 4/5; ``=3`` forces it where AMX is there too) and head sizes 16/32/64/128,
 VDPBF16PS scores of 16 positions at a time (exact bf16 products, float32 sums; 2.2x the float32 AVX-512 loops
 on SmolLM2's decode, where it then runs at the memory's speed); AVX-512 float32 loops (``=2``); plain C (``=0``).

@@ -469,12 +469,15 @@ DEFINE_SEQ_KERNEL(8, 2)
  * - values: e_p is split exactly into three bf16 terms (hi + mid + lo, 24 significant bits: float32's), and
  *   o = sum_p e_p v_p is three tile products per 32 positions (lo, mid, hi) into one float32 sum; o / sum rounded
  *   once to bf16. No product is rounded below float32, so the decode bound is the loops' bound.
- * Values (and a chunk's keys) are first laid out for the tiles in scratch, positions past the longest row's length
+ * A chunk's values and keys are first laid out for the tiles in scratch (a decode row's values 32 positions at a
+ * time, one kv head's slice, right before their products: value_pass), positions past the longest row's length
  * as zeros: slots past a length are never read into a result. An inf or NaN stored in a used slot (a model that
  * overflowed) can reach more than the loops above let it: a value past a row's own length through a zero weight
  * (0 x inf), a decode row's key of one kv head into the other heads' scores at that position.
- * Why decode rows do not go to the loops above where they are faster (cold K/V: 0.71x here, bench_attention_cpu):
- * a row must have the same bits in any step, and the loops cannot give the unit's bits. Measured on Sapphire
+ * Decode rows stay on the tiles although the loops above are still a little faster there (K/V cold from memory, 64
+ * rows of 110-360 positions: 0.93x, bench_attention_cpu; 0.71x before the value passes and per-head tile rows;
+ * with K/V in L2 the tiles are ahead): a row must have the same bits in any step, and the loops cannot give the
+ * unit's bits. Measured on Sapphire
  * Rapids (200K random cases per setting): one dword pair onto c gives exactly c + round(a0*b0 + a1*b1), but from
  * two pairs on, no chain of FMAs (either order), of rounded pair sums, tree of them, or c + the exactly summed
  * products rounded once (nearest or truncated) matches (9-31% of cases differ with 2 pairs, 56-68% with 16). */
