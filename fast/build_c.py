@@ -56,11 +56,17 @@ def build(source: Path, signatures: Signatures) -> ctypes.CDLL:
     return lib
 
 
+_UNBUILT = object()
+
+
 def load(state: dict[str, ctypes.CDLL | None], lock: threading.Lock, source: Path, signatures: Signatures,
          what: str, fallback: str) -> ctypes.CDLL | None:
     """The library of ``source``, built once per process (kept in ``state``); None if it cannot be."""
     if os.environ.get("UNFIRE_NATIVE", "1") == "0":
         return None
+    lib = state.get("lib", _UNBUILT)  # built (or failed) already: no lock (every decode asks)
+    if lib is not _UNBUILT:
+        return lib
     with lock:
         if "lib" not in state:
             try:

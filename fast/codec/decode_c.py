@@ -108,11 +108,13 @@ def decode_cpu(ct: CompressedTensor, *, threads: int = 1, native: bool | None = 
         return decode_many([ct])[0]
     ct.check_header()
     layout = Layout(ct.shape, ct.chunk_size, ct.chunks_per_group)
-    arrays = [np.ascontiguousarray(a) for a in (ct.stream, ct.offsets, ct.vchunks, ct.vexp, ct.sm)]
-    for a in arrays:
-        if a.dtype.byteorder == ">":  # check_header accepts either byte order; C reads native order
-            raise CodecError(f"tensor {ct.name!r}: decode_cpu takes native-order arrays, got {a.dtype}")
-    stream, offsets, vchunks, vexp, sm = arrays
+    stream, offsets, vchunks, vexp, sm = (np.ascontiguousarray(a) for a in (ct.stream, ct.offsets, ct.vchunks,
+                                                                           ct.vexp, ct.sm))
+    if ">" in (stream.dtype.byteorder, offsets.dtype.byteorder, vchunks.dtype.byteorder):  # uint8 has none
+        # check_header accepts either byte order; C reads native order
+        big = [f"{k} {a.dtype}" for k, a in (("stream", stream), ("offsets", offsets), ("vchunks", vchunks))
+               if a.dtype.byteorder == ">"]
+        raise CodecError(f"{ct.where()}decode_cpu takes native-order arrays, got {', '.join(big)}")
     *_, (single, multi, palette) = tables(tuple(ct.palette), tuple(ct.code_lengths),
                                                           ct.max_code_length)
     crc = ct.crc
@@ -125,9 +127,8 @@ def decode_cpu(ct: CompressedTensor, *, threads: int = 1, native: bool | None = 
         _ptr(stream), stream.size, ct.stream_bits, _ptr(offsets), _ptr(vchunks), vchunks.size, _ptr(vexp), _ptr(sm),
         palette, len(ct.palette), single, multi, ct.max_code_length, layout.rows, layout.cols,
         layout.chunk_size, layout.chunks_per_group, threads, BLOCK_WEIGHTS, _ptr(io), _ptr(out))
-    info = io[6:].astype(np.int64)
     if error:
-        where = f"tensor {ct.name!r}: " if ct.name else ""
+        where, info = ct.where(), io[6:].astype(np.int64)
         if error == 8:
             key = CRC_ORDER[int(info[0])]
             what = "decoded data" if key == "data" else f"array {key}"

@@ -27,6 +27,8 @@ VERSION = 1
 ARRAY_DTYPES = {"sm": np.uint8, "stream": np.uint32, "offsets": np.uint32, "vchunks": np.uint32,
                 "vexp": np.uint8}
 CRC_KEYS = (*ARRAY_DTYPES, "data")
+# the same, as dtype objects, in the order of arrays()
+_DTYPES = tuple((key, np.dtype(dtype)) for key, dtype in ARRAY_DTYPES.items())
 HEADER_KEYS = ("format", "version", "form", "shape", "chunk_size", "chunks_per_group",
                "max_code_length", "palette", "code_lengths", "n_verbatim", "stream_bits", "crc32")
 MAX_CHUNK_SIZE, MAX_CHUNKS_PER_GROUP = 4096, 65536
@@ -169,36 +171,41 @@ class CompressedTensor(StoredForm):
     def check_header(self) -> None:
         """The checks that read no array's contents: header ranges, palette, code lengths, array
         dtypes and lengths. A decoder that does the content checks itself (the C one) runs only
-        these."""
-        where = f"tensor {self.name!r}: " if self.name else ""
-        layout = self.layout
+        these, once per tensor it decodes, so they are kept cheap (the tensor's name is formatted
+        only into an error)."""
+        n_chunks = self.layout.n_chunks
         if self.chunk_size * self.chunks_per_group > MAX_GROUP_WEIGHTS:
-            raise CodecError(f"{where}chunk_size * chunks_per_group must be <= {MAX_GROUP_WEIGHTS}")
+            raise CodecError(f"{self.where()}chunk_size * chunks_per_group must be <= "
+                             f"{MAX_GROUP_WEIGHTS}")
         if len(set(self.palette)) != len(self.palette) or len(self.palette) > 256:
-            raise CodecError(f"{where}palette must hold distinct exponents, got "
+            raise CodecError(f"{self.where()}palette must hold distinct exponents, got "
                              f"{list(self.palette)}")
         if len(self.code_lengths) != len(self.palette):
-            raise CodecError(f"{where}{len(self.code_lengths)} code lengths for a palette of "
-                             f"{len(self.palette)}")
+            raise CodecError(f"{self.where()}{len(self.code_lengths)} code lengths for a palette "
+                             f"of {len(self.palette)}")
         try:
             check_lengths(self.code_lengths, self.max_code_length)
         except CodecError as e:
-            raise CodecError(f"{where}{e}") from None
-        if layout.n_chunks >= UINT32_LIMIT:
-            raise CodecError(f"{where}shape {self.shape} has too many chunks for 32-bit chunk ids")
-        expected = {
-            "sm": (layout.n,),
-            "stream": (self.stream_bits // 32 + (self.stream_bits % 32 > 0) + 1,),
-            "offsets": (layout.n_groups + 1,),
-            "vchunks": (self.n_verbatim,),
-            "vexp": (self.n_verbatim, self.chunk_size),
-        }
-        arrays = self.arrays()
-        for key, dtype in ARRAY_DTYPES.items():
-            a = arrays[key]
-            if a.dtype.newbyteorder("=") != np.dtype(dtype) or a.shape != expected[key]:
-                raise CodecError(f"{where}array {key} is {a.dtype}{list(a.shape)}, expected "
-                                 f"{np.dtype(dtype)}{list(expected[key])} (truncated or corrupt)")
+            raise CodecError(f"{self.where()}{e}") from None
+        if n_chunks >= UINT32_LIMIT:
+            raise CodecError(f"{self.where()}shape {self.shape} has too many chunks for 32-bit "
+                             "chunk ids")
+        expected = (
+            (self.sm, (math.prod(self.shape),)),
+            (self.stream, (self.stream_bits // 32 + (self.stream_bits % 32 > 0) + 1,)),
+            (self.offsets, (-(-n_chunks // self.chunks_per_group) + 1,)),
+            (self.vchunks, (self.n_verbatim,)),
+            (self.vexp, (self.n_verbatim, self.chunk_size)),
+        )
+        for (key, dtype), (a, shape) in zip(_DTYPES, expected, strict=True):
+            # a native-order array passes the first test; the other byte order is accepted too
+            if (a.dtype != dtype and a.dtype.newbyteorder("=") != dtype) or a.shape != shape:
+                raise CodecError(f"{self.where()}array {key} is {a.dtype}{list(a.shape)}, expected "
+                                 f"{dtype}{list(shape)} (truncated or corrupt)")
+
+    def where(self) -> str:
+        """``tensor 'name': `` for error messages (empty for an unnamed tensor)."""
+        return f"tensor {self.name!r}: " if self.name else ""
 
     def check_arrays(self) -> None:
         """The checks on the arrays' contents (FORMAT.md 3.6): CRCs, offsets, verbatim ids and
