@@ -8,9 +8,13 @@ checkpoint with at least 4096 weights (cast to bf16 with round-to-nearest-even),
 decoder of fast/codec/native/decode.c) and ZipNN's ``decompress`` at the same thread count, each
 returning a new buffer per tensor. Ours checks every CRC-32 (each array and the decoded tensor) and
 everything else FORMAT.md 3.6 lists; ZipNN's format has no checksum, so it checks nothing: the
-comparison is, if anything, unfair to us. ``--repeat`` paired runs: in each, per tensor, both decode
-back to back (which goes first alternates), so both meet the same background load. Reported per
-thread count: the median and [min - max] over runs of the speed ratio in wall time and in process CPU
+comparison is, if anything, unfair to us. ``--repeat`` paired runs, two ways: whole passes (each
+decoder decompresses the whole checkpoint, tensor after tensor, then the next decoder does: a checkpoint
+end to end, the headline numbers) and tensor by tensor (per tensor, the decoders back to back:
+``tensor_by_tensor``); the decoders' order goes through every permutation in turn, and the decoding
+tables' cache is emptied before each run (a checkpoint's tensors are decoded once, so each distinct code
+is built once per pass, as a user's decompression builds it). Reported per thread count and way: the
+median and [min - max] over runs of the speed ratio in wall time and in process CPU
 time (all threads; on a machine shared with other jobs the fair one: ZipNN 0.5 starts a thread per
 call even at ``threads=1``, which waits for a core when other jobs hold them), each side's MB/s
 (the checkpoint's bf16 bytes over a run's time), and the ratio of the sums of each tensor's best time.
