@@ -87,6 +87,30 @@ def test_c_decoder_many_groups_every_path(wide: bool, wide_assembly: bool, seed:
         assert np.array_equal(decode_cpu(ct, native=True), bits)
 
 
+@needs_c
+@pytest.mark.parametrize("skip", [0, 1, 7, 31])
+def test_c_decoder_output_on_or_off_a_line(skip: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_cpu's output starts on a 64-byte line (most runs then start and end on whole lines); a buffer
+    that does not (the C decoder takes any) gives the same bits, every run's head and tail CRCed apart."""
+    r = np.random.default_rng(skip)
+    bits = ((r.standard_normal((37, 1000)) * 0.02).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    bits.reshape(-1)[r.integers(0, bits.size, 9)] = 0x0001  # verbatim chunks: runs of any length
+    ct = encode(bits, chunks_per_group=4)
+    assert decode_cpu(ct, native=True).__array_interface__["data"][0] % 64 == 0
+    aligned = decode_c._line_aligned
+
+    def off_the_line(n: int) -> np.ndarray:
+        buf = aligned(n + 32)
+        return buf[skip:skip + n]
+
+    monkeypatch.setattr(decode_c, "_line_aligned", off_the_line)
+    for threads in (1, 3):
+        with many_threads():
+            out = decode_cpu(ct, threads=threads, native=True)
+        assert out.__array_interface__["data"][0] % 64 == 2 * skip % 64
+        assert np.array_equal(out, bits)
+
+
 def multi_table_by_definition(single: np.ndarray, length: int) -> np.ndarray:
     """decode.c's multi-symbol table, entry by entry: the up to 4 whole codes at the start of each window."""
     mask, out = (1 << length) - 1, np.zeros(1 << length, np.uint64)

@@ -94,6 +94,17 @@ def crc32(data: np.ndarray, threads: int = 1) -> int:
     return int(library().unw_crc32(_ptr(data), data.nbytes, threads))
 
 
+def _line_aligned(n: int) -> np.ndarray:
+    """An uninitialised uint16 [n] starting on a 64-byte line. The decoder writes whole lines of output past
+    the cache with the CRC folded from its registers, and runs start at multiples of 4 groups (8192 weights
+    by default): on a line-aligned buffer most runs start and end on whole lines, where the unaligned head and
+    tail of each run otherwise take a CRC of bytes read back from memory just written (MiniLM, one thread,
+    60 alternating rounds of the bare C calls: 13.98 ms against 14.91, 2026-12-06)."""
+    buf = np.empty(n + 32, np.uint16)
+    skip = (-_ptr(buf) % 64) // 2  # numpy's buffers start on at least 2 bytes
+    return buf[skip:skip + n]
+
+
 def decode_cpu(ct: CompressedTensor, *, threads: int = 1, native: bool | None = None) -> np.ndarray:
     """Decompress a Huffman-form tensor on the CPU: its bf16 bits (uint16, original shape). Raises CodecError.
 
@@ -121,7 +132,7 @@ def decode_cpu(ct: CompressedTensor, *, threads: int = 1, native: bool | None = 
     io = np.array([crc["sm"], crc["stream"], crc["offsets"], crc["vchunks"], crc["vexp"], crc["data"], 0, 0],
                   np.uint32)  # the expected CRCs in, where an error was found out
     n = math.prod(ct.shape)
-    out = np.empty(n, np.uint16)
+    out = _line_aligned(n)
     threads = max(1, min(threads, n // MIN_WEIGHTS_PER_THREAD, 64))
     error = lib.unw_decode(
         _ptr(stream), stream.size, ct.stream_bits, _ptr(offsets), _ptr(vchunks), vchunks.size, _ptr(vexp), _ptr(sm),
