@@ -503,25 +503,26 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
             _tile_loadd(7, b0 + TILE_WORDS, 64);
             if (two)
                 _tile_stream_loadd(5, xa + (T + t) * TILE_WORDS, 64);
-            if (t + TM_PC < T) { /* the compressed bytes a few steps ahead */
-                const int64_t ahead0 = first0 + t + TM_PC, ahead1 = first1 + t + TM_PC;
+            const int far = t + TM_PC < T;
+            if (far) { /* the compressed bytes a few steps ahead: the first panel's before its decode */
+                const int64_t ahead0 = first0 + t + TM_PC;
                 for (int l = 0; l < 8; l++)
                     _mm_prefetch((const char *)(j->sm + ahead0 * TILE_WORDS) + 64 * l, _MM_HINT_T0);
                 for (int l = 0; l < 4; l++)
                     _mm_prefetch((const char *)(j->idx + ahead0 * (TILE_WORDS / 2)) + 64 * l, _MM_HINT_T0);
-                if (pair) {
-                    for (int l = 0; l < 8; l++)
-                        _mm_prefetch((const char *)(j->sm + ahead1 * TILE_WORDS) + 64 * l, _MM_HINT_T0);
-                    for (int l = 0; l < 4; l++)
-                        _mm_prefetch((const char *)(j->idx + ahead1 * (TILE_WORDS / 2)) + 64 * l, _MM_HINT_T0);
-                }
             }
-            if (t + 1 < T) {
-                uint16_t *next = ring + (keep ? t + 1 : (t + 1) & 1) * 2 * TILE_WORDS;
+            uint16_t *next = ring + (keep ? t + 1 : (t + 1) & 1) * 2 * TILE_WORDS;
+            if (t + 1 < T)
                 decode_tile(j, d, first0 + t + 1, next);
-                if (pair)
-                    decode_tile(j, d, first1 + t + 1, next + TILE_WORDS);
+            if (far && pair) { /* the second's between the two decodes */
+                const int64_t ahead1 = first1 + t + TM_PC;
+                for (int l = 0; l < 8; l++)
+                    _mm_prefetch((const char *)(j->sm + ahead1 * TILE_WORDS) + 64 * l, _MM_HINT_T0);
+                for (int l = 0; l < 4; l++)
+                    _mm_prefetch((const char *)(j->idx + ahead1 * (TILE_WORDS / 2)) + 64 * l, _MM_HINT_T0);
             }
+            if (t + 1 < T && pair)
+                decode_tile(j, d, first1 + t + 1, next + TILE_WORDS);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             if (two) {
