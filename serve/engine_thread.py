@@ -234,7 +234,10 @@ class EngineThread:
             except queue.Empty:
                 if self.arriving > 0:  # a handler is still reading or tokenizing one: it will come
                     continue
-                return True
+                try:  # none arriving now, but one may have stopped arriving since the wait ran out: submit
+                    cmd = self._commands.get_nowait()  # queues a request before it closes its arrival
+                except queue.Empty:
+                    return True
             if cmd[0] == "stop":
                 return False
             self.gathered += cmd[0] == "add"
