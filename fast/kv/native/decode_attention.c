@@ -757,7 +757,7 @@ TAMX static void tiles_full(void) {
 TAMX static void segment_amx(const uint16_t *q, const int64_t *rows, const int32_t *lens, int64_t R, int64_t heads,
                              int64_t kv, int64_t d, float scale, const uint16_t *k, const uint16_t *v, const int32_t *table,
                              int64_t block_size, const uint32_t *kn, const uint32_t *vn, int64_t l16, int64_t l32,
-                             uint8_t *scr, uint16_t *out, pf_stream *pf, layout *lay) {
+                             uint8_t *scr, uint16_t *out, pf_stream *pf) {
     const int64_t group = heads / kv, ncols = R * heads, ks_n = d / 32;
     const int64_t ss = l32 + 16;  /* S's row stride: rows a power of two apart would share one L1 set */
     float *S = (float *)scr;                                          /* [16][ss] */
@@ -1051,7 +1051,7 @@ TAMX static void rows_amx(const uint16_t *q, const uint16_t *k, const uint16_t *
             pf.left = nl;
         }
         segment_amx(q, rows + i, lens, j - i, heads, kv, d, scale, k, v, tables + c * table_width, block_size,
-                    one_block ? NULL : kn, vn, l16, l32, blocks, out, &pf, &lay);
+                    one_block ? NULL : kn, vn, l16, l32, blocks, out, &pf);
         i = j;
     }
     _tile_release();
