@@ -112,11 +112,11 @@ def test_c_decoder_output_on_or_off_a_line(skip: int, monkeypatch: pytest.Monkey
 
 
 def multi_table_by_definition(single: np.ndarray, length: int) -> np.ndarray:
-    """decode.c's multi-symbol table, entry by entry: the up to 4 whole codes at the start of each window."""
+    """decode.c's multi-symbol table, entry by entry: the up to 5 whole codes at the start of each window."""
     mask, out = (1 << length) - 1, np.zeros(1 << length, np.uint64)
     for w in range(1 << length):
         used = count = exps = 0
-        while count < 4:
+        while count < 5:
             e = int(single[(w << used) & mask])
             if e >> 8 == 0 or used + (e >> 8) > length:
                 break

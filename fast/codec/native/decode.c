@@ -30,11 +30,12 @@
  *   - the 64-bit window is built once per refill from three stream words (MSB first within each
  *     32-bit word, so the words are swapped as they are read) and serves 64 / L table lookups;
  *   - the multi-symbol table, indexed by the next L bits as the one-symbol table of FORMAT.md 3.3
- *     is, gives up to 4 whole codes that fit in those L bits at once, in one 64-bit entry: their
- *     total length (the low bits: the window is shifted by the entry itself), their exponents (4
- *     bytes, written in one store) and their count. With L = 12 and ~2.7-bit codes that is ~3.7
- *     weights per lookup. The last few weights of a group go one code at a time, so a group never
- *     reads a code past its own count;
+ *     is, gives up to 5 whole codes that fit in those L bits at once, in one 64-bit entry: their
+ *     total length (the low bits: the window is shifted by the entry itself), their exponents (5
+ *     bytes, written in one 8-byte store whose last 3 bytes the next store overwrites) and their
+ *     count. With L = 12 and ~2.7-bit codes that is ~4.1 weights per lookup (~3.7 with up to 4 codes:
+ *     MiniLM, 2026-12-06). The last few weights of a group go one code at a time, so a group never
+ *     reads a code past its own count nor stores past its end;
  *   - an invalid window is an entry of 1 symbol and 0 bits with a flag: the loop always advances
  *     and stays stuck at that window (see decode_4_groups for how it is caught);
  *   - four groups are decoded at once (independent chains the CPU overlaps), in AVX2 + BMI2 code
@@ -92,13 +93,16 @@ uint32_t unw_crc32(const uint8_t *p, int64_t n, int threads) {
 
 /* ---- the tables ---- */
 
-/* One entry of the multi-symbol table (uint64): the total length of the up to 4 whole codes that lie
+/* One entry of the multi-symbol table (uint64): the total length of the up to 5 whole codes that lie
  * inside the L-bit window (bits 0-5: `x << t` by a register, as x86 shifts take the count's low 6 bits),
- * INVALID (bit 7) if the window starts with no code, their exponents, one per byte (bits 8-39, stored in
- * one 4-byte store), and their count (bits 61-63: `t >> 61`, no mask). An invalid window is 1 code of 0 bits. */
+ * INVALID (bit 7) if the window starts with no code, their exponents, one per byte (bits 8-47, stored in
+ * one 8-byte store: `t >> 8`), and their count (bits 61-63: `t >> 61`, no mask). An invalid window is 1
+ * code of 0 bits. */
+#define M_CODES 5 /* codes an entry holds at most */
+#define M_STORE 8 /* bytes one lookup stores */
 #define M_INVALID 0x80u
 static inline __attribute__((always_inline)) unsigned m_len(uint64_t t) { return (unsigned)t & 63; }
-static inline __attribute__((always_inline)) uint32_t m_exps(uint64_t t) { return (uint32_t)(t >> 8); }
+static inline __attribute__((always_inline)) uint64_t m_exps(uint64_t t) { return t >> 8; }
 static inline __attribute__((always_inline)) uint64_t m_count(uint64_t t) { return t >> 61; }
 
 /* The used symbols of a code, by length (shortest first): their lengths, codes and exponents. */
@@ -110,17 +114,17 @@ typedef struct {
 
 /* Every window that starts with the codes of `prefix` (`used` bits, k codes, their exponents `exps`): the
  * entry of these k codes, then, for each code that fits in the bits left, the windows that go on with it
- * (overwritten: the entry of a window is its longest run of whole codes, up to 4). Where every code fits
+ * (overwritten: the entry of a window is its longest run of whole codes, up to 5). Where every code fits
  * (and the code is complete) those cover all the windows, which are then not filled first. */
 static void fill_multi(uint64_t *multi, const uint16_t *single, const Code *c, uint32_t L, uint32_t prefix,
                        uint32_t used, uint32_t k, uint64_t exps) {
     uint32_t left = L - used;
-    if (k == 3) { /* the fourth code, window by window (from the one-symbol table: fewer, larger steps) */
+    if (k == M_CODES - 1) { /* the last code, window by window (from the one-symbol table: fewer, larger steps) */
         uint64_t *at = multi + ((uint64_t)prefix << left);
         for (uint32_t i = 0, n = 1u << left; i < n; i++) {
             uint32_t e = single[i << used], len = e >> 8; /* the bits after the three codes, zeros shifted in */
-            at[i] = len && len <= left ? (used + len) | (exps | (uint64_t)(e & 0xFF) << 24) << 8 | 4ull << 61
-                                       : used | exps << 8 | 3ull << 61;
+            at[i] = len && len <= left ? (used + len) | (exps | (uint64_t)(e & 0xFF) << (8 * k)) << 8 | (k + 1ull) << 61
+                                       : used | exps << 8 | (uint64_t)k << 61;
         }
         return;
     }
@@ -210,19 +214,19 @@ static inline __attribute__((always_inline)) unsigned decode_group(const Tensor 
     const uint16_t *single = x->single;
     const uint64_t *multi = x->multi;
     uint64_t pos = *pos_io, bad = 0;
-    while (i + 4 <= count) { /* up to R lookups of up to 4 codes each per refill, while 4 codes are left */
+    while (i + M_STORE <= count) { /* up to R lookups of up to 5 codes each per refill, while a store fits */
         uint64_t win = window64(s, words, pos) | 1; /* bit 0, never read (R * L < 64), marks the bits used */
-        for (int r = 0; r < R && i + 4 <= count; r++) {
+        for (int r = 0; r < R && i + M_STORE <= count; r++) {
             uint64_t t = multi[win >> (64 - L)];
-            uint32_t e = m_exps(t);
-            memcpy(dst + i, &e, 4);
+            uint64_t e = m_exps(t);
+            memcpy(dst + i, &e, M_STORE);
             i += (int64_t)m_count(t);
             win <<= m_len(t);
             bad |= t;
         }
         pos += (uint64_t)__builtin_ctzll(win); /* the mark moved up by the bits used */
     }
-    for (; i < count; i++) { /* the last (at most 3) codes one at a time */
+    for (; i < count; i++) { /* the last (at most 7) codes one at a time */
         unsigned e = single[window64(s, words, pos) >> (64 - L)];
         dst[i] = (uint8_t)e;
         pos += e >> 8;
@@ -232,28 +236,30 @@ static inline __attribute__((always_inline)) unsigned decode_group(const Tensor 
     return (bad & M_INVALID) != 0;
 }
 
-/* One lookup of group q's chain: up to 4 exponents stored at once, the window shifted past their bits. */
+/* One lookup of group q's chain: up to 5 exponents stored at once, the window shifted past their bits. */
 #define STEP(q)                                     \
     {                                               \
         uint64_t t = multi[win##q >> (64 - L)];     \
-        uint32_t e = m_exps(t);                     \
-        memcpy(o##q, &e, 4);                        \
+        uint64_t e = m_exps(t);                     \
+        memcpy(o##q, &e, M_STORE);                  \
         o##q += m_count(t);                         \
         win##q <<= m_len(t);                        \
     }
 
-/* The rounds of lookups that all four groups can take for sure: each round takes at most 4 * R codes
- * of a group, and a group takes rounds while its output pointer is at most its end less 4 * R. So the
- * inner loops need no end check per round (and no registers for the four ends). */
+/* The rounds of lookups that all four groups can take for sure: each round takes at most 5 * R codes
+ * of a group, and a group takes rounds while its output pointer is at most its end less SAFE_END(R) (the
+ * round's last 8-byte store then ends at the group's end at most). So the inner loops need no end check
+ * per round (and no registers for the four ends). */
+#define SAFE_END(R) (M_CODES * (R) + M_STORE - M_CODES)
 static inline __attribute__((always_inline)) int64_t safe_rounds(uint8_t *const *o, uint8_t *const *end, int R) {
     int64_t slack = end[0] - o[0];
     for (int q = 1; q < 4; q++)
         slack = end[q] - o[q] < slack ? end[q] - o[q] : slack;
-    return slack < 0 ? 0 : slack / (4 * R) + 1;
+    return slack < 0 ? 0 : slack / (M_CODES * R) + 1;
 }
 
 /* Four groups at once (their chains of lookups are independent, so the CPU overlaps them), as far as
- * all four have R * 4 codes left; each then finishes alone in decode_group. Each group's state is its
+ * all four have SAFE_END(R) codes left; each then finishes alone in decode_group. Each group's state is its
  * window, bit position and output pointer (few enough to stay in registers). The lookups here are not
  * checked one by one (that flag cost ~8%): an invalid window consumes no bits, so the group stays stuck
  * there; decode_group, which checks every hit, then meets it again, or the group ends before its next
@@ -267,7 +273,7 @@ static inline __attribute__((always_inline)) void decode_4_groups(const Tensor *
     uint8_t *o0 = dst[0], *o1 = dst[1], *o2 = dst[2], *o3 = dst[3];
     uint8_t *end[4];
     for (int q = 0; q < 4; q++)
-        end[q] = dst[q] + count[q] - 4 * R;
+        end[q] = dst[q] + count[q] - SAFE_END(R);
     for (int64_t n; (n = safe_rounds((uint8_t *[4]){o0, o1, o2, o3}, end, R)) > 0;)
         for (; n > 0; n--) {
             /* bit 0 of each window, never read (R * L < 64), is a mark: it moves up by the bits used */
@@ -306,8 +312,8 @@ static inline __attribute__((always_inline)) uint64_t window_bytes(const uint8_t
  * and output pointer stay in registers (14 in all). A refill: the byte at bit p, clamped to `last` (as
  * window_bytes; no group starts before the copy: decode_block takes this path only if the four groups'
  * offsets rise), 8 bytes byte-swapped and shifted by p & 7, the mark set. A lookup: t = multi[win >> 52];
- * win <<= t (the low 6 bits of t: its length); t >>= 8; store its exponents (t's low 4 bytes); o += its
- * count (t >> 53). */
+ * win <<= t (the low 6 bits of t: its length); t >>= 8; store its exponents (t's low 8 bytes: up to 5,
+ * then bytes the next store overwrites); o += its count (t >> 53). */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_ASM_ROUNDS 1
 #define ASM_REFILL(w, p)                                                             \
@@ -316,7 +322,7 @@ static inline __attribute__((always_inline)) uint64_t window_bytes(const uint8_t
     "shlxq %[t], %[" #w "], %[" #w "]\n\torq $1, %[" #w "]\n\t"
 #define ASM_STEP(w, o)                                                               \
     "movq %[" #w "], %[t]\n\tshrq $52, %[t]\n\tmovq (%[m], %[t], 8), %[t]\n\t"        \
-    "shlxq %[t], %[" #w "], %[" #w "]\n\tshrq $8, %[t]\n\tmovl %k[t], (%[" #o "])\n\t" \
+    "shlxq %[t], %[" #w "], %[" #w "]\n\tshrq $8, %[t]\n\tmovq %[t], (%[" #o "])\n\t"  \
     "shrq $53, %[t]\n\taddq %[t], %[" #o "]\n\t"
 #define ASM_ADVANCE(w, p) "tzcntq %[" #w "], %[t]\n\taddq %[t], %[" #p "]\n\t"
 #define ASM_ROUND ASM_STEP(w0, o0) ASM_STEP(w1, o1) ASM_STEP(w2, o2) ASM_STEP(w3, o3)
@@ -331,7 +337,7 @@ static inline __attribute__((always_inline)) void decode_4_copied(const Tensor *
     uint8_t *o0 = dst[0], *o1 = dst[1], *o2 = dst[2], *o3 = dst[3];
     uint8_t *end[4];
     for (int q = 0; q < 4; q++)
-        end[q] = dst[q] + count[q] - 4 * R;
+        end[q] = dst[q] + count[q] - SAFE_END(R);
 #ifdef HAVE_ASM_ROUNDS
     if (wide && L == 12 && R == 4) {
         uint64_t at = (uint64_t)(uintptr_t)buf << 3, a0 = at + p0, a1 = at + p1, a2 = at + p2, a3 = at + p3;
@@ -534,9 +540,14 @@ static void check_verbatim(const Tensor *x, Job *job, int64_t v, int64_t n) {
         fail(job, BAD_VERBATIM_RULE, v, 0);
 }
 
+/* Where chunk k starts in the flat output (k <= n_chunks: the end for n_chunks), and its weights. */
+static inline int64_t chunk_start(const Tensor *x, int64_t k) { return (k / x->cpr) * x->cols + (k % x->cpr) * x->cs; }
+static inline int64_t chunk_width(const Tensor *x, int64_t k) { return min64(x->cs, x->cols - (k % x->cpr) * x->cs); }
+
 /* Decode block b: groups [g0, g1) of an even split of the tensor's groups into n_blocks. */
 static inline __attribute__((always_inline)) void decode_block(const Tensor *x, int64_t b, uint8_t *scratch,
-                                                               uint8_t *copy, int64_t copy_bytes, const int wide) {
+                                                               int64_t *vlist, uint8_t *copy, int64_t copy_bytes,
+                                                               const int wide) {
     Job *job = &x->blocks[b];
     int64_t g0 = x->n_groups * b / x->n_blocks, g1 = x->n_groups * (b + 1) / x->n_blocks;
     uint32_t pad[2] = {0, 0};
@@ -572,20 +583,24 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
     }
     int64_t v = lo;
     for (int64_t g = g0; g < g1 && !job->error; g += 4) {
-        int64_t ng = min64(4, g1 - g), count[4] = {0, 0, 0, 0}, vv = v;
+        int64_t ng = min64(4, g1 - g), count[4] = {0, 0, 0, 0}, nv = 0;
         uint64_t pos[4] = {0, 0, 0, 0};
         unsigned bad[4] = {0, 0, 0, 0};
         uint8_t *dst[4];
-        for (int q = 0; q < ng; q++) { /* each group's coded weights; their exponents go one after another */
-            int64_t gk0 = (g + q) * x->cpg, gk1 = min64(gk0 + x->cpg, x->n_chunks), j = gk0 % x->cpr;
-            for (int64_t k = gk0; k < gk1; k++) {
-                if (vv < x->n_verbatim && x->vchunks[vv] == (uint64_t)k)
-                    vv++;
-                else
-                    count[q] += min64(x->cs, x->cols - j * x->cs);
-                if (++j == x->cpr)
-                    j = 0;
-            }
+        /* The four groups' verbatim chunks: the entries from v on that lie in their chunks, in rising order
+         * (a damaged list stops there: check_index fails the tensor; every count stays in [0, the groups' size]) */
+        int64_t gk0 = g * x->cpg, gk1 = min64((g + ng) * x->cpg, x->n_chunks);
+        for (int64_t vv = v; vv < x->n_verbatim && nv < 4 * x->cpg; vv++, nv++) {
+            int64_t k = (int64_t)x->vchunks[vv];
+            if (k < gk0 || k >= gk1 || (nv && k <= vlist[nv - 1]))
+                break;
+            vlist[nv] = k;
+        }
+        for (int q = 0, i = 0; q < ng; q++) { /* each group's coded weights; their exponents go one after another */
+            int64_t qk0 = (g + q) * x->cpg, qk1 = min64(qk0 + x->cpg, x->n_chunks);
+            count[q] = chunk_start(x, qk1) - chunk_start(x, qk0);
+            for (; i < nv && vlist[i] < qk1; i++)
+                count[q] -= chunk_width(x, vlist[i]);
             pos[q] = x->offsets[g + q];
             dst[q] = q ? dst[q - 1] + count[q - 1] : scratch;
         }
@@ -613,26 +628,20 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
             else if (pos[q] != x->offsets[g + q + 1])
                 fail(job, BAD_GROUP_END, g + q, (int64_t)pos[q]);
         }
-        /* Assemble. The groups' chunks tile [start, ...) of the flat output in order, so every run of
+        /* Assemble. The groups' chunks tile [start, end) of the flat output in order, so every run of
          * coded chunks between two verbatim ones is one stretch of output, sm and exponents. */
-        int64_t gk0 = g * x->cpg, gk1 = min64((g + ng) * x->cpg, x->n_chunks), j = gk0 % x->cpr;
-        int64_t start = (gk0 / x->cpr) * x->cols + j * x->cs, run = start;
+        int64_t start = chunk_start(x, gk0), end = chunk_start(x, gk1), run = start;
         const uint8_t *coded = scratch;
-        for (int64_t k = gk0; k < gk1; k++) {
-            int64_t n = min64(x->cs, x->cols - j * x->cs);
-            if (v < x->n_verbatim && x->vchunks[v] == (uint64_t)k) {
-                assemble_run(x->out + run, x->sm + run, coded, start - run, wide, fused);
-                coded += start - run;
-                check_verbatim(x, job, v, n);
-                assemble_run(x->out + start, x->sm + start, x->vexp + v * x->cs, n, wide, fused);
-                v++;
-                run = start + n;
-            }
-            start += n;
-            if (++j == x->cpr)
-                j = 0;
+        for (int64_t i = 0; i < nv; i++, v++) {
+            int64_t at = chunk_start(x, vlist[i]), n = chunk_width(x, vlist[i]);
+            assemble_run(x->out + run, x->sm + run, coded, at - run, wide, fused);
+            coded += at - run;
+            check_verbatim(x, job, v, n);
+            assemble_run(x->out + at, x->sm + at, x->vexp + v * x->cs, n, wide, fused);
+            run = at + n;
         }
-        assemble_run(x->out + run, x->sm + run, coded, start - run, wide, fused);
+        assemble_run(x->out + run, x->sm + run, coded, end - run, wide, fused);
+        start = end;
         if (start - crc_done >= CRC_BATCH || g + ng >= g1) { /* CRC what was just written, while it is in cache */
             if (!fused)
                 crc_out = crc_update(crc_out, (const uint8_t *)(x->out + crc_done), (size_t)(2 * (start - crc_done)));
@@ -648,16 +657,18 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
 static inline __attribute__((always_inline)) void *work_body(void *arg, const int wide) {
     Tensor *x = arg;
     uint8_t *scratch = malloc((size_t)(4 * x->cpg * x->cs + 64));
+    int64_t *vlist = malloc((size_t)(4 * x->cpg) * sizeof(int64_t)); /* four groups' verbatim chunks */
     /* room for four valid groups' stream words (at most L bits per weight) and the three words after */
     int64_t copy_bytes = (4 * x->cpg * x->cs * x->L + 7) / 8 + 32;
     uint8_t *copy = malloc((size_t)copy_bytes);
     for (int64_t b; (b = __atomic_fetch_add(&x->next_block, 1, __ATOMIC_RELAXED)) < x->n_blocks;) {
-        if (scratch && copy)
-            decode_block(x, b, scratch, copy, copy_bytes, wide);
+        if (scratch && vlist && copy)
+            decode_block(x, b, scratch, vlist, copy, copy_bytes, wide);
         else
             fail(&x->blocks[b], NO_MEMORY, 0, 0);
     }
     free(scratch);
+    free(vlist);
     free(copy);
     return NULL;
 }
