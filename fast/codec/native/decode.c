@@ -373,6 +373,58 @@ static inline __attribute__((always_inline)) void decode_4_copied(const Tensor *
 }
 #undef STEP
 
+/* The four groups' last codes after decode_4_copied's rounds (each group's output pointer at[q], bit
+ * position pos[q]), still interleaved so that their chains overlap (one group after the other, each code
+ * waits for the one before: ~11% of the decode, MiniLM, 2026-12-06, most of it where a group with a verbatim
+ * chunk, 64 weights shorter, ended the rounds with the other three 64 codes from their ends). A step looks
+ * up every group's next window; a group whose end is too near does it too, but stores to a sink and does not
+ * move. First lookups of up to 5 codes while an 8-byte store fits, then one code at a time. Every hit is
+ * checked (an invalid window: bad[q]); each step moves at least one group, so at most count[q] steps. */
+static inline __attribute__((always_inline)) void finish_4_copied(const Tensor *x, const uint8_t *buf,
+                                                                  uint64_t last, uint64_t base, uint64_t *pos,
+                                                                  const int64_t *count, uint8_t *const *dst,
+                                                                  uint8_t **at, unsigned *bad) {
+    const uint64_t *multi = x->multi;
+    const uint16_t *single = x->single;
+    uint8_t sink[8];
+    uint64_t p[4], flags[4] = {0, 0, 0, 0};
+    uint8_t *o[4], *end[4];
+    for (int q = 0; q < 4; q++)
+        p[q] = pos[q] - base, o[q] = at[q], end[q] = dst[q] + count[q];
+    for (int any = 1; any;) { /* up to 4 lookups of up to 5 codes per refill (48 bits of the 57) */
+        uint64_t w[4];
+        any = 0;
+        for (int q = 0; q < 4; q++)
+            w[q] = window_bytes(buf, last, p[q]) | 1; /* bit 0 marks the bits used, as in the rounds */
+        for (int r = 0; r < 4; r++)
+            for (int q = 0; q < 4; q++) {
+                uint64_t t = multi[w[q] >> 52], e = m_exps(t);
+                int go = end[q] - o[q] >= M_STORE;
+                memcpy(go ? o[q] : sink, &e, M_STORE);
+                o[q] += go ? m_count(t) : 0;
+                w[q] <<= go ? m_len(t) : 0;
+                flags[q] |= go ? t : 0;
+                any |= go;
+            }
+        for (int q = 0; q < 4; q++)
+            p[q] += (uint64_t)__builtin_ctzll(w[q]);
+    }
+    for (int any = 1; any;) { /* the last (at most 7) codes of each group one at a time */
+        any = 0;
+        for (int q = 0; q < 4; q++) {
+            unsigned e = single[window_bytes(buf, last, p[q]) >> 52];
+            int go = o[q] < end[q];
+            *(go ? o[q] : sink) = (uint8_t)e;
+            o[q] += go;
+            p[q] += go ? e >> 8 : 0;
+            flags[q] |= go && (e >> 8) == 0 ? M_INVALID : 0;
+            any |= go;
+        }
+    }
+    for (int q = 0; q < 4; q++)
+        pos[q] = p[q] + base, bad[q] = (flags[q] & M_INVALID) != 0;
+}
+
 /* Copy the stream words [w0, w1) byte-swapped into buf, then 8 zero bytes. */
 static inline __attribute__((always_inline)) void copy_swapped(uint8_t *restrict buf, const uint32_t *restrict s,
                                                                int64_t w0, int64_t w1) {
@@ -613,8 +665,7 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
             uint8_t *at[4];
             copy_swapped(copy, s, cw0, cw1);
             decode_4_copied(x, copy, (uint64_t)(4 * (cw1 - cw0)), (uint64_t)cw0 << 5, pos, count, dst, at, 12, 4, wide);
-            for (int q = 0; q < 4; q++)
-                bad[q] = decode_group(x, s, words, &pos[q], at[q] - dst[q], count[q], dst[q], 12, 5);
+            finish_4_copied(x, copy, (uint64_t)(4 * (cw1 - cw0)), (uint64_t)cw0 << 5, pos, count, dst, at, bad);
         } else if (ng == 4 && x->L == 12)
             decode_4_groups(x, s, words, pos, count, dst, bad, 12, 5);
         else if (ng == 4)
