@@ -91,3 +91,13 @@ def test_ties_are_deterministic() -> None:
 def test_invalid_lengths_are_rejected(lengths: list[int]) -> None:
     with pytest.raises(CodecError):
         check_lengths(lengths, 12)
+
+
+def test_lengths_are_checked_alike_as_uint8_and_every_time() -> None:
+    """The check is remembered for valid codes only: an invalid one raises at every call, and uint8 lengths
+    (as a header read into numpy gives) are checked as integers (2 ** (12 - 1) does not wrap)."""
+    check_lengths(np.array([1, 2, 2], np.uint8), np.uint8(12))
+    check_lengths((1, 2, 2), 12)
+    for _ in range(2):
+        with pytest.raises(CodecError, match="over-subscribed"):
+            check_lengths(np.array([1, 1, 1], np.uint8), 12)

@@ -17,6 +17,7 @@ See FORMAT.md section 3.3 for the rules a stored set of lengths must follow.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -86,6 +87,14 @@ def _merge(singles: list[list], packages: list[list]) -> list[list]:
 
 def check_lengths(lengths: Sequence[int], max_length: int) -> None:
     """Raise CodecError unless these lengths form a valid code under FORMAT.md section 3.3."""
+    _check_lengths(tuple(lengths), max_length)
+
+
+@functools.lru_cache(maxsize=256)
+def _check_lengths(lengths: tuple[int, ...], max_length: int) -> None:
+    """check_lengths, remembered for the codes that passed (an error is raised again each time): a
+    decoder checks every tensor's header, and a checkpoint's tensors share few codes."""
+    lengths, max_length = tuple(map(int, lengths)), int(max_length)  # 2 ** (L - l) must not wrap
     if not 1 <= max_length <= MAX_SUPPORTED_LENGTH:
         raise CodecError(f"max code length must be 1..{MAX_SUPPORTED_LENGTH}, got {max_length}")
     if any(not 0 <= length <= max_length for length in lengths):
