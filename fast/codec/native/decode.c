@@ -117,24 +117,23 @@ typedef struct {
  * that code (the entry of a window is its longest run of whole codes, up to 5); canonical codes, in their
  * order (by length, then symbol), take consecutive windows from the first, so those are [0, covered), and
  * the windows after get the entry of these k codes (k = 0: the invalid entry). Each window written once:
- * ~4 us a table of L = 12 (filling every window at every level first: ~15 us; 2026-12-06). */
-static void fill_multi(uint64_t *multi, const uint16_t *single, const Code *c, uint32_t L, uint32_t prefix,
-                       uint32_t used, uint32_t k, uint64_t exps) {
+ * the last code's windows are runs too. */
+static void fill_multi(uint64_t *multi, const Code *c, uint32_t L, uint32_t prefix, uint32_t used, uint32_t k,
+                       uint64_t exps) {
     uint32_t left = L - used, covered = 0;
     uint64_t *at = multi + ((uint64_t)prefix << left);
-    if (k == M_CODES - 1) { /* the last code, window by window (from the one-symbol table: fewer, larger steps) */
-        for (uint32_t i = 0, n = 1u << left; i < n; i++) {
-            uint32_t e = single[i << used], len = e >> 8; /* the bits after the k codes, zeros shifted in */
-            at[i] = len && len <= left ? (used + len) | (exps | (uint64_t)(e & 0xFF) << (8 * k)) << 8 | (k + 1ull) << 61
-                                       : used | exps << 8 | (uint64_t)k << 61;
+    if (k == M_CODES - 1) { /* the last code: its windows, a run each, get the entry of all M_CODES codes */
+        for (int j = 0; j < c->n && c->len[j] <= left; j++) {
+            uint64_t entry = (used + c->len[j]) | (exps | c->exp[j] << (8 * k)) << 8 | (uint64_t)M_CODES << 61;
+            for (uint32_t i = c->code[j] << (left - c->len[j]), n = (c->code[j] + 1) << (left - c->len[j]); i < n; i++)
+                at[i] = entry;
+            covered = (c->code[j] + 1) << (left - c->len[j]);
         }
-        return;
-    }
-    for (int j = 0; j < c->n && c->len[j] <= left; j++) {
-        fill_multi(multi, single, c, L, prefix << c->len[j] | c->code[j], used + c->len[j], k + 1,
-                   exps | c->exp[j] << (8 * k));
-        covered = (c->code[j] + 1) << (left - c->len[j]);
-    }
+    } else
+        for (int j = 0; j < c->n && c->len[j] <= left; j++) {
+            fill_multi(multi, c, L, prefix << c->len[j] | c->code[j], used + c->len[j], k + 1, exps | c->exp[j] << (8 * k));
+            covered = (c->code[j] + 1) << (left - c->len[j]);
+        }
     uint64_t entry = k ? used | exps << 8 | (uint64_t)k << 61 : M_INVALID | 1ull << 61;
     for (uint32_t i = covered, n = 1u << left; i < n; i++)
         at[i] = entry;
@@ -164,7 +163,7 @@ void unw_tables(const uint8_t *lengths, const uint8_t *palette, int p, int L, ui
                     single[w] = (uint16_t)(palette[s] | len << 8);
                 c.len[c.n] = len, c.code[c.n] = code, c.exp[c.n] = palette[s], c.n++;
             }
-    fill_multi(multi, single, &c, (uint32_t)L, 0, 0, 0, 0);
+    fill_multi(multi, &c, (uint32_t)L, 0, 0, 0, 0);
 }
 
 /* ---- decoding ---- */
