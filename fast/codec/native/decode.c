@@ -103,7 +103,7 @@ uint32_t unw_crc32(const uint8_t *p, int64_t n, int threads) {
 #define M_INVALID 0x80u
 static inline __attribute__((always_inline)) unsigned m_len(uint64_t t) { return (unsigned)t & 63; }
 static inline __attribute__((always_inline)) uint64_t m_exps(uint64_t t) { return t >> 8; }
-static inline __attribute__((always_inline)) uint64_t m_count(uint64_t t) { return t >> 61; }
+static inline __attribute__((always_inline)) uint64_t m_count(uint64_t t) { return t >> 56; }
 
 /* The used symbols of a code, by length (shortest first): their lengths, codes and exponents. */
 typedef struct {
@@ -124,7 +124,7 @@ static void fill_multi(uint64_t *multi, const Code *c, uint32_t L, uint32_t pref
     uint64_t *at = multi + ((uint64_t)prefix << left);
     if (k == M_CODES - 1) { /* the last code: its windows, a run each, get the entry of all M_CODES codes */
         for (int j = 0; j < c->n && c->len[j] <= left; j++) {
-            uint64_t entry = (used + c->len[j]) | (exps | c->exp[j] << (8 * k)) << 8 | (uint64_t)M_CODES << 61;
+            uint64_t entry = (used + c->len[j]) | (exps | c->exp[j] << (8 * k)) << 8 | (uint64_t)M_CODES << 56;
             for (uint32_t i = c->code[j] << (left - c->len[j]), n = (c->code[j] + 1) << (left - c->len[j]); i < n; i++)
                 at[i] = entry;
             covered = (c->code[j] + 1) << (left - c->len[j]);
@@ -134,7 +134,7 @@ static void fill_multi(uint64_t *multi, const Code *c, uint32_t L, uint32_t pref
             fill_multi(multi, c, L, prefix << c->len[j] | c->code[j], used + c->len[j], k + 1, exps | c->exp[j] << (8 * k));
             covered = (c->code[j] + 1) << (left - c->len[j]);
         }
-    uint64_t entry = k ? used | exps << 8 | (uint64_t)k << 61 : M_INVALID | 1ull << 61;
+    uint64_t entry = k ? used | exps << 8 | (uint64_t)k << 56 : M_INVALID | 1ull << 56;
     for (uint32_t i = covered, n = 1u << left; i < n; i++)
         at[i] = entry;
 }
@@ -317,12 +317,33 @@ static inline __attribute__((always_inline)) uint64_t window_bytes(const uint8_t
     "movq %[" #p "], %[t]\n\tshrq $3, %[t]\n\tcmpq %[last], %[t]\n\tcmovaq %[last], %[t]\n\t" \
     "movq (%[t]), %[" #w "]\n\tbswapq %[" #w "]\n\tmovl %k[" #p "], %k[t]\n\tandl $7, %k[t]\n\t"    \
     "shlxq %[t], %[" #w "], %[" #w "]\n\torq $1, %[" #w "]\n\t"
-#define ASM_STEP(w, o)                                                               \
-    "movq %[" #w "], %[t]\n\tshrq $52, %[t]\n\tmovq (%[m], %[t], 8), %[t]\n\t"        \
-    "shlxq %[t], %[" #w "], %[" #w "]\n\tshrq $8, %[t]\n\tmovq %[t], (%[" #o "])\n\t"  \
-    "shrq $53, %[t]\n\taddq %[t], %[" #o "]\n\t"
+#define ASM_STEP(w, o)                                                                              \
+    "movq %[" #w "], %[x]\n\tshrq $52, %[x]\n\tmovzbl (%[m], %[x], 8), %k[t]\n\t"                      \
+    "shlxq %[t], %[" #w "], %[" #w "]\n\tmovq 1(%[m], %[x], 8), %[t]\n\tmovq %[t], (%[" #o "])\n\t" \
+    "movzbl 7(%[m], %[x], 8), %k[x]\n\taddq %[x], %[" #o "]\n\t"
 #define ASM_ADVANCE(w, p) "tzcntq %[" #w "], %[t]\n\taddq %[t], %[" #p "]\n\t"
 #define ASM_ROUND ASM_STEP(w0, o0) ASM_STEP(w1, o1) ASM_STEP(w2, o2) ASM_STEP(w3, o3)
+
+/* decode_4_copied's rounds in the assembly above, in a function of its own: not inlined into the decoder,
+ * whose AVX-512 code keeps rbp as a frame pointer, so that the 15 registers the rounds use are free. */
+static __attribute__((noinline)) void asm_rounds(uint64_t *a, uint8_t **o, uint8_t *const *end, const uint64_t *multi,
+                                                 const uint8_t *last_byte) {
+    uint64_t a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
+    uint8_t *o0 = o[0], *o1 = o[1], *o2 = o[2], *o3 = o[3];
+    for (int64_t n; (n = safe_rounds((uint8_t *[4]){o0, o1, o2, o3}, end, 4)) > 0;) {
+        uint64_t w0, w1, w2, w3, t, x;
+        __asm__ volatile("1:\n\t" ASM_REFILL(w0, a0) ASM_REFILL(w1, a1) ASM_REFILL(w2, a2) ASM_REFILL(w3, a3)
+                         ASM_ROUND ASM_ROUND ASM_ROUND ASM_ROUND
+                         ASM_ADVANCE(w0, a0) ASM_ADVANCE(w1, a1) ASM_ADVANCE(w2, a2) ASM_ADVANCE(w3, a3)
+                         "decq %[n]\n\tjnz 1b\n\t"
+                         : [w0] "=&r"(w0), [w1] "=&r"(w1), [w2] "=&r"(w2), [w3] "=&r"(w3), [o0] "+r"(o0),
+                           [o1] "+r"(o1), [o2] "+r"(o2), [o3] "+r"(o3), [a0] "+r"(a0), [a1] "+r"(a1),
+                           [a2] "+r"(a2), [a3] "+r"(a3), [t] "=&r"(t), [x] "=&r"(x), [n] "+m"(n)
+                         : [m] "r"(multi), [last] "m"(last_byte)
+                         : "memory", "cc");
+    }
+    a[0] = a0, a[1] = a1, a[2] = a2, a[3] = a3, o[0] = o0, o[1] = o1, o[2] = o2, o[3] = o3;
+}
 #endif
 
 static inline __attribute__((always_inline)) void decode_4_copied(const Tensor *x, const uint8_t *buf, uint64_t last,
@@ -339,18 +360,10 @@ static inline __attribute__((always_inline)) void decode_4_copied(const Tensor *
     if (wide && L == 12 && R == 4) {
         uint64_t at = (uint64_t)(uintptr_t)buf << 3, a0 = at + p0, a1 = at + p1, a2 = at + p2, a3 = at + p3;
         const uint8_t *last_byte = buf + last;
-        for (int64_t n; (n = safe_rounds((uint8_t *[4]){o0, o1, o2, o3}, end, R)) > 0;) {
-            uint64_t w0, w1, w2, w3, t;
-            __asm__ volatile("1:\n\t" ASM_REFILL(w0, a0) ASM_REFILL(w1, a1) ASM_REFILL(w2, a2) ASM_REFILL(w3, a3)
-                             ASM_ROUND ASM_ROUND ASM_ROUND ASM_ROUND
-                             ASM_ADVANCE(w0, a0) ASM_ADVANCE(w1, a1) ASM_ADVANCE(w2, a2) ASM_ADVANCE(w3, a3)
-                             "decq %[n]\n\tjnz 1b\n\t"
-                             : [w0] "=&r"(w0), [w1] "=&r"(w1), [w2] "=&r"(w2), [w3] "=&r"(w3), [o0] "+r"(o0),
-                               [o1] "+r"(o1), [o2] "+r"(o2), [o3] "+r"(o3), [a0] "+r"(a0), [a1] "+r"(a1),
-                               [a2] "+r"(a2), [a3] "+r"(a3), [t] "=&r"(t), [n] "+m"(n)
-                             : [m] "r"(multi), [last] "m"(last_byte)
-                             : "memory", "cc");
-        }
+        uint64_t a[4] = {a0, a1, a2, a3};
+        uint8_t *o[4] = {o0, o1, o2, o3};
+        asm_rounds(a, o, end, multi, last_byte);
+        a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3], o0 = o[0], o1 = o[1], o2 = o[2], o3 = o[3];
         p0 = a0 - at, p1 = a1 - at, p2 = a2 - at, p3 = a3 - at;
     } else
 #endif
