@@ -123,7 +123,7 @@ def multi_table_by_definition(single: np.ndarray, length: int) -> np.ndarray:
             exps |= (e & 0xFF) << (8 * count)
             used += e >> 8
             count += 1
-        out[w] = used | exps << 8 | count << 56 if count else 0x80 | 1 << 56
+        out[w] = used | exps << 8 | count << 56 if count else 1 << 48 | 1 << 56
     return out
 
 

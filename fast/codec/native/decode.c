@@ -41,7 +41,11 @@
  *   - four groups are decoded at once (independent chains the CPU overlaps), in AVX2 + BMI2 code
  *     where the CPU has it (chosen at run time), in rounds counted ahead (no end check per round);
  *     in that build the rounds are x86-64 assembly that keeps all four chains in registers (the
- *     compiler's code kept some on the stack: a store and a load in every chain), ~7% faster;
+ *     compiler's code kept some on the stack: a store and a load in every chain), ~7% faster, and
+ *     loads an entry's bytes rather than shifting it (the shift ports were the busiest); the last
+ *     codes of the four groups stay interleaved (finish_4_copied);
+ *   - a group's coded weights and the runs of the assembly come from its verbatim chunks alone (a
+ *     few), not from a walk over its chunks;
  *   - bf16 is assembled with AVX-512BW where the CPU has it (32 weights an instruction sequence), and
  *     with VPCLMULQDQ too the output's CRC is folded from the registers as it is assembled, the output
  *     written past the cache (assemble_crc_512).
@@ -93,14 +97,16 @@ uint32_t unw_crc32(const uint8_t *p, int64_t n, int threads) {
 
 /* ---- the tables ---- */
 
-/* One entry of the multi-symbol table (uint64): the total length of the up to 5 whole codes that lie
- * inside the L-bit window (bits 0-5: `x << t` by a register, as x86 shifts take the count's low 6 bits),
- * INVALID (bit 7) if the window starts with no code, their exponents, one per byte (bits 8-47, stored in
- * one 8-byte store: `t >> 8`), and their count (bits 61-63: `t >> 61`, no mask). An invalid window is 1
- * code of 0 bits. */
+/* One entry of the multi-symbol table (uint64), by bytes: byte 0 the total length of the up to 5 whole
+ * codes that lie inside the L-bit window (`x << t` by a register: x86 shifts take the count's low 6 bits;
+ * 0 if the window starts with no code), bytes 1-5 their exponents (stored in one 8-byte store: `t >> 8`,
+ * or the 8 bytes from byte 1 loaded and stored), byte 6 INVALID (bit 48) if the window starts with no
+ * code, byte 7 their count (`t >> 56`). An invalid window is 1 code of 0 bits. The assembly of the rounds
+ * loads bytes 0 and 7 and the 8 bytes from byte 1 separately: three loads, where shifting one load three
+ * times kept the two shift ports busiest (MiniLM, 2026-12-06: 11.1 -> 10.7 ms a pass). */
 #define M_CODES 5 /* codes an entry holds at most */
 #define M_STORE 8 /* bytes one lookup stores */
-#define M_INVALID 0x80u
+#define M_INVALID (1ull << 48)
 static inline __attribute__((always_inline)) unsigned m_len(uint64_t t) { return (unsigned)t & 63; }
 static inline __attribute__((always_inline)) uint64_t m_exps(uint64_t t) { return t >> 8; }
 static inline __attribute__((always_inline)) uint64_t m_count(uint64_t t) { return t >> 56; }
@@ -306,23 +312,24 @@ static inline __attribute__((always_inline)) uint64_t window_bytes(const uint8_t
 /* The rounds in x86-64 assembly, for the AVX2 + BMI2 build (L = 12, R = 4): the compiler's own code kept
  * windows and bit positions on the stack, which put a store and a load into each chain of lookups; here
  * every group's window, bit position (as an absolute bit address: the copy's byte address * 8 + the bit)
- * and output pointer stay in registers (14 in all). A refill: the byte at bit p, clamped to `last` (as
- * window_bytes; no group starts before the copy: decode_block takes this path only if the four groups'
- * offsets rise), 8 bytes byte-swapped and shifted by p & 7, the mark set. A lookup: t = multi[win >> 52];
- * win <<= t (the low 6 bits of t: its length); t >>= 8; store its exponents (t's low 8 bytes: up to 5,
- * then bytes the next store overwrites); o += its count (t >> 53). */
+ * and output pointer stay in registers (15 in all, in a function of its own: asm_rounds). A refill: the
+ * byte at bit p, clamped to `last` (as window_bytes; no group starts before the copy: decode_block takes
+ * this path only if the four groups' offsets rise), 8 bytes byte-swapped and shifted by p & 7. A lookup
+ * at x = win >> 52: its length byte (multi[x] byte 0) shifts the window and is added to p (so the refill
+ * waits for no count of the bits used: 10.7 -> 10.2 ms a MiniLM pass, 2026-12-06); its 8 bytes from byte
+ * 1 are stored (up to 5 exponents, then bytes the next store overwrites); o += its count (byte 7). */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_ASM_ROUNDS 1
 #define ASM_REFILL(w, p)                                                             \
     "movq %[" #p "], %[t]\n\tshrq $3, %[t]\n\tcmpq %[last], %[t]\n\tcmovaq %[last], %[t]\n\t" \
     "movq (%[t]), %[" #w "]\n\tbswapq %[" #w "]\n\tmovl %k[" #p "], %k[t]\n\tandl $7, %k[t]\n\t"    \
-    "shlxq %[t], %[" #w "], %[" #w "]\n\torq $1, %[" #w "]\n\t"
-#define ASM_STEP(w, o)                                                                              \
+    "shlxq %[t], %[" #w "], %[" #w "]\n\t"
+#define ASM_STEP(w, o, p)                                                                           \
     "movq %[" #w "], %[x]\n\tshrq $52, %[x]\n\tmovzbl (%[m], %[x], 8), %k[t]\n\t"                      \
-    "shlxq %[t], %[" #w "], %[" #w "]\n\tmovq 1(%[m], %[x], 8), %[t]\n\tmovq %[t], (%[" #o "])\n\t" \
+    "shlxq %[t], %[" #w "], %[" #w "]\n\taddq %[t], %[" #p "]\n\t"                                    \
+    "movq 1(%[m], %[x], 8), %[t]\n\tmovq %[t], (%[" #o "])\n\t"                                        \
     "movzbl 7(%[m], %[x], 8), %k[x]\n\taddq %[x], %[" #o "]\n\t"
-#define ASM_ADVANCE(w, p) "tzcntq %[" #w "], %[t]\n\taddq %[t], %[" #p "]\n\t"
-#define ASM_ROUND ASM_STEP(w0, o0) ASM_STEP(w1, o1) ASM_STEP(w2, o2) ASM_STEP(w3, o3)
+#define ASM_ROUND ASM_STEP(w0, o0, a0) ASM_STEP(w1, o1, a1) ASM_STEP(w2, o2, a2) ASM_STEP(w3, o3, a3)
 
 /* decode_4_copied's rounds in the assembly above, in a function of its own: not inlined into the decoder,
  * whose AVX-512 code keeps rbp as a frame pointer, so that the 15 registers the rounds use are free. */
@@ -334,7 +341,6 @@ static __attribute__((noinline)) void asm_rounds(uint64_t *a, uint8_t **o, uint8
         uint64_t w0, w1, w2, w3, t, x;
         __asm__ volatile("1:\n\t" ASM_REFILL(w0, a0) ASM_REFILL(w1, a1) ASM_REFILL(w2, a2) ASM_REFILL(w3, a3)
                          ASM_ROUND ASM_ROUND ASM_ROUND ASM_ROUND
-                         ASM_ADVANCE(w0, a0) ASM_ADVANCE(w1, a1) ASM_ADVANCE(w2, a2) ASM_ADVANCE(w3, a3)
                          "decq %[n]\n\tjnz 1b\n\t"
                          : [w0] "=&r"(w0), [w1] "=&r"(w1), [w2] "=&r"(w2), [w3] "=&r"(w3), [o0] "+r"(o0),
                            [o1] "+r"(o1), [o2] "+r"(o2), [o3] "+r"(o3), [a0] "+r"(a0), [a1] "+r"(a1),
@@ -405,7 +411,7 @@ static inline __attribute__((always_inline)) void finish_4_copied(const Tensor *
         uint64_t w[4];
         any = 0;
         for (int q = 0; q < 4; q++)
-            w[q] = window_bytes(buf, last, p[q]) | 1; /* bit 0 marks the bits used, as in the rounds */
+            w[q] = window_bytes(buf, last, p[q]) | 1; /* bit 0 marks the bits used, as in decode_group */
         for (int r = 0; r < 4; r++)
             for (int q = 0; q < 4; q++) {
                 uint64_t t = multi[w[q] >> 52], e = m_exps(t);
