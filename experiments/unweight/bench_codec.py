@@ -8,7 +8,8 @@ checkpoint with at least 4096 weights (cast to bf16 with round-to-nearest-even),
 decoder of fast/codec/native/decode.c) and ZipNN's ``decompress`` at the same thread count, each
 returning a new buffer per tensor. Ours checks every CRC-32 (each array and the decoded tensor) and
 everything else FORMAT.md 3.6 lists; ZipNN's format has no checksum, so it checks nothing: the
-comparison is, if anything, unfair to us. ``--repeat`` paired runs, two ways: whole passes (each
+comparison is, if anything, unfair to us. Each thread count runs on that many cores (the process pinned to the last
+ones it may use; ``cores`` in the results). ``--repeat`` paired runs, two ways: whole passes (each
 decoder decompresses the whole checkpoint, tensor after tensor, then the next decoder does: a checkpoint
 end to end, the headline numbers) and tensor by tensor (per tensor, the decoders back to back:
 ``tensor_by_tensor``); the decoders' order goes through every permutation in turn, and the decoding
@@ -149,7 +150,14 @@ def cpu_vs_zipnn(weights: str, threads: list[int], repeat: int, limit: int | Non
                  "output": "both: a new buffer per tensor (ours a uint16 ndarray, ZipNN bytes)",
                  "by_threads": {}}
     numpy_s = None  # the NumPy lockstep decoder is single-threaded: timed once, for scale
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     for th in threads:
+        # th cores for th threads (the last th of those allowed): ZipNN starts a thread per call even at
+        # threads=1, which otherwise runs on another core beside ours, or waits for one (unpinned on this
+        # 2-core VM, 2026-12-06: ZipNN's 1-thread CPU time varied 2.6x over 15 runs, ours 1.1x)
+        pinned = cores[-th:] if cores and th < len(cores) else cores
+        if pinned:
+            os.sched_setaffinity(0, pinned)
         z = zipnn.ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=th)
         packed = [z.compress(t.tobytes()) for t in tensors]
         calls = [{"ours": lambda ct=ct, th=th: decode_cpu(ct, threads=th), "zipnn": lambda zp=zp, z=z: z.decompress(zp),
@@ -162,7 +170,10 @@ def cpu_vs_zipnn(weights: str, threads: list[int], repeat: int, limit: int | Non
             numpy_s = sum(best_time(lambda ct=ct: decode_many([ct]), 1) for ct in cts)
         out["by_threads"][str(th)] = paired_runs(calls, total, repeat, tables.cache_clear) | {
             "tensor_by_tensor": paired_runs(calls, total, repeat, tables.cache_clear, by="tensor"),
-            "numpy_lockstep_MBps": total / numpy_s / 1e6, "zipnn_ratio": total / sum(len(p) for p in packed)}
+            "numpy_lockstep_MBps": total / numpy_s / 1e6, "zipnn_ratio": total / sum(len(p) for p in packed),
+            "cores": pinned}
+    if cores:
+        os.sched_setaffinity(0, cores)
     return out
 
 
