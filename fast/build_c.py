@@ -1,9 +1,9 @@
 """Build a C file of fast/ (``codec/native/``, ``kv/native/``, ``engine/native/``) with the system compiler on
 first use, and load it.
 
-``$CC`` (default ``cc``) ``-O3 -std=c99 -pthread -shared -fPIC``, into ``$UNFIRE_CACHE`` (default
-``~/.cache/unfire``) under a name that hashes the source (and the headers beside it), the compiler and
-the platform, written to a temporary file and renamed (concurrent first uses are safe). No compiler, a failed build or
+``$CC`` (default ``cc``) with ``FLAGS``, into ``$UNFIRE_CACHE`` (default ``~/.cache/unfire``) under a name
+that hashes the source (and the headers beside it), the compiler, the flags and the platform, written to a
+temporary file and renamed (concurrent first uses are safe). No compiler, a failed build or
 ``UNFIRE_NATIVE=0``: ``load`` returns None (with a warning for a failed build) and the caller uses its
 torch or NumPy fallback, which gives the same bytes.
 """
@@ -23,6 +23,10 @@ from pathlib import Path
 from typing import Any
 
 Signatures = dict[str, tuple[Any, list[Any]]]  # function name: (return type, argument types)
+# -fomit-frame-pointer: the default at -O3 where compilers do not keep frame pointers by default (GCC and clang on
+# Linux); said, so that one that does (Apple's clang) leaves rbp free for decode.c's rounds, whose assembly
+# keeps 15 values in registers
+FLAGS = ("-O3", "-std=c99", "-pthread", "-shared", "-fPIC", "-fomit-frame-pointer")
 
 
 def build(source: Path, signatures: Signatures) -> ctypes.CDLL:
@@ -31,7 +35,8 @@ def build(source: Path, signatures: Signatures) -> ctypes.CDLL:
     if compiler is None:
         raise RuntimeError("no C compiler (set CC)")
     text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-    key = hashlib.sha256(text + f"{compiler}|{platform.machine()}|{platform.system()}".encode()).hexdigest()[:16]
+    setting = f"{compiler}|{' '.join(FLAGS)}|{platform.machine()}|{platform.system()}"
+    key = hashlib.sha256(text + setting.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("UNFIRE_CACHE", Path.home() / ".cache" / "unfire"))
     try:
         cache.mkdir(parents=True, exist_ok=True)
@@ -43,7 +48,7 @@ def build(source: Path, signatures: Signatures) -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            subprocess.run([compiler, "-O3", "-std=c99", "-pthread", "-shared", "-fPIC", "-o", tmp, str(source)],
+            subprocess.run([compiler, *FLAGS, "-o", tmp, str(source)],
                            check=True, capture_output=True, timeout=120)
             os.replace(tmp, target)
         finally:
