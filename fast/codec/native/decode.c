@@ -122,8 +122,7 @@ typedef struct {
  * written once: a window that goes on with a code that fits in the bits left is filled by the call for
  * that code (the entry of a window is its longest run of whole codes, up to 5); canonical codes, in their
  * order (by length, then symbol), take consecutive windows from the first, so those are [0, covered), and
- * the windows after get the entry of these k codes (k = 0: the invalid entry). Each window written once:
- * the last code's windows are runs too. */
+ * the windows after get the entry of these k codes (k = 0: the invalid entry). */
 static void fill_multi(uint64_t *multi, const Code *c, uint32_t L, uint32_t prefix, uint32_t used, uint32_t k,
                        uint64_t exps) {
     uint32_t left = L - used, covered = 0;
@@ -131,13 +130,15 @@ static void fill_multi(uint64_t *multi, const Code *c, uint32_t L, uint32_t pref
     if (k == M_CODES - 1) { /* the last code: its windows, a run each, get the entry of all M_CODES codes */
         for (int j = 0; j < c->n && c->len[j] <= left; j++) {
             uint64_t entry = (used + c->len[j]) | (exps | c->exp[j] << (8 * k)) << 8 | (uint64_t)M_CODES << 56;
-            for (uint32_t i = c->code[j] << (left - c->len[j]), n = (c->code[j] + 1) << (left - c->len[j]); i < n; i++)
-                at[i] = entry;
+            uint32_t from = c->code[j] << (left - c->len[j]);
             covered = (c->code[j] + 1) << (left - c->len[j]);
+            for (uint32_t i = from; i < covered; i++)
+                at[i] = entry;
         }
     } else
         for (int j = 0; j < c->n && c->len[j] <= left; j++) {
-            fill_multi(multi, c, L, prefix << c->len[j] | c->code[j], used + c->len[j], k + 1, exps | c->exp[j] << (8 * k));
+            fill_multi(multi, c, L, prefix << c->len[j] | c->code[j], used + c->len[j], k + 1,
+                       exps | c->exp[j] << (8 * k));
             covered = (c->code[j] + 1) << (left - c->len[j]);
         }
     uint64_t entry = k ? used | exps << 8 | (uint64_t)k << 56 : M_INVALID | 1ull << 56;
