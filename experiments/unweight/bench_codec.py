@@ -8,8 +8,8 @@ checkpoint with at least 4096 weights (cast to bf16 with round-to-nearest-even),
 decoder of fast/codec/native/decode.c) and ZipNN's ``decompress`` at the same thread count, each
 returning a new buffer per tensor. Ours checks every CRC-32 (each array and the decoded tensor) and
 everything else FORMAT.md 3.6 lists; ZipNN's format has no checksum, so it checks nothing: the
-comparison is, if anything, unfair to us. Each thread count runs on that many cores (the process pinned to the last
-ones it may use; ``cores`` in the results). ``--repeat`` paired runs, two ways: whole passes (each
+comparison is, if anything, unfair to us. Each thread count runs on that many cores (the process
+pinned to the last ones it may use; ``cores`` in the results). ``--repeat`` paired runs, two ways: whole passes (each
 decoder decompresses the whole checkpoint, tensor after tensor, then the next decoder does: a checkpoint
 end to end, the headline numbers) and tensor by tensor (per tensor, the decoders back to back:
 ``tensor_by_tensor``); the decoders' order goes through every permutation in turn, and the decoding

@@ -680,9 +680,10 @@ static inline __attribute__((always_inline)) void decode_block(const Tensor *x, 
                      pos[3] <= (uint64_t)x->offsets[g + 4];
         if (rising && x->L == 12 && cw0 < cw1 && 4 * (cw1 - cw0) + 8 <= copy_bytes) {
             uint8_t *at[4];
+            const uint64_t last = (uint64_t)(4 * (cw1 - cw0)), base = (uint64_t)cw0 << 5;
             copy_swapped(copy, s, cw0, cw1);
-            decode_4_copied(x, copy, (uint64_t)(4 * (cw1 - cw0)), (uint64_t)cw0 << 5, pos, count, dst, at, 12, 4, wide);
-            finish_4_copied(x, copy, (uint64_t)(4 * (cw1 - cw0)), (uint64_t)cw0 << 5, pos, count, dst, at, bad);
+            decode_4_copied(x, copy, last, base, pos, count, dst, at, 12, 4, wide);
+            finish_4_copied(x, copy, last, base, pos, count, dst, at, bad);
         } else if (ng == 4 && x->L == 12)
             decode_4_groups(x, s, words, pos, count, dst, bad, 12, 5);
         else if (ng == 4)
