@@ -48,9 +48,13 @@ typedef struct {
 } pool_start;
 static pool_start pool_index[MAX_THREADS];
 
+/* A hint to the core that this is a spin-wait loop (x86 PAUSE, ARM YIELD): less power, and the other
+ * hardware thread of the core runs meanwhile. */
 static inline void pool_pause(void) {
 #if defined(__x86_64__) || defined(__i386__)
     __builtin_ia32_pause();
+#elif defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+    __asm__ __volatile__("yield" ::: "memory");
 #endif
 }
 

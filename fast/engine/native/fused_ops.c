@@ -22,9 +22,10 @@
  */
 #pragma STDC FP_CONTRACT OFF
 #include <math.h>
-#include <stdint.h>
-#include <string.h>
 #include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 
 

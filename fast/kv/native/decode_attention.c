@@ -1143,6 +1143,7 @@ int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v
         spread[h] = h * TILE / heads;
 #else
     last_path = 0;
+    (void)v_early;  /* only the AVX-512 BF16 loops prefetch */
 #endif
     for (int64_t i = 0; i < n; i++) {
         const int64_t c = chunks[i], len = row_lens ? row_lens[i] : seq_lens[c];
