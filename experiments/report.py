@@ -174,7 +174,7 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             f"**Verdict:** {r.get('verdict', '')}. {r.get('why', '')}",
             "",
             f"Measured on: weights {s.get('weights', '-')}; workload {s.get('workload', '-')}; "
-            f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores"
+            f"{m.get('cpu', '?')} ({counted(m.get('cores'), 'core')}"
             + (f", load average {m['load_average']} at the end, its own work included" if "load_average" in m else "")
             + f"); commit {s.get('commit', '?')}; "
             f"{s.get('date', '?')}; {s.get('size', '?')} size.  ",
@@ -231,6 +231,24 @@ def readme_table(rows: list[tuple[str, str, str, str, str]]) -> None:
         write_text(README, new)
 
 
+def counted(n: Any, word: str) -> str:
+    """``1 core``, ``2 cores``, ``? cores`` (unknown)."""
+    if n is None:
+        return f"? {word}s"
+    return f"{n} {word}" + ("" if n == 1 else "s")
+
+
+def engine_goal(record: dict[str, Any]) -> str:
+    """The engine benchmark's goals: the stored one (against transformers and llama.cpp) and, when the record
+    holds a run against vLLM, the article's goal against vLLM, so that every goal its result names is stated."""
+    goal = record.get("goal", "")
+    v = record.get("vs_vllm") or {}
+    if "goal" in v and "vllm" not in goal.lower():
+        vllm = f"against vLLM (the article's baseline): >= {v['goal']}x its useful tok/s"
+        goal = f"{goal}; {vllm}" if goal else vllm
+    return goal
+
+
 def engine_bench_section(results_dir: Path) -> list[str]:
     """The engine benchmark (``python -m experiments.engine.bench_engine``), if it has been run: one row per system."""
     path = results_dir / "bench_engine.json"
@@ -239,7 +257,7 @@ def engine_bench_section(results_dir: Path) -> list[str]:
     r = json.loads(path.read_text())
     m, s = r["measured"], r["setup"]
     lines = ["", "## Engine benchmark: fast engine vs transformers vs reference", "",
-             f"**Goal:** {r.get('goal', '')}.  ", f"**Result:** {r.get('verdict', '')}. {r.get('why', '')}", "",
+             f"**Goal:** {engine_goal(r)}.  ", f"**Result:** {r.get('verdict', '')}. {r.get('why', '')}", "",
              "| system | useful tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | CPU ms / output token |",
              "|---|---|---|---|---|"]
     v = r.get("vs_vllm")
@@ -266,11 +284,12 @@ def engine_bench_section(results_dir: Path) -> list[str]:
                      f"{itl['p50']:.0f} / {itl['p99']:.0f} | {'-' if cpu is None else f'{cpu * 1000:.2f}'} |")
     machine = s.get("machine", {})
     clock = "CPU time of each system's process" if s.get("clock") == "cpu" else "wall-clock time"
+    by_batch = m.get("transformers_by_batch")
     lines += ["", f"Times are {clock}. Measured on: weights {s.get('weights')}; workload {s.get('workload')}; "
-              f"{s.get('threads')} "
-              f"threads on {machine.get('cpu', '?')} ({machine.get('cores', '?')} cores, load average "
-              f"{s.get('load_average')}); commit {s.get('commit')}; {s.get('date')}. transformers by batch size: "
-              f"{m.get('transformers_by_batch', {})} useful tok/s."]
+              f"{counted(s.get('threads'), 'thread')} on {machine.get('cpu', '?')} "
+              f"({counted(machine.get('cores'), 'core')}, load average "
+              f"{s.get('load_average')}); commit {s.get('commit')}; {s.get('date')}."
+              + (f" transformers by batch size: {by_batch} useful tok/s." if by_batch else "")]
     lines += [f"\n![engine benchmark](../experiments/results/{fig})" for fig in r.get("figures", [])]
     return lines
 
@@ -302,7 +321,7 @@ def _serve_section(results_dir: Path) -> list[str]:
                   f"(median over pairs): {pairs['engine_process_cpu_per_token_ratio']:.2f}; the load generator's "
                   f"own CPU: {pairs.get('client_cpu_per_token_ms', float('nan')):.1f} ms per output token."]
     lines += ["", f"Measured on: weights {s.get('weights', '-')}; {s.get('engine', '-')} engine; "
-              f"{m.get('cpu', '?')} ({m.get('cores', '?')} cores"
+              f"{m.get('cpu', '?')} ({counted(m.get('cores'), 'core')}"
             + (f", load average {m['load_average']} at the end, its own work included" if "load_average" in m else "")
             + f"); commit {s.get('commit', '?')}; "
               f"{s.get('date', '?')}. {s.get('note', '')}"]
@@ -323,7 +342,7 @@ def _fleet_section(results_dir: Path) -> list[str]:
              "simulated / simulated with the real fleet's measured downtime / **real** (median of "
              f"{s.get('runs')} runs) [real min-max]; times in ms.", "", table, "",
              f"Measured on: weights {s.get('weights')}; clock {s.get('clock')}; {m.get('cpu', '?')} "
-             f"({m.get('cores', '?')} cores, load average {m.get('load_average', '?')} at the start); commit "
+             f"({counted(m.get('cores'), 'core')}, load average {m.get('load_average', '?')} at the start); commit "
              f"{s.get('commit')}; {s.get('date')}."]
     if r.get("figure"):
         lines.append(f"\n![fleet trace](../experiments/results/{r['figure']})")
@@ -346,7 +365,7 @@ def _cluster_scale_section(results_dir: Path) -> list[str]:
                  f"Time for 1,000,000 requests ({how}): {r['projected_s_for_1M_requests']} s wall, "
                  f"{r['projected_cpu_s_for_1M_requests']} s CPU; goal {r['goal_s']} s: "
                  f"{'met' if r['goal_met'] else 'not met'}.", "",
-                 f"Measured on: {m.get('cpu', '?')} ({m.get('cores', '?')} cores, load average "
+                 f"Measured on: {m.get('cpu', '?')} ({counted(m.get('cores'), 'core')}, load average "
                  f"{r.get('load_average_before', '?')} before and {r.get('load_average_after', '?')} after the run, "
                  f"its own work included); peak memory {r.get('peak_rss_mb', '?')} MB; commit {r.get('commit', '?')}; "
                  f"{r.get('date', '?')}. {r.get('note', '')}."]
