@@ -97,6 +97,16 @@ def _native_kernels_loaded() -> bool:
     return tl is not None and type(tl.zeros).__name__ != "InterpretedFunction"
 
 
+def cpu_isas() -> dict[str, object]:
+    """The CPU's instruction sets whose native kernels the cases ran (every one this CPU can execute) and the
+    ones they could not run here."""
+    from fast import cpu_isa
+
+    have = list(cpu_isa.supported())
+    return {"cpu": cpu_isa.describe_cpu(), "arch": cpu_isa.arch(), "gated": have,
+            "not_gated": [name for name in cpu_isa.ALL if name not in have]}
+
+
 def print_results(results: list, device: str, large: bool, seconds: float) -> None:
     bounds = sorted({r.bound for r in results if r.bound})
     label = {b: f"B{i + 1}" for i, b in enumerate(bounds)}
@@ -132,6 +142,10 @@ def print_results(results: list, device: str, large: bool, seconds: float) -> No
     for r in results:
         if r.failed:
             print(f"\n{r.status}: {r.name} ({r.level})\n  {r.detail}")
+    isas = cpu_isas()
+    print(f"CPU kernels gated on every instruction set of this CPU ({isas['cpu']}, {isas['arch']}): "
+          f"{', '.join(isas['gated'])}; not executable here: {', '.join(isas['not_gated']) or 'none'} "
+          "(the aarch64 builds run under qemu in tests/test_aarch64.py)")
     counts = {s: sum(r.status == s for r in results) for s in ("pass", "FAIL", "error", "skip")}
     print(f"\n{counts['pass']} passed, {counts['FAIL']} failed, {counts['error']} errors, "
           f"{counts['skip']} skipped in {seconds:.1f}s")
@@ -151,7 +165,7 @@ def write_json(path: Path, results: list, device: str, large: bool, seed: int, s
     doc = {
         "device": device, "large": large, "seed": seed, "seconds": seconds,
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "commit": commit(), "machine": info,
-        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1", "cpu_isas": cpu_isas(),
         "passed": all(not r.failed for r in results), "cases": [r.to_json() for r in results],
     }
     path.parent.mkdir(parents=True, exist_ok=True)

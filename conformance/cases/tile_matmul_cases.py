@@ -3,8 +3,11 @@
 Level: same-kernel exact. For a weight W and input x, the reference side is the tile product of the
 plain bf16 tiles of W (``TileWeight.from_dense``); the fast side is the same product reading the
 palette form (``TileWeight.from_palette``: each tile decoded in registers or L1 right before use).
-Both sides run every path the CPU has: the AVX-512 BF16 product (up to 4 rows), AMX (any rows) and
-the portable C loop. A second output checks the decoded tiles against the plain tiles word by word.
+The fast side runs every path this CPU can execute (``fast.cpu_isa.supported()``: AMX, AVX-512 BF16,
+AVX2, NEON, scalar; none is skipped because another is missing). Its reference is the same path on the
+plain tiles for AMX, and the scalar fmaf chain on the plain tiles for every other path: they follow the
+portable order, so compressed AVX2 equals plain scalar bit for bit. Each row alone equals the batch on
+the default path. A second output checks the decoded tiles against the plain tiles word by word.
 
 Families: odd shapes (K not a multiple of the 32-input step nor of the 64-weight chunk), a full
 palette (16 exponents in use, so padding words are patches), every chunk verbatim, and weights with
@@ -61,55 +64,55 @@ def _inputs(kind: str):
     return make
 
 
-def _paths(m: int) -> list[int]:
+def _paths() -> list[int]:
     from fast.codec import matmul_c
 
-    lib = matmul_c.library()
-    paths = [matmul_c.PORTABLE]
-    if lib is not None and lib.tm_avx512_ready():
-        paths += [matmul_c.GEMV] if m <= matmul_c.GEMV_MAX_ROWS else []
-        paths += [matmul_c.AMX] if lib.tm_amx_ready() else []
-    return paths
+    return matmul_c.runnable_paths()
 
 
-def _run(tw: Any, inputs: dict[str, Any]) -> dict[str, Any]:
+def _same_bits(y: Any) -> Any:
+    """The output as int16 bit patterns with every NaN made one NaN (payloads follow each ISA's rules)."""
+    import torch
+
+    bits = y.view(torch.int16).clone()
+    bits[torch.isnan(y)] = 0x7FC0
+    return bits
+
+
+def _run(tw: Any, inputs: dict[str, Any], reference: bool) -> dict[str, Any]:
+    from fast.codec import matmul_c
+
     out = {"tiles": tw.decoded_tiles(vector=False)}
     for x in inputs["xs"]:
-        for path in _paths(x.shape[0]):
-            out[f"rows={x.shape[0]} path={path}"] = tw.matmul(x, path=path, threads=2)
+        for path in _paths():
+            name = matmul_c.ISA_OF_PATH[path]
+            # the reference of a portable-order path is the scalar fmaf chain
+            ref_path = path if path == matmul_c.AMX else matmul_c.SCALAR
+            y = tw.matmul(x, path=ref_path if reference else path, threads=2)
+            out[f"rows={x.shape[0]} {name}"] = _same_bits(y)
     return out
-
-
-def _invariant(x: Any) -> bool:  # noqa: ARG001 (one answer for every x today)
-    """Whether the default product (``path=None``) is batch-invariant here: AMX at every row count."""
-    from fast.codec import matmul_c
-
-    lib = matmul_c.library()
-    return lib is not None and bool(lib.tm_amx_ready())
 
 
 def _reference(inputs: dict[str, Any]) -> dict[str, Any]:
     from fast.codec.matmul_c import TileWeight
 
     tw = TileWeight.from_dense(inputs["w"])
-    out = _run(tw, inputs)
+    out = _run(tw, inputs, reference=True)
     for x in inputs["xs"]:  # batch invariance: the fast side multiplies each row alone
-        if _invariant(x):
-            out[f"rows={x.shape[0]} default path, each row alone"] = tw.matmul(x)
+        out[f"rows={x.shape[0]} default path, each row alone"] = _same_bits(tw.matmul(x))
     return out
 
 
 def _fast(inputs: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
     from fast.codec import matmul_c
 
     tw = matmul_c.TileWeight.from_palette(inputs["form"])
-    import torch
-
-    out = _run(tw, inputs)
+    out = _run(tw, inputs, reference=False)
     for x in inputs["xs"]:
-        if _invariant(x):
-            out[f"rows={x.shape[0]} default path, each row alone"] = torch.cat([tw.matmul(x[i:i + 1])
-                                                                                for i in range(x.shape[0])])
+        alone = torch.cat([tw.matmul(x[i:i + 1]) for i in range(x.shape[0])])
+        out[f"rows={x.shape[0]} default path, each row alone"] = _same_bits(alone)
     lib = matmul_c.library()
     if lib is not None and lib.tm_avx512_ready():  # the vector tile decoder, where the CPU has it
         out["tiles"] = tw.decoded_tiles(vector=True)
@@ -124,6 +127,7 @@ def _requires() -> str | None:
 
 for _kind in ("odd", "full_palette", "all_verbatim", "special"):
     register(Case(f"codec.tile_matmul_c.{_kind}", Level.SAME_KERNEL, _inputs(_kind), _reference, _fast,
-                  about="C tile product on the palette form vs the same product on the plain tiles, every "
-                  f"path this CPU has, rows 1-64 ({_kind} weights); with AMX, each row alone vs the batch",
+                  about="C tile product on the palette form vs the plain tiles (AMX) or the scalar fmaf chain "
+                  f"(every other ISA), every ISA this CPU has, rows 1-64 ({_kind} weights); each row alone vs "
+                  "the batch",
                   requires=_requires))

@@ -14,20 +14,21 @@ compressed product equals the plain product of the decoded weight bit for bit, a
 the result is bounded like any bf16 matmul with float32 sums (VDPBF16PS and TDPBF16PS treat bf16
 subnormal inputs as zero).
 
-Which product runs (``path=None``): AMX for every row count where the CPU has it (Intel, Sapphire
-Rapids on), so each output row is the same bits whatever the number of rows, the row's place in the
-batch or the threads: batch-invariant (the tile rows are configured to M below 16 rows, so a decode
-step pays for its rows only). Without AMX, AVX-512 BF16 for M <= 4 (``GEMV``). The two instructions
-agree on almost every output but not all (their float32 sums round differently in rare cases, about
-1 output in 10^4 by one bf16 step), which is why one of them serves every M. ``path`` forces one (the
-benchmarks compare them); the portable C loop runs anywhere (exact between the loaders too, but
-slow): on a CPU without AMX the fast engine keeps its oneDNN path (``available()`` says which).
+Which product runs (``path=None``): one family per machine, the strongest that ``fast.cpu_isa`` allows
+(``UNFIRE_CPU_ISA`` caps it), for every row count: AMX (Intel, Sapphire Rapids on); AVX-512 BF16
+(``AVX512``: AMD Zen 4/5, Intel Cooper Lake on, and any AMX CPU capped to it); AVX2 + FMA (``AVX2``) or
+NEON (``NEON``, aarch64), which follow the portable order (each output one float32 FMA chain in order of
+k: the same bits on every ISA that follows it, and the ``SCALAR`` fmaf loop is its anchor). Each output
+row is then the same bits whatever the number of rows, the row's place in the batch or the threads:
+batch-invariant. AMX and VDPBF16PS round their sums their own way (about 1 output in 10^4 differs by one
+bf16 step from the portable order), which is why one of them serves every M. ``path`` forces one (the
+benchmarks and the conformance cases compare them); ``available()`` says whether the engine uses them
+(the C build, and an ISA above scalar: the scalar loop is the anchor, not a server).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fast import build_c
+from fast import build_c, cpu_isa
 from fast.errors import KernelInputError
 
 SOURCE = Path(__file__).with_name("native") / "tile_matmul.c"
@@ -45,24 +46,30 @@ _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "tm_amx_ready": (_INT, []),
     "tm_avx512_ready": (_INT, []),
+    "tm_avx2_ready": (_INT, []),
+    "tm_neon_ready": (_INT, []),
     "tm_matmul": (_INT, [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P, _INT, _INT, _I64, _I64]),
     "tm_decode_tiles": (_INT, [_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _INT]),
     "tm_unpack": (_INT, [_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _INT, _INT]),
 }
 TILE_N, TILE_K, TILE_WORDS = 16, 32, 512
-GEMV_MAX_ROWS = 4  # path 0 (AVX-512) up to this many rows, AMX above
-PORTABLE, GEMV, AMX = 2, 0, 1
+AVX512, AMX, SCALAR, AVX2, NEON = 0, 1, 2, 3, 4  # the C code's path numbers
+PATH_OF_ISA = {"amx": AMX, "avx512": AVX512, "avx2": AVX2, "neon": NEON, "scalar": SCALAR}
+ISA_OF_PATH = {v: k for k, v in PATH_OF_ISA.items()}
 
 
 def library() -> ctypes.CDLL | None:
     return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the tile matmul", "oneDNN (torch)")
 
 
-@functools.cache
 def available() -> bool:
-    """True when the fast paths run here: the C build, AVX-512 BF16 + VBMI, and AMX tiles."""
-    lib = library()
-    return lib is not None and bool(lib.tm_avx512_ready()) and bool(lib.tm_amx_ready())
+    """True when the engine's products go through the tile products: the C build, and an ISA above scalar."""
+    return library() is not None and cpu_isa.selected() != "scalar"
+
+
+def runnable_paths() -> list[int]:
+    """Every path this CPU can run, weakest first (the conformance gate runs them all)."""
+    return [PATH_OF_ISA[name] for name in cpu_isa.supported()] if library() is not None else []
 
 
 def _tile_order(a: np.ndarray, n: int, k: int, fill: int = 0) -> np.ndarray:
@@ -226,8 +233,9 @@ class TileWeight:
         rc = lib.tm_matmul(xp.data_ptr(), m, mp, kp, self.out_features, plain, *compressed, y.data_ptr(), path,
                            threads or torch.get_num_threads(), ldx, self.in_features)
         if rc:
-            raise KernelInputError({1: "tile matmul: out of memory", 2: f"tile matmul: path {path} cannot run "
-                                    "on this CPU", 3: "tile matmul: bad sizes"}.get(rc, f"tile matmul: error {rc}"))
+            what = f"path {path} ({ISA_OF_PATH.get(path, 'unknown')}) cannot run on this CPU ({cpu_isa.describe_cpu()})"
+            raise KernelInputError({1: "tile matmul: out of memory", 2: f"tile matmul: {what}",
+                                    3: "tile matmul: bad sizes"}.get(rc, f"tile matmul: error {rc}"))
         return y.reshape(*lead, self.out_features)
 
 
@@ -239,18 +247,9 @@ def _lib() -> ctypes.CDLL | None:
     return _state.get("lib")
 
 
-@functools.cache
-def _amx() -> bool:
-    lib = library()
-    return lib is not None and bool(lib.tm_amx_ready())
-
-
-def _default_path(m: int) -> int:
-    """AMX at every row count where the CPU has it (batch-invariant), else AVX-512 up to 4 rows, else C."""
-    if _amx():
-        return AMX
-    lib = library()
-    return GEMV if m <= GEMV_MAX_ROWS and lib is not None and lib.tm_avx512_ready() else PORTABLE
+def _default_path(m: int) -> int:  # noqa: ARG001 (one path serves every row count: batch-invariant)
+    """The path of the instruction set in force (``fast.cpu_isa.selected()``)."""
+    return PATH_OF_ISA[cpu_isa.selected()]
 
 
 def _need_library() -> ctypes.CDLL:

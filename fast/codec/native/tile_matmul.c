@@ -11,12 +11,23 @@
  * list per tile. Decoding a tile gives exactly the words of the plain tile, so the two loaders feed
  * the same arithmetic: compressed and plain products are equal bit for bit ("same-kernel exact").
  *
- * Two products, chosen by the caller from the number of input rows M, identical for both loaders:
- *   path 0, M <= 4 (decode steps): AVX-512 BF16; each tile is decoded into registers/L1 and used at
- *           once for every row of x; per output, the pairs are summed in order of k by VDPBF16PS.
- *   path 1, M > 4 (bigger batches, prefill): AMX; the 4 x T tiles of four panels are decoded into an
- *           L1/L2 buffer once and multiplied with every 32-row block of x by TDPBF16PS.
- *   path 2: portable C (any CPU; for tests and machines without AVX-512 BF16): float sums in order.
+ * One product family per machine, chosen by the caller from the CPU (fast/cpu_isa.py, capped by
+ * UNFIRE_CPU_ISA), identical for both loaders and for every number of rows M:
+ *   path 1, amx: AMX; the 4 x T tiles of four panels are decoded into an L1/L2 buffer once and
+ *           multiplied with every 32-row block of x by TDPBF16PS.
+ *   path 0, avx512: AVX-512 BF16 (VDPBF16PS). Up to 4 rows each tile is decoded into registers/L1 and
+ *           used at once; above, four panels' tiles are decoded once into an L2 buffer and met by every
+ *           block of 4 rows.
+ *   path 3, avx2, path 4, neon and path 2, scalar: the same sums as path 0, by float32 FMAs.
+ * The portable order (paths 0, 2, 3, 4): each output is one chain from +0 over the pairs of inputs
+ * (2i, 2i + 1) in order of k, the odd input first: acc = fma(w[2i+1], x[2i+1], acc), then
+ * acc = fma(w[2i], x[2i], acc), each rounded to nearest even, bf16 subnormal inputs and float32
+ * subnormal results flushed to zero. That is what VDPBF16PS computes (checked on random and subnormal-
+ * heavy pairs), a bf16 x bf16 product is exact in float32 and an FMA rounds once, so every path that
+ * follows it gives the same bits: AVX-512 BF16, AVX2 (MXCSR set to flush), NEON (FPCR.FZ) and the
+ * scalar fmaf loop (flushing by hand), on any CPU. AMX rounds its pair sums its own way (about 1 output
+ * in 10^4 differs by one bf16 step); on one machine one path serves every M, so a row's outputs never
+ * depend on the other rows of the batch.
  * Threads split the panels (the output features).
  */
 #define _GNU_SOURCE
@@ -32,8 +43,21 @@
 #include <immintrin.h>
 #include <sys/syscall.h>
 #endif
+#if defined(__aarch64__) && (defined(__GNUC__) || defined(__clang__))
+#define TM_NEON 1
+#include <arm_neon.h>
+#endif
+#include <math.h>
 
 #define TILE_WORDS 512
+#ifndef TM_STREAM_BYTES
+#define TM_STREAM_BYTES (4 << 20) /* outputs this large bypass the caches (they would evict x and B from L2) */
+#endif
+#ifndef TM_GROUP_BYTES
+#define TM_GROUP_BYTES (512 << 10) /* compressed panels decoded at once for many rows (beside a pass of x in L2) */
+#endif
+
+enum { PATH_AVX512 = 0, PATH_AMX = 1, PATH_SCALAR = 2, PATH_AVX2 = 3, PATH_NEON = 4 };
 
 typedef struct {
     const uint16_t *x;      /* [Mp][Kp] zero padded */
@@ -45,6 +69,7 @@ typedef struct {
     const uint8_t *pexp;
     uint16_t *y;            /* [M][N] */
     const uint16_t *xa;     /* path 1: x as A tiles [Mp/16][T][16 x 32] */
+    const float *xf;        /* paths 2-4: x widened to float32 [M][Kp] */
     int64_t p0, p1;
     int path, status;
     int stream; /* y is large (>= TM_STREAM_BYTES): whole lines of it are written with non-temporal stores */
@@ -100,22 +125,126 @@ static void decode_tile_scalar(const job *j, int64_t tile, uint16_t *out) {
     patch_tile(j, tile, out);
 }
 
-/* ---- path 2: portable ---- */
-static void panel_portable(const job *j, int64_t p, uint16_t *buf) {
+/* compressed panels decoded together for more than TM_RING_ROWS rows: a multiple of 4, at least 4 */
+static int64_t group_panels(int64_t T) {
+    const int64_t g = TM_GROUP_BYTES / (T * TILE_WORDS * 2) / 4 * 4;
+    return g < 4 ? 4 : g;
+}
+
+/* ---- path 2: scalar, the portable order ---- */
+static inline float flushed(float f) { /* a subnormal -> a zero of its sign */
+    return fabsf(f) < 1.17549435e-38f ? copysignf(0.0f, f) : f;
+}
+
+/* Rows of panel p: each output one fmaf chain over the pairs in order of k, the odd input first, with
+ * subnormals flushed by hand (so the bits do not hang on the FPU's mode or on how libm's fmaf works). */
+static void panel_scalar(const job *j, int64_t p, uint16_t *buf) {
     for (int64_t m = 0; m < j->M; m++) {
         float acc[16] = {0};
+        const float *xr = j->xf + m * j->Kp; /* flushed already */
         for (int64_t t = 0; t < j->T; t++) {
             const uint16_t *tl = j->plain ? j->plain + (p * j->T + t) * TILE_WORDS : buf;
             if (!j->plain)
                 decode_tile_scalar(j, p * j->T + t, buf);
-            const uint16_t *xr = j->x + m * j->Kp + 32 * t;
             for (int i = 0; i < 16; i++)
-                for (int n = 0; n < 16; n++)
-                    acc[n] += from_bf16(tl[i * 32 + 2 * n]) * from_bf16(xr[2 * i])
-                              + from_bf16(tl[i * 32 + 2 * n + 1]) * from_bf16(xr[2 * i + 1]);
+                for (int n = 0; n < 16; n++) {
+                    const float odd = flushed(from_bf16(tl[i * 32 + 2 * n + 1]));
+                    const float even = flushed(from_bf16(tl[i * 32 + 2 * n]));
+                    acc[n] = flushed(fmaf(odd, xr[32 * t + 2 * i + 1], acc[n]));
+                    acc[n] = flushed(fmaf(even, xr[32 * t + 2 * i], acc[n]));
+                }
         }
         for (int n = 0; n < 16 && 16 * p + n < j->N; n++)
             j->y[m * j->N + 16 * p + n] = to_bf16(acc[n]);
+    }
+}
+
+/* 16 float sums of rows m of panel p -> y (fewer at the matrix's edge) */
+static inline void store_sums(const job *j, int64_t m, int64_t p, const float *sums) {
+    for (int n = 0; n < 16 && 16 * p + n < j->N; n++)
+        j->y[m * j->N + 16 * p + n] = to_bf16(sums[n]);
+}
+
+/* The portable order with vectors of LANES outputs (paths 3 and 4): rows m0 .. m0 + MB - 1 of panels p
+ * and p + 1 (np of them), tiles of step t at b[q] + t * TILE_WORDS; where b[0] is NULL (compressed, few
+ * rows) each step's tiles are decoded into ring just before use by DECODE. A tile row i holds 16 pairs:
+ * H vectors of LANES pairs, whose even words (the low halves) are inputs 2i and odd words inputs 2i + 1.
+ * VEC, LOADW, EVEN, ODD, BCAST, FMA, ZERO, STORE are the ISA's operations. */
+#define DEFINE_FMA_ROWS(NAME, TGT, VEC, LANES, LOADW, EVEN, ODD, BCAST, FMA, ZERO, STORE, DECODE, MB)              \
+    TGT static void NAME##_##MB(const job *j, const void *tab, const uint16_t *const b[2], int np, int64_t p,          \
+                                int64_t m0, uint16_t *ring) {                                                        \
+        enum { H = 16 / LANES };                                                                                     \
+        VEC acc[MB][2][H];                                                                                           \
+        for (int m = 0; m < MB; m++)                                                                                 \
+            for (int q = 0; q < 2; q++)                                                                              \
+                for (int h = 0; h < H; h++)                                                                          \
+                    acc[m][q][h] = ZERO();                                                                           \
+        for (int64_t t = 0; t < j->T; t++) {                                                                         \
+            const uint16_t *tl[2];                                                                                   \
+            for (int q = 0; q < 2; q++) {                                                                            \
+                const int qq = q < np ? q : 0;                                                                       \
+                if (b[0]) {                                                                                          \
+                    tl[q] = b[qq] + t * TILE_WORDS;                                                                  \
+                } else {                                                                                             \
+                    if (q < np)                                                                                      \
+                        DECODE(j, tab, (p + q) * j->T + t, ring + q * TILE_WORDS);                                   \
+                    tl[q] = ring + qq * TILE_WORDS;                                                                  \
+                }                                                                                                    \
+            }                                                                                                        \
+            const float *xr = j->xf + m0 * j->Kp + 32 * t;                                                           \
+            for (int i = 0; i < 16; i++)                                                                             \
+                for (int q = 0; q < 2; q++)                                                                          \
+                    for (int h = 0; h < H; h++) {                                                                    \
+                        const VEC e = EVEN(LOADW(tl[q] + 32 * i + 2 * LANES * h));                                   \
+                        const VEC o = ODD(LOADW(tl[q] + 32 * i + 2 * LANES * h));                                    \
+                        for (int m = 0; m < MB; m++) { /* the odd input first (the portable order) */                \
+                            acc[m][q][h] = FMA(o, BCAST(xr + m * j->Kp + 2 * i + 1), acc[m][q][h]);                  \
+                            acc[m][q][h] = FMA(e, BCAST(xr + m * j->Kp + 2 * i), acc[m][q][h]);                      \
+                        }                                                                                            \
+                    }                                                                                                \
+        }                                                                                                            \
+        float sums[16];                                                                                              \
+        for (int m = 0; m < MB; m++)                                                                                 \
+            for (int q = 0; q < np; q++) {                                                                           \
+                for (int h = 0; h < H; h++)                                                                          \
+                    STORE(sums + LANES * h, acc[m][q][h]);                                                           \
+                store_sums(j, m0 + m, p + q, sums);                                                                  \
+            }                                                                                                        \
+    }
+
+/* Panels [p0, p1) two at a time, rows two at a time. Compressed: for up to 2 rows each step's tiles are
+ * decoded right before use; for more, the two panels' tiles are decoded once into buf (L2) and every
+ * pair of rows meets them. */
+#define DEFINE_FMA_PANELS(NAME, TGT, ROWS1, ROWS2)                                                                   \
+    TGT static void NAME(const job *j, const void *tab, uint16_t *buf,                                             \
+                         void (*decode)(const job *, const void *, int64_t, uint16_t *)) {                           \
+        const int64_t T = j->T;                                                                                      \
+        for (int64_t p = j->p0; p < j->p1; p += 2) {                                                                 \
+            const int np = j->p1 - p < 2 ? 1 : 2;                                                                    \
+            const uint16_t *b[2] = {NULL, NULL};                                                                     \
+            if (j->plain) {                                                                                          \
+                for (int q = 0; q < np; q++)                                                                         \
+                    b[q] = j->plain + (p + q) * T * TILE_WORDS;                                                      \
+            } else if (j->M > 2) {                                                                                   \
+                for (int q = 0; q < np; q++) {                                                                       \
+                    for (int64_t t = 0; t < T; t++)                                                                  \
+                        decode(j, tab, (p + q) * T + t, buf + (q * T + t) * TILE_WORDS);                             \
+                    b[q] = buf + q * T * TILE_WORDS;                                                                 \
+                }                                                                                                    \
+            }                                                                                                        \
+            int64_t m = 0;                                                                                           \
+            for (; m + 2 <= j->M; m += 2)                                                                            \
+                ROWS2(j, tab, b, np, p, m, buf);                                                                     \
+            if (m < j->M)                                                                                            \
+                ROWS1(j, tab, b, np, p, m, buf);                                                                     \
+        }                                                                                                            \
+    }
+
+/* the exponent tables of a palette for a byte shuffle: bit 7 of a word's low byte, bits 0-6 of its high */
+static void palette_tables(const uint8_t *pal, uint8_t lo[16], uint8_t hi[16]) {
+    for (int i = 0; i < 16; i++) {
+        lo[i] = pal ? (uint8_t)((pal[i] & 1u) << 7) : 0;
+        hi[i] = pal ? (uint8_t)(pal[i] >> 1) : 0;
     }
 }
 
@@ -258,6 +387,63 @@ DEFINE_GEMV(2)
 DEFINE_GEMV(3)
 DEFINE_GEMV(4)
 
+/* ---- path 0 above 4 rows: rows m0 .. m0 + MB - 1 of panels p .. p + np - 1, tiles of step t at
+ * b[q] + t * TILE_WORDS, each output summed in order of k by VDPBF16PS exactly as gemv_* sums it ---- */
+#define DEFINE_ROWS512(MB)                                                                                  \
+    T512 static void rows512_##MB(const job *j, const uint16_t *const b[4], int np, int64_t p, int64_t m0) { \
+        __m512 acc[MB][4];                                                                                  \
+        for (int m = 0; m < MB; m++)                                                                        \
+            for (int q = 0; q < 4; q++)                                                                     \
+                acc[m][q] = _mm512_setzero_ps();                                                            \
+        const uint32_t *x0 = (const uint32_t *)(j->x + m0 * j->Kp);                                         \
+        for (int64_t t = 0; t < j->T; t++)                                                                  \
+            for (int i = 0; i < 16; i++) {                                                                  \
+                __m512i w[4];                                                                               \
+                for (int q = 0; q < 4; q++)                                                                 \
+                    w[q] = _mm512_loadu_si512(b[q < np ? q : 0] + t * TILE_WORDS + 32 * i);                 \
+                for (int m = 0; m < MB; m++) {                                                              \
+                    const __m512i xb = _mm512_set1_epi32((int)x0[m * (j->Kp / 2) + 16 * t + i]);            \
+                    for (int q = 0; q < 4; q++)                                                             \
+                        acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w[q], (__m512bh)xb);              \
+                }                                                                                           \
+            }                                                                                               \
+        for (int m = 0; m < MB; m++)                                                                        \
+            for (int q = 0; q < np; q++)                                                                    \
+                store_row(j, m0 + m, p + q, acc[m][q]);                                                     \
+    }
+DEFINE_ROWS512(1)
+DEFINE_ROWS512(2)
+DEFINE_ROWS512(3)
+DEFINE_ROWS512(4)
+
+/* path 0 for any M: up to 4 rows gemv_M (tiles decoded as they are used); above, four panels at a
+ * time, their tiles (decoded once into buf if compressed) met by every block of 4 rows */
+T512 static void avx512_panels(const job *j, const decoder *d, uint16_t *buf) {
+    static void (*const gemv[4])(const job *, const decoder *, uint16_t *) = {gemv_1, gemv_2, gemv_3, gemv_4};
+    static void (*const rows[4])(const job *, const uint16_t *const *, int, int64_t, int64_t) = {
+        rows512_1, rows512_2, rows512_3, rows512_4};
+    if (j->M <= 4) {
+        gemv[j->M - 1](j, d, buf);
+        return;
+    }
+    const int64_t T = j->T;
+    for (int64_t p = j->p0; p < j->p1; p += 4) {
+        const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);
+        const uint16_t *b[4] = {NULL, NULL, NULL, NULL};
+        for (int q = 0; q < np; q++) {
+            if (j->plain) {
+                b[q] = j->plain + (p + q) * T * TILE_WORDS;
+                continue;
+            }
+            for (int64_t t = 0; t < T; t++)
+                decode_tile(j, d, (p + q) * T + t, buf + (q * T + t) * TILE_WORDS);
+            b[q] = buf + q * T * TILE_WORDS;
+        }
+        for (int64_t m = 0; m < j->M; m += 4)
+            rows[(j->M - m < 4 ? j->M - m : 4) - 1](j, b, np, p, m);
+    }
+}
+
 /* ---- path 1: AMX ---- */
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -284,12 +470,6 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 #endif
 #ifndef TM_PASS_BYTES
 #define TM_PASS_BYTES (1 << 20) /* A tiles of one pass over the panels (rows of x kept in L2) */
-#endif
-#ifndef TM_STREAM_BYTES
-#define TM_STREAM_BYTES (4 << 20) /* outputs this large bypass the caches (they would evict x and B from L2) */
-#endif
-#ifndef TM_GROUP_BYTES
-#define TM_GROUP_BYTES (512 << 10) /* compressed panels decoded at once for many rows (beside a pass of x in L2) */
 #endif
 #define TM_KC 64 /* at most this many steps of k per block (a pair of panels: <= 128 KB of B tiles, in L2) */
 #define AMX_STEP(A0, A1, B0, B1)                                                                    \
@@ -554,12 +734,6 @@ TAMX static void amx_small(const job *j, const decoder *d, int64_t p, int np, ui
     }
 }
 
-/* compressed panels decoded together for more than TM_RING_ROWS rows: a multiple of 4, at least 4 */
-static int64_t group_panels(int64_t T) {
-    const int64_t g = TM_GROUP_BYTES / (T * TILE_WORDS * 2) / 4 * 4;
-    return g < 4 ? 4 : g;
-}
-
 /* path 1: x has Mp rows (a multiple of 16, zero padded). Panels four at a time; compressed ones are
  * decoded once into buf (a group of them, L2) and used by every row block. */
 TAMX static void amx_panels(const job *j, const decoder *d, uint16_t *buf) {
@@ -644,41 +818,155 @@ int tm_avx512_ready(void) {
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bf16");
 }
+
+/* ---- path 3: AVX2 + FMA, the portable order (8 outputs a vector) ---- */
+#define T2 __attribute__((target("avx2,fma")))
+T2 static inline __m256i v2_loadw(const uint16_t *w) { return _mm256_loadu_si256((const __m256i *)w); }
+T2 static inline __m256 v2_even(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+T2 static inline __m256 v2_odd(__m256i w) {
+    return _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xffff0000u)));
+}
+T2 static inline __m256 v2_bcast(const float *x) { return _mm256_broadcast_ss(x); }
+T2 static inline __m256 v2_fma(__m256 w, __m256 x, __m256 acc) { return _mm256_fmadd_ps(w, x, acc); }
+T2 static inline __m256 v2_zero(void) { return _mm256_setzero_ps(); }
+T2 static inline void v2_store(float *to, __m256 v) { _mm256_storeu_ps(to, v); }
+
+/* one compressed tile's 512 words: palette by a byte shuffle (the tables are 16 bytes, twice), 32 words
+ * a round, then the patches */
+T2 static void decode_tile_avx2(const job *j, const void *tab, int64_t tile, uint16_t *out) {
+    const __m256i tlo = _mm256_loadu_si256((const __m256i *)tab), thi = _mm256_loadu_si256((const __m256i *)tab + 1);
+    const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2);
+    const __m128i m0f = _mm_set1_epi8(0x0f);
+    const __m256i m7f = _mm256_set1_epi8(0x7f), m80 = _mm256_set1_epi8((char)0x80);
+    for (int q = 0; q < 16; q++) {
+        const __m128i b = _mm_loadu_si128((const __m128i *)(ix + 16 * q));
+        const __m128i lo = _mm_and_si128(b, m0f), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m0f);
+        const __m256i nib = _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+        const __m256i s = _mm256_loadu_si256((const __m256i *)(sm + 32 * q));
+        const __m256i low = _mm256_or_si256(_mm256_and_si256(s, m7f), _mm256_shuffle_epi8(tlo, nib));
+        const __m256i high = _mm256_or_si256(_mm256_and_si256(s, m80), _mm256_shuffle_epi8(thi, nib));
+        const __m256i r0 = _mm256_unpacklo_epi8(low, high), r1 = _mm256_unpackhi_epi8(low, high); /* per lane */
+        _mm256_storeu_si256((__m256i *)(out + 32 * q), _mm256_permute2x128_si256(r0, r1, 0x20));
+        _mm256_storeu_si256((__m256i *)(out + 32 * q + 16), _mm256_permute2x128_si256(r0, r1, 0x31));
+    }
+    patch_tile(j, tile, out);
+}
+
+DEFINE_FMA_ROWS(rows_avx2, T2, __m256, 8, v2_loadw, v2_even, v2_odd, v2_bcast, v2_fma, v2_zero, v2_store,
+                decode_tile_avx2, 1)
+DEFINE_FMA_ROWS(rows_avx2, T2, __m256, 8, v2_loadw, v2_even, v2_odd, v2_bcast, v2_fma, v2_zero, v2_store,
+                decode_tile_avx2, 2)
+DEFINE_FMA_PANELS(avx2_panels, T2, rows_avx2_1, rows_avx2_2)
+
+int tm_avx2_ready(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
 #else
 int tm_amx_ready(void) { return 0; }
 int tm_avx512_ready(void) { return 0; }
+int tm_avx2_ready(void) { return 0; }
+#endif
+
+#ifdef TM_NEON
+/* ---- path 4: NEON, the portable order (4 outputs a vector) ---- */
+static inline uint32x4_t vn_loadw(const uint16_t *w) { return vld1q_u32((const uint32_t *)w); }
+static inline float32x4_t vn_even(uint32x4_t w) { return vreinterpretq_f32_u32(vshlq_n_u32(w, 16)); }
+static inline float32x4_t vn_odd(uint32x4_t w) { return vreinterpretq_f32_u32(vandq_u32(w, vdupq_n_u32(0xffff0000u))); }
+static inline float32x4_t vn_bcast(const float *x) { return vld1q_dup_f32(x); }
+static inline float32x4_t vn_fma(float32x4_t w, float32x4_t x, float32x4_t acc) { return vfmaq_f32(acc, w, x); }
+static inline float32x4_t vn_zero(void) { return vdupq_n_f32(0.0f); }
+static inline void vn_store(float *to, float32x4_t v) { vst1q_f32(to, v); }
+
+/* one compressed tile's 512 words: palette by a table lookup (TBL), 32 words a round, then the patches */
+static void decode_tile_neon(const job *j, const void *tab, int64_t tile, uint16_t *out) {
+    const uint8x16_t tlo = vld1q_u8((const uint8_t *)tab), thi = vld1q_u8((const uint8_t *)tab + 32);
+    const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2);
+    for (int q = 0; q < 16; q++) {
+        const uint8x16_t b = vld1q_u8(ix + 16 * q);
+        const uint8x16x2_t nib = vzipq_u8(vandq_u8(b, vdupq_n_u8(0x0f)), vshrq_n_u8(b, 4)); /* words in order */
+        for (int h = 0; h < 2; h++) {
+            const uint8x16_t s = vld1q_u8(sm + 32 * q + 16 * h);
+            uint8x16x2_t w;
+            w.val[0] = vorrq_u8(vandq_u8(s, vdupq_n_u8(0x7f)), vqtbl1q_u8(tlo, nib.val[h]));
+            w.val[1] = vorrq_u8(vandq_u8(s, vdupq_n_u8(0x80)), vqtbl1q_u8(thi, nib.val[h]));
+            vst2q_u8((uint8_t *)(out + 32 * q + 16 * h), w); /* low byte, high byte: little-endian words */
+        }
+    }
+    patch_tile(j, tile, out);
+}
+
+DEFINE_FMA_ROWS(rows_neon, , float32x4_t, 4, vn_loadw, vn_even, vn_odd, vn_bcast, vn_fma, vn_zero, vn_store,
+                decode_tile_neon, 1)
+DEFINE_FMA_ROWS(rows_neon, , float32x4_t, 4, vn_loadw, vn_even, vn_odd, vn_bcast, vn_fma, vn_zero, vn_store,
+                decode_tile_neon, 2)
+DEFINE_FMA_PANELS(neon_panels, , rows_neon_1, rows_neon_2)
+
+int tm_neon_ready(void) { return 1; }
+#else
+int tm_neon_ready(void) { return 0; }
 #endif
 
 static void *work(void *arg) {
     job *j = arg;
     if (j->p0 >= j->p1)
         return NULL;
-    const int64_t words = j->path == 1 ? group_panels(j->T) * j->T * TILE_WORDS : 4 * TILE_WORDS;
+    const int64_t words = j->path == PATH_AMX      ? group_panels(j->T) * j->T * TILE_WORDS
+                          : j->path == PATH_SCALAR ? TILE_WORDS
+                                                   : 4 * j->T * TILE_WORDS; /* four panels' tiles */
     uint16_t *buf = j->plain ? NULL : scratch(1, (size_t)words * 2);
     if (!j->plain && !buf) {
         j->status = 1;
         return NULL;
     }
+    uint8_t tab[64]; /* the palette's byte-shuffle tables (paths 3, 4): low bits at 0 and 16, high at 32, 48 */
+    palette_tables(j->pal, tab, tab + 32);
+    memcpy(tab + 16, tab, 16);
+    memcpy(tab + 48, tab + 32, 16);
 #ifdef TM_X86
-    if (j->path == 0 || j->path == 1) {
+    if (j->path == PATH_AVX512 || j->path == PATH_AMX) {
         static const uint8_t no_palette[16];
         const decoder d = decoder_for(j->pal ? j->pal : no_palette);
-        if (j->path == 1)
+        if (j->path == PATH_AMX)
             amx_panels(j, &d, buf);
-        else if (j->M == 1)
-            gemv_1(j, &d, buf);
-        else if (j->M == 2)
-            gemv_2(j, &d, buf);
-        else if (j->M == 3)
-            gemv_3(j, &d, buf);
         else
-            gemv_4(j, &d, buf);
+            avx512_panels(j, &d, buf);
         return NULL;
     }
+    const unsigned csr = _mm_getcsr(); /* the portable order: round to nearest, flush subnormals (DAZ, FTZ) */
+    _mm_setcsr(0x9fc0);
+    if (j->path == PATH_AVX2)
+        avx2_panels(j, tab, buf, decode_tile_avx2);
 #endif
-    for (int64_t p = j->p0; p < j->p1; p++)
-        panel_portable(j, p, buf);
+#ifdef TM_NEON
+    uint64_t fpcr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    __asm__ volatile("msr fpcr, %0" ::"r"((fpcr & ~(3ull << 22)) | (1ull << 24))); /* nearest even, FZ */
+    if (j->path == PATH_NEON)
+        neon_panels(j, tab, buf, decode_tile_neon);
+#endif
+    if (j->path == PATH_SCALAR)
+        for (int64_t p = j->p0; p < j->p1; p++)
+            panel_scalar(j, p, buf);
+#ifdef TM_X86
+    _mm_setcsr(csr);
+#endif
+#ifdef TM_NEON
+    __asm__ volatile("msr fpcr, %0" ::"r"(fpcr));
+#endif
     return NULL;
+}
+
+/* 1 when this build and CPU can run path */
+static int path_ready(int path) {
+    switch (path) {
+    case PATH_AVX512: return tm_avx512_ready();
+    case PATH_AMX: return tm_amx_ready();
+    case PATH_AVX2: return tm_avx2_ready();
+    case PATH_NEON: return tm_neon_ready();
+    case PATH_SCALAR: return 1;
+    default: return 0;
+    }
 }
 
 /* Returns 0, 1 if memory ran out, 2 for a path this build or CPU cannot run, 3 for bad sizes. */
@@ -688,10 +976,10 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
               int64_t K) {
     /* x: M rows of K inputs, ldx apart; the AMX path packs them (zero padded) itself, the others read
      * x as [Mp][Kp] (ldx == Kp, padded by the caller) */
-    if (M < 1 || N < 1 || Kp < 32 || Kp % 32 || Mp < M || (path == 1 && Mp % 16) || (path == 0 && M > 4) ||
-        K < 1 || K > Kp || Kp - K >= 32 || ldx < K || (path != 1 && ldx != Kp))
+    if (M < 1 || N < 1 || Kp < 32 || Kp % 32 || Mp < M || (path == PATH_AMX && Mp % 16) || K < 1 || K > Kp ||
+        Kp - K >= 32 || ldx < K || (path != PATH_AMX && ldx != Kp))
         return 3;
-    if ((path == 1 && !tm_amx_ready()) || (path == 0 && !tm_avx512_ready()) || path < 0 || path > 2)
+    if (!path_ready(path))
         return 2;
     const int64_t P = (N + 15) / 16;
     if (threads < 1)
@@ -722,9 +1010,17 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
                     }
                 }
     }
+    float *xf = NULL;
+    if (path == PATH_SCALAR || path == PATH_AVX2 || path == PATH_NEON) { /* x widened to float32, once */
+        xf = scratch(0, (size_t)M * Kp * 4);
+        if (!xf)
+            return 1;
+        for (int64_t i = 0; i < M * Kp; i++) /* bf16 subnormals flushed, as VDPBF16PS reads them */
+            xf[i] = (x[i] & 0x7f80) ? from_bf16(x[i]) : from_bf16(x[i] & 0x8000);
+    }
     job jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        job j = {x, M, Mp, Kp, N, Kp / 32, plain, sm, idx, pal, pstart, pword, pexp, y, xa, 0, 0, path, 0,
+        job j = {x, M, Mp, Kp, N, Kp / 32, plain, sm, idx, pal, pstart, pword, pexp, y, xa, xf, 0, 0, path, 0,
                  M * N * 2 >= TM_STREAM_BYTES};
         j.p0 = units * t / threads * unit;
         j.p1 = units * (t + 1) / threads * unit;
@@ -743,7 +1039,7 @@ int tm_matmul(const uint16_t *x, int64_t M, int64_t Mp, int64_t Kp, int64_t N, c
 int tm_decode_tiles(const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const int64_t *pstart,
                     const uint16_t *pword, const uint8_t *pexp, int64_t first, int64_t count, uint16_t *out,
                     int vector) {
-    job j = {NULL, 0, 0, 0, 0, 0, NULL, sm, idx, pal, pstart, pword, pexp, NULL, NULL, 0, 0, 0, 0, 0};
+    job j = {NULL, 0, 0, 0, 0, 0, NULL, sm, idx, pal, pstart, pword, pexp, NULL, NULL, NULL, 0, 0, 0, 0, 0};
 #ifdef TM_X86
     if (vector && tm_avx512_ready()) {
         const decoder d = decoder_for(pal);
@@ -831,8 +1127,8 @@ int tm_unpack(const uint8_t *sm, const uint8_t *idx, const uint8_t *pal, const i
         threads = (int)P;
     unpack_job jobs[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
-        job j = {NULL, 0, 0, 0, N, (K + 31) / 32, NULL, sm, idx, pal, pstart, pword, pexp, NULL, NULL,
-                 P * t / threads, P * (t + 1) / threads, vector ? 0 : 2, 0};
+        job j = {NULL, 0, 0, 0, N, (K + 31) / 32, NULL, sm, idx, pal, pstart, pword, pexp, NULL, NULL, NULL,
+                 P * t / threads, P * (t + 1) / threads, vector ? 0 : 2, 0, 0};
         jobs[t].j = j;
         jobs[t].K = K;
         jobs[t].out = out;
