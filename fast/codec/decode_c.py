@@ -15,6 +15,11 @@ where the CPU has it (VPCLMULQDQ ~47 GB/s, PCLMULQDQ ~14 GB/s, tables ~2 GB/s on
 with the tables alone the CRCs would cost more than the whole decode.
 How the decode loop is made fast: see the comment atop decode.c.
 
+``UNFIRE_CPU_ISA`` (``fast.cpu_isa``) caps the paths: the AVX2 + BMI2 build and PCLMULQDQ from ``avx2`` on, the
+AVX-512BW assembly of bf16 and the VPCLMULQDQ CRC from ``avx512`` on, ARM's CRC32 instructions from ``neon`` on;
+``scalar`` runs the portable build with the CRC tables. Every path gives the same bits; a set this CPU lacks raises
+``CpuIsaError`` at the first decode.
+
 Without a C compiler (or with ``UNFIRE_NATIVE=0``) ``decode_cpu`` runs the lockstep NumPy decoder
 (``reference.codec.lockstep``): the same bits, several times slower.
 """
@@ -26,6 +31,7 @@ import functools
 import math
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,13 +43,14 @@ from reference.codec.lockstep import decode_many
 
 SOURCE = Path(__file__).with_name("native") / "decode.c"
 _lock = threading.Lock()
-_state: dict[str, ctypes.CDLL | None] = {}
+_state: dict[str, Any] = {}  # the library ("lib") and the UNFIRE_CPU_ISA it was given ("isa")
 _P, _I64, _INT, _U32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_uint32
 _SIGNATURES = {  # name: (return type, argument types), as in native/decode.c
     "unw_crc32": (_U32, [_P, _I64, _INT]),
     "unw_crc_use": (_INT, [_INT]),
     "unw_decode_use": (_INT, [_INT]),
     "unw_assemble_use": (_INT, [_INT]),
+    "unw_isa": (_INT, [_INT]),
     "unw_tables": (None, [_P, _P, _INT, _INT, _P, _P]),
     "unw_decode": (_INT, [_P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _INT, _P, _P, _INT,
                           _I64, _I64, _I64, _I64, _INT, _I64, _P, _P]),
@@ -64,8 +71,10 @@ CRC_ORDER = ("sm", "stream", "offsets", "vchunks", "vexp", "data")
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled decoder, built on first use; None if it cannot be (or ``UNFIRE_NATIVE=0``)."""
-    return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the C decoder", "the NumPy lockstep decoder")
+    """The compiled decoder, built on first use, capped by ``UNFIRE_CPU_ISA``; None if it cannot be built (or
+    ``UNFIRE_NATIVE=0``)."""
+    return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the C decoder", "the NumPy lockstep decoder",
+                        isa="unw_isa")
 
 
 def _ptr(a: np.ndarray) -> int:

@@ -15,6 +15,9 @@ every lane ends in state 2^16.
 
 Without a C compiler (or with ``UNFIRE_NATIVE=0``) ``decode_rans_cpu`` runs the NumPy decoder of
 ``reference.codec.rans``: the same bits, about ten times slower.
+
+``UNFIRE_CPU_ISA`` (``fast.cpu_isa``) caps the paths: the AVX2 lanes (the AVX2 + BMI2 build) from ``avx2`` on, the
+CRC as in ``decode_c``; same bits on every path; a set this CPU lacks raises ``CpuIsaError`` at the first decode.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -32,12 +36,13 @@ from reference.codec.rans.model import field_group, unpack_fields
 
 SOURCE = Path(__file__).with_name("native") / "rans_decode.c"
 _lock = threading.Lock()
-_state: dict[str, ctypes.CDLL | None] = {}
+_state: dict[str, Any] = {}  # the library ("lib") and the UNFIRE_CPU_ISA it was given ("isa")
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {  # name: (return type, argument types), as in native/rans_decode.c
     "unw_rans_decode": (_INT, [_P, _I64, _P, _INT, _P, _INT, _P, _I64, _P, _P, _P, _P, _I64, _P, _I64,
                                _I64, _I64, _INT, _INT, _INT, _INT, _P, _P]),
     "unw_rans_use": (_INT, [_INT]),
+    "unw_rans_isa": (_INT, [_INT]),
 }
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
 SMALL_ARRAYS = ("alphabet", "tables", "block_words", "states", "block_table", "block_escapes")  # CRC'd in Python
@@ -51,8 +56,10 @@ CRC_ORDER = ("raw", "stream", "escapes", "data")
 
 
 def library() -> ctypes.CDLL | None:
-    """The compiled decoder, built on first use; None if it cannot be (or ``UNFIRE_NATIVE=0``)."""
-    return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the C rANS decoder", "the NumPy rANS decoder")
+    """The compiled decoder, built on first use, capped by ``UNFIRE_CPU_ISA``; None if it cannot be built (or
+    ``UNFIRE_NATIVE=0``)."""
+    return build_c.load(_state, _lock, SOURCE, _SIGNATURES, "the C rANS decoder", "the NumPy rANS decoder",
+                        isa="unw_rans_isa")
 
 
 def _ptr(a: np.ndarray) -> int:

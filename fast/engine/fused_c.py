@@ -29,6 +29,10 @@ may differ from torch's (both NaN).
 A first fused norm (16 plain partial sums, C's sqrt) was dropped: its other bits flipped bf16 roundings that
 SmolLM2 in bf16 amplified into another greedy answer (README's example).
 
+``UNFIRE_CPU_ISA`` (``fast.cpu_isa``) caps them: ``avx512`` and ``amx`` the AVX-512 loops; ``avx2``, ``neon`` and
+``scalar`` the torch lines, as on a CPU without AVX-512 (the plain C loops where ``UNFIRE_NATIVE_SIMD=0`` forces
+them). A set this CPU lacks raises ``CpuIsaError`` at the first call.
+
 Built on first use like the C attention; no compiler, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_FUSED=0``:
 ``applies`` / ``norm_applies`` are False and the model runs its torch lines (``UNFIRE_NATIVE_NORM=0``: the norm
 alone). ``UNFIRE_NATIVE_SIMD=0`` forces the plain C loops (the AVX-512 ones give the same bits). Rows are split
@@ -80,16 +84,24 @@ def library() -> ctypes.CDLL | None:
 
 
 def _simd() -> int:
-    return int(os.environ.get("UNFIRE_NATIVE_SIMD", "1") != "0")
+    """The C calls' ``simd``: 1 (the AVX-512 loops, where the CPU has them) unless ``UNFIRE_CPU_ISA`` is below
+    ``avx512`` or ``UNFIRE_NATIVE_SIMD=0`` forces the plain loops."""
+    return int(build_c.isa_allows("avx512") and os.environ.get("UNFIRE_NATIVE_SIMD", "1") != "0")
+
+
+def _runs_here(lib: ctypes.CDLL) -> bool:
+    """Whether the C ops run: with the AVX-512 loops (the CPU has them, ``UNFIRE_CPU_ISA`` allows them), or the plain
+    loops forced by ``UNFIRE_NATIVE_SIMD=0`` (slower than torch's own vector loops otherwise: the torch lines run)."""
+    return bool(_simd() and lib.unf_fused_simd()) or os.environ.get("UNFIRE_NATIVE_SIMD", "1") == "0"
 
 
 def applies(dtype: torch.dtype, device: torch.device, cache: PagedKVCache) -> bool:
     """Whether a model in ``dtype`` on ``device`` with this cache runs the fused ops (bf16 both, CPU, built,
-    with AVX-512 unless the plain loops are forced: slower than torch's own vector loops otherwise)."""
+    ``_runs_here``)."""
     if device.type != "cpu" or dtype != torch.bfloat16 or cache.dtype != "bfloat16" or cache.head_dim % 2:
         return False
     lib = library()
-    return lib is not None and (not _simd() or bool(lib.unf_fused_simd()))
+    return lib is not None and _runs_here(lib)
 
 
 def norm_lanes() -> int | None:
@@ -137,7 +149,7 @@ def norm_applies(dtype: torch.dtype, device: torch.device) -> bool:
             or norm_lanes() is None):
         return False
     lib = library()
-    return lib is not None and (not _simd() or bool(lib.unf_fused_simd()))
+    return lib is not None and _runs_here(lib)
 
 
 def _torch_symbol(name: str) -> int | None:
@@ -209,7 +221,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if width % 2:
         raise KernelInputError(f"gate_up has an odd width {width}: not a fused gate/up projection")
     table = _silu.get("table")
-    if table is None:
+    if table is None or not _simd():
         raise KernelInputError("the C silu does not run here (see silu_applies)")
     inter = width // 2
     out = torch.empty((n, inter), dtype=torch.bfloat16)
@@ -438,7 +450,8 @@ class StepOps:
         if gate_up.dtype != torch.bfloat16 or width % 2 or not gate_up.is_contiguous():
             return silu_mul(gate_up)  # checks and says what is wrong
         out = torch.empty((n, width // 2), dtype=torch.bfloat16)
-        bad = self.lib.unf_silu_mul_bf16(gate_up.data_ptr(), n, width // 2, width, out.data_ptr(), self.silu, 1)
+        bad = self.lib.unf_silu_mul_bf16(gate_up.data_ptr(), n, width // 2, width, out.data_ptr(), self.silu,
+                                         self.simd)
         if bad:
             raise KernelInputError(f"silu_mul (C): error {bad}")
         return out

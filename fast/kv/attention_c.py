@@ -25,6 +25,11 @@ Whichever path a CPU takes, it takes it for every row: a row's bits do not depen
 one of a prefill chunk's, or beside decode rows in a mixed step, so chunking, prefix caching, preemption and the
 disaggregated and pipelined topologies give the same tokens.
 
+``UNFIRE_CPU_ISA`` (``fast.cpu_isa``) caps the paths: ``amx`` as above; ``avx512`` the AVX-512 BF16 loops (where
+``UNFIRE_NATIVE_SIMD`` says 1; 2 and 0 as said); ``avx2``, ``neon`` and ``scalar`` the torch path, as on a CPU
+without AVX-512 (the plain C loops where ``UNFIRE_NATIVE_SIMD=0`` forces them). A set this CPU lacks raises
+``CpuIsaError`` at the first call.
+
 Built on first use by ``fast.build_c`` with the system compiler; no compiler, a failed
 build, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_ATTENTION=0``: ``decode_rows`` returns False and the
 torch path runs. Single-threaded (the engine's benchmark runs one thread; with more threads the rows
@@ -78,9 +83,10 @@ def applies(q: torch.Tensor, cache: PagedKVCache) -> bool:
 
 
 def has_simd() -> bool:
-    """Whether the kernel is built and this CPU runs its AVX-512 loops."""
+    """Whether the kernel is built and runs its AVX-512 loops here: this CPU has them and ``UNFIRE_CPU_ISA``
+    allows ``avx512``."""
     lib = library()
-    if lib is None:
+    if lib is None or not build_c.isa_allows("avx512"):
         return False
     if "simd" not in _simd_found:  # the CPU does not change: asked once
         _simd_found["simd"] = bool(lib.unf_decode_attention_simd())
@@ -88,9 +94,10 @@ def has_simd() -> bool:
 
 
 def has_amx() -> bool:
-    """Whether the kernel is built and this CPU runs its AMX path (tile products; Sapphire Rapids and later)."""
+    """Whether the kernel is built and runs its AMX path here (tile products; Sapphire Rapids and later):
+    this CPU has it and ``UNFIRE_CPU_ISA`` allows ``amx``."""
     lib = library()
-    if lib is None:
+    if lib is None or not build_c.isa_allows("amx"):
         return False
     if "amx" not in _simd_found:
         _simd_found["amx"] = bool(lib.unf_decode_attention_amx())
@@ -106,16 +113,20 @@ def last_path() -> str:
 
 def simd_level() -> int:
     """``UNFIRE_NATIVE_SIMD`` as the kernel's ``simd`` argument: 1 (default) the best path this CPU has (AMX, then
-    AVX-512 BF16), 3 the AVX-512 BF16 loops even where AMX is there, 2 AVX-512 float32 loops, 0 plain C loops."""
-    return {"0": 0, "2": 2, "3": 3}.get(os.environ.get("UNFIRE_NATIVE_SIMD", "1"), 1)
+    AVX-512 BF16), 3 the AVX-512 BF16 loops even where AMX is there, 2 AVX-512 float32 loops, 0 plain C loops;
+    capped by ``UNFIRE_CPU_ISA``: 1 is 3 below ``amx``, every level 0 below ``avx512``."""
+    simd = {"0": 0, "2": 2, "3": 3}.get(os.environ.get("UNFIRE_NATIVE_SIMD", "1"), 1)
+    if not build_c.isa_allows("avx512"):
+        return 0
+    return 3 if simd == 1 and not build_c.isa_allows("amx") else simd
 
 
 def _usable() -> bool:
-    """Built, and with its AVX-512 loops (the plain C loops are slower than the torch path; UNFIRE_NATIVE_SIMD=0
-    forces them, for tests)."""
+    """Built, and with its AVX-512 loops allowed (the plain C loops are slower than the torch path;
+    UNFIRE_NATIVE_SIMD=0 forces them, for tests)."""
     if library() is None:
         return False
-    return os.environ.get("UNFIRE_NATIVE_SIMD", "1") == "0" or has_simd()
+    return has_simd() or os.environ.get("UNFIRE_NATIVE_SIMD", "1") == "0"  # has_simd first: it checks the cap
 
 
 def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, chunks: torch.Tensor,

@@ -7,8 +7,10 @@
  *   TWO_BUILDS_FLAG(work, body)   the same, with body(arg, wide): wide is 1 in the AVX2 + BMI2 build (a
  *                                 constant there, so body can hold code only that build may run)
  *   builds_setup()                once before work runs (checks the CPU)
- *   builds_use(wide)              use the AVX2 + BMI2 build if wide and the CPU has it; returns 1 if
- *                                 it is in use (the tests run both builds)
+ *   builds_use(wide)              use the AVX2 + BMI2 build if wide and the CPU has it (and the cap
+ *                                 allows it); returns 1 if it is in use (the tests run both builds)
+ *   builds_isa(isa)               the cap UNFIRE_CPU_ISA sets (ISA_* below): the AVX2 + BMI2 build only
+ *                                 from ISA_AVX2 on; returns 1 if that build is allowed (and in use)
  *
  * One shared object thus runs on any x86-64 CPU and at full speed on recent ones; elsewhere (other
  * architectures, other compilers) there is one build.
@@ -17,15 +19,19 @@
 #define UNW_BUILDS_H
 #include <pthread.h>
 
-static int wide_cpu, use_wide;
+/* UNFIRE_CPU_ISA as fast/build_c.py passes it (isa_level): the set's place in its architecture's chain
+ * (fast/cpu_isa.py), each set including the ones before it. */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_NEON = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
+
+static int wide_found, wide_cpu, use_wide; /* the CPU has AVX2 + BMI2; that and the cap allows it; in use */
 static pthread_once_t wide_once = PTHREAD_ONCE_INIT;
 
 static void wide_init(void) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     __builtin_cpu_init();
-    wide_cpu = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
+    wide_found = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("bmi2");
 #endif
-    use_wide = wide_cpu;
+    use_wide = wide_cpu = wide_found;
 }
 
 static void builds_setup(void) { pthread_once(&wide_once, wide_init); }
@@ -33,6 +39,12 @@ static void builds_setup(void) { pthread_once(&wide_once, wide_init); }
 static inline int builds_use(int wide) {
     builds_setup();
     use_wide = wide && wide_cpu;
+    return use_wide;
+}
+
+static inline int builds_isa(int isa) {
+    builds_setup();
+    use_wide = wide_cpu = wide_found && isa >= ISA_AVX2;
     return use_wide;
 }
 

@@ -3,13 +3,17 @@
  *   crc_setup()            once per process before the others (builds the tables, checks the CPU)
  *   crc_update(c, p, n)    continue the running state c (the inverted CRC: ~0 at the start) over n bytes
  *   crc_use(level)         use at most that path (below); returns the one in use
+ *   crc_isa(isa)           the paths UNFIRE_CPU_ISA allows (builds.h's ISA_*): isa is the highest level
+ *                          (0 tables; 1 PCLMULQDQ, every AVX2 CPU has it, or ARM's CRC32; 2 VPCLMULQDQ)
  *   crc_combine(a, b, n)   the CRC of A then B from crc(A), crc(B) and B's length n (as zlib's crc32_combine)
  *   crc_join(a, b, n, s)   the same, keeping x^(8n) in s for the next piece of the same length
  *
- * Three ways to the same value, the fastest the CPU has (checked at run time, so one build runs anywhere):
+ * Four ways to the same value, the fastest the CPU has (checked at run time, so one build runs anywhere):
  *   - 512-bit carry-less multiplication (VPCLMULQDQ + AVX-512): four 64-byte lanes folded 256 bytes at a
  *     time, ~4x the 128-bit path's bytes per instruction;
  *   - 128-bit carry-less multiplication (PCLMULQDQ + SSE4.1): four 16-byte lanes folded 64 bytes at a time;
+ *   - on aarch64, ARMv8's CRC32X/CRC32B instructions (the IEEE polynomial 0x04C11DB7 reflected, zlib's: not
+ *     the CRC32C ones), 8 bytes an instruction, where the CPU has them (HWCAP_CRC32; every ARMv8.1 CPU);
  *   - portable slicing by 8 (eight 256-entry tables, 8 bytes per step).
  * The folding is Gopal et al., "Fast CRC computation for generic polynomials using PCLMULQDQ" (Intel,
  * 2009): a lane L followed, D bits later, by data M has the same remainder as M ^ (L.lo * K1) ^ (L.hi * K2)
@@ -29,8 +33,21 @@
 #define HAVE_CLMUL_CODE 1
 #endif
 
+/* ARM's CRC32 instructions take 8 bytes as one little-endian word: little-endian aarch64 only */
+#if defined(__aarch64__) && !defined(__AARCH64EB__) && (defined(__GNUC__) || defined(__clang__))
+#include <arm_acle.h>
+#define HAVE_ARM_CRC_CODE 1
+#if !defined(__ARM_FEATURE_CRC32) && defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_CRC32
+#define HWCAP_CRC32 (1 << 7)
+#endif
+#endif
+#endif
+
 static uint32_t crc_table[8][256];
-static int crc_level, crc_level_cpu; /* 0: tables, 1: PCLMULQDQ, 2: VPCLMULQDQ (in use, and the CPU's best) */
+/* 0: tables, 1: PCLMULQDQ or ARM's CRC32, 2: VPCLMULQDQ (in use; the best allowed; the CPU's best) */
+static int crc_level, crc_level_cpu, crc_level_found;
 static pthread_once_t crc_once = PTHREAD_ONCE_INIT;
 
 static void crc_init(void) {
@@ -50,7 +67,14 @@ static void crc_init(void) {
     if (crc_level && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("vpclmulqdq"))
         crc_level = 2;
 #endif
-    crc_level_cpu = crc_level;
+#ifdef HAVE_ARM_CRC_CODE
+#ifdef __ARM_FEATURE_CRC32
+    crc_level = 1; /* the compiler's target has it (ARMv8.1 and later, Apple's chips) */
+#elif defined(__linux__)
+    crc_level = (getauxval(AT_HWCAP) & HWCAP_CRC32) != 0; /* optional in ARMv8.0: asked of the kernel */
+#endif
+#endif
+    crc_level_found = crc_level_cpu = crc_level;
 }
 
 static void crc_setup(void) { pthread_once(&crc_once, crc_init); }
@@ -60,6 +84,14 @@ static inline int crc_use(int level) {
     crc_setup();
     crc_level = level < 0 || level > crc_level_cpu ? crc_level_cpu : level;
     return crc_level;
+}
+
+/* The paths an instruction-set cap allows (isa: builds.h's ISA_*, from UNFIRE_CPU_ISA): up to level isa, so
+ * tables alone for scalar, PCLMULQDQ for avx2, VPCLMULQDQ from avx512, ARM's CRC32 for neon. Returns the best. */
+static inline int crc_isa(int isa) {
+    crc_setup();
+    crc_level_cpu = crc_level = isa < 0 ? 0 : isa < crc_level_found ? isa : crc_level_found;
+    return crc_level_cpu;
 }
 
 /* Slicing by 8 (little-endian loads). */
@@ -150,7 +182,37 @@ static VCLMUL_TARGET uint32_t crc_vclmul(uint32_t c, const uint8_t *p, size_t n)
 }
 #endif
 
+#ifdef HAVE_ARM_CRC_CODE
+#ifdef __ARM_FEATURE_CRC32
+#define ARM_CRC_TARGET
+#elif defined(__clang__)
+#define ARM_CRC_TARGET __attribute__((target("crc")))
+#else
+#define ARM_CRC_TARGET __attribute__((target("+crc")))
+#endif
+
+/* ARMv8's CRC32 instructions: one chain of 8-byte steps (4 per loop), then bytes. */
+static ARM_CRC_TARGET uint32_t crc_arm(uint32_t c, const uint8_t *p, size_t n) {
+    uint64_t w[4];
+    for (; n >= 32; p += 32, n -= 32) {
+        memcpy(w, p, 32);
+        c = __crc32d(__crc32d(__crc32d(__crc32d(c, w[0]), w[1]), w[2]), w[3]);
+    }
+    for (; n >= 8; p += 8, n -= 8) {
+        memcpy(w, p, 8);
+        c = __crc32d(c, w[0]);
+    }
+    while (n--)
+        c = __crc32b(c, *p++);
+    return c;
+}
+#endif
+
 static uint32_t crc_update(uint32_t c, const uint8_t *p, size_t n) {
+#ifdef HAVE_ARM_CRC_CODE
+    if (crc_level)
+        return crc_arm(c, p, n);
+#endif
 #ifdef HAVE_CLMUL_CODE
     if (crc_level && n >= 64) {
         size_t m = n & ~(size_t)15;

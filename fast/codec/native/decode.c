@@ -7,6 +7,9 @@
  *   unw_crc_use        which CRC-32 path to use at most (for the tests)
  *   unw_decode_use     whether to use the AVX2 + BMI2 build of the decoding loop (for the tests)
  *   unw_assemble_use   whether to use the AVX-512BW assembly of bf16 in that build (for the tests)
+ *   unw_isa            the instruction sets UNFIRE_CPU_ISA allows (builds.h's ISA_*), set when the library
+ *                      is loaded: the AVX2 + BMI2 build from avx2 on, the AVX-512BW assembly and the
+ *                      VPCLMULQDQ CRC from avx512 on, PCLMULQDQ (or ARM's CRC32) from avx2 (neon) on
  *   unw_tables         the one-symbol decoding table of FORMAT.md 3.3 and the multi-symbol table,
  *                      from the code lengths and the palette
  *   unw_decode         every check of FORMAT.md 3.6 that reads array contents, and the decode
@@ -75,7 +78,8 @@ static void *crc_piece(void *arg) {
     return NULL;
 }
 
-/* Use at most CRC path `level` (0 tables, 1 PCLMULQDQ, 2 VPCLMULQDQ; -1 the CPU's best); the one in use. */
+/* Use at most CRC path `level` (0 tables, 1 PCLMULQDQ or ARM's CRC32, 2 VPCLMULQDQ; -1 the best allowed); the
+ * one in use. */
 int unw_crc_use(int level) { return crc_use(level); }
 
 /* zlib.crc32(p[0:n]), computed in `threads` pieces and joined. */
@@ -464,12 +468,13 @@ static inline __attribute__((always_inline)) void assemble(uint16_t *restrict o,
  * logic step), or the exponent shifted by 7. For the AVX2 + BMI2 build, where the CPU has AVX-512BW. */
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_ASSEMBLE_512 1
-static int assemble_512_cpu, assemble_512_use;
+static int assemble_512_found, assemble_512_cpu, assemble_512_use; /* the CPU has it; the cap allows it; in use */
 static pthread_once_t assemble_512_once = PTHREAD_ONCE_INIT;
 
 static void assemble_512_init(void) {
     __builtin_cpu_init();
-    assemble_512_cpu = assemble_512_use = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    assemble_512_found = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    assemble_512_cpu = assemble_512_use = assemble_512_found;
 }
 
 /* The 32 bf16 words of 32 weights (keep: 0x807F in every word). */
@@ -746,6 +751,19 @@ TWO_BUILDS_FLAG(work, work_body) /* builds.h: any CPU, or AVX2 + BMI2 (told so: 
 
 /* Use the AVX2 + BMI2 build if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
 int unw_decode_use(int wide) { return builds_use(wide); }
+
+/* Cap every path at instruction set isa (builds.h's ISA_*: UNFIRE_CPU_ISA, set by decode_c.py when it loads
+ * the library), each then in use where the CPU has it (the _use calls above choose below the cap). Returns
+ * the paths in use: bit 0 the AVX2 + BMI2 build, bit 1 the AVX-512BW assembly, bits 2-3 the CRC level. */
+int unw_isa(int isa) {
+    int wide = builds_isa(isa), assembly = 0, crc = crc_isa(isa);
+#ifdef HAVE_ASSEMBLE_512
+    pthread_once(&assemble_512_once, assemble_512_init);
+    assemble_512_cpu = assemble_512_use = assemble_512_found && isa >= ISA_AVX512;
+    assembly = assemble_512_use;
+#endif
+    return wide | assembly << 1 | crc << 2;
+}
 
 /* Check and decode a Huffman-form tensor into out (uint16 [rows * cols]). The header was checked by
  * the caller (array lengths as FORMAT.md 3.2 implies, code lengths valid, single = the decoding

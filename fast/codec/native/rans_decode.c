@@ -1,7 +1,8 @@
 /* The rANS-mode decoder for the CPU, in C (FORMAT.md section 9): rANS form -> bf16.
  *
  * fast/codec/decode_rans_c.py builds this file with the system C compiler on first use (as decode.c),
- * loads it with ctypes and calls unw_rans_decode (and, in the tests, unw_rans_use). Python checks
+ * loads it with ctypes and calls unw_rans_isa once (UNFIRE_CPU_ISA's cap), unw_rans_decode (and, in the tests,
+ * unw_rans_use). Python checks
  * first what is cheap and small (RansTensor.check_header: parameters, every array's dtype and length; check_index: alphabet, tables
  * summing to M, block_table < K, block_words and block_escapes rising from 0 to W and E, escapes per
  * block, states >= 2^16; the CRC-32 of those small arrays; the padding of the last packed group).
@@ -294,6 +295,11 @@ TWO_BUILDS(work, work_body) /* builds.h: any CPU, or AVX2 + BMI2 */
 
 /* Use the AVX2 + BMI2 build if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
 int unw_rans_use(int wide) { return builds_use(wide); }
+
+/* Cap the paths at instruction set isa (builds.h's ISA_*: UNFIRE_CPU_ISA, set by decode_rans_c.py when it
+ * loads the library): the AVX2 lanes (the AVX2 + BMI2 build) from avx2 on, the CRC as crc_isa. Returns the
+ * paths in use: bit 0 the AVX2 + BMI2 build, bits 2-3 the CRC level (as unw_isa of decode.c). */
+int unw_rans_isa(int isa) { return builds_isa(isa) | crc_isa(isa) << 2; }
 
 /* The decoding table of each frequency table: entry k * M + slot = f[s] << 32 | (slot - c[s]) << 16 | value
  * of the symbol s owning the slot (ESCAPE for s == A). Rows summing to more than M are cut at M; slots of
