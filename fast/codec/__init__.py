@@ -48,18 +48,31 @@ What the format costs a kernel (notes for whoever changes FORMAT.md):
   none. Chunks never straddle rows, which keeps this per-row walk simple.
 """
 
-from fast.codec.convert import huffman_from_reference, huffman_to_reference, palette_from_reference
-from fast.codec.decode_c import decode_cpu
-from fast.codec.decode_rans_c import decode_rans_cpu
-from fast.codec.decode_torch import decode_palette_torch, transcode_torch
-from fast.codec.decode_triton import decode_huffman, transcode
-from fast.codec.forms import HuffmanForm, PaletteForm
-from fast.codec.linear import UnweightLinear
-from fast.codec.matmul_triton import MatmulConfig, fused_matmul
-from fast.codec.palette_triton import decode_palette
+from __future__ import annotations
 
-__all__ = [
-    "HuffmanForm", "MatmulConfig", "PaletteForm", "UnweightLinear", "decode_cpu", "decode_huffman", "decode_palette",
-    "decode_palette_torch", "decode_rans_cpu", "fused_matmul", "huffman_from_reference", "huffman_to_reference",
-    "palette_from_reference", "transcode", "transcode_torch",
-]
+import importlib
+from typing import Any
+
+# Each public name is imported from its module on first use (PEP 562): ``python -m fast.codec decompress`` needs
+# only the C decoders, and importing torch and Triton for the rest took ~2 s of its 2.7 s (issue 45).
+_HOME = {
+    "HuffmanForm": "forms", "PaletteForm": "forms", "MatmulConfig": "matmul_triton", "fused_matmul": "matmul_triton",
+    "UnweightLinear": "linear", "decode_cpu": "decode_c", "decode_rans_cpu": "decode_rans_c",
+    "decode_huffman": "decode_triton", "transcode": "decode_triton", "decode_palette": "palette_triton",
+    "decode_palette_torch": "decode_torch", "transcode_torch": "decode_torch",
+    "huffman_from_reference": "convert", "huffman_to_reference": "convert", "palette_from_reference": "convert",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOME))

@@ -49,6 +49,7 @@ from reference.model.safetensors_io import (
     SafetensorsError,
     SafetensorsFile,
     write_safetensors,
+    write_safetensors_stream,
 )
 from reference.model.weights import open_weights
 from reference.safe_write import discard, temporary_file
@@ -138,14 +139,32 @@ def decompress_checkpoint(path: str | Path, out: str | Path, *, progress: bool =
     """Write every tensor of a container back as a plain safetensors file (compressed ones as BF16).
 
     ``decoder`` and ``rans_decoder`` decode the Huffman-form and rANS-form tensors (see
-    ``Container``)."""
+    ``Container``). Every tensor's dtype and shape are in the container's headers, so the output's
+    header is written first and each tensor's bytes follow as its batch is decoded, straight from
+    the decoded buffer (``write_safetensors_stream``): one write per tensor, no scratch copy."""
     out = Path(out)
     check_output(out, [Path(path)])
-    with Container(path, decoder=decoder, rans_decoder=rans_decoder) as c, _Scratch(out) as scratch:
-        for name, array, dtype in c.items(progress=progress):
-            scratch.put(name, array, dtype)
-        scratch.write(out, c.user_metadata)
+    with Container(path, decoder=decoder, rans_decoder=rans_decoder) as c:
+        entries = [_output_entry(c, name) for name in c.names]
+        arrays = (array for _, array, _ in c.items(progress=progress))
+        try:
+            write_safetensors_stream(out, entries, arrays, c.user_metadata)
+        except TypeError as e:  # a decoded tensor that does not match its header
+            raise CodecError(f"{path}: {e}") from None
         return len(c.names)
+
+
+def _output_entry(c: Container, name: str) -> tuple[str, str, list[int]]:
+    """(name, safetensors dtype, shape) of a container's tensor in the decompressed file, from its
+    header (checked here: the header comes from the file)."""
+    header = c.headers[name]
+    dtype = "BF16" if c.is_compressed(name) else header.get("dtype")
+    shape = header.get("shape")
+    if dtype not in DTYPES or not isinstance(shape, list) or not all(
+            type(d) is int and d >= 0 for d in shape):
+        raise CodecError(f"{c.path}: tensor {name!r}: bad dtype {dtype!r} or shape {shape!r} in "
+                         "its header")
+    return name, dtype, shape
 
 
 def _header_json(name: str, header: dict[str, Any]) -> str:

@@ -207,31 +207,67 @@ def write_safetensors(
     as "BF16") and fp8 (uint8 written as "F8_E4M3"). The file is written to a temporary name and
     renamed, so a crash never leaves a half-written file under ``path`` (see ``atomic_output``).
     """
-    path = Path(path)
     dtypes = dict(dtypes or {})
+    arrays, entries = [], []
+    for name, array in tensors.items():
+        array = np.asarray(array, order="C")  # (not ascontiguousarray: it turns 0-d into 1-d)
+        dtype = dtypes.get(name) or _DEFAULT_NAME.get(array.dtype.newbyteorder("="))
+        if dtype is None:
+            raise TypeError(f"tensor {name!r}: no safetensors dtype for NumPy dtype {array.dtype}")
+        arrays.append(array)
+        entries.append((name, dtype, array.shape))
+    write_safetensors_stream(path, entries, arrays, metadata)
+
+
+def header_bytes(entries: Iterable[tuple[str, str, Iterable[int]]],
+                 metadata: Mapping[str, str] | None = None) -> bytes:
+    """The first bytes of a safetensors file whose tensors are ``entries`` (name, safetensors dtype,
+    shape), in this order, their data back to back: the 8-byte length and the JSON header, padded
+    with spaces so that the data starts 8-byte aligned."""
     header: dict[str, object] = {}
     if metadata:
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
             raise TypeError("safetensors metadata must map strings to strings")
         header["__metadata__"] = dict(metadata)
     offset = 0
-    arrays = []
-    for name, array in tensors.items():
-        array = np.asarray(array, order="C")  # (not ascontiguousarray: it turns 0-d into 1-d)
-        dtype = dtypes.get(name) or _DEFAULT_NAME.get(array.dtype.newbyteorder("="))
-        if dtype is None:
-            raise TypeError(f"tensor {name!r}: no safetensors dtype for NumPy dtype {array.dtype}")
-        if DTYPES[dtype].itemsize != array.dtype.itemsize:
-            raise TypeError(f"tensor {name!r}: {array.dtype} cannot be stored as {dtype}")
-        array = array.astype(array.dtype.newbyteorder("<"), copy=False)
-        header[name] = {"dtype": dtype, "shape": list(array.shape),
-                        "data_offsets": [offset, offset + array.nbytes]}
-        offset += array.nbytes
-        arrays.append(array)
+    for name, dtype, shape in entries:
+        if dtype not in DTYPES:
+            raise TypeError(f"tensor {name!r}: unknown safetensors dtype {dtype!r}")
+        if name in header:
+            raise ValueError(f"two tensors named {name!r}")
+        shape = [int(d) for d in shape]
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)  # pad so the data section starts 8-byte aligned
+    return len(blob).to_bytes(8, "little") + blob
+
+
+def write_safetensors_stream(path: str | Path, entries: Iterable[tuple[str, str, Iterable[int]]],
+                             arrays: Iterable[np.ndarray],
+                             metadata: Mapping[str, str] | None = None) -> None:
+    """Write a safetensors file whose tensors are known before their data: ``entries`` (name,
+    safetensors dtype, shape), then ``arrays``, one per entry in the same order, consumed one at a
+    time (so a generator that decodes them keeps one in memory). The header goes first, then each
+    array's bytes straight from its buffer (no copy on a little-endian machine). Each array must
+    have its entry's shape and its dtype's item size, else ``TypeError`` and no file. Written
+    through ``atomic_output``, as ``write_safetensors``."""
+    entries = [(name, dtype, tuple(int(d) for d in shape)) for name, dtype, shape in entries]
+    head = header_bytes(entries, metadata)
     with atomic_output(path) as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        for array in arrays:
-            f.write(array.tobytes())
+        f.write(head)
+        it = iter(arrays)
+        for name, dtype, shape in entries:
+            array = next(it, None)
+            if array is None:
+                raise TypeError(f"tensor {name!r}: no array given")
+            array = np.asarray(array, order="C")
+            if DTYPES[dtype].itemsize != array.dtype.itemsize:
+                raise TypeError(f"tensor {name!r}: {array.dtype} cannot be stored as {dtype}")
+            if array.shape != shape:
+                raise TypeError(f"tensor {name!r}: shape {array.shape}, its entry says {shape}")
+            array = array.astype(array.dtype.newbyteorder("<"), copy=False)
+            f.write(array.reshape(-1).view(np.uint8).data)
+        if next(it, None) is not None:
+            raise TypeError(f"more arrays than the {len(entries)} entries")
