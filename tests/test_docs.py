@@ -345,16 +345,6 @@ def retyped_numbers(text: str) -> list[str]:
     return bad
 
 
-# Guides whose diary (dated runs, commits, loads) is not yet moved to CHANGELOG.md or a result note: issue 44 left
-# these for a later pass; each entry is removed once its guide is clean (the test then holds it clean).
-DIARY_PENDING = {
-    "conformance/README.md": "two commits and a load in the compile gate's timing note",
-    "experiments/README.md": "the per-claim notes (E4, E5, E10, R2 runs) still name their commits and loads",
-    "fast/README.md": "the register table names the commit it was compiled at",
-    "fast/pipeline/README.md": "the executed pipeline's stored runs name their commits and loads",
-    "reference/cluster/README.md": "the fidelity note names its commit",
-    "reference/disagg/README.md": "the measured P/D runs name their commits and loads",
-}
 # Documents that are not read as guides start to end, so their length is not a guide's
 LONG_ALLOWED = {
     "reference/codec/FORMAT.md": "the format's specification: sections are looked up, and splitting it would split "
@@ -404,15 +394,9 @@ def test_no_diary_in_a_guide(rel: str) -> None:
     text = (REPO / rel).read_text()
     lines = len(text.splitlines())
     assert lines < 300 or rel in LONG_ALLOWED, f"{rel} is {lines} lines (a guide stays under 300)"
-    if rel == "paper/report.md" or rel in DIARY_PENDING:  # the report: each number beside its commit and machine
+    if rel == "paper/report.md":  # the report: each number beside its commit and machine
         return
     assert not diary_entries(text), f"{rel}: move these to a result note or CHANGELOG.md: {diary_entries(text)}"
-
-
-def test_the_pending_diaries_are_still_pending() -> None:
-    """An entry of DIARY_PENDING whose guide is clean now must leave the list (so the test covers it)."""
-    clean = [rel for rel in DIARY_PENDING if not diary_entries((REPO / rel).read_text())]
-    assert not clean, f"remove from DIARY_PENDING, these are clean now: {clean}"
 
 
 @pytest.mark.parametrize("rel", GUIDES)
