@@ -185,6 +185,8 @@ def build_paper(implemented: dict[str, Experiment], results_dir: Path = RESULTS_
             lines += ["", f"**Note:** {note}"]
         for table in r.get("tables", []):
             lines += ["", table]
+        if c.id == "U3":
+            lines += codec_peers_lines(results_dir)
         for fig in r.get("figures", []):
             lines += ["", f"![{c.id}]({figs}/{fig})"]
     if results_dir.resolve() == RESULTS_DIR.resolve() and out.resolve() == PAPER.resolve():
@@ -292,6 +294,26 @@ def engine_bench_section(results_dir: Path) -> list[str]:
               + (f" transformers by batch size: {by_batch} useful tok/s." if by_batch else "")]
     lines += [f"\n![engine benchmark](../experiments/results/{fig})" for fig in r.get("figures", [])]
     return lines
+
+
+def codec_peers_lines(results_dir: Path) -> list[str]:
+    """U3's coders on whole files (``python -m experiments.unweight.bench_codec_peers``), when it was measured."""
+    try:
+        r = json.loads((results_dir / "bench_codec_peers.json").read_text())
+        names, models = list(r["versions"]), r["models"]
+        cells = [[m["coders"][n] for n in names] for m in models]
+        rows = [f"| {m['weights']} | " + " | ".join(f"{c['ratio']:.4f}x, {c['decode_GBps_median']:.3g} GB/s "
+                                                   f"({c['decode_vs_zipnn_median']:.2f}x)" for c in row) + " |"
+                for m, row in zip(models, cells, strict=True)]
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError):
+        return []
+    return ["", "Whole files, every coder (`experiments/unweight/bench_codec_peers.py`): each model's 2-D+ tensors "
+            "as one bf16 safetensors file; ratio = that file / the compressed file; decode = one thread on one core, "
+            "compressed file (page cache) to buffers in memory, median of "
+            f"{r.get('repeat', '?')} runs (x ZipNN: the same runs' time ratio); every output byte-identical. "
+            f"{r.get('cpu', '?')}; commit {r.get('commit', '?')}; {r.get('date', '?')}.", "",
+            "| model | " + " | ".join(n if n.startswith("ours") else f"{n} {r['versions'][n]}" for n in names) + " |",
+            "|---" * (len(names) + 1) + "|", *rows]
 
 
 def _serve_section(results_dir: Path) -> list[str]:

@@ -53,3 +53,20 @@ def test_identical_compares_tensors_or_the_whole_file() -> None:
     assert not peers.identical({"b": t["a"]}, t, b"")
     assert peers.identical([b"ab", bytearray(b"c")], t, b"abc")
     assert not peers.identical([b"ab"], t, b"abc")
+
+
+def test_u3_section_reads_the_stored_comparison(tmp_path: Path) -> None:
+    import json
+
+    from experiments.report import codec_peers_lines
+
+    assert codec_peers_lines(tmp_path) == []
+    coder = {"ratio": 1.5, "decode_GBps_median": 0.5, "decode_vs_zipnn_median": 1.0}
+    (tmp_path / "bench_codec_peers.json").write_text(json.dumps({
+        "versions": {"ours_rans": "commit abc", "zipnn": "0.5.4"}, "repeat": 3, "cpu": "X", "commit": "abc",
+        "date": "d", "models": [{"weights": "minilm", "coders": {"ours_rans": coder, "zipnn": coder}}]}))
+    lines = codec_peers_lines(tmp_path)
+    assert "| model | ours_rans | zipnn 0.5.4 |" in lines
+    assert "| minilm | 1.5000x, 0.5 GB/s (1.00x) | 1.5000x, 0.5 GB/s (1.00x) |" in lines
+    (tmp_path / "bench_codec_peers.json").write_text("{}")
+    assert codec_peers_lines(tmp_path) == []
