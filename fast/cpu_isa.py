@@ -39,6 +39,20 @@ _NEEDS = {
 }
 
 
+# oneDNN's own cap (its ONEDNN_MAX_CPU_ISA) for the machine an ISA stands for: the benchmarks set it beside
+# UNFIRE_CPU_ISA, so that torch's products in the baseline are those of that machine too
+ONEDNN_CAP = {"avx512": "AVX512_CORE_BF16", "avx2": "AVX2", "scalar": "SSE41"}
+
+
+def emulation_env(name: str) -> dict[str, str]:
+    """The environment that makes a process on this CPU serve as a CPU whose best set is ``name`` would:
+    ``UNFIRE_CPU_ISA`` for our kernels and ``ONEDNN_MAX_CPU_ISA`` for torch's oneDNN (AMX: no cap)."""
+    env = {ENV: check(name)}
+    if name in ONEDNN_CAP:
+        env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_CAP[name]
+    return env
+
+
 class CpuIsaError(ValueError):
     """``UNFIRE_CPU_ISA`` names an instruction set that is unknown or that this CPU cannot execute."""
 

@@ -115,6 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         args.engine, why = pick_engine(args.engine)  # the disaggregated workers' runner too
     if why:
         print(why, file=sys.stderr, flush=True)
+    if args.engine != "reference":  # the native kernels' instruction set: checked now, named in the log
+        from fast import cpu_isa
+
+        try:
+            print(f"CPU: {cpu_isa.summary()}", file=sys.stderr, flush=True)
+        except cpu_isa.CpuIsaError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     sock = listening_socket(args.host, args.port)  # a busy port is reported now, not after the model loaded
     if sock is None:
         return 2

@@ -39,9 +39,12 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 SERVERS = ("plain", "compressed", "onednn")
 
 
-def start(model: str, name: str) -> tuple[subprocess.Popen, str]:
-    """``python -m serve`` as the server ``name`` (one of SERVERS); returns the process and its URL."""
+def start(model: str, name: str, isa: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``python -m serve`` as the server ``name`` (one of SERVERS), as a CPU whose best instruction set is
+    ``isa`` would serve (None: this CPU's best); returns the process and its URL."""
     import os
+
+    from fast import cpu_isa
 
     compressed = name == "compressed"
     cmd = [sys.executable, "-m", "serve", "--model", model, "--port", "0", "--threads", "1",
@@ -51,6 +54,8 @@ def start(model: str, name: str) -> tuple[subprocess.Popen, str]:
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", "0", *cmd]
     env = dict(os.environ, UNFIRE_TILE_MATMUL="0" if name == "onednn" else "1")
+    if isa:
+        env |= cpu_isa.emulation_env(isa)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     ready, _, _ = select.select([proc.stdout], [], [], 600)
     line = proc.stdout.readline() if ready else ""
@@ -138,11 +143,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="prompts of the prefill row, one token each (16; 0: no prefill row)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens each stream generates (48)")
     p.add_argument("--repeats", type=int, default=3, help="alternating repeats per batch (3)")
-    p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_serve.json", help="the JSON to write")
+    p.add_argument("--isa", choices=("amx", "avx512", "avx2", "neon", "scalar"), default=None,
+                   help="serve as a CPU whose best instruction set is this (UNFIRE_CPU_ISA for our kernels, "
+                        "ONEDNN_MAX_CPU_ISA for oneDNN's; default: this CPU's best)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the JSON to write (default experiments/results/bench_fused_serve[_ISA].json)")
     args = p.parse_args(argv)
+    from fast import cpu_isa
     from reference.provenance import commit, machine
 
-    servers = {name: start(args.model, name) for name in SERVERS}
+    try:
+        isa = cpu_isa.check(args.isa) if args.isa else cpu_isa.best()
+    except cpu_isa.CpuIsaError as e:
+        raise SystemExit(f"bench_fused_serve: {e}") from None
+    if args.out is None:
+        args.out = RESULTS / ("bench_fused_serve.json" if args.isa is None else f"bench_fused_serve_{args.isa}.json")
+    print(f"bench_fused_serve: {cpu_isa.describe_cpu()}; serving as {isa} "
+          f"({cpu_isa.emulation_env(isa) if args.isa else 'no cap'})", flush=True)
+    servers = {name: start(args.model, name, args.isa) for name in SERVERS}
     rows, texts = [], {}
     try:
         for b in args.batches:
@@ -192,6 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 proc.kill()
     out = {"what": "python -m serve: plain and --compressed (tile products) and plain through oneDNN, one thread "
                    "pinned to core 0, burst of B greedy streams",
+           "cpu": cpu_isa.describe_cpu(), "isa": isa, "emulated": args.isa is not None,
            "model": args.model, "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows,
            "prefill": prefill, "memory_mib": mem, "commit": commit(), "machine": machine(),
            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}

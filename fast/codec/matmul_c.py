@@ -162,10 +162,12 @@ class TileWeight:
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     # ---- use ----
-    def decoded_tiles(self, vector: bool = True) -> torch.Tensor:
-        """Every tile's bf16 words (int16 [P * T * 512]): what the products read (tests, checks)."""
+    def decoded_tiles(self, vector: bool | None = None) -> torch.Tensor:
+        """Every tile's bf16 words (int16 [P * T * 512]): what the products read (tests, checks). ``vector``:
+        the AVX-512 VBMI decoder (None: where ``UNFIRE_CPU_ISA`` allows avx512), else the scalar one."""
         if self.plain is not None:
             return self.plain.clone()
+        vector = cpu_isa.allows("avx512") if vector is None else vector
         lib = _need_library()
         count = self.panels * self.steps
         out = torch.empty(count * TILE_WORDS, dtype=torch.int16)
@@ -174,9 +176,10 @@ class TileWeight:
             raise KernelInputError("tile decode: this CPU lacks AVX-512 VBMI (use vector=False)")
         return out
 
-    def dense(self, out: torch.Tensor | None = None, vector: bool = True, threads: int | None = None
+    def dense(self, out: torch.Tensor | None = None, vector: bool | None = None, threads: int | None = None
               ) -> torch.Tensor:
-        """The weight as bf16 [out, in], written into ``out`` (a reusable buffer) if given."""
+        """The weight as bf16 [out, in], written into ``out`` (a reusable buffer) if given (``vector`` as in
+        ``decoded_tiles``)."""
         shape = (self.out_features, self.in_features)
         if out is None:
             out = torch.empty(shape, dtype=torch.bfloat16)
@@ -187,6 +190,7 @@ class TileWeight:
             full = words.transpose(0, 3, 1, 2, 4).reshape(self.panels * TILE_N, self.steps * TILE_K)
             out.view(torch.int16).copy_(torch.from_numpy(full[: shape[0], : shape[1]]))
             return out
+        vector = cpu_isa.allows("avx512") if vector is None else vector
         rc = _need_library().tm_unpack(*self._compressed_pointers(), *shape, out.data_ptr(), int(vector),
                                        threads or torch.get_num_threads())
         if rc:

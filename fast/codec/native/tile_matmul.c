@@ -170,74 +170,74 @@ static inline void store_sums(const job *j, int64_t m, int64_t p, const float *s
  * rows) each step's tiles are decoded into ring just before use by DECODE. A tile row i holds 16 pairs:
  * H vectors of LANES pairs, whose even words (the low halves) are inputs 2i and odd words inputs 2i + 1.
  * VEC, LOADW, EVEN, ODD, BCAST, FMA, ZERO, STORE are the ISA's operations. */
-#define DEFINE_FMA_ROWS(NAME, TGT, VEC, LANES, LOADW, EVEN, ODD, BCAST, FMA, ZERO, STORE, DECODE, MB)              \
-    TGT static void NAME##_##MB(const job *j, const void *tab, const uint16_t *const b[2], int np, int64_t p,          \
-                                int64_t m0, uint16_t *ring) {                                                        \
-        enum { H = 16 / LANES };                                                                                     \
-        VEC acc[MB][2][H];                                                                                           \
-        for (int m = 0; m < MB; m++)                                                                                 \
-            for (int q = 0; q < 2; q++)                                                                              \
-                for (int h = 0; h < H; h++)                                                                          \
-                    acc[m][q][h] = ZERO();                                                                           \
-        for (int64_t t = 0; t < j->T; t++) {                                                                         \
-            const uint16_t *tl[2];                                                                                   \
-            for (int q = 0; q < 2; q++) {                                                                            \
-                const int qq = q < np ? q : 0;                                                                       \
-                if (b[0]) {                                                                                          \
-                    tl[q] = b[qq] + t * TILE_WORDS;                                                                  \
-                } else {                                                                                             \
-                    if (q < np)                                                                                      \
-                        DECODE(j, tab, (p + q) * j->T + t, ring + q * TILE_WORDS);                                   \
-                    tl[q] = ring + qq * TILE_WORDS;                                                                  \
-                }                                                                                                    \
-            }                                                                                                        \
-            const float *xr = j->xf + m0 * j->Kp + 32 * t;                                                           \
-            for (int i = 0; i < 16; i++)                                                                             \
-                for (int q = 0; q < 2; q++)                                                                          \
-                    for (int h = 0; h < H; h++) {                                                                    \
-                        const VEC e = EVEN(LOADW(tl[q] + 32 * i + 2 * LANES * h));                                   \
-                        const VEC o = ODD(LOADW(tl[q] + 32 * i + 2 * LANES * h));                                    \
-                        for (int m = 0; m < MB; m++) { /* the odd input first (the portable order) */                \
-                            acc[m][q][h] = FMA(o, BCAST(xr + m * j->Kp + 2 * i + 1), acc[m][q][h]);                  \
-                            acc[m][q][h] = FMA(e, BCAST(xr + m * j->Kp + 2 * i), acc[m][q][h]);                      \
-                        }                                                                                            \
-                    }                                                                                                \
-        }                                                                                                            \
-        float sums[16];                                                                                              \
-        for (int m = 0; m < MB; m++)                                                                                 \
-            for (int q = 0; q < np; q++) {                                                                           \
-                for (int h = 0; h < H; h++)                                                                          \
-                    STORE(sums + LANES * h, acc[m][q][h]);                                                           \
-                store_sums(j, m0 + m, p + q, sums);                                                                  \
-            }                                                                                                        \
+#define DEFINE_FMA_ROWS(NAME, TGT, VEC, LANES, LOADW, EVEN, ODD, BCAST, FMA, ZERO, STORE, DECODE, MB)           \
+    TGT static void NAME##_##MB(const job *j, const void *tab, const uint16_t *const b[2], int np, int64_t p,   \
+                                int64_t m0, uint16_t *ring) {                                                   \
+        enum { H = 16 / LANES };                                                                                \
+        VEC acc[MB][2][H];                                                                                      \
+        for (int m = 0; m < MB; m++)                                                                            \
+            for (int q = 0; q < 2; q++)                                                                         \
+                for (int h = 0; h < H; h++)                                                                     \
+                    acc[m][q][h] = ZERO();                                                                      \
+        for (int64_t t = 0; t < j->T; t++) {                                                                    \
+            const uint16_t *tl[2];                                                                              \
+            for (int q = 0; q < 2; q++) {                                                                       \
+                const int qq = q < np ? q : 0;                                                                  \
+                if (b[0]) {                                                                                     \
+                    tl[q] = b[qq] + t * TILE_WORDS;                                                             \
+                } else {                                                                                        \
+                    if (q < np)                                                                                 \
+                        DECODE(j, tab, (p + q) * j->T + t, ring + q * TILE_WORDS);                              \
+                    tl[q] = ring + qq * TILE_WORDS;                                                             \
+                }                                                                                               \
+            }                                                                                                   \
+            const float *xr = j->xf + m0 * j->Kp + 32 * t;                                                      \
+            for (int i = 0; i < 16; i++)                                                                        \
+                for (int q = 0; q < 2; q++)                                                                     \
+                    for (int h = 0; h < H; h++) {                                                               \
+                        const VEC e = EVEN(LOADW(tl[q] + 32 * i + 2 * LANES * h));                              \
+                        const VEC o = ODD(LOADW(tl[q] + 32 * i + 2 * LANES * h));                               \
+                        for (int m = 0; m < MB; m++) { /* the odd input first (the portable order) */           \
+                            acc[m][q][h] = FMA(o, BCAST(xr + m * j->Kp + 2 * i + 1), acc[m][q][h]);             \
+                            acc[m][q][h] = FMA(e, BCAST(xr + m * j->Kp + 2 * i), acc[m][q][h]);                 \
+                        }                                                                                       \
+                    }                                                                                           \
+        }                                                                                                       \
+        float sums[16];                                                                                         \
+        for (int m = 0; m < MB; m++)                                                                            \
+            for (int q = 0; q < np; q++) {                                                                      \
+                for (int h = 0; h < H; h++)                                                                     \
+                    STORE(sums + LANES * h, acc[m][q][h]);                                                      \
+                store_sums(j, m0 + m, p + q, sums);                                                             \
+            }                                                                                                   \
     }
 
 /* Panels [p0, p1) two at a time, rows two at a time. Compressed: for up to 2 rows each step's tiles are
  * decoded right before use; for more, the two panels' tiles are decoded once into buf (L2) and every
  * pair of rows meets them. */
-#define DEFINE_FMA_PANELS(NAME, TGT, ROWS1, ROWS2)                                                                   \
-    TGT static void NAME(const job *j, const void *tab, uint16_t *buf,                                             \
-                         void (*decode)(const job *, const void *, int64_t, uint16_t *)) {                           \
-        const int64_t T = j->T;                                                                                      \
-        for (int64_t p = j->p0; p < j->p1; p += 2) {                                                                 \
-            const int np = j->p1 - p < 2 ? 1 : 2;                                                                    \
-            const uint16_t *b[2] = {NULL, NULL};                                                                     \
-            if (j->plain) {                                                                                          \
-                for (int q = 0; q < np; q++)                                                                         \
-                    b[q] = j->plain + (p + q) * T * TILE_WORDS;                                                      \
-            } else if (j->M > 2) {                                                                                   \
-                for (int q = 0; q < np; q++) {                                                                       \
-                    for (int64_t t = 0; t < T; t++)                                                                  \
-                        decode(j, tab, (p + q) * T + t, buf + (q * T + t) * TILE_WORDS);                             \
-                    b[q] = buf + q * T * TILE_WORDS;                                                                 \
-                }                                                                                                    \
-            }                                                                                                        \
-            int64_t m = 0;                                                                                           \
-            for (; m + 2 <= j->M; m += 2)                                                                            \
-                ROWS2(j, tab, b, np, p, m, buf);                                                                     \
-            if (m < j->M)                                                                                            \
-                ROWS1(j, tab, b, np, p, m, buf);                                                                     \
-        }                                                                                                            \
+#define DEFINE_FMA_PANELS(NAME, TGT, ROWS1, ROWS2)                                                              \
+    TGT static void NAME(const job *j, const void *tab, uint16_t *buf,                                          \
+                         void (*decode)(const job *, const void *, int64_t, uint16_t *)) {                      \
+        const int64_t T = j->T;                                                                                 \
+        for (int64_t p = j->p0; p < j->p1; p += 2) {                                                            \
+            const int np = j->p1 - p < 2 ? 1 : 2;                                                               \
+            const uint16_t *b[2] = {NULL, NULL};                                                                \
+            if (j->plain) {                                                                                     \
+                for (int q = 0; q < np; q++)                                                                    \
+                    b[q] = j->plain + (p + q) * T * TILE_WORDS;                                                 \
+            } else if (j->M > 2) {                                                                              \
+                for (int q = 0; q < np; q++) {                                                                  \
+                    for (int64_t t = 0; t < T; t++)                                                             \
+                        decode(j, tab, (p + q) * T + t, buf + (q * T + t) * TILE_WORDS);                        \
+                    b[q] = buf + q * T * TILE_WORDS;                                                            \
+                }                                                                                               \
+            }                                                                                                   \
+            int64_t m = 0;                                                                                      \
+            for (; m + 2 <= j->M; m += 2)                                                                       \
+                ROWS2(j, tab, b, np, p, m, buf);                                                                \
+            if (m < j->M)                                                                                       \
+                ROWS1(j, tab, b, np, p, m, buf);                                                                \
+        }                                                                                                       \
     }
 
 /* the exponent tables of a palette for a byte shuffle: bit 7 of a word's low byte, bits 0-6 of its high */
@@ -302,9 +302,9 @@ T512 static inline void decode_tile(const job *j, const decoder *d, int64_t tile
     patch_tile(j, tile, out);
 }
 
-/* no patch in tile (p, t) of 4 consecutive panels starting at tile index first (stride T) */
-static inline int no_patches(const job *j, int64_t first, int64_t T) {
-    for (int q = 0; q < 4; q++)
+/* no patch in tile (p, t) of np consecutive panels starting at tile index first (stride T) */
+static inline int no_patches(const job *j, int64_t first, int64_t T, int np) {
+    for (int q = 0; q < np; q++)
         if (j->pstart[first + q * T] != j->pstart[first + q * T + 1])
             return 0;
     return 1;
@@ -326,103 +326,109 @@ T512 static inline void store_row(const job *j, int64_t m, int64_t p, __m512 acc
     _mm256_mask_storeu_epi16(j->y + m * j->N + 16 * p, keep, bf16_words(acc));
 }
 
-/* ---- path 0: AVX-512 BF16, M <= 4 rows, 4 panels at a time ---- */
-#define DEFINE_GEMV(MB)                                                                                     \
-    T512 static void gemv_##MB(const job *j, const decoder *d, uint16_t *buf) {                             \
-        for (int64_t p = j->p0; p < j->p1; p += 4) {                                                        \
-            const int np = (int)(j->p1 - p < 4 ? j->p1 - p : 4);                                            \
-            __m512 acc[MB][4];                                                                              \
-            for (int m = 0; m < MB; m++)                                                                    \
-                for (int q = 0; q < 4; q++)                                                                 \
-                    acc[m][q] = _mm512_setzero_ps();                                                        \
-            for (int64_t t = 0; t < j->T; t++) {                                                            \
-                const uint32_t *xr = (const uint32_t *)(j->x + 32 * t);                                     \
-                if (!j->plain && np == 4 && no_patches(j, p * j->T + t, j->T)) {                            \
-                    for (int q = 0; q < 4; q++) {                                                           \
-                        const int64_t tile = (p + q) * j->T + t;                                            \
-                        const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2); \
-                        for (int h = 0; h < 8; h++) {                                                       \
-                            __m512i w0, w1;                                                                 \
-                            decode64(d, sm + 64 * h, ix + 32 * h, &w0, &w1);                                \
-                            for (int m = 0; m < MB; m++) {                                                  \
-                                const uint32_t *xm = xr + m * (j->Kp / 2) + 2 * h;                          \
-                                acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w0,                       \
-                                                             (__m512bh)_mm512_set1_epi32((int)xm[0]));      \
-                                acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w1,                       \
-                                                             (__m512bh)_mm512_set1_epi32((int)xm[1]));      \
-                            }                                                                               \
-                        }                                                                                   \
-                    }                                                                                       \
-                    continue;                                                                               \
-                }                                                                                           \
-                const uint16_t *tl[4];                                                                      \
-                for (int q = 0; q < 4; q++) {                                                               \
-                    const int64_t tile = (p + (q < np ? q : 0)) * j->T + t;                                 \
-                    if (j->plain) {                                                                         \
-                        tl[q] = j->plain + tile * TILE_WORDS;                                               \
-                    } else {                                                                                \
-                        if (q < np)                                                                         \
-                            decode_tile(j, d, tile, buf + q * TILE_WORDS);                                  \
-                        tl[q] = buf + (q < np ? q : 0) * TILE_WORDS;                                        \
-                    }                                                                                       \
-                }                                                                                           \
-                for (int i = 0; i < 16; i++) {                                                              \
-                    __m512i w[4];                                                                           \
-                    for (int q = 0; q < 4; q++)                                                             \
-                        w[q] = _mm512_loadu_si512(tl[q] + 32 * i);                                          \
-                    for (int m = 0; m < MB; m++) {                                                          \
-                        const __m512i xb = _mm512_set1_epi32((int)xr[m * (j->Kp / 2) + i]);                 \
-                        for (int q = 0; q < 4; q++)                                                         \
-                            acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w[q], (__m512bh)xb);          \
-                    }                                                                                       \
-                }                                                                                           \
-            }                                                                                               \
-            for (int m = 0; m < MB; m++)                                                                    \
-                for (int q = 0; q < np; q++)                                                                \
-                    store_row(j, m, p + q, acc[m][q]);                                                      \
-        }                                                                                                   \
+/* ---- path 0: AVX-512 BF16, MB <= 8 rows, NP panels at a time (MB x NP <= 16 sums in registers) ---- */
+#define DEFINE_GEMV(MB, NP)                                                                                     \
+    T512 static void gemv_##MB(const job *j, const decoder *d, uint16_t *buf) {                                 \
+        for (int64_t p = j->p0; p < j->p1; p += NP) {                                                           \
+            const int np = (int)(j->p1 - p < NP ? j->p1 - p : NP);                                              \
+            __m512 acc[MB][NP];                                                                                 \
+            for (int m = 0; m < MB; m++)                                                                        \
+                for (int q = 0; q < NP; q++)                                                                    \
+                    acc[m][q] = _mm512_setzero_ps();                                                            \
+            for (int64_t t = 0; t < j->T; t++) {                                                                \
+                const uint32_t *xr = (const uint32_t *)(j->x + 32 * t);                                         \
+                if (!j->plain && np == NP && no_patches(j, p * j->T + t, j->T, NP)) {                           \
+                    for (int q = 0; q < NP; q++) {                                                              \
+                        const int64_t tile = (p + q) * j->T + t;                                                \
+                        const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2);  \
+                        for (int h = 0; h < 8; h++) {                                                           \
+                            __m512i w0, w1;                                                                     \
+                            decode64(d, sm + 64 * h, ix + 32 * h, &w0, &w1);                                    \
+                            for (int m = 0; m < MB; m++) {                                                      \
+                                const uint32_t *xm = xr + m * (j->Kp / 2) + 2 * h;                              \
+                                acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w0,                           \
+                                                             (__m512bh)_mm512_set1_epi32((int)xm[0]));          \
+                                acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w1,                           \
+                                                             (__m512bh)_mm512_set1_epi32((int)xm[1]));          \
+                            }                                                                                   \
+                        }                                                                                       \
+                    }                                                                                           \
+                    continue;                                                                                   \
+                }                                                                                               \
+                const uint16_t *tl[NP];                                                                         \
+                for (int q = 0; q < NP; q++) {                                                                  \
+                    const int64_t tile = (p + (q < np ? q : 0)) * j->T + t;                                     \
+                    if (j->plain) {                                                                             \
+                        tl[q] = j->plain + tile * TILE_WORDS;                                                   \
+                    } else {                                                                                    \
+                        if (q < np)                                                                             \
+                            decode_tile(j, d, tile, buf + q * TILE_WORDS);                                      \
+                        tl[q] = buf + (q < np ? q : 0) * TILE_WORDS;                                            \
+                    }                                                                                           \
+                }                                                                                               \
+                for (int i = 0; i < 16; i++) {                                                                  \
+                    __m512i w[NP];                                                                              \
+                    for (int q = 0; q < NP; q++)                                                                \
+                        w[q] = _mm512_loadu_si512(tl[q] + 32 * i);                                              \
+                    for (int m = 0; m < MB; m++) {                                                              \
+                        const __m512i xb = _mm512_set1_epi32((int)xr[m * (j->Kp / 2) + i]);                     \
+                        for (int q = 0; q < NP; q++)                                                            \
+                            acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w[q], (__m512bh)xb);              \
+                    }                                                                                           \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int m = 0; m < MB; m++)                                                                        \
+                for (int q = 0; q < np; q++)                                                                    \
+                    store_row(j, m, p + q, acc[m][q]);                                                          \
+        }                                                                                                       \
     }
-DEFINE_GEMV(1)
-DEFINE_GEMV(2)
-DEFINE_GEMV(3)
-DEFINE_GEMV(4)
+DEFINE_GEMV(1, 4)
+DEFINE_GEMV(2, 4)
+DEFINE_GEMV(3, 4)
+DEFINE_GEMV(4, 4)
+DEFINE_GEMV(5, 2)
+DEFINE_GEMV(6, 2)
+DEFINE_GEMV(7, 2)
+DEFINE_GEMV(8, 2)
 
 /* ---- path 0 above 4 rows: rows m0 .. m0 + MB - 1 of panels p .. p + np - 1, tiles of step t at
  * b[q] + t * TILE_WORDS, each output summed in order of k by VDPBF16PS exactly as gemv_* sums it ---- */
-#define DEFINE_ROWS512(MB)                                                                                  \
-    T512 static void rows512_##MB(const job *j, const uint16_t *const b[4], int np, int64_t p, int64_t m0) { \
-        __m512 acc[MB][4];                                                                                  \
-        for (int m = 0; m < MB; m++)                                                                        \
-            for (int q = 0; q < 4; q++)                                                                     \
-                acc[m][q] = _mm512_setzero_ps();                                                            \
-        const uint32_t *x0 = (const uint32_t *)(j->x + m0 * j->Kp);                                         \
-        for (int64_t t = 0; t < j->T; t++)                                                                  \
-            for (int i = 0; i < 16; i++) {                                                                  \
-                __m512i w[4];                                                                               \
-                for (int q = 0; q < 4; q++)                                                                 \
-                    w[q] = _mm512_loadu_si512(b[q < np ? q : 0] + t * TILE_WORDS + 32 * i);                 \
-                for (int m = 0; m < MB; m++) {                                                              \
-                    const __m512i xb = _mm512_set1_epi32((int)x0[m * (j->Kp / 2) + 16 * t + i]);            \
-                    for (int q = 0; q < 4; q++)                                                             \
-                        acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w[q], (__m512bh)xb);              \
-                }                                                                                           \
-            }                                                                                               \
-        for (int m = 0; m < MB; m++)                                                                        \
-            for (int q = 0; q < np; q++)                                                                    \
-                store_row(j, m0 + m, p + q, acc[m][q]);                                                     \
+#define DEFINE_ROWS512(MB)                                                                                      \
+    T512 static void rows512_##MB(const job *j, const uint16_t *const b[4], int np, int64_t p, int64_t m0) {    \
+        __m512 acc[MB][4];                                                                                      \
+        for (int m = 0; m < MB; m++)                                                                            \
+            for (int q = 0; q < 4; q++)                                                                         \
+                acc[m][q] = _mm512_setzero_ps();                                                                \
+        const uint32_t *x0 = (const uint32_t *)(j->x + m0 * j->Kp);                                             \
+        for (int64_t t = 0; t < j->T; t++)                                                                      \
+            for (int i = 0; i < 16; i++) {                                                                      \
+                __m512i w[4];                                                                                   \
+                for (int q = 0; q < 4; q++)                                                                     \
+                    w[q] = _mm512_loadu_si512(b[q < np ? q : 0] + t * TILE_WORDS + 32 * i);                     \
+                for (int m = 0; m < MB; m++) {                                                                  \
+                    const __m512i xb = _mm512_set1_epi32((int)x0[m * (j->Kp / 2) + 16 * t + i]);                \
+                    for (int q = 0; q < 4; q++)                                                                 \
+                        acc[m][q] = _mm512_dpbf16_ps(acc[m][q], (__m512bh)w[q], (__m512bh)xb);                  \
+                }                                                                                               \
+            }                                                                                                   \
+        for (int m = 0; m < MB; m++)                                                                            \
+            for (int q = 0; q < np; q++)                                                                        \
+                store_row(j, m0 + m, p + q, acc[m][q]);                                                         \
     }
 DEFINE_ROWS512(1)
 DEFINE_ROWS512(2)
 DEFINE_ROWS512(3)
 DEFINE_ROWS512(4)
 
-/* path 0 for any M: up to 4 rows gemv_M (tiles decoded as they are used); above, four panels at a
- * time, their tiles (decoded once into buf if compressed) met by every block of 4 rows */
+/* path 0 for any M: up to 8 rows gemv_M (tiles decoded as they are used, every row's sums in registers);
+ * above, four panels at a time, their tiles (decoded once into buf if compressed) met by every block of
+ * 4 rows */
 T512 static void avx512_panels(const job *j, const decoder *d, uint16_t *buf) {
-    static void (*const gemv[4])(const job *, const decoder *, uint16_t *) = {gemv_1, gemv_2, gemv_3, gemv_4};
+    static void (*const gemv[8])(const job *, const decoder *, uint16_t *) = {gemv_1, gemv_2, gemv_3, gemv_4,
+                                                                              gemv_5, gemv_6, gemv_7, gemv_8};
     static void (*const rows[4])(const job *, const uint16_t *const *, int, int64_t, int64_t) = {
         rows512_1, rows512_2, rows512_3, rows512_4};
-    if (j->M <= 4) {
+    if (j->M <= 8) {
         gemv[j->M - 1](j, d, buf);
         return;
     }
@@ -472,16 +478,16 @@ TAMX static inline void store_tile(const job *j, int c, int64_t m0, int64_t pp, 
 #define TM_PASS_BYTES (1 << 20) /* A tiles of one pass over the panels (rows of x kept in L2) */
 #endif
 #define TM_KC 64 /* at most this many steps of k per block (a pair of panels: <= 128 KB of B tiles, in L2) */
-#define AMX_STEP(A0, A1, B0, B1)                                                                    \
-    do {                                                                                            \
-        _tile_stream_loadd(4, A0, 64);                                                              \
-        _tile_loadd(6, B0, 64);                                                                     \
-        _tile_stream_loadd(5, A1, 64);                                                              \
-        _tile_loadd(7, B1, 64);                                                                     \
-        _tile_dpbf16ps(0, 4, 6);                                                                    \
-        _tile_dpbf16ps(2, 5, 6);                                                                    \
-        _tile_dpbf16ps(1, 4, 7);                                                                    \
-        _tile_dpbf16ps(3, 5, 7);                                                                    \
+#define AMX_STEP(A0, A1, B0, B1)                                                                                \
+    do {                                                                                                        \
+        _tile_stream_loadd(4, A0, 64);                                                                          \
+        _tile_loadd(6, B0, 64);                                                                                 \
+        _tile_stream_loadd(5, A1, 64);                                                                          \
+        _tile_loadd(7, B1, 64);                                                                                 \
+        _tile_dpbf16ps(0, 4, 6);                                                                                \
+        _tile_dpbf16ps(2, 5, 6);                                                                                \
+        _tile_dpbf16ps(1, 4, 7);                                                                                \
+        _tile_dpbf16ps(3, 5, 7);                                                                                \
     } while (0)
 
 static inline void fetch_tile(const uint16_t *tile) { /* its 16 cache lines, into L1 */
@@ -541,10 +547,10 @@ TD32 static inline void flush(const job *j, pending *w) { flush_rows(j, w, 32); 
 
 /* during step t of a block that started at k0: the next rows of the pending block, if any (from step
  * `after` on, `per` rows a step: amx_block takes all at once when there is one row block per panel) */
-#define FLUSH_STEP(j, w, t, k0)                                                                  \
-    do {                                                                                          \
-        if ((w).n && (t) - (k0) >= after)                                                         \
-            flush_rows(j, &(w), (w).done + per);                                                  \
+#define FLUSH_STEP(j, w, t, k0)                                                                                 \
+    do {                                                                                                        \
+        if ((w).n && (t) - (k0) >= after)                                                                       \
+            flush_rows(j, &(w), (w).done + per);                                                                \
     } while (0)
 
 /* Panels [p, p + np) (np <= 4), B tiles at b[q] (T tiles each, 512 words apart), every row of x.
