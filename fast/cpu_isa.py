@@ -20,10 +20,12 @@ AVX2-only laptop runs. An ISA this CPU cannot execute, or an unknown name, is re
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import platform
 import re
+import sys
 from pathlib import Path
 
 ENV = "UNFIRE_CPU_ISA"
@@ -79,11 +81,15 @@ def _cpu_flags() -> set[str] | None:
 
 
 def _amx_permitted() -> bool:
-    """Linux lets this process use the AMX tile data (asked through the tile products' C library)."""
-    from fast.codec import matmul_c  # the C side asks the kernel (arch_prctl): a Python probe cannot
-
-    lib = matmul_c.library()
-    return lib is not None and bool(lib.tm_amx_ready())
+    """Linux lets this process use the AMX tile data: arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), the request
+    tile_matmul.c's tm_amx_ready makes too (asked here through libc, so that no torch import is needed)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl on x86-64
+    except (OSError, AttributeError):
+        return False
 
 
 @functools.cache
