@@ -514,3 +514,71 @@ def test_every_native_source_is_package_data() -> None:
     assert not uncovered_native_sources(pyproject), uncovered_native_sources(pyproject)
     planted = pyproject.replace('"fast.engine" = ["native/*.c"]', '"fast.engine" = []')
     assert planted != pyproject and uncovered_native_sources(planted) == ["fast/engine/native/fused_ops.c"]
+
+
+# ---------------------------------------------------------------------------------------------------- try it
+
+# A "try it" is a ```pycon block right after a line <!-- try-it -->: a REPL session (>>> lines, the output
+# expected below each) that the docs test runs with doctest, each block in a fresh namespace, from the root.
+_TRY_IT = re.compile(r"^([ \t]*)<!-- try-it -->[ \t]*\n[ \t]*```pycon[ \t]*\n(.*?)^[ \t]*```", re.M | re.S)
+
+
+def try_its(text: str) -> list[str]:
+    """The sessions of every try-it block of a guide, dedented."""
+    out = []
+    for m in _TRY_IT.finditer(text):
+        indent = len(m.group(1))
+        out.append("".join(line[indent:] if line[:indent].isspace() else line
+                           for line in m.group(2).splitlines(keepends=True)))
+    return out
+
+
+def run_try_it(session: str, name: str) -> str:
+    """Run one try-it session with doctest; what failed ("" when every output was the expected one)."""
+    import doctest
+
+    test = doctest.DocTestParser().get_doctest(session, {}, name, None, 0)
+    report = io.StringIO()
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS)
+    runner.run(test, out=report.write)
+    return report.getvalue() if runner.failures else ""
+
+
+TRY_ITS = [(rel, i) for rel in GUIDES for i in range(len(try_its((REPO / rel).read_text())))]
+
+
+@pytest.mark.parametrize(("rel", "index"), TRY_ITS)
+def test_every_try_it_gives_the_output_it_shows(rel: str, index: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    session = try_its((REPO / rel).read_text())[index]
+    failed = run_try_it(session, f"{rel} try-it {index + 1}")
+    assert not failed, failed
+
+
+def tour_stops(text: str) -> list[str]:
+    """The stops of the tour in reference/README.md: each numbered item of a "Tour" section, and each ###
+    section after them (the handoff, the cluster), with the text up to the next stop."""
+    start = text.index("## Tour 1")
+    stops = re.split(r"^(?=\d+\. |### |## )", text[start:], flags=re.M)
+    return [s for s in stops if re.match(r"\d+\. |### ", s)]
+
+
+def test_every_stop_of_the_tour_has_a_try_it() -> None:
+    stops = tour_stops((REPO / "reference/README.md").read_text())
+    assert len(stops) >= 23  # 12 stops of tour 1, 9 of tour 2, the handoff, the cluster
+    bare = [s.splitlines()[0][:60] for s in stops if "<!-- try-it -->" not in s]
+    assert not bare, f"tour stops without a try-it: {bare}"
+    text = (REPO / "reference/README.md").read_text()
+    handoff = next(s for s in stops if s.startswith("### The prefill/decode handoff"))
+    assert "DONE(first token, kv digest)" in handoff, "the handoff stop lost PROTOCOL.md's timeline"
+    assert "<!-- try-it -->" in text.split("## Then the kernels")[1]
+
+
+def test_a_planted_wrong_try_it_is_reported() -> None:
+    good = "<!-- try-it -->\n```pycon\n>>> 1 + 1\n2\n```\n"
+    assert try_its(good) == [">>> 1 + 1\n2\n"] and run_try_it(try_its(good)[0], "good") == ""
+    assert "Expected:" in run_try_it(try_its(good.replace("\n2\n", "\n3\n"))[0], "planted")
+    indented = "1. a stop\n   <!-- try-it -->\n   ```pycon\n   >>> [1]\n   [1]\n   ```\n"
+    assert try_its(indented) == [">>> [1]\n[1]\n"]
+    assert tour_stops("## Tour 1\n1. a\n<!-- try-it -->\n2. b\n### c\n") == ["1. a\n<!-- try-it -->\n", "2. b\n",
+                                                                             "### c\n"]
