@@ -135,8 +135,8 @@ def _attention(cache, step, q, scale, isa: str, simd: str, monkeypatch: pytest.M
 @pytest.mark.parametrize("d", [32, 64])
 def test_decode_attention_under_every_isa(isa: str, d: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """amx: the AMX path where the CPU has it, today's default bits; avx512: the AVX-512 BF16 loops, the bits of
-    UNFIRE_NATIVE_SIMD=3; below: not taken (the torch path), or the plain loops where UNFIRE_NATIVE_SIMD=0 forces
-    them, their bits. Each within the float64 bound of tests/test_fast_kv_native.py."""
+    UNFIRE_NATIVE_SIMD=3; below: the plain loops (the AVX2 build under avx2), the bits of UNFIRE_NATIVE_SIMD=0's
+    portable build. Each within the float64 bound of tests/test_fast_kv_native.py."""
     cache, step, q, scale, want = _setup([70, 1, 33, 129], 2, 3, d, 16, 11)
     if _allows(isa, "avx512") and attention_c.has_simd():
         got = _attention(cache, step, q, scale, isa, "1", monkeypatch)
@@ -146,9 +146,9 @@ def test_decode_attention_under_every_isa(isa: str, d: int, monkeypatch: pytest.
         ref_isa, ref_simd = (isa, "1") if path == "amx" else (cpu_isa.best(), "3")
     else:
         monkeypatch.setenv("UNFIRE_NATIVE_SIMD", "1")
-        assert not attention_c.applies(q, cache) and not attention_c.has_simd() and not attention_c.has_amx()
-        got = _attention(cache, step, q, scale, isa, "0", monkeypatch)
-        assert attention_c.last_path() == "plain"
+        assert attention_c.applies(q, cache) and not attention_c.has_simd() and not attention_c.has_amx()
+        got = _attention(cache, step, q, scale, isa, "1", monkeypatch)
+        assert attention_c.last_path() == ("plain-avx2" if _allows(isa, "avx2") else "plain")
         ref_isa, ref_simd = cpu_isa.best(), "0"
     assert torch.equal(got.view(torch.int16), _attention(cache, step, q, scale, ref_isa, ref_simd,
                                                          monkeypatch).view(torch.int16))

@@ -26,9 +26,11 @@ one of a prefill chunk's, or beside decode rows in a mixed step, so chunking, pr
 disaggregated and pipelined topologies give the same tokens.
 
 ``UNFIRE_CPU_ISA`` (``fast.cpu_isa``) caps the paths: ``amx`` as above; ``avx512`` the AVX-512 BF16 loops (where
-``UNFIRE_NATIVE_SIMD`` says 1; 2 and 0 as said); ``avx2``, ``neon`` and ``scalar`` the torch path, as on a CPU
-without AVX-512 (the plain C loops where ``UNFIRE_NATIVE_SIMD=0`` forces them). A set this CPU lacks raises
-``CpuIsaError`` at the first call.
+``UNFIRE_NATIVE_SIMD`` says 1; 2 and 0 as said); ``avx2`` the plain C loops compiled for AVX2 (the compiler
+vectorises their explicit lanes; the same bits as the portable build), ``neon`` and ``scalar`` the plain C loops.
+Each row is then computed alone, whatever its batch (the torch path's padded batch products are not
+batch-invariant), so every CPU keeps the topologies' tokens equal. A set this CPU lacks raises ``CpuIsaError`` at
+the first call.
 
 Built on first use by ``fast.build_c`` with the system compiler; no compiler, a failed
 build, ``UNFIRE_NATIVE=0`` or ``UNFIRE_NATIVE_ATTENTION=0``: ``decode_rows`` returns False and the
@@ -108,25 +110,26 @@ def last_path() -> str:
     """The path the kernel's last call in this process took ("amx", "avx512-bf16", "avx512", "plain", "none")."""
     lib = library()
     code = lib.unf_decode_attention_last_path() if lib is not None else -1
-    return {4: "amx", 3: "avx512-bf16", 2: "avx512", 0: "plain"}.get(code, "none")
+    return {4: "amx", 3: "avx512-bf16", 2: "avx512", 5: "plain-avx2", 0: "plain"}.get(code, "none")
 
 
 def simd_level() -> int:
     """``UNFIRE_NATIVE_SIMD`` as the kernel's ``simd`` argument: 1 (default) the best path this CPU has (AMX, then
     AVX-512 BF16), 3 the AVX-512 BF16 loops even where AMX is there, 2 AVX-512 float32 loops, 0 plain C loops;
-    capped by ``UNFIRE_CPU_ISA``: 1 is 3 below ``amx``, every level 0 below ``avx512``."""
+    capped by ``UNFIRE_CPU_ISA``: 1 is 3 below ``amx``; below ``avx512`` the plain loops, in their AVX2 build (4)
+    where ``avx2`` is allowed and ``UNFIRE_NATIVE_SIMD`` is not 0."""
     simd = {"0": 0, "2": 2, "3": 3}.get(os.environ.get("UNFIRE_NATIVE_SIMD", "1"), 1)
     if not build_c.isa_allows("avx512"):
-        return 0
+        return 4 if simd and build_c.isa_allows("avx2") else 0
     return 3 if simd == 1 and not build_c.isa_allows("amx") else simd
 
 
 def _usable() -> bool:
-    """Built, and with its AVX-512 loops allowed (the plain C loops are slower than the torch path;
-    UNFIRE_NATIVE_SIMD=0 forces them, for tests)."""
+    """Built (on every CPU: below AVX-512 the plain loops serve, one row at a time, batch-invariant)."""
     if library() is None:
         return False
-    return has_simd() or os.environ.get("UNFIRE_NATIVE_SIMD", "1") == "0"  # has_simd first: it checks the cap
+    build_c.isa_allows("scalar")  # an UNFIRE_CPU_ISA this CPU lacks is refused here, at the first call
+    return True
 
 
 def decode_rows(q: torch.Tensor, cache: PagedKVCache, layer: int, step: KVStep, chunks: torch.Tensor,

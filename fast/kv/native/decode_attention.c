@@ -74,62 +74,19 @@ static inline void prefetch_block(const uint16_t *store, const int32_t *table, i
         __builtin_prefetch(start + off, 0, 3);
 }
 
-/* s[h * len + p] = (q_h . k_p[g(h)]) * scale for every head h (qf: float32 [heads][d]), positions [0, len). */
-static void scores_plain(const float *qf, int64_t heads, int64_t group, int64_t d, const uint16_t *k,
-                         const int32_t *table, int64_t len, int64_t block_size, int64_t kv, float scale, float *s) {
-    const int64_t nblocks = (len + block_size - 1) / block_size;
-    for (int64_t p = 0; p < len; p++) {
-        if (p % block_size == 0)
-            prefetch_block(k, table, p / block_size + 1, nblocks, block_size, kv * d);
-        const uint16_t *kp = row_at(k, table, p, block_size, kv * d);
-        for (int64_t h = 0; h < heads; h++) {
-            const uint16_t *kh = kp + (h / group) * d;
-            float part[LANES] = {0};
-            for (int64_t j = 0; j < d; j += LANES)
-                for (int l = 0; l < LANES; l++)
-                    part[l] += qf[h * d + j + l] * bf16_to_f32(kh[j + l]);
-            float dot = 0.0f;
-            for (int l = 0; l < LANES; l++)
-                dot += part[l];
-            s[h * len + p] = dot * scale;
-        }
-    }
-}
-
-/* acc[h][:] = sum_p w[h * len + p] v_p[g(h)] (acc: float32 [heads][d], zeroed first). */
-static void values_plain(const float *w, int64_t heads, int64_t group, int64_t d, const uint16_t *v,
-                         const int32_t *table, int64_t len, int64_t block_size, int64_t kv, float *acc) {
-    const int64_t nblocks = (len + block_size - 1) / block_size;
-    for (int64_t i = 0; i < heads * d; i++)
-        acc[i] = 0.0f;
-    for (int64_t p = 0; p < len; p++) {
-        if (p % block_size == 0)
-            prefetch_block(v, table, p / block_size + 1, nblocks, block_size, kv * d);
-        const uint16_t *vp = row_at(v, table, p, block_size, kv * d);
-        for (int64_t h = 0; h < heads; h++) {
-            const uint16_t *vh = vp + (h / group) * d;
-            const float wh = w[h * len + p];
-            for (int64_t j = 0; j < d; j++)
-                acc[h * d + j] += wh * bf16_to_f32(vh[j]);
-        }
-    }
-}
-
-/* e^(sh[p] - m) in place for p < len (exp_f32); returns their sum. */
-static float softmax_exp_plain(float *sh, int64_t len, float m) {
-    float part[LANES] = {0}, sum = 0.0f;
-    const int64_t whole = len - len % LANES;
-    for (int64_t p = 0; p < len; p++)
-        sh[p] = exp_f32(sh[p] - m);  /* a NaN score stays NaN */
-    for (int64_t p = 0; p < whole; p += LANES)
-        for (int l = 0; l < LANES; l++)
-            part[l] += sh[p + l];
-    for (int l = 0; l < LANES; l++)
-        sum += part[l];
-    for (int64_t p = whole; p < len; p++)
-        sum += sh[p];
-    return sum;
-}
+#define PLAIN_ATTR
+#define PLAIN(name) name##_plain
+#include "attention_plain.h"
+#undef PLAIN_ATTR
+#undef PLAIN
+#if defined(__x86_64__) && defined(__GNUC__)
+#define HAVE_AVX2_PLAIN 1
+#define PLAIN_ATTR __attribute__((target("avx2")))
+#define PLAIN(name) name##_avx2
+#include "attention_plain.h"
+#undef PLAIN_ATTR
+#undef PLAIN
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -1096,12 +1053,14 @@ int64_t unf_decode_attention_scratch(int64_t heads, int64_t kv, int64_t d, int64
  * sequence's length.
  * Returns 0; 1: a length outside [1, min(seq_lens[c], max_len, table_width * block_size)]; 2: a block id outside
  * [0, num_blocks); 3: head sizes this kernel does not take (D not a multiple of 16 or above 256).
- * simd 0: the plain loops even where AVX-512 is there (tests compare the two); 2: the AVX-512 float32 loops;
- * 3: the AVX-512 BF16 loops even where AMX is there; 1: the best this CPU has (AMX, then AVX-512 BF16).
+ * simd 0: the plain loops even where AVX-512 is there (tests compare the two); 4: the same loops compiled for
+ * AVX2 (same bits; the path of CPUs without AVX-512); 2: the AVX-512 float32 loops; 3: the AVX-512 BF16 loops
+ * even where AMX is there; 1: the best this CPU has (AMX, then AVX-512 BF16).
  * scratch: unf_decode_attention_scratch(heads, kv, d, max_len) floats. */
 static int last_path = -1;
 
-/* The path the last call took (tests): 4 AMX, 3 AVX-512 BF16, 2 AVX-512 float32, 0 plain C, -1 none yet. */
+/* The path the last call took (tests): 4 AMX, 3 AVX-512 BF16, 2 AVX-512 float32, 0 plain C, 5 plain C in its AVX2
+ * build, -1 none yet. */
 int unf_decode_attention_last_path(void) { return last_path; }
 
 int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v, const int32_t *tables,
@@ -1112,6 +1071,13 @@ int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v
     if (d % LANES != 0 || d > 256 || kv <= 0 || heads % kv != 0 || block_size <= 0)
         return 3;
     const int64_t group = heads / kv;
+#ifdef HAVE_AVX2_PLAIN
+    const int avx2 = simd == 4 && __builtin_cpu_supports("avx2");
+#else
+    const int avx2 = 0;
+#endif
+    if (simd == 4)
+        simd = 0; /* the plain loops (in their AVX2 build where the CPU has it) */
 #ifdef HAVE_AVX512_PATH
     const int avx512 = simd && __builtin_cpu_supports("avx512f");
     const int bf16_path = avx512 && simd != 2 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw")
@@ -1137,12 +1103,12 @@ int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v
                  scale, (uint8_t *)scratch, out);
         return 0;
     }
-    last_path = bf16_path ? 3 : avx512 ? 2 : 0;
+    last_path = bf16_path ? 3 : avx512 ? 2 : avx2 ? 5 : 0;
     int64_t spread[heads + 1];  /* head h of a tile prefetches rows spread[h] .. spread[h + 1] of the tile ahead */
     for (int64_t h = 0; h <= heads; h++)
         spread[h] = h * TILE / heads;
 #else
-    last_path = 0;
+    last_path = avx2 ? 5 : 0;
     (void)v_early;  /* only the AVX-512 BF16 loops prefetch */
 #endif
     for (int64_t i = 0; i < n; i++) {
@@ -1175,6 +1141,11 @@ int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v
             scores_avx512(qf, group, d, k, table, len, block_size, kv, scale, s);
         else
 #endif
+#ifdef HAVE_AVX2_PLAIN
+        if (avx2)
+            scores_avx2(qf, heads, group, d, k, table, len, block_size, kv, scale, s);
+        else
+#endif
             scores_plain(qf, heads, group, d, k, table, len, block_size, kv, scale, s);
         for (int64_t h = 0; h < heads; h++) {  /* softmax numerators in place; acc[h * d] keeps the sums */
             float *sh = s + h * len, m = sh[0];
@@ -1187,11 +1158,21 @@ int unf_decode_attention(const uint16_t *q, const uint16_t *k, const uint16_t *v
                 qf[h] = softmax_exp_avx512(sh, len, m);  /* qf is no longer needed: it holds the sums */
             else
 #endif
+#ifdef HAVE_AVX2_PLAIN
+            if (avx2)
+                qf[h] = softmax_exp_avx2(sh, len, m);
+            else
+#endif
                 qf[h] = softmax_exp_plain(sh, len, m);
         }
 #ifdef HAVE_AVX512_PATH
         if (avx512)
             values_avx512(s, heads, group, d, v, table, len, block_size, kv, acc);
+        else
+#endif
+#ifdef HAVE_AVX2_PLAIN
+        if (avx2)
+            values_avx2(s, heads, group, d, v, table, len, block_size, kv, acc);
         else
 #endif
             values_plain(s, heads, group, d, v, table, len, block_size, kv, acc);
