@@ -20,10 +20,12 @@ import torch
 from fast.engine.host_memory import keep_freed_memory
 from fast.engine.model import TorchLlama
 from fast.kv import KVStep
-from reference.model.llama import Chunk
+from reference.model.llama import Chunk, logit_rows, split_logits
 
 
 class TorchRunner:
+    all_logits = True  # honours Chunk.all_logits (prompt logprobs)
+
     def __init__(self, model: TorchLlama, num_blocks: int, block_size: int = 16, kv_dtype: str | None = None, *,
                  cuda_graphs: bool = True, max_graph_batch: int = 256):
         self.model, self.config = model, model.config
@@ -55,13 +57,12 @@ class TorchRunner:
         tokens = np.fromiter((t for ch in chunks for t in ch.tokens), dtype=np.int64, count=int(sizes.sum()))
         first_row = np.cumsum(sizes) - sizes
         positions = np.arange(len(tokens)) + np.repeat(starts - first_row, sizes)
-        wanted = [j for j, ch in enumerate(chunks) if ch.wants_logits]
-        rows = (first_row + sizes - 1)[wanted]
-        if self.graphs is not None and self.graphs.fits(sizes):
+        rows, spans = logit_rows(chunks)
+        if self.graphs is not None and self.graphs.fits(sizes) and not any(ch.all_logits for ch in chunks):
             try:
                 self.prepare_time = self.clock() - started
                 logits = self.graphs.run(tokens, starts, [ch.block_table for ch in chunks], rows)
-                return self._rows(logits, wanted, len(chunks))
+                return split_logits(logits.cpu().numpy(), chunks, spans)
             except Exception as e:  # a capture failed: run eagerly from now on, and say so once
                 warnings.warn(f"CUDA graphs disabled, decode steps run eagerly: {e}", stacklevel=2)
                 self.graphs = None
@@ -75,12 +76,4 @@ class TorchRunner:
         tokens_t, positions_t, rows_t = put(tokens), put(positions), put(rows)
         self.prepare_time = self.clock() - started
         logits = self.model.forward(tokens_t, positions_t, step, self.cache, rows_t)
-        return self._rows(logits, wanted, len(chunks))
-
-    @staticmethod
-    def _rows(logits: torch.Tensor, wanted: list[int], n: int) -> list[np.ndarray | None]:
-        host = logits.cpu().numpy()
-        out: list[np.ndarray | None] = [None] * n
-        for row, j in enumerate(wanted):
-            out[j] = host[row]
-        return out
+        return split_logits(logits.cpu().numpy(), chunks, spans)

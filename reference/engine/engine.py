@@ -6,7 +6,8 @@ Each ``step()``:
   2. the model runner applies the copy-on-write block copies it asks for to the KV cache;
   3. the model runner runs every scheduled chunk in one forward pass over the paged KV cache;
   4. a token is sampled for each sequence whose prompt is complete, from the request's (seed,
-  position) stream;
+  position) stream (and its log-probabilities kept, when asked: a request that wants its prompt's
+  asks the runner for the logits of every prompt row, and skips the prefix cache);
   5. the scheduler records the tokens and finishes requests (end token, stop id, max_tokens,
   context).
 
@@ -43,8 +44,8 @@ from reference.engine.params import (
     check_engine_args,
     check_request_args,
 )
-from reference.engine.request import Request, RequestMetrics, RequestOutput, TokenEvent
-from reference.engine.sampling import derive_seed, sample
+from reference.engine.request import Logprob, Request, RequestMetrics, RequestOutput, TokenEvent
+from reference.engine.sampling import derive_seed, log_softmax, logprob_of, sample
 from reference.kv.block_manager import BlockManager
 from reference.model.llama import Chunk
 from reference.sched import (
@@ -152,6 +153,9 @@ class Engine:
         request_id = str(number) if request_id is None else str(request_id)
         if request_id in taken:
             raise RequestRejected(f"request id {request_id!r} is already in use")
+        self._check_extras(params)
+        if params.prompt_logprobs is not None:  # every prompt row computed: no prefix cache hit
+            cache_salt = f"{cache_salt or ''}\0prompt-logprobs\0{request_id}\0{number}"
         eos = () if params.ignore_eos else self.eos_token_ids
         now = self.clock() if arrival_time is None else arrival_time
         seed = params.seed if params.seed is not None else derive_seed(self.seed, number)
@@ -166,6 +170,16 @@ class Engine:
         except (RequestError, SchedulerError) as e:  # includes an unknown tenant
             raise RequestRejected(f"request {request_id!r} rejected: {e}") from e
         return req
+
+    def _check_extras(self, params: SamplingParams) -> None:
+        """What the params ask beyond the sampling itself: a vocabulary's token ids, a runner that
+        gives every prompt row's logits."""
+        vocab = self.model.config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise RequestRejected(f"logit_bias: token ids must be in [0, {vocab})")
+        if params.prompt_logprobs is not None and not getattr(self.runner, "all_logits", False):
+            raise RequestRejected("prompt_logprobs: this engine's runner gives no logits of prompt "
+                                  "rows (a pipeline); ask without prompt logprobs (echo)")
 
     def _queue(self, reqs: list[Request]) -> None:
         """Queue requests that ``_new_request`` built (checked: adding them cannot fail)."""
@@ -245,20 +259,27 @@ class Engine:
             return []
         model_started = self.clock()
         self.runner.copy_blocks(batch.block_copies)
-        chunks = [Chunk(e.token_ids, e.start, e.block_table,
-                        wants_logits=e.needs_sample) for e in batch.entries]
+        chunks = [Chunk(e.token_ids, e.start, e.block_table, wants_logits=e.needs_sample,
+                        all_logits=_wants_prompt_rows(e)) for e in batch.entries]
         logits = self.runner.forward(chunks)
         model_time = self.clock() - model_started
-        tokens = [sample(lg, e.seq.request.params, e.seq.request.seed,
-                         e.seq.num_tokens) if e.needs_sample else None
-                  for e, lg in zip(batch.entries, logits, strict=True)]
+        for e, ch, lg in zip(batch.entries, chunks, logits, strict=True):
+            if ch.all_logits:
+                _keep_prompt_logprobs(e.seq.request, e.start, lg)
+        last = [lg[-1] if ch.all_logits else lg for ch, lg in zip(chunks, logits, strict=True)]
+        tokens = [_sample(e.seq.request, lg, e.seq.num_tokens) if e.needs_sample else None
+                  for e, lg in zip(batch.entries, last, strict=True)]
         now = self.clock()
         self.scheduler.postprocess(batch, tokens, now)
         events = []
-        for e, token in zip(batch.entries, tokens, strict=True):
+        for e, token, lg in zip(batch.entries, tokens, last, strict=True):
             if token is None:
                 continue
             req: Request = e.seq.request
+            logprob = None
+            if req.params.logprobs is not None:
+                logprob = logprob_of(log_softmax(lg), token, req.params.logprobs)
+                req.output_logprobs.append(logprob)
             req.output_token_ids.append(token)
             req.metrics.token_times.append(now)
             if e.seq.is_finished:
@@ -268,8 +289,10 @@ class Engine:
                 if self.tokenizer is not None
                 else ""
             )
-            events.append(TokenEvent(req.request_id, token, len(req.output_token_ids) - 1, now,
-                                     req.finished, req.finish_reason, text))
+            index = len(req.output_token_ids) - 1
+            events.append(TokenEvent(req.request_id, token, index, now, req.finished,
+                                     req.finish_reason, text, logprob,
+                                     _prompt_logprobs(req) if index == 0 else None))
         self.step_log.append(StepRecord(time=now, duration=now - started, model_time=model_time,
                                         new_tokens=tuple(e.num_new_tokens for e in batch.entries),
                                         context_lens=tuple(e.context_len for e in batch.entries),
@@ -340,8 +363,41 @@ class Engine:
             if self.tokenizer is not None
             else ""
         )
+        logprobs = list(req.output_logprobs) if req.params.logprobs is not None else None
+        prompt = _prompt_logprobs(req)
         return RequestOutput(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
-                             req.finish_reason, req.tenant, req.metrics, req.seq.num_cached_tokens)
+                             req.finish_reason, req.tenant, req.metrics, req.seq.num_cached_tokens,
+                             logprobs, list(prompt) if prompt is not None else None)
+
+
+def _sample(req: Request, logits: np.ndarray, position: int) -> int:
+    """The request's next token (the penalties see its prompt and output so far)."""
+    return sample(logits, req.params, req.seed, position, req.prompt_token_ids,
+                  req.output_token_ids)
+
+
+def _wants_prompt_rows(e: Any) -> bool:
+    """Whether a scheduled chunk computes prompt rows whose logprobs its request wants (the row at
+    position i gives the logprob of prompt token i + 1)."""
+    req: Request = e.seq.request
+    return req.params.prompt_logprobs is not None and e.start < len(req.prompt_token_ids) - 1
+
+
+def _keep_prompt_logprobs(req: Request, start: int, rows: np.ndarray) -> None:
+    """Record the logprobs of the prompt tokens that the rows of positions start.. predict (the
+    first computation of a position is kept: a recomputation after preemption changes nothing)."""
+    prompt, k = req.prompt_token_ids, req.params.prompt_logprobs or 0
+    for r, row in enumerate(rows):
+        target = start + r + 1
+        if target < len(prompt) and target not in req.prompt_logprobs:
+            req.prompt_logprobs[target] = logprob_of(log_softmax(row), prompt[target], k)
+
+
+def _prompt_logprobs(req: Request) -> tuple[Logprob | None, ...] | None:
+    """The prompt's logprobs, one per token, the first None (None: not asked)."""
+    if req.params.prompt_logprobs is None:
+        return None
+    return (None,) + tuple(req.prompt_logprobs.get(i) for i in range(1, len(req.prompt_token_ids)))
 
 
 def _as_params(params: SamplingParams | dict | None) -> SamplingParams:

@@ -4,7 +4,7 @@ checks of its other arguments (each error names the argument)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +38,19 @@ class SamplingParams:
     whose probabilities add up to at least ``top_p`` (1.0: all), and one token is drawn. ``seed``
     fixes the request's random stream (None: the engine derives one from its own seed and the
     request's number), so the same request gives the same tokens however it is batched.
+
+    Before any of that the logits are adjusted (``sampling.adjust``, greedy too): ``logit_bias``
+    (token id -> added bias, in [-100, 100]) is added; ``repetition_penalty`` (vLLM's, 1: off)
+    divides the positive logits and multiplies the negative ones of every token seen in the prompt
+    or the output; ``frequency_penalty`` (times the token's count) and ``presence_penalty`` (once)
+    are subtracted for every token of the output (OpenAI's, in [-2, 2]). ``min_p`` (0: off) drops
+    the tokens less likely than ``min_p`` times the most likely one (after temperature).
+
+    ``logprobs``: report the log-probability of each sampled token and of its ``logprobs`` most
+    likely alternatives (None: none, 0: the sampled token's only); ``prompt_logprobs`` the same for
+    every prompt token (the first has none). They are of the model's raw distribution: the
+    log-softmax of the logits before the adjustments, temperature and cuts (vLLM's default,
+    "raw_logprobs").
     """
 
     max_tokens: int = 16
@@ -48,6 +61,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     # keep going past the end-of-sequence token (benchmarks with fixed lengths)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    # token id -> bias; a dict is stored as a sorted tuple of pairs (the params stay hashable)
+    logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:
@@ -87,10 +108,48 @@ class SamplingParams:
         ):
             raise bad("stop_token_ids", "must be non-negative integers")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | np.integer)
+                                      or isinstance(value, bool) or value < 0):
+                raise bad(name, "must be None or an integer >= 0 (alternatives per token)")
+        ranges = (("presence_penalty", -2, 2), ("frequency_penalty", -2, 2), ("min_p", 0, 1))
+        for name, low, high in ranges:
+            value = getattr(self, name)
+            if not _is_number(value) or not low <= value <= high:
+                raise bad(name, f"must be a number in [{low}, {high}]")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            raise bad("repetition_penalty", "must be a number in (0, 100] (1 means none)")
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias, bad))
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any logit adjustment is on (bias or penalty)."""
+        return (bool(self.logit_bias) or self.presence_penalty != 0
+                or self.frequency_penalty != 0 or self.repetition_penalty != 1)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _bias_pairs(bias: object, bad: Callable[[str, str], SamplingParamsError]
+                ) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as sorted (token id, bias) pairs: ids >= 0, biases in [-100, 100]."""
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else bias
+    if isinstance(pairs, str | bytes) or not isinstance(pairs, Iterable):
+        raise bad("logit_bias", "must map token ids to biases")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, tuple | list) or len(pair) != 2:
+            raise bad("logit_bias", "must map token ids to biases")
+        token, value = pair
+        if not isinstance(token, int | np.integer) or isinstance(token, bool) or token < 0:
+            raise bad("logit_bias", f"token id {token!r}: must be an integer >= 0")
+        if not _is_number(value) or not -100 <= value <= 100:
+            raise bad("logit_bias", f"bias {value!r} of token {token}: must be in [-100, 100]")
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _is_number(x: object) -> bool:

@@ -12,6 +12,15 @@ from reference.engine.params import SamplingParams
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """A token's log-probability under the model, and the most likely tokens' at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first
+
+
+@dataclass(frozen=True)
 class TokenEvent:
     """One generated token, as the streaming API yields it."""
 
@@ -22,6 +31,9 @@ class TokenEvent:
     finished: bool
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     text: str = ""  # the token's text when the engine has a tokenizer
+    logprob: Logprob | None = None  # when the request asked for logprobs
+    # on the first token, if asked for: one per prompt token (the first None)
+    prompt_logprobs: tuple[Logprob | None, ...] | None = None
 
 
 @dataclass
@@ -60,6 +72,8 @@ class Request:
     number: int = 0  # the engine's serial number: the default id and random stream come from it
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    output_logprobs: list[Logprob] = field(default_factory=list)  # when params.logprobs is not None
+    prompt_logprobs: dict[int, Logprob] = field(default_factory=dict)  # by prompt position
 
     @property
     def finished(self) -> bool:
@@ -78,3 +92,5 @@ class RequestOutput:
     tenant: str
     metrics: RequestMetrics
     num_cached_tokens: int  # prompt tokens served from the prefix cache (at the last admission)
+    logprobs: list[Logprob] | None = None  # per output token, when asked
+    prompt_logprobs: list[Logprob | None] | None = None  # per prompt token (the first None)

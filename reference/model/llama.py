@@ -36,6 +36,34 @@ class Chunk:
     block_table: Sequence[int]  # the sequence's blocks, covering positions [0, start + len(tokens))
     # return logits of the last token (False for a prompt piece that is not the last)
     wants_logits: bool = True
+    # return logits of every token, [len(tokens), vocab] (a request wants its prompt's logprobs)
+    all_logits: bool = False
+
+
+def logit_rows(chunks: Sequence[Chunk]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Which rows of a step's tokens need logits: the row indices, and per chunk that gets any
+    (chunk index, first, end) into them. A chunk with ``all_logits`` gets all its rows."""
+    rows: list[np.ndarray] = []
+    spans, offset, got = [], 0, 0
+    for j, ch in enumerate(chunks):
+        n = len(ch.tokens)
+        if ch.all_logits or ch.wants_logits:
+            mine = np.arange(offset, offset + n) if ch.all_logits else np.array([offset + n - 1])
+            rows.append(mine)
+            spans.append((j, got, got + len(mine)))
+            got += len(mine)
+        offset += n
+    return (np.concatenate(rows) if rows else np.zeros(0, np.int64)), spans
+
+
+def split_logits(logits: np.ndarray, chunks: Sequence[Chunk],
+                 spans: list[tuple[int, int, int]]) -> list[np.ndarray | None]:
+    """Per chunk: its last row's logits [vocab], all its rows' [n, vocab] (``all_logits``), or
+    None."""
+    out: list[np.ndarray | None] = [None] * len(chunks)
+    for j, a, b in spans:
+        out[j] = logits[a:b] if chunks[j].all_logits else logits[a]
+    return out
 
 
 def linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -108,12 +136,8 @@ class LlamaModel:
         (a prefill worker sends them from there while the next layer computes).
         """
         x = self.run_layers(self.embed(chunks), chunks, cache, on_layer)
-        logits = self.logits(x, chunks)
-        results: list[np.ndarray | None] = [None] * len(chunks)
-        wanted = [j for j, ch in enumerate(chunks) if ch.wants_logits]
-        for row, j in enumerate(wanted):
-            results[j] = logits[row]
-        return results
+        rows, spans = logit_rows(chunks)
+        return split_logits(self.head(x[rows]), chunks, spans)
 
     def embed(self, chunks: Sequence[Chunk]) -> np.ndarray:
         """The residual stream's start: the embedding rows of every chunk's tokens, [tokens,
@@ -161,7 +185,13 @@ class LlamaModel:
         wanted = [j for j, ch in enumerate(chunks) if ch.wants_logits]
         if not wanted:
             return np.zeros((0, self.config.vocab_size), np.float32)
-        final = rms_norm(x[last[wanted]], self.weights.final_norm, self.config.rms_norm_eps)
+        return self.head(x[last[wanted]])
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """Final norm and output head on the rows x: [rows, vocab]."""
+        if not len(x):
+            return np.zeros((0, self.config.vocab_size), np.float32)
+        final = rms_norm(x, self.weights.final_norm, self.config.rms_norm_eps)
         return final @ self.weights.lm_head.T
 
     def _mlp(self, h: np.ndarray, i: int) -> np.ndarray:
@@ -192,6 +222,8 @@ class LlamaModel:
 
 class NumpyRunner:
     """The reference runner: ``LlamaModel.forward`` over a NumPy ``KVCache``."""
+
+    all_logits = True  # honours Chunk.all_logits (prompt logprobs)
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int = 16,
                  kv_dtype: str = "float32"):
