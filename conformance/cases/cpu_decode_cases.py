@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from conformance import isa
 from conformance.inputs import FAMILIES, LARGE_ONLY, Family, encoded, minilm_missing
 from conformance.registry import Case, Gen, Level, register
 
@@ -117,16 +118,19 @@ def _rans_fast_c(inputs: dict[str, Any]) -> dict[str, Any]:
 
 
 def register_family(family: Family, large_only: bool = False) -> None:
-    register(Case(f"codec.cpu_decode_c.{family.name}", Level.BIT_EXACT, _inputs(family), _reference, _fast_c,
-                  about=f"C decoder (fast/codec/native/decode.c), 2 threads, vs the plain decoder; {family.about}",
-                  requires=_requires_c(family), large_only=large_only))
+    for name in isa.isas():  # the C decoders under every instruction set of this architecture
+        register(Case(f"codec.cpu_decode_c.{family.name}.{name}", Level.BIT_EXACT, _inputs(family), _reference,
+                      isa.under(name, _fast_c), about=f"C decoder (fast/codec/native/decode.c), 2 threads, "
+                      f"UNFIRE_CPU_ISA={name}, vs the plain decoder; {family.about}",
+                      requires=isa.requires(name, _requires_c(family)), large_only=large_only))
+        register(Case(f"codec.cpu_decode_rans_c.{family.name}.{name}", Level.BIT_EXACT, _rans_inputs(family),
+                      _rans_reference, isa.under(name, _rans_fast_c), about=f"C rANS decoder "
+                      f"(fast/codec/native/rans_decode.c), 2 threads, UNFIRE_CPU_ISA={name}, vs the reference rANS "
+                      f"decoder; {family.about}", requires=isa.requires(name, _requires_c(family, "decode_rans_c")),
+                      large_only=large_only))
     register(Case(f"codec.cpu_decode_numpy.{family.name}", Level.BIT_EXACT, _inputs(family), _reference, _fast_numpy,
                   about=f"lockstep NumPy decoder vs the plain decoder; {family.about}",
                   requires=minilm_missing if family.needs_minilm else None, large_only=large_only))
-    register(Case(f"codec.cpu_decode_rans_c.{family.name}", Level.BIT_EXACT, _rans_inputs(family), _rans_reference,
-                  _rans_fast_c, about=f"C rANS decoder (fast/codec/native/rans_decode.c), 2 threads, vs the "
-                  f"reference rANS decoder; {family.about}", requires=_requires_c(family, "decode_rans_c"),
-                  large_only=large_only))
 
 
 for _family in FAMILIES:

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from conformance import isa
 from conformance.registry import Bound, Case, Gen, Level, register
 from reference.kv import fp8
 from reference.kv.cache import KVCache
@@ -259,9 +260,8 @@ def _native_fast(kind: str, native: bool):
     def run(inputs: dict[str, Any]) -> Any:
         from fast.kv import attention_c, ops
 
-        # without AVX-512 the engine never takes the kernel; the case then checks its plain C loops
-        want = {"UNFIRE_NATIVE_ATTENTION": "1" if native else "0",
-                "UNFIRE_NATIVE_SIMD": "1" if not native or attention_c.has_simd() else "0"}
+        # the kernel's default path for the instruction set in force (conformance/isa.py sets it per case)
+        want = {"UNFIRE_NATIVE_ATTENTION": "1" if native else "0", "UNFIRE_NATIVE_SIMD": "1"}
         old = {name: os.environ.get(name) for name in want}
         os.environ.update(want)
         try:
@@ -335,10 +335,12 @@ def _register_all() -> None:
                               bound=bf16_bound if products else bound, large_only=long,
                               about=about))
             if bf16_query and dtype == "bfloat16":  # the CPU path's two ways for one-token rows
-                register(Case(f"kv.{kind}_attention.{label}{dtype}.native", Level.BOUNDED, make,
-                              _attention_reference, _native_fast(kind, True),
-                              bound=bound if kind == "decode" else bf16_bound,  # prefill chunks: bf16 products
-                              requires=_requires_native, about=about + "; one-token rows by the C kernel (CPU)"))
+                for name in isa.isas():  # the C kernel under every instruction set of this architecture
+                    register(Case(f"kv.{kind}_attention.{label}{dtype}.native.{name}", Level.BOUNDED, make,
+                                  _attention_reference, isa.under(name, _native_fast(kind, True)),
+                                  bound=bound if kind == "decode" else bf16_bound,  # prefill chunks: bf16 products
+                                  requires=isa.requires(name, _requires_native),
+                                  about=about + f"; rows by the C kernel (CPU), UNFIRE_CPU_ISA={name}"))
                 register(Case(f"kv.{kind}_attention.{label}{dtype}.torch_gather", Level.BOUNDED, make,
                               _attention_reference, _native_fast(kind, False), bound=bf16_bound,
                               about=about + "; the C kernel off (gather + bf16 products)"))

@@ -7,10 +7,10 @@ the Triton palette decoder (under TRITON_INTERPRET=1) and, for a few matrices, t
 palette-decode matmul against the same Triton kernel on the decoded weights. Counted: weights that
 come back bit-exact, bits per weight of each form, fused results equal bit for bit.
 
-Speed on the CPU (measured in every run, quick or full): the C tile products of
-``experiments/unweight/bench_fused_cpu.py`` (each palette tile decoded in registers inside an AVX-512
-BF16 product, or into L1/L2 panels for AMX) on SmolLM2's projections (4 layers quick, all 30 full),
-against the plain products at rows 1-256, where the CPU has AVX-512 BF16 and AMX; the full benchmark's
+Speed on the CPU (measured in every run, quick or full, on any CPU): the C tile products of
+``experiments/unweight/bench_fused_cpu.py`` (each palette tile decoded right before its product, in the
+instruction set in force: AMX, AVX-512 BF16, AVX2 or NEON, ``UNFIRE_CPU_ISA``, named in the result) on
+SmolLM2's projections (all 30 layers), against the plain products at rows 1-256; the full benchmark's
 stored batch curve (experiments/results/bench_fused_cpu.json) is drawn beside it. On a Hopper GPU:
 ``python -m experiments.gpu_check`` writes experiments/results/gpu_bench.json, reported when present.
 """
@@ -78,11 +78,11 @@ def gpu_results() -> dict[str, Any] | None:
 
 
 def cpu_speed(ctx: Context) -> dict[str, Any] | None:
-    """The tile products' speed on this CPU (None where AVX-512 BF16 + AMX are missing)."""
+    """The tile products' speed on this CPU, with the instruction set in force (None without a C compiler)."""
     from experiments.unweight.bench_fused_cpu import measure
     from fast.codec import matmul_c
 
-    if not matmul_c.available():
+    if matmul_c.library() is None:
         return None
     # every layer even in a quick run: 4 layers' weights stay in cache, which hides the bytes the
     # compressed form saves (served, a model's weights stream from memory at every step)
@@ -105,7 +105,7 @@ def run(ctx: Context) -> Result:
     cpu_text = "" if cpu is None else ". CPU (measured now): " + cpu_summary(cpu)
     if gpu is None and cpu is None:
         verdict = "partly measured"
-        why = (lossless_text + ". Speed needs a CPU with AVX-512 BF16 and AMX (the C tile products) or a Hopper "
+        why = (lossless_text + ". Speed needs a C compiler (the CPU's tile products) or a Hopper "
                "GPU (`python -m experiments.gpu_check`, results in experiments/results/gpu_bench.json).")
     else:
         verdict = "measured"
@@ -126,13 +126,15 @@ def run(ctx: Context) -> Result:
 
 
 def cpu_summary(cpu: dict[str, Any]) -> str:
-    """Compressed vs plain speed by rows, as the engine serves (same bits) and for the fused tile path."""
+    """Compressed vs plain speed by rows, as the engine serves (same bits), with the CPU and its instruction set."""
     parts = [f"{r['rows']} rows {r['engine_compressed_vs_engine_plain']:.2f}x" for r in cpu["rows"]]
     b1 = next(r for r in cpu["rows"] if r["rows"] == 1)
     gbps = b1.get("gbps_engine_compressed", b1.get("gbps_tile_compressed", 0.0))  # the key before 2026-12-05
-    how = ("AMX at every row count: batch-invariant" if "gbps_engine_compressed" in b1
-           else "torch's oneDNN above 4 rows")
-    return (f"C tile products (fast/codec/native/tile_matmul.c; {how}), SmolLM2 "
+    isa = cpu.get("engine_isa")
+    how = (f"{isa} at every row count: batch-invariant" if isa else "AMX at every row count: batch-invariant"
+           if "gbps_engine_compressed" in b1 else "torch's oneDNN above 4 rows")
+    where = f" on {cpu['cpu']}" if cpu.get("cpu") else ""
+    return (f"C tile products (fast/codec/native/tile_matmul.c; {how}){where}, SmolLM2 "
             f"({cpu['layers']} layers) compressed/plain speed as served: " + ", ".join(parts)
             + f"; batch 1 streams {gbps:.1f} GB/s of compressed weights "
             f"(one-thread read bandwidth {cpu['read_bandwidth_gbps_one_thread']:.1f} GB/s)")
