@@ -11,6 +11,7 @@ read and errors are answered by ``serve.door``, the code the fleet gateway reads
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import secrets
 import time
@@ -22,12 +23,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from reference.engine.params import SamplingParams
-from serve.answer import Answer, EventStream
+from serve.answer import Answer, EventStream, Prompt
 from serve.door import BODY_TIMEOUT_S, bearer_client, door_app, gone, read_request
-from serve.engine_thread import Arrival, EngineThread, Rejected, Submission
+from serve.engine_thread import Arrival, EngineThread, Rejected, Submission, Ticket
 from serve.keys import KeyTable
+from serve.logprobs import TokenText
 from serve.metrics import ServerMetrics
-from serve.protocol import ApiError, parse_chat, parse_completion
+from serve.protocol import ApiError, Parsed, parse_chat, parse_completion
 
 
 class ServeState:
@@ -38,6 +40,7 @@ class ServeState:
         self.worker, self.tokenizer, self.model_name, self.keys = worker, tokenizer, model_name, keys
         self.max_pending, self.body_timeout_s = max_pending, body_timeout_s
         self.metrics = ServerMetrics(model_name)
+        self.token_text = TokenText(tokenizer)  # tokens' text and bytes, as logprobs report them
         self.created = int(time.time())
 
 
@@ -91,29 +94,65 @@ async def _answer(state: ServeState, request: Request, chat: bool, arrival: Arri
                                   state.tokenizer, limit, state.body_timeout_s)
     if incoming is None:
         return gone()
-    parsed, ids = incoming.parsed, incoming.ids
-    if state.metrics.in_flight >= state.max_pending:
+    parsed = incoming.parsed
+    prompts = [Prompt(ids, _prompt_text(state.tokenizer, p, ids), drop=parsed.max_tokens == 0)
+               for p, ids in zip(parsed.all_prompts, incoming.batch or (incoming.ids,), strict=True)]
+    subs = [Submission(p.ids, params, client.tenant, None if state.keys is None else client.tenant)
+            for p in prompts for params in _choice_params(parsed, limit, len(p.ids))]
+    if state.metrics.in_flight + len(subs) > state.max_pending:
         state.metrics.count("overloaded")
         raise ApiError(503, f"the server is at its limit of {state.max_pending} requests in flight; retry later",
                        code="overloaded", headers={"Retry-After": "1"})
-    max_tokens = parsed.max_tokens if parsed.max_tokens is not None else max(1, (limit or 2**31) - len(ids))
-    params = SamplingParams(max_tokens=max_tokens, **parsed.params)
-    if not params.greedy and params.seed is None:  # unseeded: a fresh stream, kept wherever the request goes
-        params = dataclasses.replace(params, seed=secrets.randbelow(1 << 63))
-    cache_salt = None if state.keys is None else client.tenant
-    state.metrics.in_flight += 1  # counted before the await, so concurrent requests see each other
-    try:
-        ticket = await state.worker.submit(Submission(ids, params, client.tenant, cache_salt), arrival)
-    except Rejected as e:
-        state.metrics.in_flight -= 1
-        state.metrics.count("rejected")
-        raise ApiError(e.failure.status, e.failure.message, headers={"Retry-After": "1"}
-                       if e.failure.status == 503 else None) from None
-    except BaseException:  # cancelled while waiting: the worker may still accept it; nobody will read it
-        state.metrics.in_flight -= 1
-        raise
-    answer = Answer(state, ticket, parsed, chat, len(ids))
+    tickets = await _submit(state, subs, arrival)
+    answer = Answer(state, tickets, parsed, chat, prompts)
     if parsed.stream:
         return EventStream(answer.events(), on_close=answer.settle, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await answer.whole(request)
+
+
+def _choice_params(parsed: Parsed, limit: int | None, num_prompt: int) -> list[SamplingParams]:
+    """The engine parameters of a prompt's ``best_of`` choices: choice i seeded ``seed + i`` (a fresh
+    random seed each without a seed); logprobs when reported or when best_of ranks by them; prompt
+    logprobs with echo."""
+    max_tokens = parsed.max_tokens if parsed.max_tokens is not None else max(1, (limit or 2**31) - num_prompt)
+    logprobs = parsed.logprobs if parsed.logprobs is not None else (0 if parsed.best_of > parsed.n else None)
+    prompt_logprobs = parsed.logprobs if parsed.echo and parsed.logprobs is not None else None
+    base = SamplingParams(max_tokens=max(1, max_tokens), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                          **parsed.params)
+    out = []
+    for i in range(parsed.best_of):
+        seed = base.seed
+        if seed is not None:
+            seed = (seed + i) % (1 << 63)
+        elif not base.greedy:  # unseeded: a fresh stream, kept wherever the request goes
+            seed = secrets.randbelow(1 << 63)
+        out.append(dataclasses.replace(base, seed=seed))
+    return out
+
+
+def _prompt_text(tokenizer: Any, prompt: Any, ids: list[int]) -> str:
+    """What echo returns: the prompt as sent, or the text of its token ids."""
+    return prompt if isinstance(prompt, str) else tokenizer.decode(ids) if not isinstance(prompt[0], dict) else ""
+
+
+async def _submit(state: ServeState, subs: list[Submission], arrival: Arrival) -> list[Ticket]:
+    """Submit every choice's request at once; if any is refused, abort the others and answer its error."""
+    state.metrics.in_flight += len(subs)  # counted before the await, so concurrent requests see each other
+    try:
+        results = await asyncio.gather(*(state.worker.submit(s, arrival) for s in subs), return_exceptions=True)
+    except BaseException:  # cancelled while waiting: each submit aborts its request; nobody will read them
+        state.metrics.in_flight -= len(subs)
+        raise
+    tickets = [r for r in results if isinstance(r, Ticket)]
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is None:
+        return tickets
+    state.metrics.in_flight -= len(subs)
+    for t in tickets:
+        state.worker.abort(t.request_id)
+    if isinstance(failure, Rejected):
+        state.metrics.count("rejected")
+        raise ApiError(failure.failure.status, failure.failure.message, headers={"Retry-After": "1"}
+                       if failure.failure.status == 503 else None) from None
+    raise failure

@@ -30,6 +30,9 @@ torch), else on the reference runner (``python -m reference.disagg worker``). Ea
 salt and weight travel in its REQUEST (revision 1, PROTOCOL.md section 3.1): the workers' prefix caches
 are salted per tenant, and their schedulers queue tenants fairly by weight.
 
+What the protocol does not carry (logprobs, prompt logprobs, the penalties, ``min_p``, ``logit_bias``)
+is refused with a 400 naming the field (``beyond_the_protocol``); ``n`` works (its choices are requests).
+
 Sampling: a request's temperature, top_k, top_p and seed travel in its REQUEST (revision 2), and both
 workers sample as the engine does (``reference/engine/sampling.py``): the random number of the token at
 position i is a function of (seed, i) only, so the prefill worker's first token, the decode worker's
@@ -108,6 +111,11 @@ class DisaggEngine:
     def add_request(self, prompt: list[int], params: SamplingParams, *, tenant: str = "default",
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         rid = str(request_id)
+        refused = beyond_the_protocol(params)
+        if refused:
+            raise RequestRejected(f"{refused}: not supported with disaggregated (P/D) workers: the handoff "
+                                  "protocol (revision 2) carries temperature, top_k, top_p and seed only, and no "
+                                  "logprobs; serve colocated (or --pipeline) for it")
         if len(prompt) >= self.max_model_len:
             raise RequestRejected(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_model_len}")
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
@@ -252,6 +260,17 @@ def sampling_fields(params: SamplingParams) -> dict | None:
     seed = params.seed if params.seed is not None else secrets.randbelow(1 << 63)
     return {"temperature": float(params.temperature), "top_k": params.top_k, "top_p": float(params.top_p),
             "seed": seed}
+
+
+def beyond_the_protocol(params: SamplingParams) -> str | None:
+    """The first field of ``params`` the workers cannot honour (None: every one is carried)."""
+    default = SamplingParams()
+    for name in ("logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "min_p", "logit_bias"):
+        if getattr(params, name) != getattr(default, name):
+            return "logprobs (asked, or needed by best_of > n)" if name == "logprobs" else \
+                "echo with logprobs (prompt_logprobs)" if name == "prompt_logprobs" else name
+    return None
 
 
 def end_tokens(params: SamplingParams, eos: tuple[int, ...]) -> list[int]:

@@ -149,7 +149,8 @@ class Incoming:
 
     body: Any  # the JSON body
     parsed: Parsed
-    ids: list[int]  # the prompt's token ids
+    ids: list[int]  # the (first) prompt's token ids
+    batch: tuple[list[int], ...] = ()  # every prompt's token ids (a completions request may have several)
 
 
 async def read_request(request: Request, parse: Callable[[Any], Parsed], tokenizer: Any,
@@ -164,16 +165,18 @@ async def read_request(request: Request, parse: Callable[[Any], Parsed], tokeniz
     def checked() -> Incoming:
         body = decode_body(raw)
         parsed = parse(body)
-        return Incoming(body, parsed, prompt_ids(tokenizer, parsed, limit))
+        batch = tuple(prompt_ids(tokenizer, parsed, limit, p) for p in parsed.all_prompts)
+        return Incoming(body, parsed, batch[0], batch)
 
     big = len(raw) > OFF_LOOP_BYTES
     incoming = await anyio.to_thread.run_sync(checked) if big else checked()
-    n = len(incoming.ids)
-    if limit is not None and n >= limit:
-        field = incoming.parsed.prompt_field
-        raise ApiError(400, f"{field}: the prompt has {n} tokens, more than the context of {limit} "
-                       "tokens allows (it must leave room for one generated token)", param=field,
-                       code="context_length_exceeded")
+    for ids in incoming.batch:
+        n = len(ids)
+        if limit is not None and n >= limit:
+            field = incoming.parsed.prompt_field
+            raise ApiError(400, f"{field}: the prompt has {n} tokens, more than the context of {limit} "
+                           "tokens allows (it must leave room for one generated token)", param=field,
+                           code="context_length_exceeded")
     return incoming
 
 
@@ -205,10 +208,10 @@ def surely_too_long(tokenizer: Any, parsed: Parsed, text_bytes: int, limit: int 
                        code="context_length_exceeded")
 
 
-def prompt_ids(tokenizer: Any, parsed: Parsed, limit: int | None) -> list[int]:
-    """The prompt's token ids: chat messages through the chat template, text encoded, ids
-    checked."""
-    prompt = parsed.prompt
+def prompt_ids(tokenizer: Any, parsed: Parsed, limit: int | None, prompt: Any = None) -> list[int]:
+    """The prompt's token ids (``prompt``, else the request's first): chat messages through the chat
+    template, text encoded, ids checked."""
+    prompt = parsed.prompt if prompt is None else prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
         size = sum(len(m["content"].encode("utf-8")) for m in prompt)  # type: ignore[index]
         surely_too_long(tokenizer, parsed, size, limit)

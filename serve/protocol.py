@@ -2,22 +2,30 @@
 
 Every check names the field it rejects (``param`` in the error body, as OpenAI does), so a client
 sees ``temperature: must be a number in [0, 2]`` instead of a stack trace. Fields that change the
-output and that we do not implement (``n`` > 1, logprobs, penalties, ...) are refused rather than
-silently ignored; fields that do not (``user``, ``metadata``) are accepted. Two vLLM extensions used
-by benchmark tools are supported: ``top_k`` and ``ignore_eos``. Text that reaches the tokenizer (the
-prompt, message contents, stop strings) must be valid Unicode: JSON can spell a lone UTF-16 surrogate
-(``"\\ud800"``), which no tokenizer can encode, so it is refused naming the field and the position.
+output and that we do not implement (``UNSUPPORTED``: tools, ``response_format``, ``suffix``, ...)
+are refused rather than silently ignored; fields that do not (``user``, ``metadata``) are accepted.
+Supported beyond the basics: ``n``, ``best_of``, ``logprobs`` (completions: k; chat: true, with
+``top_logprobs`` k), ``echo``, a list of prompts, ``presence_penalty``, ``frequency_penalty``,
+``logit_bias``, and vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``.
+Text that reaches the tokenizer (the prompt, message contents, stop strings) must be valid Unicode:
+JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer can encode, so it is
+refused naming the field and the position.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from reference.engine.params import SamplingParams, SamplingParamsError
 
 MAX_STOPS = 4
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit, vLLM's default max_logprobs)
+MAX_CHOICES = 16  # n, best_of
+MAX_PROMPTS = 64  # prompts in one completions request
 
 
 class ApiError(Exception):
@@ -43,36 +51,63 @@ def bad(param: str, why: str) -> ApiError:
 class Parsed:
     """A checked request: the prompt (text or token ids), how to sample, and how to answer."""
 
-    prompt: str | list[int]
+    prompt: str | list[int]  # the first prompt (chat: the messages)
     prompt_field: str  # "prompt" or "messages", for errors about the prompt
-    max_tokens: int | None  # None: up to the end of the context
+    max_tokens: int | None  # None: up to the end of the context; 0: none (echo only)
     params: dict[str, Any]  # SamplingParams fields other than max_tokens
     stop: list[str]
     stream: bool
     include_usage: bool
+    prompts: tuple[Any, ...] = ()  # every prompt of a completions request, in order (() : just prompt)
+    n: int = 1  # choices answered per prompt
+    best_of: int = 1  # choices generated per prompt, the n with the highest cumulative logprob answered
+    echo: bool = False  # completions: the prompt comes back before the completion (and its logprobs)
+    logprobs: int | None = None  # alternatives reported per token (None: no logprobs)
+
+    @property
+    def all_prompts(self) -> tuple[Any, ...]:
+        return self.prompts or (self.prompt,)
 
 
 UNSUPPORTED = {  # field -> the value that means "off"
-    "n": 1, "best_of": 1, "logprobs": None, "top_logprobs": None, "echo": False, "suffix": None,
-    "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "tools": None, "functions": None,
-    "response_format": None,
+    "suffix": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "response_format": None, "audio": None, "prediction": None, "web_search_options": None,
 }
+OFF_TOO = {"response_format": {"type": "text"}, "tool_choice": "none", "function_call": "none"}
 
 
 def parse_completion(body: Any, model: str) -> Parsed:
     _check_object(body, model)
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        prompts = prompt  # a batch: strings, or lists of token ids
+    else:
+        raise bad("prompt", "must be a non-empty string, a list of token ids, or a list of those")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad("prompt", f"at most {MAX_PROMPTS} prompts in one request")
+    checked = [_one_prompt(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)]
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise bad("echo", "must be true or false")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (not _is_int(logprobs) or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}] (alternatives per token) or null")
+    parsed = _common(body, checked[0], "prompt", default_max_tokens=16, zero_tokens=echo)
+    return dataclasses.replace(parsed, prompts=tuple(checked) if len(checked) > 1 else (), echo=echo,
+                               logprobs=logprobs)
+
+
+def _one_prompt(prompt: Any, field: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise bad("prompt", "must not be empty")
-        check_text("prompt", prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        prompt = [int(t) for t in prompt]
-    else:
-        raise bad("prompt", "must be a non-empty string or a list of token ids (one prompt per request)")
-    return _common(body, prompt, "prompt", default_max_tokens=16)
+            raise bad(field, "must not be empty")
+        check_text(field, prompt)
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return [int(t) for t in prompt]
+    raise bad(field, "must be a non-empty string or a non-empty list of token ids")
 
 
 def parse_chat(body: Any, model: str) -> Parsed:
@@ -97,7 +132,18 @@ def parse_chat(body: Any, model: str) -> Parsed:
         clean.append({"role": role, "content": content})
     if "max_completion_tokens" in body and body.get("max_tokens") is None:
         body = {**body, "max_tokens": body["max_completion_tokens"]}
-    return _common(body, clean, "messages", default_max_tokens=None)  # type: ignore[arg-type]
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise bad("logprobs", "must be true or false (the number of alternatives is top_logprobs)")
+    if top is not None:
+        if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
+            raise bad("top_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if not logprobs:
+            raise bad("top_logprobs", "needs logprobs: true")
+    if body.get("echo") not in (None, False):
+        raise bad("echo", "is a completions field (chat answers do not echo the messages)")
+    parsed = _common(body, clean, "messages", default_max_tokens=None)  # type: ignore[arg-type]
+    return dataclasses.replace(parsed, logprobs=(top or 0) if logprobs else None)
 
 
 def _check_object(body: Any, model: str) -> None:
@@ -111,32 +157,29 @@ def _check_object(body: Any, model: str) -> None:
                        code="model_not_found")
     for field, off in UNSUPPORTED.items():
         value = body.get(field)
-        if value is not None and value != off and value is not False:
+        if value is not None and value != off and value is not False and value != OFF_TOO.get(field):
             raise bad(field, f"is not supported by this server (only {field}={off!r})")
 
 
-def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int | None) -> Parsed:
+def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int | None,
+            zero_tokens: bool = False) -> Parsed:
     max_tokens = body.get("max_tokens")
+    least = 0 if zero_tokens else 1
     if max_tokens is None:
         max_tokens = default_max_tokens
-    elif not _is_int(max_tokens) or max_tokens < 1:
-        raise bad("max_tokens", "must be an integer >= 1")
+    elif not _is_int(max_tokens) or max_tokens < least:
+        raise bad("max_tokens", "must be an integer >= 1 (0 with echo: the prompt alone)" if not zero_tokens
+                  else "must be an integer >= 0")
+    n, best_of = _choices(body)
     params: dict[str, Any] = {}
-    temperature = body.get("temperature")
-    if temperature is not None:
-        if not _is_number(temperature) or not 0 <= temperature <= 2:
-            raise bad("temperature", "must be a number in [0, 2] (0 means greedy)")
-        params["temperature"] = float(temperature)
-    top_p = body.get("top_p")
-    if top_p is not None:
-        if not _is_number(top_p) or not 0 < top_p <= 1:
-            raise bad("top_p", "must be a number in (0, 1]")
-        params["top_p"] = float(top_p)
+    _number(body, params, "temperature", lambda x: 0 <= x <= 2, "in [0, 2] (0 means greedy)")
+    _number(body, params, "top_p", lambda x: 0 < x <= 1, "in (0, 1]")
     top_k = body.get("top_k")
     if top_k is not None and top_k != -1:  # vLLM's "off" is -1, ours is 0
         if not _is_int(top_k) or top_k < 0:
             raise bad("top_k", "must be an integer >= 0 (0 or -1: no cut)")
         params["top_k"] = int(top_k)
+    params.update(_penalties(body))
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed) or not 0 <= seed < 2**63:
@@ -163,12 +206,59 @@ def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int 
                                                                                               False), bool)):
         raise bad("stream_options", "must be an object like {\"include_usage\": true}")
     include_usage = bool(options and options.get("include_usage"))
+    if stream and best_of > n:
+        raise bad("best_of", "must equal n when streaming (the best choices are known only at the end)")
     try:  # the engine's own checks, in case they are stricter
         SamplingParams(max_tokens=max_tokens or 1, **params)
     except SamplingParamsError as e:
         field = str(e).split("=", 1)[0]
         raise bad(field, str(e)) from None
-    return Parsed(prompt, prompt_field, max_tokens, params, stop, stream, include_usage)
+    return Parsed(prompt, prompt_field, max_tokens, params, stop, stream, include_usage, n=n, best_of=best_of)
+
+
+def _number(body: dict, out: dict[str, Any], field: str, ok: Callable[[float], bool], where: str) -> None:
+    """Check the number ``body[field]`` (absent or None: left out) and put it in ``out`` as a float."""
+    value = body.get(field)
+    if value is not None:
+        if not _is_number(value) or not ok(value):
+            raise bad(field, f"must be a number {where}")
+        out[field] = float(value)
+
+
+def _choices(body: dict) -> tuple[int, int]:
+    """``n`` and ``best_of`` (default n), each in [1, MAX_CHOICES], best_of >= n."""
+    n = body.get("n")
+    n = 1 if n is None else n
+    if not _is_int(n) or not 1 <= n <= MAX_CHOICES:
+        raise bad("n", f"must be an integer in [1, {MAX_CHOICES}]")
+    best_of = body.get("best_of")
+    best_of = n if best_of is None else best_of
+    if not _is_int(best_of) or not n <= best_of <= MAX_CHOICES:
+        raise bad("best_of", f"must be an integer in [n, {MAX_CHOICES}] (n = {n})")
+    return n, best_of
+
+
+def _penalties(body: dict) -> dict[str, Any]:
+    """The penalties, min_p and logit_bias, checked (each None or absent: off)."""
+    out: dict[str, Any] = {}
+    for field in ("presence_penalty", "frequency_penalty"):
+        _number(body, out, field, lambda x: -2 <= x <= 2, "in [-2, 2]")
+    _number(body, out, "min_p", lambda x: 0 <= x <= 1, "in [0, 1]")
+    _number(body, out, "repetition_penalty", lambda x: 0 < x <= 100, "in (0, 100] (1: none)")
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad("logit_bias", "must be an object mapping token ids (as strings) to biases in [-100, 100]")
+        pairs = {}
+        for key, value in bias.items():
+            if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+                raise bad("logit_bias", f"key {key!r}: must be a token id (a string of digits)")
+            if not _is_number(value) or not -100 <= value <= 100:
+                raise bad("logit_bias", f"bias of token {key}: must be a number in [-100, 100]")
+            pairs[int(key)] = float(value)
+        if pairs:
+            out["logit_bias"] = pairs
+    return out
 
 
 def check_text(param: str, s: str) -> None:

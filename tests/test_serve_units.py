@@ -60,8 +60,11 @@ def test_bad_keys_files_are_named(tmp_path, text, match):
 
 @pytest.mark.parametrize("field, value", [
     ("temperature", -1), ("temperature", "hot"), ("top_p", 0), ("top_p", 1.5), ("max_tokens", 0),
-    ("max_tokens", 2.5), ("seed", -1), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]), ("n", 2),
-    ("stream", "yes"), ("logprobs", True), ("presence_penalty", 0.5), ("top_k", -2),
+    ("max_tokens", 2.5), ("seed", -1), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]), ("n", 0),
+    ("stream", "yes"), ("logprobs", 2), ("presence_penalty", 2.5), ("top_k", -2), ("n", 17),
+    ("top_logprobs", 21), ("frequency_penalty", "x"), ("min_p", 1.5), ("repetition_penalty", 0),
+    ("logit_bias", {"a": 1}), ("logit_bias", {"5": 101}), ("best_of", 0), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function"}]), ("echo", True),
 ])
 def test_invalid_parameters_name_the_field(field, value):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}
@@ -71,7 +74,7 @@ def test_invalid_parameters_name_the_field(field, value):
 
 
 def test_prompt_and_messages_checks():
-    for body, param in [({"model": "m"}, "prompt"), ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    for body, param in [({"model": "m"}, "prompt"), ({"model": "m", "prompt": ["a", ""]}, "prompt[1]"),
                         ({"model": "m", "prompt": [1, True]}, "prompt"), ({"prompt": "x"}, "model")]:
         with pytest.raises(ApiError) as e:
             parse_completion(body, "m")
