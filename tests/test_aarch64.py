@@ -167,7 +167,8 @@ def test_rans_decoder_under_qemu(drivers: Path) -> None:
     """The original bits under both caps, the default parameters (32 lanes, 12 probability bits) and others; a
     damaged stream is refused."""
     tensors = [(_trained(5, 40, 900), {"block_size": 4096}, 2), (_trained(6, 7, 333), {"mantissa_bits": 3,
-                                                                                       "lanes": 4}, 1)]
+                                                                                       "lanes": 4}, 1),
+               (_trained(7, 20, 500), {"mantissa_bits": 2, "low_bits": 5, "block_size": 4096}, 2)]  # two stages
     cases, want = [], []
     for k, (bits, params, threads) in enumerate(tensors):
         t = encode_rans(bits, **params)
@@ -175,9 +176,10 @@ def test_rans_decoder_under_qemu(drivers: Path) -> None:
         for damaged in (False, True) if k == 0 else (False,):
             stream = _flip(a["stream"], a["stream"].nbytes // 3) if damaged else a["stream"]
             cases.append([i64(t.alphabet_size, t.n_tables, t.n, t.block_size, t.lanes, t.prob_bits, t.mantissa_bits,
-                              t.n_escapes, threads), a["raw"], a["alphabet"], a["tables"], stream, a["block_words"],
-                          a["states"], a["block_table"], a["escapes"], a["block_escapes"],
-                          np.array([t.crc[c] for c in RANS_CRC_ORDER], np.uint32)])
+                              t.n_escapes, threads, t.low_bits, t.low_tables), a["raw"], a["alphabet"], a["tables"],
+                          stream, a["block_words"], a["states"], a["block_table"], a["escapes"], a["block_escapes"],
+                          np.array([t.crc[c] for c in RANS_CRC_ORDER], np.uint32), a["symbol_class"],
+                          a["low_freqs"]])
             want.append((bits, damaged))
     out = run_driver("rans_check", cases, drivers)
     assert len(out) == 2 * 2 * len(cases)

@@ -22,13 +22,17 @@ rng = np.random.default_rng(7)
 TRAINED = float32_to_bf16((rng.standard_normal((96, 200)) * 0.02).astype(np.float32))
 TRAINED[50:] = float32_to_bf16((rng.standard_normal((46, 200)) * 3.0).astype(np.float32))  # a second table
 TRAINED[3, 5:8] = [0x0001, 0x7FC1, 0x4F00]  # rare exponents: escapes
-BASE = encode_rans(TRAINED, block_size=3000, lanes=8, max_tables=4)
+# small values on a coarse grid (as in dequantized weights): their low mantissa bits are 0, worth a class
+TRAINED[10:20] = float32_to_bf16((rng.integers(-8, 9, (10, 200)) * 2.0**-12).astype(np.float32))
+# two stages: every array of the form is in use
+BASE = encode_rans(TRAINED, block_size=3000, lanes=8, max_tables=4, mantissa_bits=2, low_bits=5)
 ARRAYS = list(BASE.arrays())
 
 
 def test_base_uses_every_feature() -> None:
     assert BASE.n_tables > 1 and BASE.n_escapes >= 3 and BASE.n_blocks > 1 and BASE.n % BASE.block_size
     assert len(set(BASE.block_table.tolist())) > 1
+    assert BASE.low_bits == 5 and BASE.low_tables > 1 and len(set(BASE.symbol_class.tolist())) > 1
 
 
 def decodes_exactly_or_raises(header: object, arrays: dict[str, np.ndarray], original: np.ndarray) -> None:
@@ -72,7 +76,8 @@ def test_tampered_header_field(key: str, value: object) -> None:
     decodes_exactly_or_raises(tampered_header(BASE.header(), key, value), BASE.arrays(), TRAINED)
 
 
-@given(st.sampled_from(["block_words", "block_escapes", "states", "tables", "block_table", "alphabet"]),
+@given(st.sampled_from(["block_words", "block_escapes", "states", "tables", "block_table", "alphabet",
+                        "symbol_class", "low_freqs"]),
        st.integers(0, 10**6), st.integers(0, 2**32 - 1))
 def test_out_of_range_entries_with_valid_crc(key: str, index: int, value: int) -> None:
     arrays = {k: np.array(v) for k, v in BASE.arrays().items()}
@@ -84,7 +89,7 @@ def test_out_of_range_entries_with_valid_crc(key: str, index: int, value: int) -
 
 
 @given(st.sampled_from(["shape", "block_size", "lanes", "prob_bits", "mantissa_bits", "alphabet_size", "n_tables",
-                        "stream_words", "n_escapes"]), st.integers(-2, 70000))
+                        "stream_words", "n_escapes", "low_bits", "low_tables"]), st.integers(-2, 70000))
 def test_other_sizes_in_the_header(key: str, value: int) -> None:
     header = BASE.header()
     header[key] = [value, 200] if key == "shape" else value

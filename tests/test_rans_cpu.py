@@ -87,7 +87,8 @@ def test_flipped_bit_in_any_array(key: str, where: int, bit: int, fix_crc: bool,
 
 
 @needs_c
-@given(st.sampled_from(["block_words", "block_escapes", "states", "tables", "block_table", "alphabet"]),
+@given(st.sampled_from(["block_words", "block_escapes", "states", "tables", "block_table", "alphabet",
+                        "symbol_class", "low_freqs"]),
        st.integers(0, 10**6), st.integers(0, 2**32 - 1))
 def test_out_of_range_entries_with_valid_crc(key: str, index: int, value: int) -> None:
     """Offsets and tables far out of range (CRC fixed): nothing read out of bounds, CodecError."""

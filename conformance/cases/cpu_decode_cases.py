@@ -11,7 +11,8 @@ For each family of conformance/inputs.py (random, adversarial, real MiniLM), the
 * ``codec.cpu_decode_rans_c.F``: ``fast.codec.decode_rans_c.decode_rans_cpu`` (the C decoder of the
   rANS mode, fast/codec/native/rans_decode.c) in two threads, on the family's tensor encoded with
   ``encode_rans`` (blocks of 4096 weights, so that even small tensors have several), against the
-  reference rANS decoder (``reference.codec.decode_rans``, FORMAT.md 9.4) and the original tensor.
+  reference rANS decoder (``reference.codec.decode_rans``, FORMAT.md 9.4) and the original tensor;
+  ``codec.cpu_decode_rans2_c.F`` the same with the second stage forced (m = 2, k = 5).
 
 Both modes of the format's Huffman form (palettes of 16 and the full 256-entry alphabet) are among
 the families, and the rANS form is the other mode. Without a C compiler the C cases are skipped.
@@ -84,17 +85,20 @@ def _fast_numpy(inputs: dict[str, Any]) -> dict[str, Any]:
 RANS_BLOCK = 4096  # weights per rANS block in these cases: several blocks, so both threads have work
 
 
-@functools.lru_cache(maxsize=2)
-def _rans_encoded(key: tuple[Family, bool, int]) -> Any:
+TWO_STAGES = {"mantissa_bits": 2, "low_bits": 5}  # the second stage forced, whatever the encoder would choose
+
+
+@functools.lru_cache(maxsize=4)
+def _rans_encoded(key: tuple[Family, bool, int], two: bool = False) -> Any:
     import reference.codec as rc
 
-    return rc.encode_rans(encoded(*key).bits, block_size=RANS_BLOCK)
+    return rc.encode_rans(encoded(*key).bits, block_size=RANS_BLOCK, **(TWO_STAGES if two else {}))
 
 
-def _rans_inputs(family: Family):
+def _rans_inputs(family: Family, two: bool = False):
     def make(gen: Gen) -> dict[str, Any]:
         key = (family, gen.large, gen.seed)
-        return {"rans": _rans_encoded(key), "bits": encoded(*key).bits}
+        return {"rans": _rans_encoded(key, two), "bits": encoded(*key).bits}
 
     return make
 
@@ -127,6 +131,11 @@ def register_family(family: Family, large_only: bool = False) -> None:
                       _rans_reference, isa.under(name, _rans_fast_c), about=f"C rANS decoder "
                       f"(fast/codec/native/rans_decode.c), 2 threads, UNFIRE_CPU_ISA={name}, vs the reference rANS "
                       f"decoder; {family.about}", requires=isa.requires(name, _requires_c(family, "decode_rans_c")),
+                      large_only=large_only))
+        register(Case(f"codec.cpu_decode_rans2_c.{family.name}.{name}", Level.BIT_EXACT, _rans_inputs(family, True),
+                      _rans_reference, isa.under(name, _rans_fast_c), about=f"C rANS decoder, two stages (m = 2, "
+                      f"k = 5: FORMAT.md 9.4), 2 threads, UNFIRE_CPU_ISA={name}, vs the reference rANS decoder; "
+                      f"{family.about}", requires=isa.requires(name, _requires_c(family, "decode_rans_c")),
                       large_only=large_only))
     register(Case(f"codec.cpu_decode_numpy.{family.name}", Level.BIT_EXACT, _inputs(family), _reference, _fast_numpy,
                   about=f"lockstep NumPy decoder vs the plain decoder; {family.about}",

@@ -23,6 +23,9 @@
  *   2. the escapes, in weight order: each escape symbol's value is the next escape field;
  *   3. bf16 = sign | value << (7 - m) | low mantissa bits, the raw field read with one 64-bit load
  *      (m = 2: four fields per 3 bytes; with AVX2, 8 weights per byte shuffle).
+ * Two stages (k = low_bits > 0, FORMAT.md 9.4): each step decodes every lane's value, then every lane's k low
+ * bits from the second-stage table its value's symbol names (bits 48-63 of the first-stage entry), in the
+ * portable loop (decode_lanes2; no AVX2 lanes yet); bf16 = sign | value << (7 - m) | low << q | q raw bits.
  * On MiniLM's largest tensor (11.7 M weights, one AMD EPYC core): 3.2 ns per weight in the portable
  * build, 1.6 ns with AVX2.
  */
@@ -44,9 +47,10 @@ typedef struct {
     const uint8_t *raw, *escapes, *block_table;
     const uint16_t *stream;
     const uint32_t *block_words, *block_escapes, *states;
-    const uint64_t *dec; /* K tables of M entries: f << 32 | (slot - c) << 16 | value */
+    const uint64_t *dec; /* K tables of M entries: class << 48 | f << 32 | (slot - c) << 16 | value */
+    const uint64_t *dec2; /* two stages: C tables of M entries: f << 32 | (slot - c) << 16 | low bits */
     int64_t raw_len, esc_len, words, n_escapes, n, block_size, n_blocks, next_block;
-    int lanes, p, m, n_tables;
+    int lanes, p, m, k, n_tables;
     uint16_t *out;
     struct Block *blocks;
 } Rans;
@@ -98,6 +102,42 @@ static inline __attribute__((always_inline)) uint64_t decode_lanes(const uint64_
             pos += need;
             x[l] = xl;
             vals[base + l] = (uint16_t)e;
+        }
+    }
+    return pos;
+}
+
+/* decode_lanes with two stages (FORMAT.md 9.4): in each step every lane decodes its first symbol (value; the
+ * entry's bits 48-63 name the second-stage table of the symbol), then every lane its second symbol (the low
+ * bits) from that table, each sub-step's refills in lane order. cls: lanes bytes of scratch. */
+static inline __attribute__((always_inline)) uint64_t decode_lanes2(const uint64_t *tab, const uint64_t *tab2,
+                                                                    const uint16_t *stream, uint64_t pos,
+                                                                    uint64_t last_word, uint32_t *x, uint16_t *vals,
+                                                                    uint8_t *lows, uint8_t *cls, int64_t len,
+                                                                    int lanes, const int P, const int CLAMP) {
+    const uint32_t mask = (1u << P) - 1;
+    for (int64_t base = 0; base < len; base += lanes) {
+        int nl = (int)min64(lanes, len - base);
+        for (int l = 0; l < nl; l++) {
+            uint32_t xl = x[l];
+            uint64_t e = tab[xl & mask];
+            xl = ((uint32_t)(e >> 32) & 0xFFFFu) * (xl >> P) + ((uint32_t)e >> 16);
+            uint32_t need = xl < STATE_LOW, word = stream[CLAMP && pos > last_word ? last_word : pos];
+            xl = xl << (need << 4) | (word & (0u - need));
+            pos += need;
+            x[l] = xl;
+            vals[base + l] = (uint16_t)e;
+            cls[l] = (uint8_t)(e >> 48);
+        }
+        for (int l = 0; l < nl; l++) {
+            uint32_t xl = x[l];
+            uint64_t e = tab2[((uint32_t)cls[l] << P) + (xl & mask)];
+            xl = (uint32_t)(e >> 32) * (xl >> P) + ((uint32_t)e >> 16);
+            uint32_t need = xl < STATE_LOW, word = stream[CLAMP && pos > last_word ? last_word : pos];
+            xl = xl << (need << 4) | (word & (0u - need));
+            pos += need;
+            x[l] = xl;
+            lows[base + l] = (uint8_t)e;
         }
     }
     return pos;
@@ -204,9 +244,9 @@ __attribute__((target("avx2,bmi,bmi2"))) static int64_t join6_avx2(uint16_t *o, 
 #endif
 
 static inline __attribute__((always_inline)) void decode_block(const Rans *r, int64_t b, uint16_t *vals,
-                                                               uint32_t *x) {
+                                                               uint8_t *lows, uint8_t *cls, uint32_t *x) {
     Block *job = &r->blocks[b];
-    const int lanes = r->lanes, low = 7 - r->m, w_raw = 8 - r->m, w_esc = 8 + r->m;
+    const int lanes = r->lanes, low = 7 - r->m, w_raw = 8 - r->m - r->k, w_esc = 8 + r->m;
     int64_t start = b * r->block_size, len = min64(r->block_size, r->n - start);
     job->crc_raw = crc_piece(r->raw, r->raw_len, b, r->n_blocks, &job->raw_bytes);
     job->crc_stream = crc_piece((const uint8_t *)r->stream, 2 * r->words, b, r->n_blocks, &job->stream_bytes);
@@ -218,12 +258,24 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     memcpy(x, r->states + b * lanes, sizeof(uint32_t) * (size_t)lanes);
     uint64_t pos = pos0;
     int64_t done = 0;
+    if (r->k) { /* two stages: two words per weight at most */
+        const uint64_t *tab2 = r->dec2;
+        if (r->p == 12 && pos + 2 * (uint64_t)len <= (uint64_t)r->words)
+            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals, lows, cls, len, lanes, 12, 0);
+        else if (r->p == 12)
+            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals, lows, cls, len, lanes, 12, 1);
+        else
+            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals, lows, cls, len, lanes, r->p, 1);
+        done = len;
+    }
 #ifdef HAVE_LANES_AVX2
-    if (use_wide && lanes == 32 && r->p == 12)
+    if (use_wide && lanes == 32 && r->p == 12 && !r->k)
         done = lanes32_avx2(tab, stream, (uint64_t)r->words, &pos, x, vals, len);
 #endif
     int safe = pos + (uint64_t)(len - done) <= (uint64_t)r->words; /* a word per weight at most: no read past the end */
-    if (r->p == 12 && safe)
+    if (done == len)
+        ;
+    else if (r->p == 12 && safe)
         pos = decode_lanes(tab, stream, pos, last_word, x, vals + done, len - done, lanes, 12, 0);
     else if (r->p == 12)
         pos = decode_lanes(tab, stream, pos, last_word, x, vals + done, len - done, lanes, 12, 1);
@@ -240,13 +292,30 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     uint64_t esc = r->block_escapes[b], esc_end = r->block_escapes[b + 1];
     uint16_t *restrict o = r->out + start;
     int64_t j = 0;
+    if (r->k) { /* two stages: bf16 = sign | value << (7 - m) | low << rest | rest bits */
+        const int rest = 7 - r->m - r->k;
+        for (; j < len; j++) {
+            uint32_t v = vals[j], raw;
+            if (w_raw == 1) { /* m + k = 7: the raw field is the sign, 8 to a byte */
+                int64_t i = start + j;
+                raw = (i >> 3) < r->raw_len ? (uint32_t)(r->raw[i >> 3] >> (i & 7)) & 1u : 0;
+            } else
+                raw = field(r->raw, r->raw_len, start + j, w_raw);
+            if (v == ESCAPE) {
+                v = esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc)
+                                                                   : 0;
+                esc++;
+            }
+            o[j] = (uint16_t)((raw >> rest) << 15 | v << low | (uint32_t)lows[j] << rest | (raw & ((1u << rest) - 1)));
+        }
+    }
 #ifdef HAVE_LANES_AVX2
-    if (use_wide && w_raw == 6 && start % 4 == 0) { /* escapes first, then 8 weights at a time */
+    if (use_wide && w_raw == 6 && start % 4 == 0 && !r->k) { /* escapes first, then 8 weights at a time */
         esc = escapes_avx2(r, vals, len, esc, esc_end);
         j = join6_avx2(o, vals, r->raw + start / 4 * 3, r->raw + r->raw_len, len);
     }
 #endif
-    if (w_raw == 6 && start % 4 == 0) /* m = 2 (the default): 4 raw fields in every 3 bytes */
+    if (w_raw == 6 && start % 4 == 0 && !r->k) /* m = 2 (the default): 4 raw fields in every 3 bytes */
         for (const uint8_t *q = r->raw + (start + j) / 4 * 3; j + 4 <= len && q + 4 <= r->raw + r->raw_len; j += 4, q += 3) {
             uint32_t four;
             memcpy(&four, q, 4);
@@ -278,15 +347,19 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
 /* A thread: take the next block until none is left. */
 static inline __attribute__((always_inline)) void *work_body(void *arg) {
     Rans *r = arg;
-    uint16_t *vals = malloc(sizeof(uint16_t) * (size_t)min64(r->block_size, r->n > 0 ? r->n : 1));
+    size_t most = (size_t)min64(r->block_size, r->n > 0 ? r->n : 1);
+    uint16_t *vals = malloc(sizeof(uint16_t) * most);
+    uint8_t *lows = malloc(r->k ? most : 1), *cls = malloc((size_t)r->lanes);
     uint32_t *x = malloc(sizeof(uint32_t) * (size_t)r->lanes);
     for (int64_t b; (b = __atomic_fetch_add(&r->next_block, 1, __ATOMIC_RELAXED)) < r->n_blocks;) {
-        if (vals && x)
-            decode_block(r, b, vals, x);
+        if (vals && lows && cls && x)
+            decode_block(r, b, vals, lows, cls, x);
         else
             r->blocks[b].error = NO_MEMORY;
     }
     free(vals);
+    free(lows);
+    free(cls);
     free(x);
     return NULL;
 }
@@ -301,17 +374,20 @@ int unw_rans_use(int wide) { return builds_use(wide); }
  * paths in use: bit 0 the AVX2 + BMI2 build, bits 2-3 the CRC level (as unw_isa of decode.c). */
 int unw_rans_isa(int isa) { return builds_isa(isa) | crc_isa(isa) << 2; }
 
-/* The decoding table of each frequency table: entry k * M + slot = f[s] << 32 | (slot - c[s]) << 16 | value
- * of the symbol s owning the slot (ESCAPE for s == A). Rows summing to more than M are cut at M; slots of
- * rows summing to less stay 0 (Python has refused both already). */
-static void build_tables(uint64_t *dec, const uint16_t *tables, const uint16_t *alphabet, int a, int k, int p) {
+/* The decoding table of each frequency table: entry k * M + slot = class << 48 | f[s] << 32 | (slot - c[s]) << 16
+ * | value of the symbol s owning the slot (value: ESCAPE for s == A, or the symbol itself when alphabet is NULL;
+ * class: its second-stage table, symbol_class[s] clamped below n_classes, or 0 without symbol_class). Rows summing
+ * to more than M are cut at M; slots of rows summing to less stay 0 (Python has refused both already). */
+static void build_tables(uint64_t *dec, const uint16_t *tables, const uint16_t *alphabet, int a, int k, int p,
+                         const uint8_t *symbol_class, int n_classes) {
     int64_t m = (int64_t)1 << p;
     for (int t = 0; t < k; t++) {
         int64_t slot = 0;
         for (int s = 0; s <= a && slot < m; s++) {
-            uint64_t f = tables[(int64_t)t * (a + 1) + s], value = s < a ? alphabet[s] : ESCAPE;
+            uint64_t f = tables[(int64_t)t * (a + 1) + s], value = !alphabet ? (uint64_t)s : s < a ? alphabet[s] : ESCAPE;
+            uint64_t cls = symbol_class ? (uint64_t)(symbol_class[s] < n_classes ? symbol_class[s] : n_classes - 1) : 0;
             for (uint64_t i = 0; i < f && slot < m; i++, slot++)
-                dec[t * m + slot] = f << 32 | i << 16 | value;
+                dec[t * m + slot] = cls << 48 | f << 32 | i << 16 | value;
         }
     }
 }
@@ -323,7 +399,8 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
                     const uint16_t *tables, int n_tables, const uint16_t *stream, int64_t words,
                     const uint32_t *block_words, const uint32_t *states, const uint8_t *block_table,
                     const uint8_t *escapes, int64_t esc_len, const uint32_t *block_escapes, int64_t n_escapes,
-                    int64_t n, int64_t block_size, int lanes, int prob_bits, int mantissa_bits, int threads,
+                    int64_t n, int64_t block_size, int lanes, int prob_bits, int mantissa_bits, int low_bits,
+                    const uint8_t *symbol_class, const uint16_t *low_freqs, int low_tables, int threads,
                     uint32_t *crc_io, uint16_t *out) {
     Rans r;
     crc_setup();
@@ -332,7 +409,7 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
     r.raw = raw, r.raw_len = raw_len, r.stream = stream, r.words = words, r.block_words = block_words;
     r.states = states, r.block_table = block_table, r.escapes = escapes, r.esc_len = esc_len;
     r.block_escapes = block_escapes, r.n_escapes = n_escapes, r.n = n, r.block_size = block_size;
-    r.lanes = lanes, r.p = prob_bits, r.m = mantissa_bits, r.n_tables = n_tables, r.out = out;
+    r.lanes = lanes, r.p = prob_bits, r.m = mantissa_bits, r.k = low_bits, r.n_tables = n_tables, r.out = out;
     r.n_blocks = n > 0 ? (n + block_size - 1) / block_size : 0;
     if (r.n_blocks == 0) { /* nothing coded: only the CRCs of the (empty) arrays and data are left */
         uint32_t got[4] = {~crc_update(~0u, raw, (size_t)raw_len), ~crc_update(~0u, (const uint8_t *)stream,
@@ -345,14 +422,20 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
         return OK;
     }
     uint64_t *dec = calloc((size_t)(n_tables > 0 ? n_tables : 1) << prob_bits, sizeof(uint64_t));
+    /* two stages: at least one (zero) second-stage table, so that a class never points outside */
+    uint64_t *dec2 = low_bits ? calloc((size_t)(low_tables > 0 ? low_tables : 1) << prob_bits, sizeof(uint64_t)) : NULL;
     Block *blocks = calloc((size_t)r.n_blocks, sizeof(Block));
-    if (!dec || !blocks) {
+    if (!dec || !blocks || (low_bits && !dec2)) {
         free(dec);
+        free(dec2);
         free(blocks);
         return NO_MEMORY;
     }
-    build_tables(dec, tables, alphabet, alphabet_size, n_tables, prob_bits);
-    r.dec = dec, r.blocks = blocks, r.n_tables = n_tables > 0 ? n_tables : 1;
+    build_tables(dec, tables, alphabet, alphabet_size, n_tables, prob_bits, low_bits ? symbol_class : NULL,
+                 low_tables > 0 ? low_tables : 1);
+    if (low_bits)
+        build_tables(dec2, low_freqs, NULL, (1 << low_bits) - 1, low_tables, prob_bits, NULL, 1);
+    r.dec = dec, r.dec2 = dec2, r.blocks = blocks, r.n_tables = n_tables > 0 ? n_tables : 1;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     run_threads(work, &r, 0, (int)min64(threads, r.n_blocks));
     int error = OK;
@@ -373,6 +456,7 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
             got[3] = crc_join(got[3], blocks[b].crc_out, 2 * min64(block_size, n - b * block_size), &shift[3]);
     }
     free(dec);
+    free(dec2);
     free(blocks);
     if (error == NO_MEMORY)
         return error;

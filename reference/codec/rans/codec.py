@@ -28,10 +28,18 @@ from reference.codec.rans.format import (
     RansTensor,
 )
 from reference.codec.rans.model import (
+    LOW_MIN_GAIN,
+    TABLE_ENTRY_BITS,
     choose_alphabet,
+    choose_classes,
+    choose_coding,
     choose_tables,
+    class_tables,
+    coded_bits,
+    join_low,
     join_weights,
     pack_fields,
+    split_low,
     split_weights,
     unpack_fields,
 )
@@ -39,14 +47,19 @@ from reference.codec.rans.model import (
 BLOCK_SIZE, LANES, PROB_BITS, MANTISSA_BITS, TABLES = 65536, 32, 12, 2, 16
 ESCAPE_VALUE = 0xFFFF  # what the decoding tables give for the escape symbol (values are < 2^15)
 ENCODE_BATCH = 1 << 24  # weights whose blocks are encoded in one lockstep pass
+CONFIRM = 2  # candidates (m, k) modelled exactly per tensor, the best by estimate
+# the escape symbol's unit in choose_classes (values' units are their exponents)
+ESCAPE_UNIT = 1 << 8
 
 
 def encode_rans(bits: np.ndarray, *, name: str = "", **params: Any) -> RansTensor:
     """Compress a bf16 tensor (uint16 bit patterns, any shape) into the rANS form.
 
     Parameters (keywords): ``block_size`` (65536 weights), ``lanes`` (32), ``prob_bits`` (12),
-    ``mantissa_bits`` (2), ``max_tables`` (16); for the ablation: ``escapes`` (True) and
-    ``own_tables`` (False: blocks share clustered tables; True: one table per block).
+    ``mantissa_bits`` and ``low_bits`` (None: chosen per tensor, ``choose_coding``; a given
+    ``mantissa_bits`` alone means ``low_bits=0``), ``max_tables`` (16); for the ablation:
+    ``escapes``
+    (True) and ``own_tables`` (False: blocks share clustered tables; True: one table per block).
     """
     return encode_rans_many([bits], names=[name], **params)[0]
 
@@ -54,30 +67,41 @@ def encode_rans(bits: np.ndarray, *, name: str = "", **params: Any) -> RansTenso
 def encode_rans_many(
     tensors: Sequence[np.ndarray], *, names: Sequence[str] | None = None,
     block_size: int = BLOCK_SIZE,
-    lanes: int = LANES, prob_bits: int = PROB_BITS, mantissa_bits: int = MANTISSA_BITS,
-    max_tables: int = TABLES, escapes: bool = True, own_tables: bool = False,
+    lanes: int = LANES, prob_bits: int = PROB_BITS, mantissa_bits: int | None = None,
+    low_bits: int | None = None, max_tables: int = TABLES, escapes: bool = True,
+    own_tables: bool = False,
 ) -> list[RansTensor]:
     """Compress several tensors with the same parameters; the blocks of about ENCODE_BATCH weights
     at a time are encoded in one lockstep pass."""
-    _check_parameters(block_size, lanes, prob_bits, mantissa_bits, max_tables)
+    if mantissa_bits is not None and low_bits is None:
+        low_bits = 0  # the one-stage form with the given m
+    _check_parameters(block_size, lanes, prob_bits, mantissa_bits, low_bits, max_tables)
     names = list(names) if names is not None else [""] * len(tensors)
     tensors = [as_bf16(b, nm) for b, nm in zip(tensors, names, strict=True)]
     out, batch = [], []
     for i, bits in enumerate(tensors):
-        batch.append(_model(bits, names[i], block_size, prob_bits, mantissa_bits, max_tables,
-                            escapes, own_tables))
+        # the best two candidates by estimate, confirmed by their models' exact sizes
+        candidates = choose_coding(np.bincount(bits.reshape(-1), minlength=1 << 16), prob_bits,
+                                   escapes, mantissa_bits, low_bits)[:CONFIRM]
+        models = [_model(bits, names[i], block_size, prob_bits, m, k, max_tables, escapes,
+                         own_tables) for _, m, k in candidates]
+        batch.append(min(
+            models, key=lambda md: md["bits"] + LOW_MIN_GAIN * md["n"] * (md["k"] > 0)
+        ))
         if i + 1 == len(tensors) or sum(m["n"] for m in batch) >= ENCODE_BATCH:
-            out += _encode_batch(batch, block_size, lanes, prob_bits, mantissa_bits)
+            out += _encode_batch(batch, block_size, lanes, prob_bits)
             batch = []
     return out
 
 
 def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantissa_bits: int,
+           low_bits: int,
            max_tables: int, escapes: bool, own_tables: bool) -> dict[str, Any]:
     """Everything about one tensor but the rANS coding itself: symbols, alphabet, tables, escapes,
-    raw bits."""
+    second-stage symbols and tables, raw bits."""
     flat = bits.reshape(-1)
     values, raw = split_weights(flat, mantissa_bits)
+    lows, raw = split_low(raw, mantissa_bits, low_bits)
     alphabet = choose_alphabet(np.bincount(values, minlength=1 << (8 + mantissa_bits)), prob_bits,
                                8 + mantissa_bits, escapes)
     escape = len(alphabet)
@@ -93,16 +117,38 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
     # the exponent of each symbol
     order_key = np.append(np.asarray(alphabet, np.float64) / (1 << mantissa_bits), 0.0)
     freqs, block_table = choose_tables(block_counts, order_key, prob_bits, max_tables, own_tables)
+    symbol_class, low_freqs = np.zeros(0, np.int64), np.zeros((0, 1), np.int64)
+    if low_bits:
+        joint = np.bincount(symbols << low_bits | lows, minlength=(escape + 1) << low_bits)
+        joint = joint.reshape(escape + 1, -1)
+        unit = np.append(np.asarray(alphabet, np.int64) >> mantissa_bits, ESCAPE_UNIT)
+        symbol_class = choose_classes(joint, unit, low_bits)[0]
+        low_freqs = class_tables(joint, symbol_class, prob_bits)
     escaped = symbols == escape
+    # the coded size in bits (ideal rANS, without the lanes' states): stream, tables, raw bits,
+    # escapes
+    size = sum(coded_bits(block_counts[block_table == j].sum(axis=0), freqs[j], prob_bits)
+               for j in range(len(freqs)))
+    if low_bits:
+        size += sum(coded_bits(joint[symbol_class == c].sum(axis=0), low_freqs[c], prob_bits)
+                    for c in range(len(low_freqs)))
+    size += TABLE_ENTRY_BITS * (freqs.size + low_freqs.size + len(alphabet)) + 8 * symbol_class.size
+    size += len(flat) * (8 - mantissa_bits - low_bits) + int(escaped.sum()) * (8 + mantissa_bits)
     return {
+        "bits": size,
         "name": name,
         "shape": tuple(int(d) for d in bits.shape),
         "n": len(flat),
+        "m": mantissa_bits,
+        "k": low_bits,
         "symbols": symbols,
+        "lows": lows,
         "alphabet": np.asarray(alphabet, np.uint16),
         "freqs": freqs,
         "block_table": block_table,
-        "raw": pack_fields(raw, 8 - mantissa_bits),
+        "symbol_class": symbol_class,
+        "low_freqs": low_freqs,
+        "raw": pack_fields(raw, 8 - mantissa_bits - low_bits),
         "escapes": pack_fields(values[escaped], 8 + mantissa_bits),
         "block_escapes": np.concatenate([[0], np.cumsum(block_counts[:, escape])]).astype(
             np.uint32
@@ -111,25 +157,60 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
     }
 
 
-def _encode_batch(models: list[dict[str, Any]], block_size: int, lanes: int, prob_bits: int,
-                  mantissa_bits: int) -> list[RansTensor]:
-    """The rANS coding of several modelled tensors in one lockstep pass, and their RansTensors."""
+def _encode_batch(models: list[dict[str, Any]], block_size: int, lanes: int,
+                  prob_bits: int) -> list[RansTensor]:
+    """The rANS coding of several modelled tensors, in one lockstep pass for those with one stage
+    and one for
+    those with two, and their RansTensors (in the order of ``models``)."""
+    out: list[RansTensor | None] = [None] * len(models)
+    for two in (False, True):
+        which = [i for i, m in enumerate(models) if (m["k"] > 0) == two]
+        if which:
+            coded = _encode_stage_batch([models[i] for i in which], block_size, lanes, prob_bits)
+            for i, t in zip(which, coded, strict=True):
+                out[i] = t
+    return out  # type: ignore[return-value]
+
+
+def _encode_stage_batch(models: list[dict[str, Any]], block_size: int, lanes: int,
+                        prob_bits: int) -> list[RansTensor]:
+    """The rANS coding of several modelled tensors, all with one stage or all with two, in one
+    pass."""
     n_blocks = [len(m["block_table"]) for m in models]
+    two = models[0]["k"] > 0
     longest = max((min(block_size, m["n"]) for m in models), default=0)
     steps = -(-longest // lanes)  # a tensor smaller than a block needs fewer steps
+    width = max(m["freqs"].shape[1] for m in models)
     symbols = np.zeros((sum(n_blocks), max(steps * lanes, block_size)), np.int64)
-    freqs = np.zeros((sum(n_blocks), max(m["freqs"].shape[1] for m in models)), np.int64)
+    freqs = np.zeros((sum(n_blocks), width), np.int64)
     lengths = np.zeros(sum(n_blocks), np.int64)
-    b0 = 0
+    lows = np.zeros(symbols.shape, np.uint8) if two else None
+    # the second-stage table of each block's symbols
+    low_rows = np.zeros((sum(n_blocks), width), np.int64)
+    b0 = row0 = 0
     for m, nb in zip(models, n_blocks, strict=True):
         padded = np.zeros(nb * block_size, np.int64)
         padded[: m["n"]] = m["symbols"]
         symbols[b0 : b0 + nb, :block_size] = padded.reshape(nb, block_size)
         freqs[b0 : b0 + nb, : m["freqs"].shape[1]] = m["freqs"][m["block_table"]]
         lengths[b0 : b0 + nb] = np.minimum(block_size, m["n"] - block_size * np.arange(nb))
+        if two:
+            padded[: m["n"]] = m["lows"]
+            lows[b0 : b0 + nb, :block_size] = padded.reshape(nb, block_size)
+            low_rows[b0 : b0 + nb, : len(m["symbol_class"])] = row0 + m["symbol_class"]
+            row0 += len(m["low_freqs"])
         b0 += nb
+    low_freqs = None
+    if two:
+        low_width = max(m["low_freqs"].shape[1] for m in models)
+        low_freqs = np.concatenate([
+            np.pad(m["low_freqs"], ((0, 0), (0, low_width - m["low_freqs"].shape[1])))
+            for m in models
+        ])
+    shape = (len(symbols), steps, lanes)
     words, per_block, states = encode_lanes(
-        symbols[:, : steps * lanes].reshape(len(symbols), steps, lanes), lengths, freqs, prob_bits
+        symbols[:, : steps * lanes].reshape(shape), lengths, freqs, prob_bits,
+        None if lows is None else lows[:, : steps * lanes].reshape(shape), low_rows, low_freqs,
     )
     out, b0, w0 = [], 0, 0
     for m, nb in zip(models, n_blocks, strict=True):
@@ -139,13 +220,16 @@ def _encode_batch(models: list[dict[str, Any]], block_size: int, lanes: int, pro
                              "beyond 2^32 - 1")
         t = RansTensor(
             shape=m["shape"], block_size=block_size, lanes=lanes, prob_bits=prob_bits,
-            mantissa_bits=mantissa_bits,
+            mantissa_bits=m["m"], low_bits=m["k"], low_tables=len(m["low_freqs"]),
             alphabet_size=len(m["alphabet"]), n_tables=len(m["freqs"]), stream_words=count,
             n_escapes=int(m["block_escapes"][-1]), crc={}, raw=m["raw"], alphabet=m["alphabet"],
             tables=m["freqs"].astype(np.uint16), stream=words[w0 : w0 + count],
             block_words=np.concatenate([[0], np.cumsum(per_block[b0 : b0 + nb])]).astype(np.uint32),
             states=states[b0 : b0 + nb], block_table=m["block_table"].astype(np.uint8),
-            escapes=m["escapes"], block_escapes=m["block_escapes"], name=m["name"])
+            escapes=m["escapes"], block_escapes=m["block_escapes"],
+            symbol_class=m["symbol_class"].astype(np.uint8),
+            low_freqs=m["low_freqs"].astype(np.uint16),
+            name=m["name"])
         t.crc = {key: crc32(a) for key, a in t.arrays().items()} | {"data": m["crc"]}
         out.append(t)
         b0, w0 = b0 + nb, w0 + count
@@ -158,29 +242,40 @@ def decode_rans(t: RansTensor) -> np.ndarray:
 
 
 def decode_rans_many(tensors: Sequence[RansTensor]) -> list[np.ndarray]:
-    """Decompress several tensors; those with the same lanes and prob_bits share one lockstep
-    pass."""
+    """Decompress several tensors; those with the same lanes and prob_bits, and one stage or two,
+    share one
+    lockstep pass."""
     for t in tensors:
         t.check()
     out: list[np.ndarray | None] = [None] * len(tensors)
-    key = lambda i: (tensors[i].lanes, tensors[i].prob_bits)  # noqa: E731
+    key = lambda i: (tensors[i].lanes, tensors[i].prob_bits, tensors[i].low_bits > 0)  # noqa: E731
     for _, batch in groupby(sorted(range(len(tensors)), key=key), key=key):
         batch = list(batch)
-        for i, values in zip(batch, _decode_values([tensors[i] for i in batch]), strict=True):
-            out[i] = _assemble(tensors[i], values)
+        decoded = _decode_values([tensors[i] for i in batch])
+        for i, (values, lows) in zip(batch, decoded, strict=True):
+            out[i] = _assemble(tensors[i], values, lows)
     return out  # type: ignore[return-value]
 
 
-def _decode_values(tensors: list[RansTensor]) -> list[np.ndarray]:
+def _decode_values(tensors: list[RansTensor]) -> list[tuple[np.ndarray, np.ndarray | None]]:
     """The decoded symbols' values (exponent and top mantissa bits; ESCAPE_VALUE for an escape) of
-    each tensor."""
+    each tensor, and with two stages their low bits."""
     prob_bits = tensors[0].prob_bits
-    tables, table_base, starts, ends, lengths = [], [], [], [], []
-    word_base = table_count = 0
+    two = tensors[0].low_bits > 0
+    tables, table_base, starts, ends, lengths, tables2, next_base = [], [], [], [], [], [], []
+    word_base = table_count = table2_count = 0
     for t in tensors:
         values = np.append(t.alphabet, ESCAPE_VALUE).astype(np.int64)
         tables.append(slot_tables(t.tables, np.broadcast_to(values, t.tables.shape), prob_bits))
         table_base.append((table_count + t.block_table.astype(np.int64)) << prob_bits)
+        if two:  # each first-stage slot names the second-stage table of its symbol
+            lows = np.arange(1 << t.low_bits, dtype=np.int64)
+            tables2.append(slot_tables(t.low_freqs, np.broadcast_to(lows, t.low_freqs.shape),
+                                       prob_bits))
+            symbol = np.repeat(np.tile(np.arange(t.alphabet_size + 1), t.n_tables),
+                               t.tables.astype(np.int64).reshape(-1))
+            next_base.append((table2_count + t.symbol_class.astype(np.int64)[symbol]) << prob_bits)
+            table2_count += t.low_tables
         offsets = t.block_words.astype(np.int64) + word_base
         starts.append(offsets[:-1])
         ends.append(offsets[1:])
@@ -188,19 +283,23 @@ def _decode_values(tensors: list[RansTensor]) -> list[np.ndarray]:
         word_base += t.stream_words
         table_count += t.n_tables
     try:
-        decoded = decode_lanes(
+        decoded, lows = decode_lanes(
             np.concatenate([t.stream for t in tensors]), np.concatenate(starts),
             np.concatenate(ends),
             np.concatenate([t.states for t in tensors]), np.concatenate(lengths),
-            np.concatenate(table_base), np.concatenate(tables), prob_bits)
+            np.concatenate(table_base), np.concatenate(tables), prob_bits,
+            np.concatenate(tables2) if two else None, np.concatenate(next_base) if two else None)
     except CodecError as e:
         names = ", ".join(repr(t.name) for t in tensors[:4]) + (" ..." if len(tensors) > 4 else "")
         raise CodecError(f"tensor(s) {names}: {e}") from None
-    return np.split(decoded, np.cumsum([t.n for t in tensors])[:-1])
+    cuts = np.cumsum([t.n for t in tensors])[:-1]
+    low_parts = np.split(lows, cuts) if two else [None] * len(tensors)
+    return list(zip(np.split(decoded, cuts), low_parts, strict=True))
 
 
-def _assemble(t: RansTensor, values: np.ndarray) -> np.ndarray:
-    """Put the escaped values in place, join values and raw bits into bf16, check the CRC."""
+def _assemble(t: RansTensor, values: np.ndarray, lows: np.ndarray | None) -> np.ndarray:
+    """Put the escaped values in place, join values, low bits and raw bits into bf16, check the
+    CRC."""
     escaped = np.flatnonzero(values == ESCAPE_VALUE)
     per_block = np.bincount(escaped // t.block_size, minlength=t.n_blocks)
     if not np.array_equal(per_block, np.diff(t.block_escapes.astype(np.int64))):
@@ -212,6 +311,8 @@ def _assemble(t: RansTensor, values: np.ndarray) -> np.ndarray:
         raise CodecError(f"tensor {t.name!r}: the padding of the raw bits or of the escapes must "
                          "be 0")
     values[escaped] = escape_values
+    if t.low_bits:
+        raw = join_low(lows, raw, t.mantissa_bits, t.low_bits)
     bits = join_weights(values, raw, t.mantissa_bits)
     if crc32(bits) != t.crc["data"]:
         raise CodecError(f"tensor {t.name!r}: decoded data fails its CRC-32 check (corrupt header "
@@ -219,8 +320,8 @@ def _assemble(t: RansTensor, values: np.ndarray) -> np.ndarray:
     return bits.reshape(t.shape)
 
 
-def _check_parameters(block_size: int, lanes: int, prob_bits: int, mantissa_bits: int,
-                      max_tables: int) -> None:
+def _check_parameters(block_size: int, lanes: int, prob_bits: int, mantissa_bits: int | None,
+                      low_bits: int | None, max_tables: int) -> None:
     if not 1 <= block_size <= MAX_BLOCK_SIZE:
         raise CodecError(f"block_size must be 1..{MAX_BLOCK_SIZE}, got {block_size}")
     if not 1 <= lanes <= MAX_LANES:
@@ -230,7 +331,9 @@ def _check_parameters(block_size: int, lanes: int, prob_bits: int, mantissa_bits
                          "sequential work)")
     if not MIN_PROB_BITS <= prob_bits <= MAX_PROB_BITS:
         raise CodecError(f"prob_bits must be {MIN_PROB_BITS}..{MAX_PROB_BITS}, got {prob_bits}")
-    if not 0 <= mantissa_bits <= 7:
+    if mantissa_bits is not None and not 0 <= mantissa_bits <= 7:
         raise CodecError(f"mantissa_bits must be 0..7, got {mantissa_bits}")
+    if low_bits is not None and not 0 <= low_bits <= 7 - (mantissa_bits or 0):
+        raise CodecError(f"low_bits must be 0..7 - mantissa_bits, got {low_bits}")
     if not 1 <= max_tables <= MAX_TABLES:
         raise CodecError(f"max_tables must be 1..{MAX_TABLES}, got {max_tables}")

@@ -104,7 +104,9 @@ def slot_tables(freqs: np.ndarray, values: np.ndarray, prob_bits: int) -> np.nda
 
 
 def encode_lanes(
-    symbols: np.ndarray, lengths: np.ndarray, freqs: np.ndarray, prob_bits: int
+    symbols: np.ndarray, lengths: np.ndarray, freqs: np.ndarray, prob_bits: int,
+    lows: np.ndarray | None = None, low_rows: np.ndarray | None = None,
+    low_freqs: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Encode blocks of interleaved lanes; return (words uint16, words per block int64, states
     uint32 [B, lanes]).
@@ -113,18 +115,26 @@ def encode_lanes(
     lane; entries past the block's ``lengths[b]`` weights are ignored. ``freqs`` [B, S]: the
     frequency table of each block (rows may repeat). The words come out in the decoder's reading
     order, block after block; the states are the decoder's starting states.
+
+    Two stages (FORMAT.md 9.4): with ``lows`` [B, T, lanes] every weight also has a second symbol,
+    coded right after its first with the table ``low_freqs[low_rows[b, s]]`` chosen by the first
+    symbol s (a step is: every lane's first symbol, then every lane's second symbol).
     """
     n_blocks, steps, lanes = symbols.shape
     freqs = np.asarray(freqs, np.int64)
     packed = (freqs << 32 | cumulative(freqs)).reshape(-1)  # f << 32 | c: one lookup per weight
     row_base = np.repeat(np.arange(n_blocks, dtype=np.int64) * freqs.shape[1], lanes)
+    if lows is not None:
+        low_freqs = np.asarray(low_freqs, np.int64)
+        packed2 = (low_freqs << 32 | cumulative(low_freqs)).reshape(-1)
+        rows2 = np.asarray(low_rows, np.int64).reshape(-1) * low_freqs.shape[1]
     x = np.full(n_blocks * lanes, STATE_LOW, np.int64)
     lane_pos = np.tile(np.arange(lanes), n_blocks)
     block_len = np.repeat(lengths, lanes)
     emitted: list[tuple[np.ndarray, np.ndarray]] = []  # (lane indices, words) emitted at each step
-    for t in reversed(range(steps)):
-        active = t * lanes + lane_pos < block_len
-        fc = np.take(packed, row_base + np.where(active, symbols[:, t].reshape(-1), 0))
+
+    def push(active: np.ndarray, fc: np.ndarray) -> None:  # code one symbol per active lane
+        nonlocal x
         f, c = np.where(active, fc >> 32, 1), fc & 0xFFFFFFFF
         if np.any(f == 0):
             raise CodecError("a symbol with frequency 0 cannot be coded (the tables do not fit the "
@@ -134,6 +144,14 @@ def encode_lanes(
         x[emit] >>= WORD_BITS
         q, r = np.divmod(x, f)
         x = np.where(active, (q << prob_bits) + r + c, x)
+
+    for t in reversed(range(steps)):  # last symbol first: the second stage before the first
+        active = t * lanes + lane_pos < block_len
+        first = row_base + np.where(active, symbols[:, t].reshape(-1), 0)
+        if lows is not None:
+            low = np.where(active, lows[:, t].reshape(-1), 0)
+            push(active, np.take(packed2, np.take(rows2, first) + low))
+        push(active, np.take(packed, first))
     # The emitted words, steps in increasing order, each step's in (block, lane) order; a stable
     # sort by
     # block then gives the decoder's reading order: block, step, lane.
@@ -155,12 +173,17 @@ def encode_lanes(
 def decode_lanes(
     words: np.ndarray, block_start: np.ndarray, block_end: np.ndarray, states: np.ndarray,
     lengths: np.ndarray, table_base: np.ndarray, table: np.ndarray, prob_bits: int,
-) -> np.ndarray:
-    """Decode blocks of interleaved lanes; return their values, block after block (uint16).
+    table2: np.ndarray | None = None, next_base: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Decode blocks of interleaved lanes; return their values, block after block (uint16), and
+    with two stages the second symbols' values too (else None).
 
     Block b's words are ``words[block_start[b] : block_end[b]]``, its lanes start in ``states[b]``
     and it holds ``lengths[b]`` weights. Its decoding table starts at entry ``table_base[b]`` of
-    ``table`` (see ``slot_tables``). Raises CodecError unless every block reads exactly its own
+    ``table`` (see ``slot_tables``). Two stages: ``table2`` holds the second-stage decoding tables,
+    and ``next_base`` (as long as ``table``) says, for each slot of ``table``, where in ``table2``
+    the table of the second symbol starts. Raises CodecError unless every block reads exactly its
+    own
     words and every lane ends in state L: a corrupt stream or state cannot pass unnoticed.
 
     The lanes of all blocks sit in one flat array, longest blocks first, so that the lanes still
@@ -169,7 +192,7 @@ def decode_lanes(
     """
     n_blocks, lanes = states.shape
     if n_blocks == 0:
-        return np.zeros(0, np.uint16)
+        return np.zeros(0, np.uint16), (None if table2 is None else np.zeros(0, np.uint16))
     steps = int(-(-lengths.max() // lanes))
     # longest first: the blocks still decoding are a prefix
     order = np.argsort(-lengths, kind="stable")
@@ -182,13 +205,18 @@ def decode_lanes(
     lane_pos = np.tile(np.arange(lanes), n_blocks)
     # blocks with length > t * lanes
     active_blocks = np.searchsorted(-length, -np.arange(steps) * lanes, side="left")
-    result = np.zeros((n_blocks, steps * lanes), np.uint16)
-    buffer = np.zeros((TRANSPOSE_BLOCK, n_blocks * lanes), np.uint16)
-    for t in range(steps):
-        k = active_blocks[t]
+    stages = 1 if table2 is None else 2
+    result = np.zeros((stages, n_blocks, steps * lanes), np.uint16)
+    buffer = np.zeros((stages, TRANSPOSE_BLOCK, n_blocks * lanes), np.uint16)
+
+    def decode(t: int, k: int, stage: int, tab: np.ndarray, where: np.ndarray) -> np.ndarray:
+        """One symbol per lane of the first k blocks (stage 0 or 1, from table entries ``where`` +
+        slot);
+        returns the slot indices used."""
         n = k * lanes
         xs = x[:n]
-        entry = np.take(table, base[:n] + (xs & mask))  # np.take: faster than indexing
+        index = where + (xs & mask)
+        entry = np.take(tab, index)  # np.take: faster than indexing
         new = (entry >> 32) * (xs >> prob_bits) + (entry & 0xFFFF)
         # some block's last, partial step: lanes past its end stand still
         if length[k - 1] < (t + 1) * lanes:
@@ -208,11 +236,19 @@ def decode_lanes(
         )
         pos[:k] += np.diff(before)
         x[:n] = np.where(need, (new << WORD_BITS) | word, new)
-        buffer[t % TRANSPOSE_BLOCK, :n] = entry >> 16  # the value (the cast to uint16 drops f)
+        buffer[stage, t % TRANSPOSE_BLOCK, :n] = entry >> 16  # the value (the cast drops f)
+        return index
+
+    for t in range(steps):
+        k = active_blocks[t]
+        index = decode(t, k, 0, table, base[: k * lanes])
+        if table2 is not None:
+            decode(t, k, 1, table2, np.take(next_base, index))
         if t % TRANSPOSE_BLOCK == TRANSPOSE_BLOCK - 1 or t == steps - 1:
             t0 = t - t % TRANSPOSE_BLOCK
-            moved = buffer[: t + 1 - t0].reshape(t + 1 - t0, n_blocks, lanes).transpose(1, 0, 2)
-            result[:, t0 * lanes : (t + 1) * lanes] = moved.reshape(n_blocks, -1)
+            moved = buffer[:, : t + 1 - t0].reshape(stages, t + 1 - t0, n_blocks, lanes)
+            moved = moved.transpose(0, 2, 1, 3)
+            result[:, :, t0 * lanes : (t + 1) * lanes] = moved.reshape(stages, n_blocks, -1)
     wrong = (pos != block_end[order]) | np.any(x.reshape(n_blocks, lanes) != STATE_LOW, axis=1)
     if wrong.any():
         raise CodecError(f"rANS stream is corrupt: block {int(order[np.flatnonzero(wrong)[0]])} "
@@ -220,4 +256,5 @@ def decode_lanes(
                          "it should (wrong number of words read, or a lane not back in its start "
                          "state)")
     keep = np.arange(steps * lanes) < lengths[:, None]
-    return result[np.argsort(order, kind="stable")][keep]
+    back = np.argsort(order, kind="stable")
+    return result[0][back][keep], (None if table2 is None else result[1][back][keep])

@@ -1,4 +1,4 @@
-"""The rANS form of a compressed tensor: its header, its six arrays, and every check on them
+"""The rANS form of a compressed tensor: its header, its eleven arrays, and every check on them
 (FORMAT.md 9).
 
 ``RansTensor`` is what ``encode_rans`` returns and ``decode_rans`` takes. Like ``CompressedTensor``
@@ -31,10 +31,12 @@ from reference.codec.rans.model import packed_length
 FORM = "rans"
 ARRAY_DTYPES = {"raw": np.uint8, "alphabet": np.uint16, "tables": np.uint16, "stream": np.uint16,
                 "block_words": np.uint32, "states": np.uint32, "block_table": np.uint8,
-                "escapes": np.uint8, "block_escapes": np.uint32}
+                "escapes": np.uint8, "block_escapes": np.uint32, "symbol_class": np.uint8,
+                "low_freqs": np.uint16}
 CRC_KEYS = (*ARRAY_DTYPES, "data")
 HEADER_KEYS = ("format", "version", "form", "shape", "block_size", "lanes", "prob_bits",
-               "mantissa_bits", "alphabet_size", "n_tables", "stream_words", "n_escapes", "crc32")
+               "mantissa_bits", "low_bits", "low_tables", "alphabet_size", "n_tables",
+               "stream_words", "n_escapes", "crc32")
 MAX_BLOCK_SIZE, MAX_LANES, MAX_TABLES, MAX_ALPHABET = 1 << 24, 1024, 256, 1 << MAX_PROB_BITS
 # ceil(block_size / lanes): bounds the sequential work of one lane (a GPU thread)
 MAX_LANE_STEPS = 65536
@@ -66,6 +68,12 @@ class RansTensor(StoredForm):
     block_table: np.ndarray  # uint8 [n_blocks]: the table each block uses
     escapes: np.ndarray  # uint8: the escaped weights' values, (8 + m)-bit fields, packed
     block_escapes: np.ndarray  # uint32 [n_blocks + 1]: where each block's escapes start
+    symbol_class: np.ndarray  # uint8 [A + 1] (k > 0) or [0]: the second-stage table of each symbol
+    # uint16 [low_tables, 2^k]: the second-stage tables, each row summing to 2^prob_bits
+    low_freqs: np.ndarray
+    # k: mantissa bits coded in the second stage, with a table chosen by the first symbol
+    low_bits: int = 0
+    low_tables: int = 0  # C: second-stage tables (0 when k = 0)
     name: str = ""  # used in error messages only
 
     @property
@@ -78,7 +86,7 @@ class RansTensor(StoredForm):
 
     @property
     def raw_bits(self) -> int:
-        return 8 - self.mantissa_bits
+        return 8 - self.mantissa_bits - self.low_bits
 
     @property
     def escape_bits(self) -> int:
@@ -96,7 +104,9 @@ class RansTensor(StoredForm):
     def header(self) -> dict[str, Any]:
         return {"format": FORMAT_NAME, "version": VERSION, "form": FORM, "shape": list(self.shape),
                 "block_size": self.block_size, "lanes": self.lanes, "prob_bits": self.prob_bits,
-                "mantissa_bits": self.mantissa_bits, "alphabet_size": self.alphabet_size,
+                "mantissa_bits": self.mantissa_bits, "low_bits": self.low_bits,
+                "low_tables": self.low_tables,
+                "alphabet_size": self.alphabet_size,
                 "n_tables": self.n_tables,
                 "stream_words": self.stream_words, "n_escapes": self.n_escapes,
                 "crc32": dict(self.crc)}
@@ -104,7 +114,8 @@ class RansTensor(StoredForm):
     @classmethod
     def from_parts(cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "",
                    *, check_arrays: bool = True) -> RansTensor:
-        """Build from a parsed header and the nine arrays, checking every field (raises CodecError).
+        """Build from a parsed header and the eleven arrays, checking every field (raises
+        CodecError).
         ``check_arrays=False`` checks only the header and the arrays' dtypes and shapes: for a
         decoder that checks the contents itself (the C one)."""
         where = f"tensor {name!r}: " if name else ""
@@ -136,6 +147,8 @@ class RansTensor(StoredForm):
             lanes=_int(header["lanes"], "lanes", 1, MAX_LANES, where),
             prob_bits=_int(header["prob_bits"], "prob_bits", MIN_PROB_BITS, MAX_PROB_BITS, where),
             mantissa_bits=mantissa_bits,
+            low_bits=_int(header["low_bits"], "low_bits", 0, 7 - mantissa_bits, where),
+            low_tables=_int(header["low_tables"], "low_tables", 0, MAX_TABLES, where),
             alphabet_size=_int(header["alphabet_size"], "alphabet_size", 0, MAX_ALPHABET, where),
             n_tables=_int(header["n_tables"], "n_tables", 0, MAX_TABLES, where),
             stream_words=_int(header["stream_words"], "stream_words", 0, UINT32_LIMIT - 1, where),
@@ -165,10 +178,14 @@ class RansTensor(StoredForm):
             and 0 <= self.mantissa_bits <= 7
             and 0 <= self.alphabet_size < 1 << self.prob_bits
             and 0 <= self.n_tables <= MAX_TABLES
+            and 0 <= self.low_bits <= 7 - self.mantissa_bits
+            and 0 <= self.low_tables <= MAX_TABLES
+            and (self.low_bits > 0 or self.low_tables == 0)
         ):
-            raise CodecError(f"{where}block_size, lanes, prob_bits, mantissa_bits, alphabet_size "
-                             "or n_tables "
-                             "out of range (the alphabet needs fewer than 2^prob_bits symbols)")
+            raise CodecError(f"{where}block_size, lanes, prob_bits, mantissa_bits, low_bits, "
+                             "alphabet_size, n_tables or low_tables out of range (the alphabet "
+                             "needs fewer than 2^prob_bits symbols, m + k <= 7, no second-stage "
+                             "tables without low bits)")
         if len(self.shape) > MAX_DIMS or math.prod(max(d, 1) for d in self.shape) >= 1 << 62:
             raise CodecError(f"{where}shape {list(self.shape)} is beyond what an array can hold")
         if -(-self.block_size // self.lanes) > MAX_LANE_STEPS:
@@ -186,6 +203,8 @@ class RansTensor(StoredForm):
             "block_table": (nb,),
             "escapes": (packed_length(self.n_escapes, self.escape_bits),),
             "block_escapes": (nb + 1,),
+            "symbol_class": (a + 1 if self.low_bits else 0,),
+            "low_freqs": (self.low_tables, 1 << self.low_bits),
         }
         for key, dtype in ARRAY_DTYPES.items():
             array = self.arrays()[key]
@@ -217,6 +236,14 @@ class RansTensor(StoredForm):
                              f"{1 << self.prob_bits}")
         if np.any(self.block_table >= self.n_tables):
             raise CodecError(f"{where}a block names a table that does not exist")
+        if self.low_bits and self.n_blocks and not self.low_tables:
+            raise CodecError(f"{where}a tensor with low bits and blocks needs at least one "
+                             "second-stage table")
+        if np.any(self.low_freqs.astype(np.int64).sum(axis=1) != 1 << self.prob_bits):
+            raise CodecError(f"{where}every second-stage table's frequencies must sum to "
+                             f"2^prob_bits = {1 << self.prob_bits}")
+        if np.any(self.symbol_class >= self.low_tables):
+            raise CodecError(f"{where}a symbol names a second-stage table that does not exist")
         for key, end in (("block_words", self.stream_words), ("block_escapes", self.n_escapes)):
             starts = self.arrays()[key].astype(np.int64)
             if starts[0] != 0 or starts[-1] != end or np.any(np.diff(starts) < 0):

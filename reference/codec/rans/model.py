@@ -27,6 +27,11 @@ from reference.codec.rans.coder import quantize
 
 TABLE_ENTRY_BITS = 16  # a frequency is stored as a uint16
 CLUSTER_ROUNDS = 8
+CLASS_ROUNDS = 4
+MAX_CLASSES = 256  # second-stage tables: a class is stored in a uint8
+# two stages only where they save this many bits per weight: their decoding does a second lookup
+# per weight
+LOW_MIN_GAIN = 0.02
 
 
 def split_weights(bits: np.ndarray, mantissa_bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -47,6 +52,29 @@ def join_weights(values: np.ndarray, raw: np.ndarray, mantissa_bits: int) -> np.
     bits |= values.astype(np.uint16) << low  # exponent and top mantissa bits: < 2^15
     bits |= raw & ((1 << low) - 1)
     return bits
+
+
+def split_low(raw: np.ndarray, mantissa_bits: int, low_bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """(lows, rest) of raw fields (sign << (7 - m) | 7 - m mantissa bits, from ``split_weights``):
+    low = the
+    top k = ``low_bits`` of those mantissa bits (coded in the second stage, FORMAT.md 9.1); rest =
+    sign << r
+    | the last r = 7 - m - k mantissa bits (stored raw)."""
+    raw = np.asarray(raw, np.uint16)
+    r = 7 - mantissa_bits - low_bits
+    lows = (raw >> r) & ((1 << low_bits) - 1)
+    rest = (raw >> (7 - mantissa_bits)) << r | (raw & ((1 << r) - 1))
+    return lows.astype(np.uint16), rest.astype(np.uint16)
+
+
+def join_low(lows: np.ndarray, rest: np.ndarray, mantissa_bits: int, low_bits: int) -> np.ndarray:
+    """Inverse of ``split_low``: the raw fields of ``split_weights`` (uint16)."""
+    r = 7 - mantissa_bits - low_bits
+    raw = rest >> r  # the sign
+    raw <<= 7 - mantissa_bits
+    raw |= lows.astype(np.uint16) << r
+    raw |= rest & ((1 << r) - 1)
+    return raw
 
 
 def field_group(width: int) -> tuple[int, int]:
@@ -211,3 +239,133 @@ def cluster(block_counts: np.ndarray, order_key: np.ndarray, k: int) -> np.ndarr
             break
         assign = new
     return np.unique(assign, return_inverse=True)[1].reshape(-1)
+
+
+def ideal_bits(counts: np.ndarray) -> float:
+    """The empirical entropy of ``counts`` in bits (sum of count * log2(total / count)): what an
+    ideal coder
+    with one table fitted to them spends."""
+    c = np.asarray(counts, np.float64)
+    c = c[c > 0]
+    return float((c * np.log2(c.sum() / c)).sum()) if c.size else 0.0
+
+
+def choose_classes(joint: np.ndarray, unit: np.ndarray, low_bits: int) -> tuple[np.ndarray, float]:
+    """(symbol_class [S], estimated bits): which second-stage table each first-stage symbol uses.
+
+    ``joint`` [S, 2^k]: how often first-stage symbol s comes with low bits l. Symbols are grouped
+    into units
+    (``unit`` [S]: the exponent of each symbol's value, the escape a unit of its own); class 0
+    pools the units
+    that do not pay for a table of their own, and each unit whose low bits differ enough from the
+    pool's gets its
+    own class: when coding them with its own distribution saves more than its table costs (2^k
+    entries of 16
+    bits), ideal code lengths throughout. A few rounds, since the pool changes with what leaves it.
+    At most
+    MAX_CLASSES classes; a symbol that never occurs goes to class 0. The estimate counts the tables.
+    """
+    units, unit_of = np.unique(unit, return_inverse=True)
+    per_unit = np.zeros((len(units), joint.shape[1]), np.float64)
+    np.add.at(per_unit, unit_of.reshape(-1), joint)
+    totals = per_unit.sum(axis=1)
+    own_bits = np.array([ideal_bits(row) for row in per_unit])
+    table_bits = TABLE_ENTRY_BITS * (1 << low_bits)
+    own = np.zeros(len(units), bool)
+    for _ in range(CLASS_ROUNDS):
+        pool = per_unit[~own].sum(axis=0)
+        with np.errstate(divide="ignore", invalid="ignore"):  # inf where the pool lacks a symbol
+            pool_cost = np.log2(pool.sum() / pool) if pool.sum() else np.full(len(pool), np.inf)
+            in_pool = np.where(per_unit > 0, per_unit * pool_cost, 0).sum(axis=1)
+        gain = np.where(totals > 0, in_pool - own_bits - table_bits, -np.inf)
+        best = np.argsort(-gain, kind="stable")[: MAX_CLASSES - 1]
+        new = np.zeros(len(units), bool)
+        new[best[gain[best] > 0]] = True
+        if np.array_equal(new, own):
+            break
+        own = new
+    pooled = per_unit[~own].sum(axis=0)
+    has_pool = pooled.sum() > 0 or not own.any()
+    class_of_unit = np.where(own, np.cumsum(own) - 1 + has_pool, 0)
+    bits = ideal_bits(pooled) + sum(own_bits[own]) + table_bits * (int(own.sum()) + has_pool)
+    return class_of_unit[unit_of.reshape(-1)].astype(np.int64), bits
+
+
+def class_tables(joint: np.ndarray, symbol_class: np.ndarray, prob_bits: int) -> np.ndarray:
+    """The second-stage frequency tables [C, 2^k]: each class's quantized low-bit counts
+    (``quantize``); a class
+    no weight uses gets all its mass on low bits 0."""
+    n_classes = int(symbol_class.max()) + 1 if symbol_class.size else 0
+    out = np.zeros((n_classes, joint.shape[1]), np.int64)
+    for c in range(n_classes):
+        counts = joint[symbol_class == c].sum(axis=0)
+        if counts.sum():
+            out[c] = quantize(counts, prob_bits)
+        else:
+            out[c, 0] = 1 << prob_bits
+    return out
+
+
+def estimate_bits(hist: np.ndarray, mantissa_bits: int, low_bits: int, prob_bits: int,
+                  escapes: bool = True) -> float:
+    """An estimate of a tensor's coded size in bits with m = ``mantissa_bits`` and k =
+    ``low_bits``, from
+    ``hist`` (how often each of the 65536 bf16 patterns occurs): ideal code lengths with one
+    first-stage
+    table (an upper bound for the clustered tables), the alphabet, the escapes, the second-stage
+    tables
+    (``choose_classes``) and the raw bits. Infinite where the parameters cannot code the tensor."""
+    patterns = np.arange(1 << 16, dtype=np.int64)
+    hist = np.asarray(hist, np.int64)
+    n = int(hist.sum())
+    values = (patterns >> (7 - mantissa_bits)) & ((1 << (8 + mantissa_bits)) - 1)
+    counts = np.bincount(values, hist, minlength=1 << (8 + mantissa_bits))
+    try:
+        alphabet = np.asarray(choose_alphabet(counts, prob_bits, 8 + mantissa_bits, escapes),
+                              np.int64)
+    except CodecError:
+        return float("inf")
+    symbol_of = np.full(len(counts), len(alphabet), np.int64)
+    symbol_of[alphabet] = np.arange(len(alphabet))
+    symbols = symbol_of[values]
+    escaped = int(counts.sum() - counts[alphabet].sum())
+    bits = ideal_bits(np.bincount(symbols, hist, minlength=len(alphabet) + 1))
+    bits += escaped * (8 + mantissa_bits) + TABLE_ENTRY_BITS * (2 * len(alphabet) + 1)
+    bits += n * (8 - mantissa_bits - low_bits)
+    if low_bits:
+        if 1 << low_bits > 1 << prob_bits and n:
+            return float("inf")  # (possibly) more low values than slots
+        lows = (patterns >> (7 - mantissa_bits - low_bits)) & ((1 << low_bits) - 1)
+        joint = np.bincount(symbols << low_bits | lows, hist,
+                            minlength=(len(alphabet) + 1) << low_bits)
+        unit = np.append(alphabet >> mantissa_bits, 1 << 8)
+        bits += choose_classes(joint.reshape(-1, 1 << low_bits), unit, low_bits)[1]
+        bits += 8 * (len(alphabet) + 1)  # symbol_class
+    return bits
+
+
+def choose_coding(hist: np.ndarray, prob_bits: int, escapes: bool = True,
+                  mantissa_bits: int | None = None,
+                  low_bits: int | None = None) -> list[tuple[float, int, int]]:
+    """The candidates (score, m, k) for a tensor whose bf16 patterns occur ``hist`` times, best
+    first
+    (FORMAT.md 9.5). Candidates: m = 0 ... 7 with k = 0 (one stage: m mantissa bits coded with the
+    exponent, the rest raw), and m = 0 ... 6 with k = 7 - m (two stages: every mantissa bit coded,
+    the
+    last 7 - m with a table chosen by the first symbol). The score is ``estimate_bits``, plus
+    LOW_MIN_GAIN bit per weight for two stages (they cost a second table lookup per weight when
+    decoding). A given m or k restricts the candidates; ties go to the earlier candidate (k = 0,
+    small
+    m first)."""
+    n = int(np.asarray(hist).sum())
+    ms = range(8) if mantissa_bits is None else [mantissa_bits]
+    ks = [0, None] if low_bits is None else [low_bits]  # None: 7 - m
+    out = []
+    for k_choice in ks:
+        for m in ms:
+            k = 7 - m if k_choice is None else k_choice
+            if m + k > 7 or (k_choice is None and k == 0):
+                continue
+            bits = estimate_bits(hist, m, k, prob_bits, escapes)
+            out.append((bits + (LOW_MIN_GAIN * n if k else 0.0), m, k))
+    return sorted(out, key=lambda c: c[0])  # (stable: ties keep the order above)
