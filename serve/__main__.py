@@ -115,17 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         args.engine, why = pick_engine(args.engine)  # the disaggregated workers' runner too
     if why:
         print(why, file=sys.stderr, flush=True)
-    if args.engine != "reference":  # the native kernels' instruction set: checked now, named in the log
+    isa_line = None
+    if args.engine != "reference":  # the native kernels' instruction set: checked now, named once listening
         from fast import cpu_isa
 
         try:
-            print(f"CPU: {cpu_isa.summary()}", file=sys.stderr, flush=True)
+            isa_line = f"CPU: {cpu_isa.summary()}"
         except cpu_isa.CpuIsaError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
     sock = listening_socket(args.host, args.port)  # a busy port is reported now, not after the model loaded
     if sock is None:
         return 2
+    if isa_line:
+        print(isa_line, file=sys.stderr, flush=True)
     if args.engine == "reference" and args.blas_threads > 0:
         from threadpoolctl import threadpool_limits
 

@@ -14,7 +14,8 @@ PACKAGES = ("reference", "fast", "serve", "conformance", "experiments")
 MAINS = sorted(str(p.relative_to(ROOT)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")
                if '__name__ == "__main__"' in p.read_text())
 # modules whose --help is another parser's: the reference codec's (prog python -m fast.codec), vLLM's own
-DELEGATES = {"fast/codec/__main__.py", "experiments/engine/vllm_cli.py"}
+# their parsers are built elsewhere (bench_codec_cli: bench_codec_peers.arguments)
+DELEGATES = {"fast/codec/__main__.py", "experiments/engine/vllm_cli.py", "experiments/unweight/bench_codec_cli.py"}
 CLIS = sorted({*MAINS, "serve/engines.py", "serve/keys.py", "serve/pipeline.py", "serve/disagg.py",
                "serve/disagg_dist.py"})
 

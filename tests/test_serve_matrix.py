@@ -54,7 +54,8 @@ def ask(server: Server, question: str, mode: str, seed: int, max_tokens: int) ->
 def refusals(server: Server) -> list[str]:
     """The 400s of what no topology does: the messages, to compare across cells."""
     out = []
-    for bad in ({"n": 2}, {"logprobs": True}):
+    for bad in ({"response_format": {"type": "json_object"}}, {"tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object"}}}]}):
         with pytest.raises(openai.BadRequestError) as e:
             server.client().chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}],
                                                     max_tokens=2, **bad)
@@ -113,7 +114,7 @@ def check(cells: dict, max_tokens: int) -> None:
     assert all(text and 0 < n <= max_tokens for mode in MODES for text, n in first["answers"][mode])
     greedy, sampled = first["answers"]["greedy"], first["answers"]["sampled"]
     assert greedy != sampled  # the draws matter on these prompts
-    assert "n" in first["refusals"][0] and "logprobs" in first["refusals"][1]
+    assert "response_format" in first["refusals"][0] and "tools" in first["refusals"][1]
 
 
 @pytest.fixture(scope="module")

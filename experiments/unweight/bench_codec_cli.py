@@ -145,7 +145,7 @@ def measure_model(weights: str, repeat: int, workdir: Path, env: dict[str, str])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = arguments(argv, "bench_codec_cli", __doc__, 5, DEFAULT_JSON)
+    args = arguments(argv, "python -m experiments.unweight.bench_codec_cli", __doc__, 5, DEFAULT_JSON)
     from fast.cpu_isa import describe_cpu
     from reference.provenance import commit, machine
 

@@ -236,7 +236,7 @@ def measure_model(weights: str, cs: list[Coder], repeat: int, workdir: Path) -> 
 def arguments(argv: list[str] | None, prog: str, doc: str | None, repeat: int,
               default_json: Path) -> argparse.Namespace:
     """The codec benchmarks' command line: --weights, --repeat, --json."""
-    parser = argparse.ArgumentParser(prog=f"python -m experiments.unweight.{prog}", description=doc,
+    parser = argparse.ArgumentParser(prog=prog, description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", nargs="+", default=["minilm", "smollm2"], help="packaged models or paths")
     parser.add_argument("--repeat", type=int, default=repeat, help=f"timed runs of each (default {repeat})")
@@ -254,7 +254,7 @@ def store(result: dict[str, Any], load_before: float | None, path: Path | None) 
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = arguments(argv, "bench_codec_peers", __doc__, 3, DEFAULT_JSON)
+    args = arguments(argv, "python -m experiments.unweight.bench_codec_peers", __doc__, 3, DEFAULT_JSON)
     # before numba (bigsmall) and torch load: one thread each, and no network call from bigsmall's import
     os.environ.setdefault("NUMBA_NUM_THREADS", "1")
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -151,7 +151,10 @@ class Container:
         return self.forms[form]
 
     def _arrays_of(self, name: str) -> dict[str, type]:
-        return self._form_of(name).arrays
+        arrays = self._form_of(name).arrays
+        if self.headers[name].get("form") == rans.FORM:  # an earlier writer's rANS tensor: fewer
+            return {k: arrays[k] for k in rans.stored_arrays(self.headers[name])}
+        return arrays
 
     def compressed(self, name: str, *, check_arrays: bool = True) -> Compressed:
         """A compressed tensor in its stored form (Huffman or rANS), every field checked (with

@@ -11,8 +11,9 @@ check),
 ``codec.py`` (``encode_rans``, ``decode_rans`` and their many-tensor forms).
 
 The container (``reference/codec/container_read.py``, ``container_write.py``) uses only what this
-file exports: ``FORM`` (the header's ``form`` value), ``ARRAY_DTYPES``, ``RansTensor``,
-``encode_rans_many``, ``decode_rans_many`` and ``ENCODE_BATCH``.
+file exports: ``FORM`` (the header's ``form`` value), ``ARRAY_DTYPES``, ``stored_arrays`` (the
+arrays a tensor's header says are stored), ``RansTensor``, ``encode_rans_many``,
+``decode_rans_many`` and ``ENCODE_BATCH``.
 """
 
 from reference.codec.rans.codec import (
@@ -27,9 +28,10 @@ from reference.codec.rans.codec import (
     encode_rans,
     encode_rans_many,
 )
-from reference.codec.rans.format import ARRAY_DTYPES, FORM, RansTensor
+from reference.codec.rans.format import ARRAY_DTYPES, FORM, RansTensor, stored_arrays
 
 __all__ = [
     "ARRAY_DTYPES", "BLOCK_SIZE", "ENCODE_BATCH", "FORM", "LANES", "MANTISSA_BITS", "PROB_BITS",
     "TABLES", "RansTensor", "decode_rans", "decode_rans_many", "encode_rans", "encode_rans_many",
+    "stored_arrays",
 ]

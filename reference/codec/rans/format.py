@@ -34,6 +34,11 @@ ARRAY_DTYPES = {"raw": np.uint8, "alphabet": np.uint16, "tables": np.uint16, "st
                 "escapes": np.uint8, "block_escapes": np.uint32, "symbol_class": np.uint8,
                 "low_freqs": np.uint16}
 CRC_KEYS = (*ARRAY_DTYPES, "data")
+# The second stage (low mantissa bits coded by class) came later: a one-stage tensor written before
+# it has no low_bits / low_tables keys, no symbol_class / low_freqs arrays and no CRCs of them. It
+# is read as k = 0, C = 0.
+SECOND_STAGE_KEYS = ("low_bits", "low_tables")
+SECOND_STAGE_ARRAYS = ("symbol_class", "low_freqs")
 HEADER_KEYS = ("format", "version", "form", "shape", "block_size", "lanes", "prob_bits",
                "mantissa_bits", "low_bits", "low_tables", "alphabet_size", "n_tables",
                "stream_words", "n_escapes", "crc32")
@@ -42,6 +47,19 @@ MAX_BLOCK_SIZE, MAX_LANES, MAX_TABLES, MAX_ALPHABET = 1 << 24, 1024, 256, 1 << M
 MAX_LANE_STEPS = 65536
 MAX_DIMS = 32  # NumPy's limit
 MIN_PROB_BITS = 1
+
+
+def written_before_second_stage(header: Mapping[str, Any]) -> bool:
+    """A header without any second-stage key (an earlier writer's one-stage tensor)."""
+    return not any(k in header for k in SECOND_STAGE_KEYS)
+
+
+def stored_arrays(header: Mapping[str, Any]) -> tuple[str, ...]:
+    """The arrays a container holds for a tensor with this header (an earlier writer's: none of
+    the second stage's)."""
+    if written_before_second_stage(header):
+        return tuple(k for k in ARRAY_DTYPES if k not in SECOND_STAGE_ARRAYS)
+    return tuple(ARRAY_DTYPES)
 
 
 @dataclass
@@ -121,6 +139,14 @@ class RansTensor(StoredForm):
         where = f"tensor {name!r}: " if name else ""
         if not isinstance(header, Mapping):
             raise CodecError(f"{where}header must be a JSON object")
+        if written_before_second_stage(header):  # a one-stage tensor of an earlier writer
+            crc = header.get("crc32")
+            header = {**header, "low_bits": 0, "low_tables": 0}
+            empty = crc32(np.zeros(0, np.uint8))
+            if isinstance(crc, Mapping):
+                header["crc32"] = {**crc, **{k: empty for k in SECOND_STAGE_ARRAYS}}
+            arrays = {**arrays, "symbol_class": np.zeros(0, np.uint8),
+                      "low_freqs": np.zeros((0, 1), np.uint16)}
         if (
             header.get("format") != FORMAT_NAME
             or header.get("version") != VERSION
