@@ -15,8 +15,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fast import cpu_isa
 from fast.codec import decode_rans_c
 from fast.codec.decode_rans_c import decode_rans_cpu
+from reference.bf16 import float32_to_bf16
 from reference.codec import RansTensor, decode_rans, encode_rans
 from reference.codec.errors import CodecError
 from reference.codec.format import crc32
@@ -27,6 +29,25 @@ from tests.test_decode_cpu import build
 
 HAS_C = decode_rans_c.library() is not None
 needs_c = pytest.mark.skipif(not HAS_C, reason="no C compiler: the C rANS decoder is not built")
+
+
+def _wide_case() -> np.ndarray:
+    """40,000 weights for the AVX2 lanes' cases: trained-like rows, rows of a larger scale (a second table), rows
+    of dequantized 4-bit blocks (low mantissa bits far from uniform: second-stage classes) and rare exponents
+    (escapes)."""
+    rng = np.random.default_rng(7)
+    bits = float32_to_bf16((rng.standard_normal((40, 1000)) * 0.02).astype(np.float32))
+    bits[25:] = float32_to_bf16((rng.standard_normal((15, 1000)) * 3.0).astype(np.float32))
+    bits[5:12] = float32_to_bf16((rng.integers(-8, 9, (7, 1000)) * 2.0**-12).astype(np.float32))
+    bits[3, 5:8] = [0x0001, 0x7FC1, 0x4F00]
+    bits[30, 999] = 0x0002
+    return bits
+
+
+WIDE = _wide_case()
+# 32 lanes and p = 12 (the AVX2 lanes' case), 9 blocks: four pairs and one alone, 140.6 steps per block (the
+# last partial step in portable C), the last block shorter
+WIDE_TWO = encode_rans(WIDE, block_size=4500, mantissa_bits=2, low_bits=5)
 
 
 @contextlib.contextmanager
@@ -75,15 +96,17 @@ def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict,
 
 @needs_c
 @given(st.sampled_from([k for k, a in BASE.arrays().items() if a.size]), st.integers(0, 2**40), st.integers(0, 7),
-       st.booleans(), st.sampled_from([1, 3]))
-def test_flipped_bit_in_any_array(key: str, where: int, bit: int, fix_crc: bool, threads: int) -> None:
+       st.booleans(), st.sampled_from([1, 3]), st.booleans())
+def test_flipped_bit_in_any_array(key: str, where: int, bit: int, fix_crc: bool, threads: int, wide: bool) -> None:
     """Without ``fix_crc`` the array's CRC-32 must fail; with it, the other checks (index, lanes' end
-    states, words and escapes per block, padding, data CRC) must catch it or the bits be exact."""
-    t = with_arrays(BASE, flipped(BASE, key, where, bit), fix_crc)
+    states, words and escapes per block, padding, data CRC) must catch it or the bits be exact. ``wide``: a
+    two-stage tensor of 32 lanes and p = 12, which the AVX2 lanes decode where the CPU has them."""
+    base, original = (WIDE_TWO, WIDE) if wide else (BASE, TRAINED)
+    t = with_arrays(base, flipped(base, key, where, bit), fix_crc)
     if not fix_crc:
         with pytest.raises(CodecError, match="CRC|corrupt|must"), many_threads():
             decode_rans_cpu(t, threads=threads, native=True)
-    decodes_exactly_or_raises(t, TRAINED, threads)
+    decodes_exactly_or_raises(t, original, threads)
 
 
 @needs_c
@@ -136,3 +159,42 @@ def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> 
     assert np.array_equal(decode_rans_cpu(BASE), TRAINED)
     with pytest.raises(CodecError, match="not available"):
         decode_rans_cpu(BASE, native=True)
+
+
+@needs_c
+@pytest.mark.parametrize("params", [
+    {"mantissa_bits": 2, "low_bits": 5},  # m + k = 7 (what the encoder picks): values, escapes and bf16 in one pass
+    {"mantissa_bits": 1, "low_bits": 3},  # raw bits left besides the sign: the portable join after the AVX2 lanes
+    {"mantissa_bits": 2, "low_bits": 0},  # one stage
+    {},  # the encoder's choice
+])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_avx2_lanes_take_two_stage_tensors(params: dict, threads: int) -> None:
+    """At 32 lanes and p = 12 two-stage tensors (and one-stage ones) go through the AVX2 lanes where the CPU and
+    UNFIRE_CPU_ISA allow them (blocks two at a time, an odd block alone, partial steps in portable C), with the
+    portable build's bits; the portable build and UNFIRE_CPU_ISA=scalar take none of them."""
+    lib = decode_rans_c.library()
+    t = encode_rans(WIDE, block_size=4500, **params)
+    assert t.lanes == 32 and t.prob_bits == 12 and t.n_blocks == 9 and t.n_escapes >= 4
+    assert params.get("low_bits", 1) == 0 or t.low_bits > 0 and t.low_tables > 1
+    expected = 2 if t.low_bits else 1
+    got = {}
+    for wide in (False, True):
+        with build(lib.unw_rans_use, wide), many_threads():
+            lib.unw_rans_lanes_taken()
+            got[wide] = decode_rans_cpu(t, threads=threads, native=True)
+            taken = lib.unw_rans_lanes_taken()
+            assert taken == (expected if wide and lib.unw_rans_use(1) else 0)
+    assert np.array_equal(got[True], got[False]) and np.array_equal(got[True], WIDE)
+    assert np.array_equal(got[True], decode_rans(t))
+
+
+@needs_c
+def test_scalar_cap_takes_no_avx2_lanes(monkeypatch: pytest.MonkeyPatch) -> None:
+    if "scalar" not in cpu_isa.supported():
+        pytest.skip("no scalar level on this architecture")
+    monkeypatch.setenv(cpu_isa.ENV, "scalar")
+    lib = decode_rans_c.library()
+    lib.unw_rans_lanes_taken()
+    assert np.array_equal(decode_rans_cpu(WIDE_TWO, native=True), WIDE)
+    assert lib.unw_rans_lanes_taken() == 0

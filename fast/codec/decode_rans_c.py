@@ -46,6 +46,7 @@ _SIGNATURES = {  # name: (return type, argument types), as in native/rans_decode
                                _I64, _I64, _INT, _INT, _INT, _INT, _P, _P, _INT, _INT, _P, _P]),
     "unw_rans_use": (_INT, [_INT]),
     "unw_rans_isa": (_INT, [_INT]),
+    "unw_rans_lanes_taken": (_INT, []),
 }
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
 SMALL_ARRAYS = ("alphabet", "tables", "block_words", "states", "block_table", "block_escapes", "symbol_class",

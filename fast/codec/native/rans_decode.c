@@ -18,16 +18,22 @@
  *      of M entries per frequency table), x = f * (x >> p) + slot - c, and a refill without a branch
  *      (the word is read anyway from a clamped index; whether it is used is arithmetic). The 32
  *      lanes' chains are independent, so the CPU overlaps them. With AVX2 (the defaults: 32 lanes,
- *      p = 12) eight lanes go at once: two gathers for the entries, one 16-byte load for the next
- *      8 words, spread over the lanes that need one by a permutation looked up from their mask;
+ *      p = 12; lanes_avx2) eight lanes go at once, on 32-bit entries (f - 1, slot - c and the class: one
+ *      gather; the slot is kept and its value looked up after the lanes), the refills by one byte shuffle of
+ *      the next 8 words looked up from the mask of the lanes that need one; a thread takes blocks two at a
+ *      time and runs their steps side by side (one block's 4 chains of gathers and multiplies leave the core
+ *      idle most of the time);
  *   2. the escapes, in weight order: each escape symbol's value is the next escape field;
  *   3. bf16 = sign | value << (7 - m) | low mantissa bits, the raw field read with one 64-bit load
  *      (m = 2: four fields per 3 bytes; with AVX2, 8 weights per byte shuffle).
  * Two stages (k = low_bits > 0, FORMAT.md 9.4): each step decodes every lane's value, then every lane's k low
- * bits from the second-stage table its value's symbol names (bits 48-63 of the first-stage entry), in the
- * portable loop (decode_lanes2; no AVX2 lanes yet); bf16 = sign | value << (7 - m) | low << q | q raw bits.
- * On MiniLM's largest tensor (11.7 M weights, one AMD EPYC core): 3.2 ns per weight in the portable
- * build, 1.6 ns with AVX2.
+ * bits from the second-stage table its value's symbol names (the class: bits 48-63 of the 64-bit entry, bits
+ * 12-19 of the 32-bit one), in decode_lanes2 or, with AVX2, a second gather per 8 lanes in lanes_avx2;
+ * bf16 = sign | value << (7 - m) | low << q | q raw bits (with AVX2 and m + k = 7, 16 weights at a time
+ * together with the values and escapes: join1_avx2).
+ * One core of an Intel Xeon (Sapphire Rapids class), a whole model through decode_rans_cpu: SmolLM2 (two
+ * stages) 6.6 ns per weight before the AVX2 two-stage lanes, 2.1 ns with them; MiniLM (one stage) 2.7 ns with
+ * the earlier AVX2 lanes, 2.0 ns with these.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -43,12 +49,17 @@
 
 enum { OK, BAD_WORDS, BAD_ESCAPES, BAD_CRC, NO_MEMORY };
 
+static int lanes_taken; /* the AVX2 lanes that ran since unw_rans_lanes_taken last asked: 1 one stage, 2 two */
+
 typedef struct {
     const uint8_t *raw, *escapes, *block_table;
     const uint16_t *stream;
     const uint32_t *block_words, *block_escapes, *states;
     const uint64_t *dec; /* K tables of M entries: class << 48 | f << 32 | (slot - c) << 16 | value */
     const uint64_t *dec2; /* two stages: C tables of M entries: f << 32 | (slot - c) << 16 | low bits */
+    /* the AVX2 lanes (32 lanes, p = 12): the tables in 32 bits (f - 1 | class << 12 | (slot - c) << 20, and with
+     * two stages f - 1 | low bits << 12 | (slot - c) << 20) and each slot's value; NULL elsewhere */
+    const uint32_t *decw, *dec2w, *valw;
     int64_t raw_len, esc_len, words, n_escapes, n, block_size, n_blocks, next_block;
     int lanes, p, m, k, n_tables;
     uint16_t *out;
@@ -146,54 +157,185 @@ static inline __attribute__((always_inline)) uint64_t decode_lanes2(const uint64
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define HAVE_LANES_AVX2 1
-static int32_t word_of_lane[256][8]; /* for a mask of the lanes that need a word: which of the next 8 words each takes */
-static pthread_once_t word_of_lane_once = PTHREAD_ONCE_INIT;
+static pthread_once_t word_bytes_once = PTHREAD_ONCE_INIT;
+/* For a mask of the 8 lanes that need a word: a byte shuffle of the next 8 words (in both 128-bit halves) that
+ * gives lane l its word (the lanes that need one take them in lane order), or 0 to a lane that needs none. */
+static uint8_t word_bytes[256][32];
 
-static void word_of_lane_init(void) {
+static void word_bytes_init(void) {
     for (int m = 0; m < 256; m++)
-        for (int l = 0; l < 8; l++)
-            word_of_lane[m][l] = __builtin_popcount((unsigned)m & ((1u << l) - 1));
+        for (int l = 0; l < 8; l++) {
+            int w = __builtin_popcount((unsigned)m & ((1u << l) - 1)), take = m >> l & 1;
+            uint8_t *b = word_bytes[m] + 4 * l;
+            b[0] = take ? (uint8_t)(2 * w) : 0x80, b[1] = take ? (uint8_t)(2 * w + 1) : 0x80, b[2] = b[3] = 0x80;
+        }
 }
 
-/* decode_lanes for 32 lanes and p = 12, eight lanes at a time in AVX2: the 8 table entries by two
- * gathers, the 8 refills by one 16-byte load of the next 8 words spread over the lanes that need one
- * (in lane order, word_of_lane). Whole steps only, and only while a step cannot read past the stream's
- * end (words); returns how many weights it decoded (the caller does the rest). */
-__attribute__((target("avx2,bmi,bmi2,popcnt"))) static int64_t lanes32_avx2(const uint64_t *tab, const uint16_t *stream,
-                                                                         uint64_t words, uint64_t *pos_io,
-                                                                         uint32_t *x, uint16_t *vals, int64_t len) {
-    pthread_once(&word_of_lane_once, word_of_lane_init);
+/* One sub-step of 8 lanes in AVX2: e holds the lanes' 32-bit entries (f - 1 in bits 0-11, slot - c in bits 20-31,
+ * p = 12), xs their states; the new states, refilled from the words at stream + pos in lane order (a byte shuffle
+ * of the next 8 words, word_bytes, that leaves 0 to the lanes taking none); m: the lanes that took a word. */
+#define SUBSTEP_AVX2(e, xs, stream, pos, m)                                                                       \
+    do {                                                                                                         \
+        __m256i q_ = _mm256_srli_epi32(xs, 12);                                                                  \
+        __m256i y_ = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_and_si256(e, slot_mask), q_),                    \
+                                      _mm256_add_epi32(q_, _mm256_srli_epi32(e, 20)));                           \
+        __m256i need_ = _mm256_cmpeq_epi32(_mm256_srli_epi32(y_, 16), zero);                                       \
+        m = _mm256_movemask_ps(_mm256_castsi256_ps(need_));                                                      \
+        __m128i eight_ = _mm_loadu_si128((const __m128i *)((stream) + (pos)));                                    \
+        __m256i w_ = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(eight_),                                    \
+                                         _mm256_loadu_si256((const __m256i *)word_bytes[m]));                    \
+        xs = _mm256_or_si256(_mm256_sllv_epi32(y_, _mm256_and_si256(need_, sixteen)), w_);                        \
+    } while (0)
+
+/* One block's lanes for the AVX2 lanes: its first-stage table (tabw: f - 1 | class << 12 | (slot - c) << 20), word
+ * position, states, and where the slots (of the values, looked up after the lanes) and low bits go. */
+typedef struct {
+    const uint32_t *tabw;
+    uint64_t pos;
+    uint32_t *x;
+    uint16_t *slots;
+    uint8_t *lows;
+} LanesW;
+
+/* The lanes for 32 lanes and p = 12 in AVX2 (FORMAT.md 9.4), on 32-bit entries, for NB blocks side by side (one
+ * block's 32 lanes are 4 chains of gathers and multiplies, too few to keep the core busy: two blocks' steps
+ * overlap). A step of a block: the four groups of 8 lanes decode their first symbol (one gather from tabw; the
+ * slot is kept, its value looked up after the lanes), then with two stages (TWO) their low bits (one gather from
+ * tab2w at class * 4096 + slot: f - 1 | low bits << 12 | (slot - c) << 20), each sub-step's refills in lane
+ * order; the step's 32 slots and low bits are stored at once. Steps from t0 while every block has steps left
+ * (steps) and a step cannot read past the stream's end; returns the step it stopped at. */
+__attribute__((target("avx2,bmi,bmi2,popcnt"))) static inline __attribute__((always_inline)) int64_t
+lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW *L, int64_t t0, int64_t steps,
+           const int NB, const int TWO) {
+    pthread_once(&word_bytes_once, word_bytes_init);
     const __m256i slot_mask = _mm256_set1_epi32(4095), zero = _mm256_setzero_si256();
-    __m256i xs[4];
-    for (int g = 0; g < 4; g++)
-        xs[g] = _mm256_loadu_si256((const __m256i *)(x + 8 * g));
-    uint64_t pos = *pos_io;
-    int64_t t = 0;
-    for (; t < len / 32 && pos + 32 <= words; t++) /* a step reads at most 32 words */
-        for (int g = 0; g < 4; g++) {
-            __m256i slot = _mm256_and_si256(xs[g], slot_mask);
-            __m256 a = _mm256_castsi256_ps(
-                _mm256_i32gather_epi64((const long long *)tab, _mm256_castsi256_si128(slot), 8));
-            __m256 b = _mm256_castsi256_ps(
-                _mm256_i32gather_epi64((const long long *)tab, _mm256_extracti128_si256(slot, 1), 8));
-            /* low and high halves of the 8 entries, back in lane order */
-            __m256i lo = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a, b, 0x88)), 0xD8);
-            __m256i f = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8);
-            __m256i y = _mm256_add_epi32(_mm256_mullo_epi32(f, _mm256_srli_epi32(xs[g], 12)), _mm256_srli_epi32(lo, 16));
-            __m256i need = _mm256_cmpeq_epi32(_mm256_srli_epi32(y, 16), zero);
-            int m = _mm256_movemask_ps(_mm256_castsi256_ps(need));
-            __m256i words = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(stream + pos)));
-            words = _mm256_permutevar8x32_epi32(words, _mm256_loadu_si256((const __m256i *)word_of_lane[m]));
-            xs[g] = _mm256_blendv_epi8(y, _mm256_or_si256(_mm256_slli_epi32(y, 16), words), need);
-            pos += (uint64_t)__builtin_popcount((unsigned)m);
-            __m256i v = _mm256_and_si256(lo, _mm256_set1_epi32(0xFFFF));
-            _mm_storeu_si128((__m128i *)(vals + 32 * t + 8 * g),
-                             _mm_packus_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1)));
+    const __m256i sixteen = _mm256_set1_epi32(16), class_mask = _mm256_set1_epi32(0xFF000);
+    const __m256i byte = _mm256_set1_epi32(255);
+    __m256i xs[NB][4];
+    uint64_t pos[NB];
+    for (int k = 0; k < NB; k++) {
+        pos[k] = L[k].pos;
+        for (int g = 0; g < 4; g++)
+            xs[k][g] = _mm256_loadu_si256((const __m256i *)(L[k].x + 8 * g));
+    }
+    int64_t t = t0;
+    for (; t < steps; t++) {
+        int room = 1;
+        for (int k = 0; k < NB; k++)
+            room &= pos[k] + 32 * (1 + TWO) <= words; /* a step reads at most 32 words per stage */
+        if (!room)
+            break;
+        for (int k = 0; k < NB; k++) {
+            __m256i e[4], slot[4];
+            for (int g = 0; g < 4; g++) { /* first symbols: the values' slots */
+                slot[g] = _mm256_and_si256(xs[k][g], slot_mask);
+                e[g] = _mm256_i32gather_epi32((const int *)L[k].tabw, slot[g], 4);
+            }
+            /* 32 slots to 16 bits: packs work in 128-bit halves (g0 g1 g0 g1), the permutes undo that */
+            __m256i s01 = _mm256_permute4x64_epi64(_mm256_packus_epi32(slot[0], slot[1]), 0xD8);
+            __m256i s23 = _mm256_permute4x64_epi64(_mm256_packus_epi32(slot[2], slot[3]), 0xD8);
+            _mm256_storeu_si256((__m256i *)(L[k].slots + 32 * t), s01);
+            _mm256_storeu_si256((__m256i *)(L[k].slots + 32 * t + 16), s23);
+            for (int g = 0; g < 4; g++) {
+                __m256i base2 = _mm256_and_si256(e[g], class_mask); /* class * 4096 */
+                int m;
+                SUBSTEP_AVX2(e[g], xs[k][g], stream, pos[k], m);
+                pos[k] += (uint64_t)__builtin_popcount((unsigned)m);
+                e[g] = base2;
+            }
+            if (!TWO)
+                continue;
+            for (int g = 0; g < 4; g++) /* second symbols: the low bits */
+                e[g] = _mm256_i32gather_epi32((const int *)tab2w,
+                                              _mm256_or_si256(e[g], _mm256_and_si256(xs[k][g], slot_mask)), 4);
+            for (int g = 0; g < 4; g++) {
+                int m;
+                SUBSTEP_AVX2(e[g], xs[k][g], stream, pos[k], m);
+                pos[k] += (uint64_t)__builtin_popcount((unsigned)m);
+                e[g] = _mm256_and_si256(_mm256_srli_epi32(e[g], 12), byte); /* the low bits */
+            }
+            /* 32 low bits to bytes: the packs give g0 g1 g2 g3 per 32-bit quarter of each half, the permute orders */
+            __m256i u = _mm256_packus_epi16(_mm256_packus_epi32(e[0], e[1]), _mm256_packus_epi32(e[2], e[3]));
+            u = _mm256_permutevar8x32_epi32(u, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(L[k].lows + 32 * t), u);
         }
-    for (int g = 0; g < 4; g++)
-        _mm256_storeu_si256((__m256i *)(x + 8 * g), xs[g]);
-    *pos_io = pos;
-    return t * 32;
+    }
+    for (int k = 0; k < NB; k++) {
+        L[k].pos = pos[k];
+        for (int g = 0; g < 4; g++)
+            _mm256_storeu_si256((__m256i *)(L[k].x + 8 * g), xs[k][g]);
+    }
+    return t;
+}
+
+/* lanes_avx2 for one block (from step t0) or two (from step 0), one stage or two */
+#define LANES_AVX2(name, NB, TWO)                                                                                \
+    __attribute__((target("avx2,bmi,bmi2,popcnt"))) static int64_t name(const uint32_t *tab2w,                  \
+                                                                         const uint16_t *stream, uint64_t words, \
+                                                                         LanesW *L, int64_t t0, int64_t steps) { \
+        return lanes_avx2(tab2w, stream, words, L, t0, steps, NB, TWO);                                          \
+    }
+LANES_AVX2(lanes1_avx2, 1, 0)
+LANES_AVX2(lanes1_avx2_pair, 2, 0)
+LANES_AVX2(lanes2_avx2, 1, 1)
+LANES_AVX2(lanes2_avx2_pair, 2, 1)
+
+/* The values of 16 slots from value (a block's table: each slot's value, 32 bits), by two gathers. */
+__attribute__((target("avx2,bmi,bmi2"))) static inline __attribute__((always_inline)) __m256i
+values16_avx2(const uint32_t *value, const uint16_t *slots) {
+    __m256i v0 = _mm256_i32gather_epi32((const int *)value,
+                                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)slots)), 4);
+    __m256i v1 = _mm256_i32gather_epi32((const int *)value,
+                                        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(slots + 8))), 4);
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(v0, v1), 0xD8); /* packs work in 128-bit halves */
+}
+
+/* The values of n slots (in place) from value, 16 at a time. */
+__attribute__((target("avx2,bmi,bmi2"))) static void values_avx2(uint16_t *vals, const uint32_t *value, int64_t n) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        _mm256_storeu_si256((__m256i *)(vals + j), values16_avx2(value, vals + j));
+    }
+    for (; j < n; j++)
+        vals[j] = (uint16_t)value[vals[j]];
+}
+
+/* bf16 from slots (lanes2_avx2's), low bits and 1-bit raw fields (m + k = 7: the sign), 16 weights at a time:
+ * the slots' values by two gathers from value (the block's table: each slot's value, 32 bits), escapes resolved
+ * in weight order (the next escape field; *esc_io counts them), the sign bits of 2 raw bytes spread over 16
+ * lanes by a broadcast and a compare. Returns how many weights it did (whole bytes of raw inside q_end). */
+__attribute__((target("avx2,bmi,bmi2"))) static int64_t join1_avx2(const Rans *r, uint16_t *o, const uint16_t *slots,
+                                                                const uint32_t *value, const uint8_t *lows,
+                                                                const uint8_t *q, const uint8_t *q_end, int64_t len,
+                                                                int low, uint64_t *esc_io, uint64_t esc_end) {
+    const __m256i bit = _mm256_setr_epi16(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384,
+                                          -32768);
+    const __m256i sign = _mm256_set1_epi16(-32768), escape = _mm256_set1_epi16(-1);
+    const __m128i shift = _mm_cvtsi32_si128(low);
+    uint64_t esc = *esc_io;
+    int64_t j = 0;
+    for (; j + 16 <= len && q + 2 <= q_end; j += 16, q += 2) {
+        __m256i v = values16_avx2(value, slots + j);
+        if (_mm256_movemask_epi8(_mm256_cmpeq_epi16(v, escape))) { /* rare: each escape takes the next field */
+            uint16_t vs[16];
+            _mm256_storeu_si256((__m256i *)vs, v);
+            for (int i = 0; i < 16; i++)
+                if (vs[i] == ESCAPE) {
+                    vs[i] = esc < esc_end && esc < (uint64_t)r->n_escapes
+                                ? (uint16_t)field(r->escapes, r->esc_len, (int64_t)esc, 8 + r->m) : 0;
+                    esc++;
+                }
+            v = _mm256_loadu_si256((const __m256i *)vs);
+        }
+        uint16_t two;
+        memcpy(&two, q, 2);
+        __m256i s = _mm256_and_si256(_mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((short)two), bit), bit),
+                                     sign);
+        __m256i u = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(lows + j)));
+        _mm256_storeu_si256((__m256i *)(o + j), _mm256_or_si256(s, _mm256_or_si256(_mm256_sll_epi16(v, shift), u)));
+    }
+    *esc_io = esc;
+    return j;
 }
 
 /* The escapes of a block in weight order (FORMAT.md 9.4): each escape symbol's value becomes the next
@@ -243,8 +385,20 @@ __attribute__((target("avx2,bmi,bmi2"))) static int64_t join6_avx2(uint16_t *o, 
 }
 #endif
 
+/* Block b's lanes at their start: states into x; returns its first word's position. */
+static inline __attribute__((always_inline)) uint64_t block_start(const Rans *r, int64_t b, uint32_t *x) {
+    memcpy(x, r->states + b * r->lanes, sizeof(uint32_t) * (size_t)r->lanes);
+    return r->block_words[b];
+}
+
+/* Whether blocks go through the AVX2 lanes (32 lanes, p = 12, the AVX2 build: the 32-bit tables were built). */
+static inline __attribute__((always_inline)) int wide(const Rans *r) { return use_wide && r->decw != NULL; }
+
+/* Decode block b (see the top of this file). x: its lanes' states and pos its word position after `done`
+ * weights (0, or whole steps a pair of the AVX2 lanes decoded into vals, as slots, and lows). */
 static inline __attribute__((always_inline)) void decode_block(const Rans *r, int64_t b, uint16_t *vals,
-                                                               uint8_t *lows, uint8_t *cls, uint32_t *x) {
+                                                               uint8_t *lows, uint8_t *cls, uint32_t *x,
+                                                               int64_t done, uint64_t pos) {
     Block *job = &r->blocks[b];
     const int lanes = r->lanes, low = 7 - r->m, w_raw = 8 - r->m - r->k, w_esc = 8 + r->m;
     int64_t start = b * r->block_size, len = min64(r->block_size, r->n - start);
@@ -254,24 +408,31 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     const uint64_t *tab = r->dec + ((int64_t)min64(r->block_table[b], r->n_tables - 1) << r->p);
     static const uint16_t no_word = 0;
     const uint16_t *stream = r->words ? r->stream : &no_word;
-    const uint64_t last_word = r->words ? (uint64_t)r->words - 1 : 0, pos0 = r->block_words[b];
-    memcpy(x, r->states + b * lanes, sizeof(uint32_t) * (size_t)lanes);
-    uint64_t pos = pos0;
-    int64_t done = 0;
+    const uint64_t last_word = r->words ? (uint64_t)r->words - 1 : 0;
+    int64_t slots = 0; /* with the AVX2 lanes: vals[0 .. slots) holds slots (their values: value) */
+    const uint32_t *value = NULL;
+#ifdef HAVE_LANES_AVX2
+    if (wide(r)) { /* the whole steps the pair left */
+        int64_t table = (int64_t)min64(r->block_table[b], r->n_tables - 1) << 12;
+        LanesW L = {r->decw + table, pos, x, vals, lows};
+        slots = done = 32 * (r->k ? lanes2_avx2 : lanes1_avx2)(r->dec2w, stream, (uint64_t)r->words, &L, done / 32,
+                                                               len / 32);
+        pos = L.pos;
+        value = r->valw + table;
+        __atomic_or_fetch(&lanes_taken, r->k ? 2 : 1, __ATOMIC_RELAXED);
+    }
+#endif
     if (r->k) { /* two stages: two words per weight at most */
         const uint64_t *tab2 = r->dec2;
-        if (r->p == 12 && pos + 2 * (uint64_t)len <= (uint64_t)r->words)
-            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals, lows, cls, len, lanes, 12, 0);
-        else if (r->p == 12)
-            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals, lows, cls, len, lanes, 12, 1);
-        else
-            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals, lows, cls, len, lanes, r->p, 1);
+        int64_t rest = len - done;
+        if (rest && r->p == 12 && pos + 2 * (uint64_t)rest <= (uint64_t)r->words)
+            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, 12, 0);
+        else if (rest && r->p == 12)
+            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, 12, 1);
+        else if (rest)
+            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, r->p, 1);
         done = len;
     }
-#ifdef HAVE_LANES_AVX2
-    if (use_wide && lanes == 32 && r->p == 12 && !r->k)
-        done = lanes32_avx2(tab, stream, (uint64_t)r->words, &pos, x, vals, len);
-#endif
     int safe = pos + (uint64_t)(len - done) <= (uint64_t)r->words; /* a word per weight at most: no read past the end */
     if (done == len)
         ;
@@ -292,24 +453,38 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     uint64_t esc = r->block_escapes[b], esc_end = r->block_escapes[b + 1];
     uint16_t *restrict o = r->out + start;
     int64_t j = 0;
-    if (r->k) { /* two stages: bf16 = sign | value << (7 - m) | low << rest | rest bits */
-        const int rest = 7 - r->m - r->k;
-        for (; j < len; j++) {
-            uint32_t v = vals[j], raw;
-            if (w_raw == 1) { /* m + k = 7: the raw field is the sign, 8 to a byte */
-                int64_t i = start + j;
-                raw = (i >> 3) < r->raw_len ? (uint32_t)(r->raw[i >> 3] >> (i & 7)) & 1u : 0;
-            } else
-                raw = field(r->raw, r->raw_len, start + j, w_raw);
+    if (r->k) { /* two stages: bf16 = sign | value << (7 - m) | low << q | q raw bits */
+        const int q = 7 - r->m - r->k;
+#ifdef HAVE_LANES_AVX2
+        if (slots && w_raw == 1 && start % 8 == 0) /* the slots' values, escapes and bf16 in one pass */
+            j = join1_avx2(r, o, vals, value, lows, r->raw + start / 8, r->raw + r->raw_len, slots, low, &esc, esc_end);
+        if (j < slots) /* the slots' values where join1_avx2 did not take them */
+            values_avx2(vals + j, value, slots - j);
+#endif
+        if (w_raw == 1 && start % 8 == 0) /* m + k = 7 (what the encoder picks): the signs, 8 to a raw byte */
+            for (const uint8_t *s = r->raw + (start + j) / 8; j + 8 <= len && s < r->raw + r->raw_len; j += 8, s++)
+                for (int i = 0; i < 8; i++) {
+                    uint32_t v = vals[j + i];
+                    if (v == ESCAPE) {
+                        v = esc < esc_end && esc < (uint64_t)r->n_escapes
+                                ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc) : 0;
+                        esc++;
+                    }
+                    o[j + i] = (uint16_t)((uint32_t)(*s >> i & 1) << 15 | v << low | lows[j + i]);
+                }
+        for (; j < len; j++) { /* any m and k (and the last few weights of the case above) */
+            uint32_t v = vals[j], raw = field(r->raw, r->raw_len, start + j, w_raw);
             if (v == ESCAPE) {
                 v = esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc)
                                                                    : 0;
                 esc++;
             }
-            o[j] = (uint16_t)((raw >> rest) << 15 | v << low | (uint32_t)lows[j] << rest | (raw & ((1u << rest) - 1)));
+            o[j] = (uint16_t)((raw >> q) << 15 | v << low | (uint32_t)lows[j] << q | (raw & ((1u << q) - 1)));
         }
     }
 #ifdef HAVE_LANES_AVX2
+    if (slots && !r->k) /* the slots' values */
+        values_avx2(vals, value, slots);
     if (use_wide && w_raw == 6 && start % 4 == 0 && !r->k) { /* escapes first, then 8 weights at a time */
         esc = escapes_avx2(r, vals, len, esc, esc_end);
         j = join6_avx2(o, vals, r->raw + start / 4 * 3, r->raw + r->raw_len, len);
@@ -344,18 +519,43 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     job->crc_out = ~crc_update(~0u, (const uint8_t *)o, (size_t)(2 * len));
 }
 
-/* A thread: take the next block until none is left. */
+/* A thread: take the next block until none is left (two at a time through the AVX2 lanes). */
 static inline __attribute__((always_inline)) void *work_body(void *arg) {
     Rans *r = arg;
     size_t most = (size_t)min64(r->block_size, r->n > 0 ? r->n : 1);
-    uint16_t *vals = malloc(sizeof(uint16_t) * most);
-    uint8_t *lows = malloc(r->k ? most : 1), *cls = malloc((size_t)r->lanes);
-    uint32_t *x = malloc(sizeof(uint32_t) * (size_t)r->lanes);
-    for (int64_t b; (b = __atomic_fetch_add(&r->next_block, 1, __ATOMIC_RELAXED)) < r->n_blocks;) {
-        if (vals && lows && cls && x)
-            decode_block(r, b, vals, lows, cls, x);
-        else
-            r->blocks[b].error = NO_MEMORY;
+    uint16_t *vals = malloc(2 * sizeof(uint16_t) * most);
+    uint8_t *lows = malloc(r->k ? 2 * most : 1), *cls = malloc((size_t)r->lanes);
+    uint32_t *x = malloc(2 * sizeof(uint32_t) * (size_t)r->lanes);
+    int64_t b;
+    while (1) {
+        int pair = 0;
+#ifdef HAVE_LANES_AVX2
+        pair = wide(r);
+#endif
+        if ((b = __atomic_fetch_add(&r->next_block, 1 + pair, __ATOMIC_RELAXED)) >= r->n_blocks)
+            break;
+        if (!(vals && lows && cls && x)) {
+            for (int64_t c = b; c <= b + pair && c < r->n_blocks; c++)
+                r->blocks[c].error = NO_MEMORY;
+            continue;
+        }
+        uint64_t pos = block_start(r, b, x);
+        if (!pair || b + 1 == r->n_blocks) {
+            decode_block(r, b, vals, lows, cls, x, 0, pos);
+            continue;
+        }
+#ifdef HAVE_LANES_AVX2
+        /* two blocks: their common whole steps side by side, then each on its own */
+        int64_t steps = min64(r->block_size, r->n - (b + 1) * r->block_size) / 32;
+        uint8_t *lows1 = r->k ? lows + most : lows; /* (one stage: no low bits) */
+        LanesW L[2] = {{r->decw + ((int64_t)min64(r->block_table[b], r->n_tables - 1) << 12), pos, x, vals, lows},
+                       {r->decw + ((int64_t)min64(r->block_table[b + 1], r->n_tables - 1) << 12),
+                        block_start(r, b + 1, x + 32), x + 32, vals + most, lows1}};
+        int64_t done = 32 * (r->k ? lanes2_avx2_pair : lanes1_avx2_pair)(r->dec2w, r->stream, (uint64_t)r->words, L, 0,
+                                                                         steps);
+        decode_block(r, b, vals, lows, cls, x, done, L[0].pos);
+        decode_block(r, b + 1, vals + most, lows1, cls, x + 32, done, L[1].pos);
+#endif
     }
     free(vals);
     free(lows);
@@ -368,6 +568,10 @@ TWO_BUILDS(work, work_body) /* builds.h: any CPU, or AVX2 + BMI2 */
 
 /* Use the AVX2 + BMI2 build if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
 int unw_rans_use(int wide) { return builds_use(wide); }
+
+/* Which AVX2 lanes decoded blocks since the last call (bit 0: one stage, bit 1: two stages), and forget. For the
+ * tests (that two-stage tensors take the AVX2 lanes where the cap allows). */
+int unw_rans_lanes_taken(void) { return __atomic_exchange_n(&lanes_taken, 0, __ATOMIC_RELAXED); }
 
 /* Cap the paths at instruction set isa (builds.h's ISA_*: UNFIRE_CPU_ISA, set by decode_rans_c.py when it
  * loads the library): the AVX2 lanes (the AVX2 + BMI2 build) from avx2 on, the CRC as crc_isa. Returns the
@@ -423,11 +627,21 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
     }
     uint64_t *dec = calloc((size_t)(n_tables > 0 ? n_tables : 1) << prob_bits, sizeof(uint64_t));
     /* two stages: at least one (zero) second-stage table, so that a class never points outside */
-    uint64_t *dec2 = low_bits ? calloc((size_t)(low_tables > 0 ? low_tables : 1) << prob_bits, sizeof(uint64_t)) : NULL;
+    size_t n_dec2 = (size_t)(low_tables > 0 ? low_tables : 1) << prob_bits;
+    size_t n_dec = (size_t)(n_tables > 0 ? n_tables : 1) << prob_bits;
+    uint64_t *dec2 = low_bits ? calloc(n_dec2, sizeof(uint64_t)) : NULL;
+    /* the AVX2 lanes' 32-bit tables (f - 1 and slot - c take 12 bits each at p = 12, the class or low bits 8) */
+    int wide_tables = prob_bits == 12 && lanes == 32 && use_wide;
+    uint32_t *decw = wide_tables ? malloc(n_dec * sizeof(uint32_t)) : NULL;
+    uint32_t *dec2w = wide_tables && low_bits ? malloc(n_dec2 * sizeof(uint32_t)) : NULL;
+    uint32_t *valw = wide_tables ? malloc(n_dec * sizeof(uint32_t)) : NULL;
     Block *blocks = calloc((size_t)r.n_blocks, sizeof(Block));
-    if (!dec || !blocks || (low_bits && !dec2)) {
+    if (!dec || !blocks || (low_bits && !dec2) || (wide_tables && (!decw || !valw || (low_bits && !dec2w)))) {
         free(dec);
         free(dec2);
+        free(decw);
+        free(dec2w);
+        free(valw);
         free(blocks);
         return NO_MEMORY;
     }
@@ -435,7 +649,16 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
                  low_tables > 0 ? low_tables : 1);
     if (low_bits)
         build_tables(dec2, low_freqs, NULL, (1 << low_bits) - 1, low_tables, prob_bits, NULL, 1);
-    r.dec = dec, r.dec2 = dec2, r.blocks = blocks, r.n_tables = n_tables > 0 ? n_tables : 1;
+    for (size_t i = 0; wide_tables && i < n_dec; i++) { /* f <= M after build_tables' cut; a slot left 0 reads f = 1 */
+        decw[i] = (uint32_t)((dec[i] >> 32) - 1) & 0xFFF | (uint32_t)(dec[i] >> 48) << 12
+                  | (uint32_t)(dec[i] >> 16 & 0xFFF) << 20;
+        valw[i] = (uint16_t)dec[i];
+    }
+    for (size_t i = 0; wide_tables && low_bits && i < n_dec2; i++)
+        dec2w[i] = (uint32_t)((dec2[i] >> 32) - 1) & 0xFFF | (uint32_t)(dec2[i] & 0xFF) << 12
+                   | (uint32_t)(dec2[i] >> 16 & 0xFFF) << 20;
+    r.dec = dec, r.dec2 = dec2, r.decw = decw, r.dec2w = dec2w, r.valw = valw, r.blocks = blocks;
+    r.n_tables = n_tables > 0 ? n_tables : 1;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     run_threads(work, &r, 0, (int)min64(threads, r.n_blocks));
     int error = OK;
@@ -457,6 +680,9 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
     }
     free(dec);
     free(dec2);
+    free(decw);
+    free(dec2w);
+    free(valw);
     free(blocks);
     if (error == NO_MEMORY)
         return error;
