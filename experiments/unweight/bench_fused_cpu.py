@@ -73,7 +73,8 @@ def build(mats: list[torch.Tensor], isas: list[str]) -> dict[str, list[Any]]:
     for isa in isas:
         ways[f"{isa}_plain"], ways[f"{isa}_compressed"] = [], []
     for w in mats:
-        ways["onednn"].append(cpu_packed(w))
+        packed = cpu_packed(w)  # None where oneDNN cannot pack bf16 (no AVX-512): the engine's F.linear then
+        ways["onednn"].append(("packed", packed) if packed is not None else ("linear", w))
         ways["engine_plain"].append(DenseLinear(w))
         ways["engine_compressed"].append(compress(w, torch.bfloat16))
         if isas:
@@ -103,9 +104,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--quick", action="store_true", help="4 layers, 3 repeats, one thread (about a minute)")
     p.add_argument("--isas", nargs="+", choices=cpu_isa.ALL, default=None,
                    help="instruction sets to measure (default: every one this CPU can execute but scalar)")
-    p.add_argument("--out", type=Path, default=RESULTS / "bench_fused_cpu.json", help="the JSON to write")
+    p.add_argument("--as-isa", choices=cpu_isa.ALL, default=None,
+                   help="measure as a CPU whose best instruction set is this: the engine and oneDNN both capped "
+                        "(UNFIRE_CPU_ISA, ONEDNN_MAX_CPU_ISA; the command runs again in a process with them set), "
+                        "only that set's products; default out: experiments/results/bench_fused_cpu_ISA.json")
+    p.add_argument("--out", type=Path, default=None, help="the JSON to write (default "
+                   "experiments/results/bench_fused_cpu.json)")
     args = p.parse_args(argv)
     from fast.codec import matmul_c
+
+    if args.as_isa:
+        return _as_isa(args, argv)
+    if args.out is None:
+        args.out = RESULTS / "bench_fused_cpu.json"
 
     try:
         isas = [cpu_isa.check(name) for name in (args.isas or default_isas())]
@@ -122,6 +133,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     plot(out, args.out.with_suffix(".png"))
     print(f"read bandwidth (one thread) {out['read_bandwidth_gbps_one_thread']:.1f} GB/s; wrote {args.out}")
     return out
+
+
+def _as_isa(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    """The benchmark again in a process capped to ``args.as_isa`` (oneDNN reads its cap once, at start)."""
+    import os
+    import subprocess
+    import sys
+
+    from fast import cpu_isa
+
+    try:
+        caps = cpu_isa.emulation_env(args.as_isa)
+    except cpu_isa.CpuIsaError as e:
+        raise SystemExit(f"bench_fused_cpu: {e}") from None
+    env = dict(os.environ, **caps)
+    out = args.out or RESULTS / f"bench_fused_cpu_{args.as_isa}.json"
+    rest, skip = [], False
+    for a in sys.argv[1:] if argv is None else argv:  # the same options, without --as-isa / --isas / --out
+        if skip and not a.startswith("--"):
+            continue
+        skip = a in ("--as-isa", "--isas", "--out")
+        if not skip:
+            rest.append(a)
+    cmd = [sys.executable, "-m", "experiments.unweight.bench_fused_cpu", *rest, "--isas", args.as_isa,
+           "--out", str(out)]
+    print(f"bench_fused_cpu: as {args.as_isa}: {' '.join(f'{k}={v}' for k, v in caps.items())}", flush=True)
+    if subprocess.run(cmd, env=env).returncode:
+        raise SystemExit("bench_fused_cpu: the capped run failed")
+    doc = json.loads(out.read_text())
+    doc["emulated"] = caps
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
 
 
 def measure(model: str, limit: int | None, threads: list[int], repeats: int, rows_list: tuple[int, ...] = ROWS,
@@ -163,7 +206,8 @@ def measure(model: str, limit: int | None, threads: list[int], repeats: int, row
                     for o, k in keyed[way]:
                         x = xs[k]
                         if way == "onednn":
-                            _packed_linear(x, o)
+                            kind, weight = o
+                            _packed_linear(x, weight) if kind == "packed" else torch.nn.functional.linear(x, weight)
                         elif path is not None:
                             o.matmul(x, path=path, threads=nt)
                         else:

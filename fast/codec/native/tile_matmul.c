@@ -118,6 +118,21 @@ static void patch_tile(const job *j, int64_t tile, uint16_t *out) {
         out[j->pword[q]] = word_of(sm[j->pword[q]], j->pexp[q]);
 }
 
+#ifndef TM_PCG
+#define TM_PCG 3 /* compressed tiles fetched this many steps ahead by the few-row products (paths 0, 3, 4) */
+#endif
+/* The sm and index bytes of compressed tile (p, t + TM_PCG), into L1 ahead of its decode (a panel's tiles are
+ * consecutive, but NP panels' streams at once are more than the hardware prefetchers follow well). */
+static inline void fetch_ahead(const job *j, int64_t p, int64_t t) {
+    if (t + TM_PCG >= j->T)
+        return;
+    const int64_t tile = p * j->T + t + TM_PCG;
+    for (int l = 0; l < 8; l++)
+        __builtin_prefetch(j->sm + tile * TILE_WORDS + 64 * l, 0, 3);
+    for (int l = 0; l < 4; l++)
+        __builtin_prefetch(j->idx + tile * (TILE_WORDS / 2) + 64 * l, 0, 3);
+}
+
 static void decode_tile_scalar(const job *j, int64_t tile, uint16_t *out) {
     const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2);
     for (int w = 0; w < TILE_WORDS; w++)
@@ -186,8 +201,10 @@ static inline void store_sums(const job *j, int64_t m, int64_t p, const float *s
                 if (b[0]) {                                                                                     \
                     tl[q] = b[qq] + t * TILE_WORDS;                                                             \
                 } else {                                                                                        \
-                    if (q < np)                                                                                 \
+                    if (q < np) {                                                                               \
+                        fetch_ahead(j, p + q, t);                                                               \
                         DECODE(j, tab, (p + q) * j->T + t, ring + q * TILE_WORDS);                              \
+                    }                                                                                           \
                     tl[q] = ring + qq * TILE_WORDS;                                                             \
                 }                                                                                               \
             }                                                                                                   \
@@ -340,6 +357,7 @@ T512 static inline void store_row(const job *j, int64_t m, int64_t p, __m512 acc
                 if (!j->plain && np == NP && no_patches(j, p * j->T + t, j->T, NP)) {                           \
                     for (int q = 0; q < NP; q++) {                                                              \
                         const int64_t tile = (p + q) * j->T + t;                                                \
+                        fetch_ahead(j, p + q, t);                                                               \
                         const uint8_t *sm = j->sm + tile * TILE_WORDS, *ix = j->idx + tile * (TILE_WORDS / 2);  \
                         for (int h = 0; h < 8; h++) {                                                           \
                             __m512i w0, w1;                                                                     \
