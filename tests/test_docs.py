@@ -14,6 +14,8 @@ included:
   result files, their notes and CHANGELOG.md), and none is 300 lines or longer;
 - the numbers the paper generates are quoted only through generated blocks (the README's table) or links,
   never retyped: a guide sentence naming claim E10 or U4 next to a ratio or GB/s figure is reported.
+- every result figure (``experiments/results/*.png``) is embedded (``![caption](path.png)``) in some guide or
+  in CHANGELOG.md, and every figure a guide or CHANGELOG.md embeds (the paper's included) exists.
 
 Each check is a function that returns what it found wrong, and each is tested on a planted error in a
 temporary copy of a guide.
@@ -582,3 +584,75 @@ def test_a_planted_wrong_try_it_is_reported() -> None:
     assert try_its(indented) == [">>> [1]\n[1]\n"]
     assert tour_stops("## Tour 1\n1. a\n<!-- try-it -->\n2. b\n### c\n") == ["1. a\n<!-- try-it -->\n", "2. b\n",
                                                                              "### c\n"]
+
+
+# ---------------------------------------------------------------------------------------------------- figures
+
+# an embedded figure: ![caption](path.png), the path relative to the document (a link to a .png is not an embed)
+_EMBED = re.compile(r"!\[[^\]]*\]\(([^)\s]+\.png)\)")
+
+
+def figure_documents(root: Path = REPO) -> list[Path]:
+    """Where a result figure may be embedded: every guide, and CHANGELOG.md for the dated runs."""
+    return [*guides(root), root / "CHANGELOG.md"]
+
+
+def _embeds(doc: Path, text: str | None = None) -> list[str]:
+    text = doc.read_text() if text is None else text
+    return [t for t in _EMBED.findall(re.sub(r"```.*?```", "", text, flags=re.S)) if not re.match(r"^[a-z]+:", t)]
+
+
+def unembedded_results(root: Path = REPO, planted: dict[str, str] | None = None) -> list[str]:
+    """The experiments/results/*.png that no guide and not CHANGELOG.md embeds (``planted``: a document's text in
+    place of its file, by path relative to ``root``)."""
+    planted = planted or {}
+    shown = {(doc.parent / t).resolve() for doc in figure_documents(root)
+             for t in _embeds(doc, planted.get(str(doc.relative_to(root))))}
+    return sorted(p.name for p in (root / "experiments/results").glob("*.png") if p.resolve() not in shown)
+
+
+def missing_figures(root: Path = REPO, planted: dict[str, str] | None = None) -> list[str]:
+    """Figures a guide or CHANGELOG.md embeds that are not there, as ``doc: path``."""
+    planted = planted or {}
+    out = []
+    for doc in figure_documents(root):
+        rel = str(doc.relative_to(root))
+        out += [f"{rel}: {t}" for t in _embeds(doc, planted.get(rel)) if not (doc.parent / t).is_file()]
+    return out
+
+
+def test_every_result_figure_is_embedded() -> None:
+    """A result figure is shown in the section that discusses it (a guide for a current result, CHANGELOG.md for a
+    dated run) or removed: none lies in experiments/results/ for no reader."""
+    bad = unembedded_results()
+    assert not bad, f"embed these in the section that discusses them, or remove them: {bad}"
+
+
+def test_every_embedded_figure_exists() -> None:
+    """The paper's figures included: paper/report.md embeds the claims' figures, and every one is there."""
+    assert not missing_figures(), missing_figures()
+    paper = _embeds(REPO / "paper/report.md")
+    assert len(paper) >= 10 and all((REPO / "paper" / t).is_file() for t in paper)
+
+
+def test_a_planted_unembedded_or_missing_figure_is_reported(tmp_path: Path) -> None:
+    embed = ("![The step policy under a burst: ITL p99 against TTFT p50, gathering against the default and vLLM's "
+             "server](../experiments/results/bench_burst_policy_run5_tradeoff.png)")
+    named = "(`experiments/results/bench_burst_policy_run5_tradeoff.png`)"
+    named_only = _plant(tmp_path, "serve/README.md", embed, named)
+    assert unembedded_results(planted={"serve/README.md": named_only}) == ["bench_burst_policy_run5_tradeoff.png"]
+    in_code = _plant(tmp_path, "serve/README.md", embed, f"```\n{embed}\n```")
+    assert unembedded_results(planted={"serve/README.md": in_code}) == ["bench_burst_policy_run5_tradeoff.png"]
+    gone = _plant(tmp_path, "paper/report.md", "![E1](../experiments/results/E1.png)",
+                  "![E1](../experiments/results/E1_gone.png)")
+    assert missing_figures(planted={"paper/report.md": gone}) == ["paper/report.md: ../experiments/results/E1_gone.png"]
+    assert unembedded_results(planted={"paper/report.md": gone}) == ["E1.png"]
+    # a new result figure that nobody embeds (only named and linked), in a repository of its own
+    root = tmp_path / "repo"
+    (root / "experiments/results").mkdir(parents=True)
+    for name in ("a.png", "b.png"):
+        (root / "experiments/results" / name).write_bytes(b"\x89PNG")
+    (root / "CHANGELOG.md").write_text("![run a](experiments/results/a.png)\n")
+    (root / "guide").mkdir()
+    (root / "guide/README.md").write_text("See `experiments/results/b.png` or [b](../experiments/results/b.png).\n")
+    assert unembedded_results(root) == ["b.png"] and missing_figures(root) == []
