@@ -409,7 +409,7 @@ DEFINE_GEMV(6, 2)
 DEFINE_GEMV(7, 2)
 DEFINE_GEMV(8, 2)
 
-/* ---- path 0 above 4 rows: rows m0 .. m0 + MB - 1 of panels p .. p + np - 1, tiles of step t at
+/* ---- path 0 above 8 rows: rows m0 .. m0 + MB - 1 of panels p .. p + np - 1, tiles of step t at
  * b[q] + t * TILE_WORDS, each output summed in order of k by VDPBF16PS exactly as gemv_* sums it ---- */
 #define DEFINE_ROWS512(MB)                                                                                      \
     T512 static void rows512_##MB(const job *j, const uint16_t *const b[4], int np, int64_t p, int64_t m0) {    \
@@ -437,15 +437,17 @@ DEFINE_ROWS512(1)
 DEFINE_ROWS512(2)
 DEFINE_ROWS512(3)
 DEFINE_ROWS512(4)
+DEFINE_ROWS512(5)
+DEFINE_ROWS512(6)
 
 /* path 0 for any M: up to 8 rows gemv_M (tiles decoded as they are used, every row's sums in registers);
  * above, four panels at a time, their tiles (decoded once into buf if compressed) met by every block of
- * 4 rows */
+ * 6 rows (24 sums in registers: 10 loads for 24 VDPBF16PS, 2-5% faster than blocks of 4 at 64-256 rows) */
 T512 static void avx512_panels(const job *j, const decoder *d, uint16_t *buf) {
     static void (*const gemv[8])(const job *, const decoder *, uint16_t *) = {gemv_1, gemv_2, gemv_3, gemv_4,
                                                                               gemv_5, gemv_6, gemv_7, gemv_8};
-    static void (*const rows[4])(const job *, const uint16_t *const *, int, int64_t, int64_t) = {
-        rows512_1, rows512_2, rows512_3, rows512_4};
+    static void (*const rows[6])(const job *, const uint16_t *const *, int, int64_t, int64_t) = {
+        rows512_1, rows512_2, rows512_3, rows512_4, rows512_5, rows512_6};
     if (j->M <= 8) {
         gemv[j->M - 1](j, d, buf);
         return;
@@ -463,8 +465,8 @@ T512 static void avx512_panels(const job *j, const decoder *d, uint16_t *buf) {
                 decode_tile(j, d, (p + q) * T + t, buf + (q * T + t) * TILE_WORDS);
             b[q] = buf + q * T * TILE_WORDS;
         }
-        for (int64_t m = 0; m < j->M; m += 4)
-            rows[(j->M - m < 4 ? j->M - m : 4) - 1](j, b, np, p, m);
+        for (int64_t m = 0; m < j->M; m += 6)
+            rows[(j->M - m < 6 ? j->M - m : 6) - 1](j, b, np, p, m);
     }
 }
 
