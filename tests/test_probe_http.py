@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -89,8 +90,9 @@ class Server:
             scenario.write_text(FLEET)
             self.cmd = [sys.executable, "-m", "serve", "fleet", str(scenario), "--workdir", str(log.parent / "work"),
                         "--num-blocks", "32"]
+        # a session of its own: stop() ends the gateway's site servers with it
         self.proc = subprocess.Popen(self.cmd + DOOR_ARGS, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     env=ENV, cwd=ROOT)
+                                     env=ENV, cwd=ROOT, start_new_session=True)
         lines: queue.Queue = queue.Queue()  # stdout read on a thread (select would miss buffered lines)
         threading.Thread(target=lambda: [lines.put(line) for line in self.proc.stdout] + [lines.put("")],
                          daemon=True).start()
@@ -121,9 +123,19 @@ class Server:
         return self.log_path.read_text()
 
     def stop(self) -> None:
+        """SIGTERM (the gateway stops its sites), then SIGKILL to the whole session: no server outlives the test
+        (a bare kill of the gateway left its site server running)."""
         if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
         self.log.close()
 
 
