@@ -8,8 +8,6 @@ imports, reading the compressed file, decoding, writing the output, exit), one t
 * **ours**: ``python -m fast.codec decompress CONTAINER OUT`` (``OMP_NUM_THREADS=1``: the C decoders at one
   thread; the output written through ``atomic_output``, fsync included), for the Huffman container and the rANS
   one;
-* ``ours_*_amx_probe_no_torch``: the same, with ``fast.cpu_isa``'s AMX probe made torch-free (see
-  ``OURS_AMX_PROBE_NO_TORCH``; differs only on a CPU with AMX);
 * **ZipNN**: a script that opens a safetensors file of ZipNN-compressed tensors (one uint8 blob per tensor,
   ``ZipNN(input_format='byte', bytearray_dtype='bfloat16', threads=1)``, shapes in the metadata), decompresses
   each with ``ZipNN.decompress``, wraps it as a torch bf16 tensor (no copy) and writes them all with
@@ -62,19 +60,6 @@ with safe_open(sys.argv[1], "np") as f:
 save_file(out, sys.argv[2])
 """
 
-# ours again, with fast.cpu_isa's AMX probe asking Linux directly (arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA), what
-# tile_matmul.c's tm_amx_ready asks) instead of through fast.codec.matmul_c, which imports torch (~1.2 s): on a CPU
-# with AMX the C decoders' ISA check runs that probe. A measurement of the proposed fix, not the code as it is.
-OURS_AMX_PROBE_NO_TORCH = """
-import ctypes, sys
-import fast.cpu_isa as isa
-libc = ctypes.CDLL(None, use_errno=True)
-isa._amx_permitted = lambda: libc.syscall(158, 0x1023, 18) == 0
-from fast.codec.__main__ import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 def zipnn_file(tensors: dict[str, np.ndarray], path: Path) -> None:
     """A safetensors file of ZipNN-compressed tensors: one uint8 blob each, their shapes in the metadata."""
     import zipnn
@@ -116,9 +101,6 @@ def measure_model(weights: str, repeat: int, workdir: Path, env: dict[str, str])
     cmds = {name: [sys.executable, "-m", "fast.codec", "decompress", str(path), str(out)]
             for name, path in inputs.items() if name != "zipnn"}
     cmds["zipnn"] = [sys.executable, "-c", ZIPNN_DECOMPRESS, str(inputs["zipnn"]), str(out)]
-    for mode in ("unweight", "rans"):
-        cmds[f"ours_{mode}_amx_probe_no_torch"] = [sys.executable, "-c", OURS_AMX_PROBE_NO_TORCH, "decompress",
-                                                   str(inputs[f"ours_{mode}"]), str(out)]
     cmds["python_start"] = [sys.executable, "-c", "pass"]
     runs: dict[str, list[float]] = {name: [] for name in cmds}
     for r in range(repeat + 1):  # run 0 warms the page cache and builds the C decoders: checked, not timed
