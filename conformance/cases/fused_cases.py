@@ -142,6 +142,10 @@ def _requires(simd: bool):
             return f"the C norm does not know torch's summation order on this CPU ({capability})"
         if simd and not lib.unf_fused_simd():
             return "no AVX-512 on this CPU: its loops do not run"
+        from fast import build_c
+
+        if simd and not build_c.isa_allows("avx512"):  # the loops would quietly be the plain ones
+            return "UNFIRE_CPU_ISA caps this run below avx512: the AVX-512 loops do not run"
         return None
 
     return check
