@@ -18,9 +18,6 @@ driven by the official ``openai`` client.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
@@ -31,7 +28,6 @@ pytest.importorskip("uvicorn")
 from reference.engine.sampling import log_softmax  # noqa: E402
 from tests.smollm import smollm2_model, smollm2_tokenizer  # noqa: E402
 from tests.test_serve_disagg import Server  # noqa: E402
-from tests.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
 BF16_NATS = 0.25  # the largest |bf16 engine - float32 reference| logprob allowed on these prompts
 PROMPTS = ["The capital of France is", "One, two, three, four,"]
@@ -142,14 +138,9 @@ def tiny_models(tmp_path_factory) -> dict:
     """A tiny checkpoint folder and its Unweight container (``test_serve_disagg_fast.py``'s)."""
     pytest.importorskip("torch")
     from tests.test_serve_disagg_fast import ENV
+    from tests.tiny_checkpoint import tiny_checkpoint_and_container
 
-    root = tmp_path_factory.mktemp("logprobs")
-    folder = write_tiny_checkpoint(root / "ckpt")
-    container = root / "tiny.unweight.safetensors"
-    done = subprocess.run([sys.executable, "-m", "reference.codec", "compress", str(folder), str(container),
-                           "--min-elements", "1024"], capture_output=True, text=True, env=ENV, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return {"plain": folder, "compressed": container}
+    return tiny_checkpoint_and_container(tmp_path_factory.mktemp("logprobs"), ENV)
 
 
 def logprob_answers(server: Server) -> list:

@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("torch")
 
 from tests.test_serve_disagg import REPO, Server, gauges, wait_idle  # noqa: E402
-from tests.tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+from tests.tiny_checkpoint import tiny_checkpoint_and_container  # noqa: E402
 
 QUESTIONS = ["Hello, tiny model!", "Say something.", "What is 2 + 2?"]
 MAX_TOKENS = 12
@@ -34,13 +34,7 @@ ENV = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("fastdisagg")
-    folder = write_tiny_checkpoint(root / "ckpt")
-    container = root / "tiny.unweight.safetensors"
-    done = subprocess.run([sys.executable, "-m", "reference.codec", "compress", str(folder), str(container),
-                           "--min-elements", "1024"], capture_output=True, text=True, env=ENV, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return {"plain": folder, "compressed": container}
+    return tiny_checkpoint_and_container(tmp_path_factory.mktemp("fastdisagg"), ENV)
 
 
 def serve(model: Path, *args: str) -> Server:

@@ -7,6 +7,8 @@ and a ChatML template: everything ``python -m serve --model FOLDER`` needs, writ
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +68,14 @@ def write_tiny_checkpoint(folder: Path, seed: int = 0, layers: int = 2) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "bos_token": "<|im_start|>",
                                                                "chat_template": TEMPLATE}))
     return folder
+
+
+def tiny_checkpoint_and_container(root: Path, env: dict[str, str]) -> dict[str, Path]:
+    """The checkpoint in ``root / "ckpt"`` and its Unweight container, written by the real CLI
+    (``python -m reference.codec compress``): {"plain": folder, "compressed": container}."""
+    folder = write_tiny_checkpoint(root / "ckpt")
+    container = root / "tiny.unweight.safetensors"
+    done = subprocess.run([sys.executable, "-m", "reference.codec", "compress", str(folder), str(container),
+                           "--min-elements", "1024"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return {"plain": folder, "compressed": container}
