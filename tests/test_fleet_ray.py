@@ -221,8 +221,13 @@ def test_a_load_step_scales_the_site_up_and_back_down(fleet) -> None:  # noqa: A
     threads = [threading.Thread(target=load, daemon=True) for _ in range(4)]
     for t in threads:
         t.start()
+    def served() -> set:
+        return {r["worker"] for r in records(fleet) if r["tenant"] == "us-chat" and r["prefill_site"] == "iad-edge"}
+
     try:
         wait_for("a second iad-edge server", lambda: len(alive(fleet, "iad-edge")) == 2, 90)
+        # the load goes on until the new server has answered too (it may come up just as a request finishes)
+        wait_for("both iad-edge servers serving", lambda: len(served()) == 2, 60)
     finally:
         stop.set()
         for t in threads:
@@ -230,8 +235,7 @@ def test_a_load_step_scales_the_site_up_and_back_down(fleet) -> None:  # noqa: A
     wait_for("back to one iad-edge server", lambda: fleet.sites.servers_up("iad-edge") == 1, 60)
     kinds = [e["event"] for e in fleet.sites.events if e["site"] == "iad-edge"]
     assert "scaled_up" in kinds and "scaled_down" in kinds
-    served = {r["worker"] for r in records(fleet) if r["tenant"] == "us-chat" and r["prefill_site"] == "iad-edge"}
-    assert len(served) == 2  # both servers took requests
+    assert len(served()) == 2  # both servers took requests
     assert ask(fleet.url, "us-chat").status_code == 200
 
 
