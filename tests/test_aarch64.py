@@ -168,7 +168,10 @@ def test_rans_decoder_under_qemu(drivers: Path) -> None:
     damaged stream is refused."""
     tensors = [(_trained(5, 40, 900), {"block_size": 4096}, 2), (_trained(6, 7, 333), {"mantissa_bits": 3,
                                                                                        "lanes": 4}, 1),
-               (_trained(7, 20, 500), {"mantissa_bits": 2, "low_bits": 5, "block_size": 4096}, 2)]  # two stages
+               (_trained(7, 20, 500), {"mantissa_bits": 2, "low_bits": 5, "block_size": 4096}, 2),  # two stages
+               (_trained(8, 40, 900), {"context": "column", "block_size": 4096}, 2),  # tables by column
+               (_trained(9, 20, 500), {"mantissa_bits": 2, "low_bits": 5, "context": "row", "block_size": 4096},
+                1)]  # by row, two stages
     cases, want = [], []
     for k, (bits, params, threads) in enumerate(tensors):
         t = encode_rans(bits, **params)
@@ -176,10 +179,11 @@ def test_rans_decoder_under_qemu(drivers: Path) -> None:
         for damaged in (False, True) if k == 0 else (False,):
             stream = _flip(a["stream"], a["stream"].nbytes // 3) if damaged else a["stream"]
             cases.append([i64(t.alphabet_size, t.n_tables, t.n, t.block_size, t.lanes, t.prob_bits, t.mantissa_bits,
-                              t.n_escapes, threads, t.low_bits, t.low_tables), a["raw"], a["alphabet"], a["tables"],
+                              t.n_escapes, threads, t.low_bits, t.low_tables, t.context_stride, t.context_period),
+                          a["raw"], a["alphabet"], a["tables"],
                           stream, a["block_words"], a["states"], a["block_table"], a["escapes"], a["block_escapes"],
                           np.array([t.crc[c] for c in RANS_CRC_ORDER], np.uint32), a["symbol_class"],
-                          a["low_freqs"]])
+                          a["low_freqs"], a["context_table"]])
             want.append((bits, damaged))
     out = run_driver("rans_check", cases, drivers)
     assert len(out) == 2 * 2 * len(cases)

@@ -18,7 +18,7 @@ from reference.bf16 import float32_to_bf16
 from reference.codec import RansTensor, decode_rans, decode_rans_many, encode, encode_rans, encode_rans_many
 from reference.codec.errors import CodecError
 from reference.codec.rans.coder import quantize, slot_tables
-from reference.codec.rans.model import pack_fields, unpack_fields
+from reference.codec.rans.model import context_of, pack_fields, unpack_fields
 from tests.codec_strategies import bf16_tensors
 
 ALL_PATTERNS = np.arange(65536, dtype=np.uint16)
@@ -38,7 +38,18 @@ def rans_params(draw: st.DrawFn) -> dict:
         **({} if coding == "auto" else {"mantissa_bits": mantissa_bits, "low_bits": low_bits}),
         "max_tables": draw(st.sampled_from([1, 4, 16])),
         "escapes": prob_bits < 15 or draw(st.booleans()),  # without escapes every value needs a slot
+        # what chooses the first-stage tables: chosen per tensor, or given (FORMAT.md 9.2)
+        "context": draw(st.sampled_from([None, None, "block", "column", "row"])),
     }
+
+
+def encode_or_refuse(bits: np.ndarray, params: dict) -> RansTensor | None:
+    """encode_rans(bits, **params), or None where a given context does not apply to the shape (it must refuse)."""
+    if params.get("context") in ("column", "row") and context_of(bits.shape, params["context"]) is None:
+        with pytest.raises(CodecError):
+            encode_rans(bits, **params)
+        return None
+    return encode_rans(bits, **params)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -66,13 +77,19 @@ def test_every_bf16_pattern_survives(params: dict, order: str) -> None:
 
 @given(bf16_tensors(), rans_params())
 def test_random_tensors_round_trip(bits: np.ndarray, params: dict) -> None:
-    t = encode_rans(bits, **params)
+    t = encode_or_refuse(bits, params)
+    if t is None:
+        return
+    if params["context"] in ("column", "row"):
+        assert t.context_period > 0 and len(t.block_table) == 0
     rebuilt = RansTensor.from_parts(t.header(), t.arrays())  # what the container does
     assert same_bits(decode_rans(rebuilt), bits)
 
 
 @given(st.lists(bf16_tensors(max_elements=2000), min_size=1, max_size=4), rans_params())
 def test_many_tensors_in_one_pass(tensors: list[np.ndarray], params: dict) -> None:
+    if params["context"] in ("column", "row"):
+        params = {**params, "context": None}  # (chosen per tensor: a batch mixes contexts and blocks)
     batch = encode_rans_many(tensors, **params)
     alone = [encode_rans(b, **params) for b in tensors]
     for t, u in zip(batch, alone, strict=True):  # batching changes nothing in the bytes
@@ -106,8 +123,12 @@ def scalar_decode(t: RansTensor) -> np.ndarray:
         return ((x << 16) | int(t.stream[pos]), pos + 1) if x < 1 << 16 else (x, pos)
 
     escapes, _ = unpack_fields(t.escapes, 8 + t.mantissa_bits, t.n_escapes)
+    def table(i: int) -> list[int]:  # the first-stage table of weight i (FORMAT.md 9.2)
+        k = t.context_table[(i // t.context_stride) % t.context_period] if t.context_period else t.block_table[
+            i // t.block_size]
+        return [int(f) for f in t.tables[k]]
+
     for b in range(t.n_blocks):
-        freq = [int(f) for f in t.tables[t.block_table[b]]]
         x = [int(s) for s in t.states[b]]
         pos, esc = int(t.block_words[b]), int(t.block_escapes[b])
         length = min(t.block_size, t.n - b * t.block_size)
@@ -115,6 +136,7 @@ def scalar_decode(t: RansTensor) -> np.ndarray:
             lanes = range(min(t.lanes, length - step * t.lanes))
             first = []
             for lane in lanes:  # lanes in order: reads in lane order
+                freq = table(b * t.block_size + step * t.lanes + lane)
                 s, c = symbol_of(freq, x[lane] % m)
                 x[lane], pos = refill(freq[s] * (x[lane] >> t.prob_bits) + x[lane] % m - c, pos)
                 first.append(s)
@@ -138,7 +160,12 @@ def scalar_decode(t: RansTensor) -> np.ndarray:
 @pytest.mark.parametrize("params", [{"block_size": 300, "lanes": 4}, {"block_size": 1000, "lanes": 32, "prob_bits": 6},
                                     {"block_size": 64, "lanes": 5, "mantissa_bits": 4, "max_tables": 4},
                                     {"block_size": 300, "lanes": 4, "mantissa_bits": 2, "low_bits": 5},
-                                    {"block_size": 64, "lanes": 5, "mantissa_bits": 1, "low_bits": 3}])
+                                    {"block_size": 64, "lanes": 5, "mantissa_bits": 1, "low_bits": 3},
+                                    {"block_size": 300, "lanes": 4, "context": "column"},
+                                    {"block_size": 1000, "lanes": 32, "prob_bits": 9, "context": "row"},
+                                    {"block_size": 64, "lanes": 5, "mantissa_bits": 1, "low_bits": 3, "context": "row"},
+                                    {"block_size": 1000, "lanes": 32, "mantissa_bits": 2, "low_bits": 5,
+                                     "context": "column"}])
 def test_lockstep_decoder_matches_the_spec_loop(params: dict) -> None:
     bits = trained((37, 61), seed=2)
     bits[3, :7] = [0x0001, 0x7F80, 0xFFC1, 0x8000, 0x0040, 0x4700, 0x3000]  # rare exponents: escapes
@@ -254,3 +281,23 @@ def test_a_given_mantissa_bits_means_one_stage() -> None:
     assert encode_rans(grid, mantissa_bits=1, low_bits=6).low_bits == 6
     with pytest.raises(CodecError):
         encode_rans(grid, mantissa_bits=3, low_bits=5)
+
+
+def test_tables_by_column_where_columns_differ_in_scale() -> None:
+    """An embedding whose columns have their own scales (as Whisper's): tables chosen by column, not by block,
+    and smaller than the best by block (FORMAT.md 9.5); by row where the rows differ."""
+    rng = np.random.default_rng(6)
+    scale = np.where(rng.random(256) < 0.5, 1e-3, 1.0).astype(np.float32)
+    cols = float32_to_bf16((rng.standard_normal((512, 256)) * scale).astype(np.float32))
+    t, by_block = encode_rans(cols), encode_rans(cols, context="block")
+    assert (t.context_stride, t.context_period) == (1, 256) and t.n_tables >= 2 and len(t.block_table) == 0
+    assert t.nbytes < 0.95 * by_block.nbytes
+    assert same_bits(decode_rans(t), cols)
+    rows = np.ascontiguousarray(cols.T)
+    u = encode_rans(rows)
+    assert (u.context_stride, u.context_period) == (512, 256) and u.nbytes < 0.95 * encode_rans(
+        rows, context="block").nbytes
+    assert same_bits(decode_rans(u), rows) and same_bits(scalar_decode(encode_rans(rows[:40], block_size=1000)),
+                                                         rows[:40])
+    with pytest.raises(CodecError):
+        encode_rans(cols.reshape(-1), context="column")  # one dimension: no columns

@@ -23,8 +23,8 @@ from reference.codec import RansTensor, decode_rans, encode_rans
 from reference.codec.errors import CodecError
 from reference.codec.format import crc32
 from tests.codec_strategies import bf16_tensors
-from tests.test_codec_rans import rans_params
-from tests.test_codec_rans_corruption import BASE, TRAINED
+from tests.test_codec_rans import encode_or_refuse, rans_params
+from tests.test_codec_rans_corruption import BASE, ROWS, TRAINED
 from tests.test_decode_cpu import build
 
 HAS_C = decode_rans_c.library() is not None
@@ -47,7 +47,13 @@ def _wide_case() -> np.ndarray:
 WIDE = _wide_case()
 # 32 lanes and p = 12 (the AVX2 lanes' case), 9 blocks: four pairs and one alone, 140.6 steps per block (the
 # last partial step in portable C), the last block shorter
-WIDE_TWO = encode_rans(WIDE, block_size=4500, mantissa_bits=2, low_bits=5)
+WIDE_TWO = encode_rans(WIDE, block_size=4500, mantissa_bits=2, low_bits=5, context="block")
+# the same with tables by context: the row (two stages) and the column (one stage), FORMAT.md 9.2
+WIDE_ROWS = encode_rans(WIDE, block_size=4500, mantissa_bits=2, low_bits=5, context="row")
+WIDE_COLUMNS = encode_rans(WIDE, block_size=4500, mantissa_bits=2, low_bits=0, context="column")
+# damaged-input bases: (tensor, original)
+DAMAGE_BASES = {"block": (BASE, TRAINED), "row": (ROWS, TRAINED), "wide": (WIDE_TWO, WIDE),
+                "wide_rows": (WIDE_ROWS, WIDE), "wide_columns": (WIDE_COLUMNS, WIDE)}
 
 
 @contextlib.contextmanager
@@ -87,7 +93,9 @@ def flipped(t: RansTensor, key: str, where: int, bit: int) -> dict[str, np.ndarr
 @given(bits=bf16_tensors(), params=rans_params(), threads=st.sampled_from([1, 2, 3]), wide=st.booleans())
 def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
     """Both builds (portable, and AVX2 + BMI2 where the CPU has it), any shape and parameters."""
-    t = encode_rans(bits, **params)
+    t = encode_or_refuse(bits, params)
+    if t is None:
+        return
     with build(decode_rans_c.library().unw_rans_use, wide), many_threads():
         got = decode_rans_cpu(t, threads=threads, native=True)
     assert got.dtype == np.uint16 and got.shape == bits.shape
@@ -95,13 +103,16 @@ def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict,
 
 
 @needs_c
-@given(st.sampled_from([k for k, a in BASE.arrays().items() if a.size]), st.integers(0, 2**40), st.integers(0, 7),
-       st.booleans(), st.sampled_from([1, 3]), st.booleans())
-def test_flipped_bit_in_any_array(key: str, where: int, bit: int, fix_crc: bool, threads: int, wide: bool) -> None:
+@given(st.sampled_from(list(DAMAGE_BASES)), st.data(), st.integers(0, 2**40), st.integers(0, 7),
+       st.booleans(), st.sampled_from([1, 3]))
+def test_flipped_bit_in_any_array(which: str, data: st.DataObject, where: int, bit: int, fix_crc: bool,
+                                  threads: int) -> None:
     """Without ``fix_crc`` the array's CRC-32 must fail; with it, the other checks (index, lanes' end
-    states, words and escapes per block, padding, data CRC) must catch it or the bits be exact. ``wide``: a
-    two-stage tensor of 32 lanes and p = 12, which the AVX2 lanes decode where the CPU has them."""
-    base, original = (WIDE_TWO, WIDE) if wide else (BASE, TRAINED)
+    states, words and escapes per block, padding, data CRC) must catch it or the bits be exact. ``wide*``:
+    tensors of 32 lanes and p = 12, which the AVX2 lanes decode where the CPU has them; tables by block or by
+    context."""
+    base, original = DAMAGE_BASES[which]
+    key = data.draw(st.sampled_from([k for k, a in base.arrays().items() if a.size]))
     t = with_arrays(base, flipped(base, key, where, bit), fix_crc)
     if not fix_crc:
         with pytest.raises(CodecError, match="CRC|corrupt|must"), many_threads():
@@ -110,21 +121,27 @@ def test_flipped_bit_in_any_array(key: str, where: int, bit: int, fix_crc: bool,
 
 
 @needs_c
-@given(st.sampled_from(["block_words", "block_escapes", "states", "tables", "block_table", "alphabet",
-                        "symbol_class", "low_freqs"]),
+@given(st.sampled_from(list(DAMAGE_BASES)),
+       st.sampled_from(["block_words", "block_escapes", "states", "tables", "block_table", "alphabet",
+                        "symbol_class", "low_freqs", "context_table"]),
        st.integers(0, 10**6), st.integers(0, 2**32 - 1))
-def test_out_of_range_entries_with_valid_crc(key: str, index: int, value: int) -> None:
+def test_out_of_range_entries_with_valid_crc(which: str, key: str, index: int, value: int) -> None:
     """Offsets and tables far out of range (CRC fixed): nothing read out of bounds, CodecError."""
-    a = np.array(getattr(BASE, key))
+    base, original = DAMAGE_BASES[which]
+    a = np.array(getattr(base, key))
     flat = a.reshape(-1)
+    if flat.size == 0:
+        return
     flat[index % flat.size] = value % (np.iinfo(flat.dtype).max + 1)
-    decodes_exactly_or_raises(with_arrays(BASE, {key: a}, fix_crc=True), TRAINED)
+    decodes_exactly_or_raises(with_arrays(base, {key: a}, fix_crc=True), original)
 
 
 @needs_c
 @given(bf16_tensors(max_elements=3000), rans_params(), st.data())
 def test_fuzz_random_tensors_and_random_damage(bits: np.ndarray, params: dict, data: st.DataObject) -> None:
-    t = encode_rans(bits, **params)
+    t = encode_or_refuse(bits, params)
+    if t is None:
+        return
     nonempty = [k for k, a in t.arrays().items() if a.size]
     if nonempty:
         key = data.draw(st.sampled_from(nonempty))
@@ -163,10 +180,15 @@ def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> 
 
 @needs_c
 @pytest.mark.parametrize("params", [
-    {"mantissa_bits": 2, "low_bits": 5},  # m + k = 7 (what the encoder picks): values, escapes and bf16 in one pass
-    {"mantissa_bits": 1, "low_bits": 3},  # raw bits left besides the sign: the portable join after the AVX2 lanes
-    {"mantissa_bits": 2, "low_bits": 0},  # one stage
+    # m + k = 7 (what the encoder picks): values, escapes and bf16 in one pass
+    {"mantissa_bits": 2, "low_bits": 5, "context": "block"},
+    # raw bits left besides the sign: the portable join after the AVX2 lanes
+    {"mantissa_bits": 1, "low_bits": 3, "context": "block"},
+    {"mantissa_bits": 2, "low_bits": 0, "context": "block"},  # one stage
     {},  # the encoder's choice
+    {"mantissa_bits": 2, "low_bits": 5, "context": "row"},  # tables by context: the row's, two stages
+    {"mantissa_bits": 2, "low_bits": 0, "context": "column"},  # the column's, one stage
+    {"mantissa_bits": 1, "low_bits": 3, "context": "column", "max_tables": 16},
 ])
 @pytest.mark.parametrize("threads", [1, 3])
 def test_avx2_lanes_take_two_stage_tensors(params: dict, threads: int) -> None:
@@ -176,6 +198,7 @@ def test_avx2_lanes_take_two_stage_tensors(params: dict, threads: int) -> None:
     lib = decode_rans_c.library()
     t = encode_rans(WIDE, block_size=4500, **params)
     assert t.lanes == 32 and t.prob_bits == 12 and t.n_blocks == 9 and t.n_escapes >= 4
+    assert (t.context_period > 0) == (params.get("context", "block") != "block") or "context" not in params
     assert params.get("low_bits", 1) == 0 or t.low_bits > 0 and t.low_tables > 1
     expected = 2 if t.low_bits else 1
     got = {}

@@ -12,7 +12,10 @@ For each family of conformance/inputs.py (random, adversarial, real MiniLM), the
   rANS mode, fast/codec/native/rans_decode.c) in two threads, on the family's tensor encoded with
   ``encode_rans`` (blocks of 4096 weights, so that even small tensors have several), against the
   reference rANS decoder (``reference.codec.decode_rans``, FORMAT.md 9.4) and the original tensor;
-  ``codec.cpu_decode_rans2_c.F`` the same with the second stage forced (m = 2, k = 5).
+  ``codec.cpu_decode_rans2_c.F`` the same with the second stage forced (m = 2, k = 5);
+  ``codec.cpu_decode_rans_column_c.F`` with the first-stage tables chosen by column (FORMAT.md 9.2: D = 1,
+  P = the last dimension) and ``codec.cpu_decode_rans_row_c.F`` by row with two stages (the tensor's own
+  choice where its shape has no columns or rows).
 
 Both modes of the format's Huffman form (palettes of 16 and the full 256-entry alphabet) are among
 the families, and the rANS form is the other mode. Without a C compiler the C cases are skipped.
@@ -86,19 +89,26 @@ RANS_BLOCK = 4096  # weights per rANS block in these cases: several blocks, so b
 
 
 TWO_STAGES = {"mantissa_bits": 2, "low_bits": 5}  # the second stage forced, whatever the encoder would choose
+# the variants: the encoder's choice, two stages forced, tables by column, tables by row with two stages
+VARIANTS = {"": {}, "2": TWO_STAGES, "_column": {"context": "column"}, "_row": {**TWO_STAGES, "context": "row"}}
 
 
-@functools.lru_cache(maxsize=4)
-def _rans_encoded(key: tuple[Family, bool, int], two: bool = False) -> Any:
+@functools.lru_cache(maxsize=8)
+def _rans_encoded(key: tuple[Family, bool, int], variant: str = "") -> Any:
     import reference.codec as rc
+    from reference.codec.rans.model import context_of
 
-    return rc.encode_rans(encoded(*key).bits, block_size=RANS_BLOCK, **(TWO_STAGES if two else {}))
+    bits = encoded(*key).bits
+    params = dict(VARIANTS[variant])
+    if "context" in params and context_of(bits.shape, params["context"]) is None:
+        del params["context"]  # a shape without columns or rows: the tensor's own choice
+    return rc.encode_rans(bits, block_size=RANS_BLOCK, **params)
 
 
-def _rans_inputs(family: Family, two: bool = False):
+def _rans_inputs(family: Family, variant: str = ""):
     def make(gen: Gen) -> dict[str, Any]:
         key = (family, gen.large, gen.seed)
-        return {"rans": _rans_encoded(key, two), "bits": encoded(*key).bits}
+        return {"rans": _rans_encoded(key, variant), "bits": encoded(*key).bits}
 
     return make
 
@@ -132,11 +142,17 @@ def register_family(family: Family, large_only: bool = False) -> None:
                       f"(fast/codec/native/rans_decode.c), 2 threads, UNFIRE_CPU_ISA={name}, vs the reference rANS "
                       f"decoder; {family.about}", requires=isa.requires(name, _requires_c(family, "decode_rans_c")),
                       large_only=large_only))
-        register(Case(f"codec.cpu_decode_rans2_c.{family.name}.{name}", Level.BIT_EXACT, _rans_inputs(family, True),
+        register(Case(f"codec.cpu_decode_rans2_c.{family.name}.{name}", Level.BIT_EXACT, _rans_inputs(family, "2"),
                       _rans_reference, isa.under(name, _rans_fast_c), about=f"C rANS decoder, two stages (m = 2, "
                       f"k = 5: FORMAT.md 9.4), 2 threads, UNFIRE_CPU_ISA={name}, vs the reference rANS decoder; "
                       f"{family.about}", requires=isa.requires(name, _requires_c(family, "decode_rans_c")),
                       large_only=large_only))
+        for variant, what in (("_column", "tables by column"), ("_row", "tables by row, two stages")):
+            register(Case(f"codec.cpu_decode_rans{variant}_c.{family.name}.{name}", Level.BIT_EXACT,
+                          _rans_inputs(family, variant), _rans_reference, isa.under(name, _rans_fast_c),
+                          about=f"C rANS decoder, {what} (FORMAT.md 9.2), 2 threads, UNFIRE_CPU_ISA={name}, vs the "
+                          f"reference rANS decoder; {family.about}",
+                          requires=isa.requires(name, _requires_c(family, "decode_rans_c")), large_only=large_only))
     register(Case(f"codec.cpu_decode_numpy.{family.name}", Level.BIT_EXACT, _inputs(family), _reference, _fast_numpy,
                   about=f"lockstep NumPy decoder vs the plain decoder; {family.about}",
                   requires=minilm_missing if family.needs_minilm else None, large_only=large_only))

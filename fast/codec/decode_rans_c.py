@@ -14,7 +14,9 @@ escapes and the decoded data, and per block that it reads exactly its own words 
 every lane ends in state 2^16.
 
 Both forms of FORMAT.md 9: one stage, and two stages (``low_bits`` > 0: the low mantissa bits coded with a table
-chosen by the value's symbol; ``symbol_class`` and ``low_freqs`` are CRC'd here with the other small arrays).
+chosen by the value's symbol; ``symbol_class`` and ``low_freqs`` are CRC'd here with the other small arrays); the
+first-stage tables by block or by context (``context_period`` > 0: a weight's table chosen by its column or row,
+``context_table`` CRC'd here too).
 
 Without a C compiler (or with ``UNFIRE_NATIVE=0``) ``decode_rans_cpu`` runs the NumPy decoder of
 ``reference.codec.rans``: the same bits, about ten times slower.
@@ -43,14 +45,14 @@ _state: dict[str, Any] = {}  # the library ("lib") and the UNFIRE_CPU_ISA it was
 _P, _I64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {  # name: (return type, argument types), as in native/rans_decode.c
     "unw_rans_decode": (_INT, [_P, _I64, _P, _INT, _P, _INT, _P, _I64, _P, _P, _P, _P, _I64, _P, _I64,
-                               _I64, _I64, _INT, _INT, _INT, _INT, _P, _P, _INT, _INT, _P, _P]),
+                               _I64, _I64, _INT, _INT, _INT, _INT, _P, _P, _INT, _P, _I64, _I64, _INT, _P, _P]),
     "unw_rans_use": (_INT, [_INT]),
     "unw_rans_isa": (_INT, [_INT]),
     "unw_rans_lanes_taken": (_INT, []),
 }
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
 SMALL_ARRAYS = ("alphabet", "tables", "block_words", "states", "block_table", "block_escapes", "symbol_class",
-                "low_freqs")  # CRC'd in Python
+                "low_freqs", "context_table")  # CRC'd in Python
 ERRORS = {  # unw_rans_decode's return codes
     1: "rANS stream is corrupt: block {0} does not end where it should (wrong number of words read, or a lane "
        "not back in its start state)",
@@ -111,7 +113,7 @@ def decode_rans_cpu(t: RansTensor, *, threads: int = 1, native: bool | None = No
         _ptr(a["stream"]), t.stream_words, _ptr(a["block_words"]), _ptr(a["states"]), _ptr(a["block_table"]),
         _ptr(a["escapes"]), a["escapes"].size, _ptr(a["block_escapes"]), t.n_escapes, t.n, t.block_size, t.lanes,
         t.prob_bits, t.mantissa_bits, t.low_bits, _ptr(a["symbol_class"]), _ptr(a["low_freqs"]), t.low_tables,
-        threads, _ptr(io), _ptr(out))
+        _ptr(a["context_table"]), t.context_stride, t.context_period, threads, _ptr(io), _ptr(out))
     if error == 3:
         key = CRC_ORDER[int(io[4])]
         what = "decoded data" if key == "data" else f"array {key}"

@@ -51,6 +51,36 @@ enum { OK, BAD_WORDS, BAD_ESCAPES, BAD_CRC, NO_MEMORY };
 
 static int lanes_taken; /* the AVX2 lanes that ran since unw_rans_lanes_taken last asked: 1 one stage, 2 two */
 
+/* Tables by context (FORMAT.md 9.2, context_period P > 0): weight i's first-stage table is
+ * context_table[(i // D) % P]; base[c] is where table context_table[c] starts in the decoding tables. */
+typedef struct {
+    const uint32_t *base; /* [P]: table << p (in the 32-bit tables of the AVX2 lanes: table << 12, the same) */
+    int64_t stride, period;
+} Ctx;
+
+/* The context of each of n lanes for the weights first, first + 1, ...: r = i mod D and c = (i / D) mod P. */
+static inline __attribute__((always_inline)) void ctx_start(const Ctx *cx, int64_t first, int n, int64_t *r,
+                                                            int64_t *c) {
+    for (int l = 0; l < n; l++) {
+        int64_t i = first + l;
+        r[l] = i % cx->stride;
+        c[l] = i / cx->stride % cx->period;
+    }
+}
+
+/* Each lane's (r, c) moved on by lanes weights (one step): ir = lanes mod D, ic = (lanes / D) mod P. */
+static inline __attribute__((always_inline)) void ctx_step(const Ctx *cx, int64_t ir, int64_t ic, int n, int64_t *r,
+                                                           int64_t *c) {
+    for (int l = 0; l < n; l++) {
+        int64_t rr = r[l] + ir, cc = c[l] + ic;
+        if (rr >= cx->stride)
+            rr -= cx->stride, cc++;
+        if (cc >= cx->period) /* c < P and ic < P: one subtraction brings it back */
+            cc -= cx->period;
+        r[l] = rr, c[l] = cc;
+    }
+}
+
 typedef struct {
     const uint8_t *raw, *escapes, *block_table;
     const uint16_t *stream;
@@ -62,6 +92,7 @@ typedef struct {
     const uint32_t *decw, *dec2w, *valw;
     int64_t raw_len, esc_len, words, n_escapes, n, block_size, n_blocks, next_block;
     int lanes, p, m, k, n_tables;
+    Ctx ctx; /* ctx.period > 0: tables by context (block_table unused) */
     uint16_t *out;
     struct Block *blocks;
 } Rans;
@@ -96,17 +127,25 @@ static uint32_t crc_piece(const uint8_t *a, int64_t len, int64_t b, int64_t n_bl
 
 /* The lanes of one block, step by step (FORMAT.md 9.4): values into vals, states in x; returns the word
  * position after the block. P: prob_bits (a constant in the common case, so shifts are immediates).
- * CLAMP: whether a read may pass the stream's end (else the caller has made sure it cannot). */
+ * CLAMP: whether a read may pass the stream's end (else the caller has made sure it cannot). With a context
+ * (cx not NULL: tab is then every table, and first the index of the first weight in the tensor), each weight's
+ * table is its context's; cnt: 2 * lanes of scratch. */
 static inline __attribute__((always_inline)) uint64_t decode_lanes(const uint64_t *tab, const uint16_t *stream,
                                                                    uint64_t pos, uint64_t last_word, uint32_t *x,
                                                                    uint16_t *vals, int64_t len, int lanes,
-                                                                   const int P, const int CLAMP) {
+                                                                   const int P, const int CLAMP, const Ctx *cx,
+                                                                   int64_t first, int64_t *cnt) {
     const uint32_t mask = (1u << P) - 1;
+    int64_t *cr = cnt, *cc = cnt + lanes, ir = 0, ic = 0;
+    if (cx) {
+        ctx_start(cx, first, lanes, cr, cc);
+        ir = lanes % cx->stride, ic = lanes / cx->stride % cx->period;
+    }
     for (int64_t base = 0; base < len; base += lanes) { /* step t = base / lanes */
         int nl = (int)min64(lanes, len - base);
         for (int l = 0; l < nl; l++) {
             uint32_t xl = x[l];
-            uint64_t e = tab[xl & mask];
+            uint64_t e = cx ? tab[cx->base[cc[l]] + (xl & mask)] : tab[xl & mask];
             xl = (uint32_t)(e >> 32) * (xl >> P) + ((uint32_t)e >> 16);
             uint32_t need = xl < STATE_LOW, word = stream[CLAMP && pos > last_word ? last_word : pos];
             xl = xl << (need << 4) | (word & (0u - need)); /* arithmetic, not a select: compilers branch on it */
@@ -114,6 +153,8 @@ static inline __attribute__((always_inline)) uint64_t decode_lanes(const uint64_
             x[l] = xl;
             vals[base + l] = (uint16_t)e;
         }
+        if (cx)
+            ctx_step(cx, ir, ic, nl, cr, cc);
     }
     return pos;
 }
@@ -125,13 +166,19 @@ static inline __attribute__((always_inline)) uint64_t decode_lanes2(const uint64
                                                                     const uint16_t *stream, uint64_t pos,
                                                                     uint64_t last_word, uint32_t *x, uint16_t *vals,
                                                                     uint8_t *lows, uint8_t *cls, int64_t len,
-                                                                    int lanes, const int P, const int CLAMP) {
+                                                                    int lanes, const int P, const int CLAMP,
+                                                                    const Ctx *cx, int64_t first, int64_t *cnt) {
     const uint32_t mask = (1u << P) - 1;
+    int64_t *cr = cnt, *cc = cnt + lanes, ir = 0, ic = 0;
+    if (cx) {
+        ctx_start(cx, first, lanes, cr, cc);
+        ir = lanes % cx->stride, ic = lanes / cx->stride % cx->period;
+    }
     for (int64_t base = 0; base < len; base += lanes) {
         int nl = (int)min64(lanes, len - base);
         for (int l = 0; l < nl; l++) {
             uint32_t xl = x[l];
-            uint64_t e = tab[xl & mask];
+            uint64_t e = cx ? tab[cx->base[cc[l]] + (xl & mask)] : tab[xl & mask];
             xl = ((uint32_t)(e >> 32) & 0xFFFFu) * (xl >> P) + ((uint32_t)e >> 16);
             uint32_t need = xl < STATE_LOW, word = stream[CLAMP && pos > last_word ? last_word : pos];
             xl = xl << (need << 4) | (word & (0u - need));
@@ -150,6 +197,8 @@ static inline __attribute__((always_inline)) uint64_t decode_lanes2(const uint64
             x[l] = xl;
             lows[base + l] = (uint8_t)e;
         }
+        if (cx)
+            ctx_step(cx, ir, ic, nl, cr, cc);
     }
     return pos;
 }
@@ -195,6 +244,7 @@ typedef struct {
     uint32_t *x;
     uint16_t *slots;
     uint8_t *lows;
+    int64_t first; /* with a context: the index of the block's first weight in the tensor */
 } LanesW;
 
 /* The lanes for 32 lanes and p = 12 in AVX2 (FORMAT.md 9.4), on 32-bit entries, for NB blocks side by side (one
@@ -206,17 +256,36 @@ typedef struct {
  * (steps) and a step cannot read past the stream's end; returns the step it stopped at. */
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) static inline __attribute__((always_inline)) int64_t
 lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW *L, int64_t t0, int64_t steps,
-           const int NB, const int TWO) {
+           const int NB, const int TWO, const Ctx *cx) {
     pthread_once(&word_bytes_once, word_bytes_init);
     const __m256i slot_mask = _mm256_set1_epi32(4095), zero = _mm256_setzero_si256();
     const __m256i sixteen = _mm256_set1_epi32(16), class_mask = _mm256_set1_epi32(0xFF000);
     const __m256i byte = _mm256_set1_epi32(255);
     __m256i xs[NB][4];
     uint64_t pos[NB];
+    /* a context (D and P < 2^31, at most 16 tables: a slot and its table fit 16 bits): each lane's
+     * r = i mod D and c = (i / D) mod P, moved on by 32 weights a step as in ctx_step */
+    __m256i cr[NB][4], cc[NB][4], ir = zero, ic = zero, dm1 = zero, pm1 = zero, dd = zero, pp = zero;
+    if (cx) {
+        ir = _mm256_set1_epi32((int)(32 % cx->stride)), ic = _mm256_set1_epi32((int)(32 / cx->stride % cx->period));
+        dd = _mm256_set1_epi32((int)cx->stride), pp = _mm256_set1_epi32((int)cx->period);
+        dm1 = _mm256_set1_epi32((int)cx->stride - 1), pm1 = _mm256_set1_epi32((int)cx->period - 1);
+    }
     for (int k = 0; k < NB; k++) {
         pos[k] = L[k].pos;
         for (int g = 0; g < 4; g++)
             xs[k][g] = _mm256_loadu_si256((const __m256i *)(L[k].x + 8 * g));
+        if (cx) {
+            int64_t r64[32], c64[32];
+            int32_t r32[32], c32[32];
+            ctx_start(cx, L[k].first + 32 * t0, 32, r64, c64);
+            for (int l = 0; l < 32; l++)
+                r32[l] = (int32_t)r64[l], c32[l] = (int32_t)c64[l];
+            for (int g = 0; g < 4; g++) {
+                cr[k][g] = _mm256_loadu_si256((const __m256i *)(r32 + 8 * g));
+                cc[k][g] = _mm256_loadu_si256((const __m256i *)(c32 + 8 * g));
+            }
+        }
     }
     int64_t t = t0;
     for (; t < steps; t++) {
@@ -227,8 +296,16 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
             break;
         for (int k = 0; k < NB; k++) {
             __m256i e[4], slot[4];
-            for (int g = 0; g < 4; g++) { /* first symbols: the values' slots */
+            for (int g = 0; g < 4; g++) { /* first symbols: the values' slots (with a context: and tables) */
                 slot[g] = _mm256_and_si256(xs[k][g], slot_mask);
+                if (cx) {
+                    slot[g] = _mm256_or_si256(slot[g], _mm256_i32gather_epi32((const int *)cx->base, cc[k][g], 4));
+                    __m256i r_ = _mm256_add_epi32(cr[k][g], ir);
+                    __m256i wrap_ = _mm256_cmpgt_epi32(r_, dm1); /* -1 where r >= D */
+                    cr[k][g] = _mm256_sub_epi32(r_, _mm256_and_si256(wrap_, dd));
+                    __m256i c_ = _mm256_sub_epi32(_mm256_add_epi32(cc[k][g], ic), wrap_);
+                    cc[k][g] = _mm256_sub_epi32(c_, _mm256_and_si256(_mm256_cmpgt_epi32(c_, pm1), pp));
+                }
                 e[g] = _mm256_i32gather_epi32((const int *)L[k].tabw, slot[g], 4);
             }
             /* 32 slots to 16 bits: packs work in 128-bit halves (g0 g1 g0 g1), the permutes undo that */
@@ -273,12 +350,28 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
     __attribute__((target("avx2,bmi,bmi2,popcnt"))) static int64_t name(const uint32_t *tab2w,                  \
                                                                          const uint16_t *stream, uint64_t words, \
                                                                          LanesW *L, int64_t t0, int64_t steps) { \
-        return lanes_avx2(tab2w, stream, words, L, t0, steps, NB, TWO);                                          \
+        return lanes_avx2(tab2w, stream, words, L, t0, steps, NB, TWO, NULL);                                    \
+    }                                                                                                            \
+    __attribute__((target("avx2,bmi,bmi2,popcnt"))) static int64_t name##_ctx(                                  \
+        const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW *L, int64_t t0, int64_t steps,     \
+        const Ctx *cx) {                                                                                         \
+        return lanes_avx2(tab2w, stream, words, L, t0, steps, NB, TWO, cx);                                      \
     }
 LANES_AVX2(lanes1_avx2, 1, 0)
 LANES_AVX2(lanes1_avx2_pair, 2, 0)
 LANES_AVX2(lanes2_avx2, 1, 1)
 LANES_AVX2(lanes2_avx2_pair, 2, 1)
+
+/* The AVX2 lanes for one block or two, one stage or two, by block or by context */
+static int64_t lanes_wide(const Rans *r, int pair, LanesW *L, int64_t t0, int64_t steps) {
+    const uint16_t *stream = r->stream;
+    uint64_t words = (uint64_t)r->words;
+    if (r->ctx.period)
+        return (r->k ? (pair ? lanes2_avx2_pair_ctx : lanes2_avx2_ctx) : (pair ? lanes1_avx2_pair_ctx : lanes1_avx2_ctx))(
+            r->dec2w, stream, words, L, t0, steps, &r->ctx);
+    return (r->k ? (pair ? lanes2_avx2_pair : lanes2_avx2) : (pair ? lanes1_avx2_pair : lanes1_avx2))(
+        r->dec2w, stream, words, L, t0, steps);
+}
 
 /* The values of 16 slots from value (a block's table: each slot's value, 32 bits), by two gathers. */
 __attribute__((target("avx2,bmi,bmi2"))) static inline __attribute__((always_inline)) __m256i
@@ -391,13 +484,22 @@ static inline __attribute__((always_inline)) uint64_t block_start(const Rans *r,
     return r->block_words[b];
 }
 
-/* Whether blocks go through the AVX2 lanes (32 lanes, p = 12, the AVX2 build: the 32-bit tables were built). */
-static inline __attribute__((always_inline)) int wide(const Rans *r) { return use_wide && r->decw != NULL; }
+/* Whether blocks go through the AVX2 lanes (32 lanes, p = 12, the AVX2 build: the 32-bit tables were built; with a
+ * context, D and P < 2^31 and at most 16 tables). */
+static inline __attribute__((always_inline)) int wide(const Rans *r) {
+    return use_wide && r->decw != NULL
+           && (!r->ctx.period || (r->n_tables <= 16 && r->ctx.stride < INT32_MAX && r->ctx.period < INT32_MAX));
+}
+
+/* Block b's first-stage table (by block; 0 with a context, whose tables are looked up per weight). */
+static inline __attribute__((always_inline)) int64_t block_table(const Rans *r, int64_t b) {
+    return r->ctx.period ? 0 : (int64_t)min64(r->block_table[b], r->n_tables - 1);
+}
 
 /* Decode block b (see the top of this file). x: its lanes' states and pos its word position after `done`
  * weights (0, or whole steps a pair of the AVX2 lanes decoded into vals, as slots, and lows). */
 static inline __attribute__((always_inline)) void decode_block(const Rans *r, int64_t b, uint16_t *vals,
-                                                               uint8_t *lows, uint8_t *cls, uint32_t *x,
+                                                               uint8_t *lows, uint8_t *cls, int64_t *cnt, uint32_t *x,
                                                                int64_t done, uint64_t pos) {
     Block *job = &r->blocks[b];
     const int lanes = r->lanes, low = 7 - r->m, w_raw = 8 - r->m - r->k, w_esc = 8 + r->m;
@@ -405,7 +507,8 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     job->crc_raw = crc_piece(r->raw, r->raw_len, b, r->n_blocks, &job->raw_bytes);
     job->crc_stream = crc_piece((const uint8_t *)r->stream, 2 * r->words, b, r->n_blocks, &job->stream_bytes);
     job->crc_esc = crc_piece(r->escapes, r->esc_len, b, r->n_blocks, &job->esc_bytes);
-    const uint64_t *tab = r->dec + ((int64_t)min64(r->block_table[b], r->n_tables - 1) << r->p);
+    const uint64_t *tab = r->dec + (block_table(r, b) << r->p);
+    const Ctx *cx = r->ctx.period ? &r->ctx : NULL;
     static const uint16_t no_word = 0;
     const uint16_t *stream = r->words ? r->stream : &no_word;
     const uint64_t last_word = r->words ? (uint64_t)r->words - 1 : 0;
@@ -413,10 +516,9 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     const uint32_t *value = NULL;
 #ifdef HAVE_LANES_AVX2
     if (wide(r)) { /* the whole steps the pair left */
-        int64_t table = (int64_t)min64(r->block_table[b], r->n_tables - 1) << 12;
-        LanesW L = {r->decw + table, pos, x, vals, lows};
-        slots = done = 32 * (r->k ? lanes2_avx2 : lanes1_avx2)(r->dec2w, stream, (uint64_t)r->words, &L, done / 32,
-                                                               len / 32);
+        int64_t table = block_table(r, b) << 12;
+        LanesW L = {r->decw + table, pos, x, vals, lows, start};
+        slots = done = 32 * lanes_wide(r, 0, &L, done / 32, len / 32);
         pos = L.pos;
         value = r->valw + table;
         __atomic_or_fetch(&lanes_taken, r->k ? 2 : 1, __ATOMIC_RELAXED);
@@ -425,23 +527,33 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     if (r->k) { /* two stages: two words per weight at most */
         const uint64_t *tab2 = r->dec2;
         int64_t rest = len - done;
-        if (rest && r->p == 12 && pos + 2 * (uint64_t)rest <= (uint64_t)r->words)
-            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, 12, 0);
+        int64_t first = start + done;
+        if (rest && cx)
+            pos = decode_lanes2(r->dec, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, r->p,
+                                1, cx, first, cnt);
+        else if (rest && r->p == 12 && pos + 2 * (uint64_t)rest <= (uint64_t)r->words)
+            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, 12, 0,
+                                NULL, 0, cnt);
         else if (rest && r->p == 12)
-            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, 12, 1);
+            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, 12, 1,
+                                NULL, 0, cnt);
         else if (rest)
-            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, r->p, 1);
+            pos = decode_lanes2(tab, tab2, stream, pos, last_word, x, vals + done, lows + done, cls, rest, lanes, r->p, 1,
+                                NULL, 0, cnt);
         done = len;
     }
     int safe = pos + (uint64_t)(len - done) <= (uint64_t)r->words; /* a word per weight at most: no read past the end */
     if (done == len)
         ;
+    else if (cx)
+        pos = decode_lanes(r->dec, stream, pos, last_word, x, vals + done, len - done, lanes, r->p, 1, cx, start + done,
+                           cnt);
     else if (r->p == 12 && safe)
-        pos = decode_lanes(tab, stream, pos, last_word, x, vals + done, len - done, lanes, 12, 0);
+        pos = decode_lanes(tab, stream, pos, last_word, x, vals + done, len - done, lanes, 12, 0, NULL, 0, cnt);
     else if (r->p == 12)
-        pos = decode_lanes(tab, stream, pos, last_word, x, vals + done, len - done, lanes, 12, 1);
+        pos = decode_lanes(tab, stream, pos, last_word, x, vals + done, len - done, lanes, 12, 1, NULL, 0, cnt);
     else
-        pos = decode_lanes(tab, stream, pos, last_word, x, vals + done, len - done, lanes, r->p, 1);
+        pos = decode_lanes(tab, stream, pos, last_word, x, vals + done, len - done, lanes, r->p, 1, NULL, 0, cnt);
     int lanes_home = 1;
     for (int l = 0; l < lanes; l++)
         lanes_home &= x[l] == STATE_LOW;
@@ -526,6 +638,7 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
     uint16_t *vals = malloc(2 * sizeof(uint16_t) * most);
     uint8_t *lows = malloc(r->k ? 2 * most : 1), *cls = malloc((size_t)r->lanes);
     uint32_t *x = malloc(2 * sizeof(uint32_t) * (size_t)r->lanes);
+    int64_t *cnt = malloc(2 * sizeof(int64_t) * (size_t)r->lanes);
     int64_t b;
     while (1) {
         int pair = 0;
@@ -534,33 +647,33 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
 #endif
         if ((b = __atomic_fetch_add(&r->next_block, 1 + pair, __ATOMIC_RELAXED)) >= r->n_blocks)
             break;
-        if (!(vals && lows && cls && x)) {
+        if (!(vals && lows && cls && x && cnt)) {
             for (int64_t c = b; c <= b + pair && c < r->n_blocks; c++)
                 r->blocks[c].error = NO_MEMORY;
             continue;
         }
         uint64_t pos = block_start(r, b, x);
         if (!pair || b + 1 == r->n_blocks) {
-            decode_block(r, b, vals, lows, cls, x, 0, pos);
+            decode_block(r, b, vals, lows, cls, cnt, x, 0, pos);
             continue;
         }
 #ifdef HAVE_LANES_AVX2
         /* two blocks: their common whole steps side by side, then each on its own */
         int64_t steps = min64(r->block_size, r->n - (b + 1) * r->block_size) / 32;
         uint8_t *lows1 = r->k ? lows + most : lows; /* (one stage: no low bits) */
-        LanesW L[2] = {{r->decw + ((int64_t)min64(r->block_table[b], r->n_tables - 1) << 12), pos, x, vals, lows},
-                       {r->decw + ((int64_t)min64(r->block_table[b + 1], r->n_tables - 1) << 12),
-                        block_start(r, b + 1, x + 32), x + 32, vals + most, lows1}};
-        int64_t done = 32 * (r->k ? lanes2_avx2_pair : lanes1_avx2_pair)(r->dec2w, r->stream, (uint64_t)r->words, L, 0,
-                                                                         steps);
-        decode_block(r, b, vals, lows, cls, x, done, L[0].pos);
-        decode_block(r, b + 1, vals + most, lows1, cls, x + 32, done, L[1].pos);
+        LanesW L[2] = {{r->decw + (block_table(r, b) << 12), pos, x, vals, lows, b * r->block_size},
+                       {r->decw + (block_table(r, b + 1) << 12), block_start(r, b + 1, x + 32), x + 32, vals + most,
+                        lows1, (b + 1) * r->block_size}};
+        int64_t done = 32 * lanes_wide(r, 1, L, 0, steps);
+        decode_block(r, b, vals, lows, cls, cnt, x, done, L[0].pos);
+        decode_block(r, b + 1, vals + most, lows1, cls, cnt, x + 32, done, L[1].pos);
 #endif
     }
     free(vals);
     free(lows);
     free(cls);
     free(x);
+    free(cnt);
     return NULL;
 }
 
@@ -604,7 +717,8 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
                     const uint32_t *block_words, const uint32_t *states, const uint8_t *block_table,
                     const uint8_t *escapes, int64_t esc_len, const uint32_t *block_escapes, int64_t n_escapes,
                     int64_t n, int64_t block_size, int lanes, int prob_bits, int mantissa_bits, int low_bits,
-                    const uint8_t *symbol_class, const uint16_t *low_freqs, int low_tables, int threads,
+                    const uint8_t *symbol_class, const uint16_t *low_freqs, int low_tables,
+                    const uint8_t *context_table, int64_t context_stride, int64_t context_period, int threads,
                     uint32_t *crc_io, uint16_t *out) {
     Rans r;
     crc_setup();
@@ -636,7 +750,11 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
     uint32_t *dec2w = wide_tables && low_bits ? malloc(n_dec2 * sizeof(uint32_t)) : NULL;
     uint32_t *valw = wide_tables ? malloc(n_dec * sizeof(uint32_t)) : NULL;
     Block *blocks = calloc((size_t)r.n_blocks, sizeof(Block));
-    if (!dec || !blocks || (low_bits && !dec2) || (wide_tables && (!decw || !valw || (low_bits && !dec2w)))) {
+    /* by context: where each context's table starts (table << p; tables past the last read the last) */
+    uint32_t *ctx_base = context_period > 0 ? malloc((size_t)context_period * sizeof(uint32_t)) : NULL;
+    if (!dec || !blocks || (low_bits && !dec2) || (wide_tables && (!decw || !valw || (low_bits && !dec2w)))
+        || (context_period > 0 && !ctx_base)) {
+        free(ctx_base);
         free(dec);
         free(dec2);
         free(decw);
@@ -659,6 +777,9 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
                    | (uint32_t)(dec2[i] >> 16 & 0xFFF) << 20;
     r.dec = dec, r.dec2 = dec2, r.decw = decw, r.dec2w = dec2w, r.valw = valw, r.blocks = blocks;
     r.n_tables = n_tables > 0 ? n_tables : 1;
+    for (int64_t c = 0; c < context_period; c++)
+        ctx_base[c] = (uint32_t)min64(context_table[c], r.n_tables - 1) << prob_bits;
+    r.ctx.base = ctx_base, r.ctx.stride = context_stride > 0 ? context_stride : 1, r.ctx.period = context_period;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     run_threads(work, &r, 0, (int)min64(threads, r.n_blocks));
     int error = OK;
@@ -684,6 +805,7 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
     free(dec2w);
     free(valw);
     free(blocks);
+    free(ctx_base);
     if (error == NO_MEMORY)
         return error;
     for (int a = 0; a < 3; a++)

@@ -28,12 +28,13 @@ from reference.codec.rans.format import (
     RansTensor,
 )
 from reference.codec.rans.model import (
+    CONTEXTS,
     LOW_MIN_GAIN,
     TABLE_ENTRY_BITS,
     choose_alphabet,
     choose_classes,
     choose_coding,
-    choose_tables,
+    choose_context,
     class_tables,
     coded_bits,
     join_low,
@@ -59,7 +60,9 @@ def encode_rans(bits: np.ndarray, *, name: str = "", **params: Any) -> RansTenso
     ``mantissa_bits`` and ``low_bits`` (None: chosen per tensor, ``choose_coding``; a given
     ``mantissa_bits`` alone means ``low_bits=0``), ``max_tables`` (16); for the ablation:
     ``escapes``
-    (True) and ``own_tables`` (False: blocks share clustered tables; True: one table per block).
+    (True) and ``own_tables`` (False: blocks share clustered tables; True: one table per block);
+    ``context`` (None: chosen per tensor by measured size; ``"block"``, ``"column"`` or ``"row"``:
+    what chooses each weight's first-stage table, FORMAT.md 9.2).
     """
     return encode_rans_many([bits], names=[name], **params)[0]
 
@@ -69,13 +72,17 @@ def encode_rans_many(
     block_size: int = BLOCK_SIZE,
     lanes: int = LANES, prob_bits: int = PROB_BITS, mantissa_bits: int | None = None,
     low_bits: int | None = None, max_tables: int = TABLES, escapes: bool = True,
-    own_tables: bool = False,
+    own_tables: bool = False, context: str | None = None,
 ) -> list[RansTensor]:
     """Compress several tensors with the same parameters; the blocks of about ENCODE_BATCH weights
     at a time are encoded in one lockstep pass."""
     if mantissa_bits is not None and low_bits is None:
         low_bits = 0  # the one-stage form with the given m
     _check_parameters(block_size, lanes, prob_bits, mantissa_bits, low_bits, max_tables)
+    if context is not None and context not in CONTEXTS:
+        raise CodecError(f"context must be one of {CONTEXTS} or None, got {context!r}")
+    if own_tables:
+        context = "block"
     names = list(names) if names is not None else [""] * len(tensors)
     tensors = [as_bf16(b, nm) for b, nm in zip(tensors, names, strict=True)]
     out, batch = [], []
@@ -84,7 +91,7 @@ def encode_rans_many(
         candidates = choose_coding(np.bincount(bits.reshape(-1), minlength=1 << 16), prob_bits,
                                    escapes, mantissa_bits, low_bits)[:CONFIRM]
         models = [_model(bits, names[i], block_size, prob_bits, m, k, max_tables, escapes,
-                         own_tables) for _, m, k in candidates]
+                         own_tables, context) for _, m, k in candidates]
         batch.append(min(
             models, key=lambda md: md["bits"] + LOW_MIN_GAIN * md["n"] * (md["k"] > 0)
         ))
@@ -96,7 +103,8 @@ def encode_rans_many(
 
 def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantissa_bits: int,
            low_bits: int,
-           max_tables: int, escapes: bool, own_tables: bool) -> dict[str, Any]:
+           max_tables: int, escapes: bool, own_tables: bool,
+           context: str | None = None) -> dict[str, Any]:
     """Everything about one tensor but the rANS coding itself: symbols, alphabet, tables, escapes,
     second-stage symbols and tables, raw bits."""
     flat = bits.reshape(-1)
@@ -116,7 +124,9 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
                                minlength=n_blocks * (escape + 1)).reshape(n_blocks, escape + 1)
     # the exponent of each symbol
     order_key = np.append(np.asarray(alphabet, np.float64) / (1 << mantissa_bits), 0.0)
-    freqs, block_table = choose_tables(block_counts, order_key, prob_bits, max_tables, own_tables)
+    chosen = choose_context(symbols, tuple(bits.shape), escape + 1, block_size, order_key,
+                            prob_bits, max_tables, own_tables, context)
+    freqs = chosen["freqs"]
     symbol_class, low_freqs = np.zeros(0, np.int64), np.zeros((0, 1), np.int64)
     if low_bits:
         joint = np.bincount(symbols << low_bits | lows, minlength=(escape + 1) << low_bits)
@@ -127,12 +137,11 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
     escaped = symbols == escape
     # the coded size in bits (ideal rANS, without the lanes' states): stream, tables, raw bits,
     # escapes
-    size = sum(coded_bits(block_counts[block_table == j].sum(axis=0), freqs[j], prob_bits)
-               for j in range(len(freqs)))
+    size = chosen["bits"]  # first-stage stream and tables, block or context table
     if low_bits:
         size += sum(coded_bits(joint[symbol_class == c].sum(axis=0), low_freqs[c], prob_bits)
                     for c in range(len(low_freqs)))
-    size += TABLE_ENTRY_BITS * (freqs.size + low_freqs.size + len(alphabet)) + 8 * symbol_class.size
+    size += TABLE_ENTRY_BITS * (low_freqs.size + len(alphabet)) + 8 * symbol_class.size
     size += len(flat) * (8 - mantissa_bits - low_bits) + int(escaped.sum()) * (8 + mantissa_bits)
     return {
         "bits": size,
@@ -145,7 +154,11 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
         "lows": lows,
         "alphabet": np.asarray(alphabet, np.uint16),
         "freqs": freqs,
-        "block_table": block_table,
+        "n_blocks": n_blocks,
+        "block_table": chosen["block_table"],
+        "stride": chosen["stride"],
+        "period": chosen["period"],
+        "context_table": chosen["context_table"],
         "symbol_class": symbol_class,
         "low_freqs": low_freqs,
         "raw": pack_fields(raw, 8 - mantissa_bits - low_bits),
@@ -176,23 +189,36 @@ def _encode_stage_batch(models: list[dict[str, Any]], block_size: int, lanes: in
                         prob_bits: int) -> list[RansTensor]:
     """The rANS coding of several modelled tensors, all with one stage or all with two, in one
     pass."""
-    n_blocks = [len(m["block_table"]) for m in models]
+    n_blocks = [m["n_blocks"] for m in models]
+    by_context = any(m["period"] for m in models)  # then each weight names its table (rows)
     two = models[0]["k"] > 0
     longest = max((min(block_size, m["n"]) for m in models), default=0)
     steps = -(-longest // lanes)  # a tensor smaller than a block needs fewer steps
     width = max(m["freqs"].shape[1] for m in models)
     symbols = np.zeros((sum(n_blocks), max(steps * lanes, block_size)), np.int64)
     freqs = np.zeros((sum(n_blocks), width), np.int64)
+    rows = np.zeros(symbols.shape, np.int32) if by_context else None
+    if by_context:  # every model's tables, one after another
+        freqs = np.concatenate([np.pad(m["freqs"], ((0, 0), (0, width - m["freqs"].shape[1])))
+                                for m in models])
     lengths = np.zeros(sum(n_blocks), np.int64)
     lows = np.zeros(symbols.shape, np.uint8) if two else None
     # the second-stage table of each block's symbols
     low_rows = np.zeros((sum(n_blocks), width), np.int64)
-    b0 = row0 = 0
+    b0 = row0 = table0 = 0
     for m, nb in zip(models, n_blocks, strict=True):
         padded = np.zeros(nb * block_size, np.int64)
         padded[: m["n"]] = m["symbols"]
         symbols[b0 : b0 + nb, :block_size] = padded.reshape(nb, block_size)
-        freqs[b0 : b0 + nb, : m["freqs"].shape[1]] = m["freqs"][m["block_table"]]
+        if not by_context:
+            freqs[b0 : b0 + nb, : m["freqs"].shape[1]] = m["freqs"][m["block_table"]]
+        elif m["period"]:  # weight i: table context_table[(i // D) % P]
+            i = np.arange(nb * block_size, dtype=np.int64)
+            table = m["context_table"][(i // m["stride"]) % m["period"]]
+            rows[b0 : b0 + nb, :block_size] = (table0 + table).reshape(nb, block_size)
+        else:
+            rows[b0 : b0 + nb, :block_size] = (table0 + m["block_table"])[:, None]
+        table0 += len(m["freqs"])
         lengths[b0 : b0 + nb] = np.minimum(block_size, m["n"] - block_size * np.arange(nb))
         if two:
             padded[: m["n"]] = m["lows"]
@@ -211,6 +237,7 @@ def _encode_stage_batch(models: list[dict[str, Any]], block_size: int, lanes: in
     words, per_block, states = encode_lanes(
         symbols[:, : steps * lanes].reshape(shape), lengths, freqs, prob_bits,
         None if lows is None else lows[:, : steps * lanes].reshape(shape), low_rows, low_freqs,
+        None if rows is None else rows[:, : steps * lanes].reshape(shape),
     )
     out, b0, w0 = [], 0, 0
     for m, nb in zip(models, n_blocks, strict=True):
@@ -226,6 +253,8 @@ def _encode_stage_batch(models: list[dict[str, Any]], block_size: int, lanes: in
             tables=m["freqs"].astype(np.uint16), stream=words[w0 : w0 + count],
             block_words=np.concatenate([[0], np.cumsum(per_block[b0 : b0 + nb])]).astype(np.uint32),
             states=states[b0 : b0 + nb], block_table=m["block_table"].astype(np.uint8),
+            context_stride=m["stride"], context_period=m["period"],
+            context_table=m["context_table"].astype(np.uint8),
             escapes=m["escapes"], block_escapes=m["block_escapes"],
             symbol_class=m["symbol_class"].astype(np.uint8),
             low_freqs=m["low_freqs"].astype(np.uint16),
@@ -263,11 +292,25 @@ def _decode_values(tensors: list[RansTensor]) -> list[tuple[np.ndarray, np.ndarr
     prob_bits = tensors[0].prob_bits
     two = tensors[0].low_bits > 0
     tables, table_base, starts, ends, lengths, tables2, next_base = [], [], [], [], [], [], []
-    word_base = table_count = table2_count = 0
+    by_context = any(t.context_period for t in tensors)
+    context: list[list[np.ndarray]] = [[], [], [], [], []]  # first, stride, period, offset, bases
+    word_base = table_count = table2_count = base_count = 0
     for t in tensors:
         values = np.append(t.alphabet, ESCAPE_VALUE).astype(np.int64)
         tables.append(slot_tables(t.tables, np.broadcast_to(values, t.tables.shape), prob_bits))
-        table_base.append((table_count + t.block_table.astype(np.int64)) << prob_bits)
+        period = t.context_period
+        which = t.context_table if period else t.block_table
+        bases = (table_count + which.astype(np.int64)) << prob_bits
+        table_base.append(np.zeros(t.n_blocks, np.int64) if period else bases)
+        if by_context:  # by block: each block its own context of period 1
+            nb = t.n_blocks
+            context[0].append(np.arange(nb, dtype=np.int64) * t.block_size)
+            context[1].append(np.full(nb, t.context_stride if period else 1, np.int64))
+            context[2].append(np.full(nb, max(period, 1), np.int64))
+            context[3].append(base_count + (np.zeros(nb, np.int64) if period
+                                            else np.arange(nb, dtype=np.int64)))
+            context[4].append(bases)
+            base_count += len(bases)
         if two:  # each first-stage slot names the second-stage table of its symbol
             lows = np.arange(1 << t.low_bits, dtype=np.int64)
             tables2.append(slot_tables(t.low_freqs, np.broadcast_to(lows, t.low_freqs.shape),
@@ -288,7 +331,8 @@ def _decode_values(tensors: list[RansTensor]) -> list[tuple[np.ndarray, np.ndarr
             np.concatenate(ends),
             np.concatenate([t.states for t in tensors]), np.concatenate(lengths),
             np.concatenate(table_base), np.concatenate(tables), prob_bits,
-            np.concatenate(tables2) if two else None, np.concatenate(next_base) if two else None)
+            np.concatenate(tables2) if two else None, np.concatenate(next_base) if two else None,
+            tuple(np.concatenate(c) for c in context) if by_context else None)
     except CodecError as e:
         names = ", ".join(repr(t.name) for t in tensors[:4]) + (" ..." if len(tensors) > 4 else "")
         raise CodecError(f"tensor(s) {names}: {e}") from None

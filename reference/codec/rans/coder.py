@@ -106,7 +106,7 @@ def slot_tables(freqs: np.ndarray, values: np.ndarray, prob_bits: int) -> np.nda
 def encode_lanes(
     symbols: np.ndarray, lengths: np.ndarray, freqs: np.ndarray, prob_bits: int,
     lows: np.ndarray | None = None, low_rows: np.ndarray | None = None,
-    low_freqs: np.ndarray | None = None,
+    low_freqs: np.ndarray | None = None, rows: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Encode blocks of interleaved lanes; return (words uint16, words per block int64, states
     uint32 [B, lanes]).
@@ -119,11 +119,16 @@ def encode_lanes(
     Two stages (FORMAT.md 9.4): with ``lows`` [B, T, lanes] every weight also has a second symbol,
     coded right after its first with the table ``low_freqs[low_rows[b, s]]`` chosen by the first
     symbol s (a step is: every lane's first symbol, then every lane's second symbol).
+
+    Tables by context (FORMAT.md 9.2): with ``rows`` [B, T, lanes] each weight's first symbol is
+    coded with ``freqs[rows[b, t, lane]]`` (then ``freqs`` is any number of tables) instead of
+    ``freqs[b]``.
     """
     n_blocks, steps, lanes = symbols.shape
     freqs = np.asarray(freqs, np.int64)
     packed = (freqs << 32 | cumulative(freqs)).reshape(-1)  # f << 32 | c: one lookup per weight
-    row_base = np.repeat(np.arange(n_blocks, dtype=np.int64) * freqs.shape[1], lanes)
+    width = freqs.shape[1]
+    row_base = np.repeat(np.arange(n_blocks, dtype=np.int64) * width, lanes)
     if lows is not None:
         low_freqs = np.asarray(low_freqs, np.int64)
         packed2 = (low_freqs << 32 | cumulative(low_freqs)).reshape(-1)
@@ -147,10 +152,13 @@ def encode_lanes(
 
     for t in reversed(range(steps)):  # last symbol first: the second stage before the first
         active = t * lanes + lane_pos < block_len
-        first = row_base + np.where(active, symbols[:, t].reshape(-1), 0)
+        symbol = np.where(active, symbols[:, t].reshape(-1), 0)
+        first = row_base + symbol  # the block's symbol (names the second stage's table)
         if lows is not None:
             low = np.where(active, lows[:, t].reshape(-1), 0)
             push(active, np.take(packed2, np.take(rows2, first) + low))
+        if rows is not None:
+            first = np.where(active, rows[:, t].reshape(-1), 0).astype(np.int64) * width + symbol
         push(active, np.take(packed, first))
     # The emitted words, steps in increasing order, each step's in (block, lane) order; a stable
     # sort by
@@ -174,6 +182,7 @@ def decode_lanes(
     words: np.ndarray, block_start: np.ndarray, block_end: np.ndarray, states: np.ndarray,
     lengths: np.ndarray, table_base: np.ndarray, table: np.ndarray, prob_bits: int,
     table2: np.ndarray | None = None, next_base: np.ndarray | None = None,
+    context: tuple[np.ndarray, ...] | None = None,
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Decode blocks of interleaved lanes; return their values, block after block (uint16), and
     with two stages the second symbols' values too (else None).
@@ -182,9 +191,12 @@ def decode_lanes(
     and it holds ``lengths[b]`` weights. Its decoding table starts at entry ``table_base[b]`` of
     ``table`` (see ``slot_tables``). Two stages: ``table2`` holds the second-stage decoding tables,
     and ``next_base`` (as long as ``table``) says, for each slot of ``table``, where in ``table2``
-    the table of the second symbol starts. Raises CodecError unless every block reads exactly its
-    own
-    words and every lane ends in state L: a corrupt stream or state cannot pass unnoticed.
+    the table of the second symbol starts. Tables by context (FORMAT.md 9.2): ``context`` =
+    (first, stride, period, offset, bases), the first four per block: weight j of block b (weight
+    ``first[b] + j`` of its tensor) takes its table at entry ``bases[offset[b] + ((first[b] + j) //
+    stride[b]) % period[b]]`` of ``table`` instead of ``table_base[b]`` (a table by block: period
+    1). Raises CodecError unless every block reads exactly its own words and every lane ends in
+    state L: a corrupt stream or state cannot pass unnoticed.
 
     The lanes of all blocks sit in one flat array, longest blocks first, so that the lanes still
     decoding at step t are a prefix of it; step t's values go to a small step-major buffer that is
@@ -199,6 +211,13 @@ def decode_lanes(
     x = states[order].reshape(-1).astype(np.int64)
     pos, length = block_start[order].astype(np.int64), lengths[order]
     base = np.repeat(table_base[order].astype(np.int64), lanes)
+    if context is not None:  # each lane's weight index, divisor, period and first context entry
+        first, stride, period, offset, bases = context
+        lane_first = np.repeat(first[order].astype(np.int64), lanes) + np.tile(np.arange(lanes),
+                                                                               n_blocks)
+        lane_stride = np.repeat(stride[order].astype(np.int64), lanes)
+        lane_period = np.repeat(period[order].astype(np.int64), lanes)
+        lane_offset = np.repeat(offset[order].astype(np.int64), lanes)
     mask = (1 << prob_bits) - 1
     # (np.take cannot read from an empty array)
     words = words if len(words) else np.zeros(1, np.uint16)
@@ -241,7 +260,13 @@ def decode_lanes(
 
     for t in range(steps):
         k = active_blocks[t]
-        index = decode(t, k, 0, table, base[: k * lanes])
+        if context is None:
+            where = base[: k * lanes]
+        else:
+            n = k * lanes
+            i = lane_first[:n] + t * lanes
+            where = np.take(bases, lane_offset[:n] + (i // lane_stride[:n]) % lane_period[:n])
+        index = decode(t, k, 0, table, where)
         if table2 is not None:
             decode(t, k, 1, table2, np.take(next_base, index))
         if t % TRANSPOSE_BLOCK == TRANSPOSE_BLOCK - 1 or t == steps - 1:

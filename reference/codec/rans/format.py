@@ -1,4 +1,4 @@
-"""The rANS form of a compressed tensor: its header, its eleven arrays, and every check on them
+"""The rANS form of a compressed tensor: its header, its twelve arrays, and every check on them
 (FORMAT.md 9).
 
 ``RansTensor`` is what ``encode_rans`` returns and ``decode_rans`` takes. Like ``CompressedTensor``
@@ -32,20 +32,28 @@ FORM = "rans"
 ARRAY_DTYPES = {"raw": np.uint8, "alphabet": np.uint16, "tables": np.uint16, "stream": np.uint16,
                 "block_words": np.uint32, "states": np.uint32, "block_table": np.uint8,
                 "escapes": np.uint8, "block_escapes": np.uint32, "symbol_class": np.uint8,
-                "low_freqs": np.uint16}
+                "low_freqs": np.uint16, "context_table": np.uint8}
 CRC_KEYS = (*ARRAY_DTYPES, "data")
 # The second stage (low mantissa bits coded by class) came later: a one-stage tensor written before
 # it has no low_bits / low_tables keys, no symbol_class / low_freqs arrays and no CRCs of them. It
 # is read as k = 0, C = 0.
 SECOND_STAGE_KEYS = ("low_bits", "low_tables")
 SECOND_STAGE_ARRAYS = ("symbol_class", "low_freqs")
+# Tables chosen by a context (the column or the row of a weight, FORMAT.md 9.2) came later still: a
+# tensor written before them has no context_stride / context_period keys, no context_table array and
+# no CRC of it.
+# It is read as D = 1, P = 0 (each block's table named by block_table).
+CONTEXT_KEYS = ("context_stride", "context_period")
+CONTEXT_ARRAYS = ("context_table",)
 HEADER_KEYS = ("format", "version", "form", "shape", "block_size", "lanes", "prob_bits",
                "mantissa_bits", "low_bits", "low_tables", "alphabet_size", "n_tables",
-               "stream_words", "n_escapes", "crc32")
+               "context_stride", "context_period", "stream_words", "n_escapes", "crc32")
 MAX_BLOCK_SIZE, MAX_LANES, MAX_TABLES, MAX_ALPHABET = 1 << 24, 1024, 256, 1 << MAX_PROB_BITS
 # ceil(block_size / lanes): bounds the sequential work of one lane (a GPU thread)
 MAX_LANE_STEPS = 65536
 MAX_DIMS = 32  # NumPy's limit
+MAX_PERIOD = 1 << 24  # P: the context table's length
+MAX_STRIDE = 1 << 48  # D
 MIN_PROB_BITS = 1
 
 
@@ -54,12 +62,17 @@ def written_before_second_stage(header: Mapping[str, Any]) -> bool:
     return not any(k in header for k in SECOND_STAGE_KEYS)
 
 
+def written_before_context(header: Mapping[str, Any]) -> bool:
+    """A header without any context key (an earlier writer's tensor: tables chosen by block)."""
+    return not any(k in header for k in CONTEXT_KEYS)
+
+
 def stored_arrays(header: Mapping[str, Any]) -> tuple[str, ...]:
     """The arrays a container holds for a tensor with this header (an earlier writer's: none of
-    the second stage's)."""
-    if written_before_second_stage(header):
-        return tuple(k for k in ARRAY_DTYPES if k not in SECOND_STAGE_ARRAYS)
-    return tuple(ARRAY_DTYPES)
+    the second stage's, none of the context's)."""
+    absent = (SECOND_STAGE_ARRAYS if written_before_second_stage(header) else ()) + (
+        CONTEXT_ARRAYS if written_before_context(header) else ())
+    return tuple(k for k in ARRAY_DTYPES if k not in absent)
 
 
 @dataclass
@@ -89,10 +102,18 @@ class RansTensor(StoredForm):
     symbol_class: np.ndarray  # uint8 [A + 1] (k > 0) or [0]: the second-stage table of each symbol
     # uint16 [low_tables, 2^k]: the second-stage tables, each row summing to 2^prob_bits
     low_freqs: np.ndarray
+    # uint8 [P]: with P > 0, weight i's table is context_table[(i // D) % P] (block_table: [0])
+    context_table: np.ndarray = None  # type: ignore[assignment]
     # k: mantissa bits coded in the second stage, with a table chosen by the first symbol
     low_bits: int = 0
     low_tables: int = 0  # C: second-stage tables (0 when k = 0)
+    context_stride: int = 1  # D
+    context_period: int = 0  # P: 0 = each block's table named by block_table
     name: str = ""  # used in error messages only
+
+    def __post_init__(self) -> None:
+        if self.context_table is None:
+            self.context_table = np.zeros(0, np.uint8)
 
     @property
     def n(self) -> int:
@@ -126,13 +147,14 @@ class RansTensor(StoredForm):
                 "low_tables": self.low_tables,
                 "alphabet_size": self.alphabet_size,
                 "n_tables": self.n_tables,
+                "context_stride": self.context_stride, "context_period": self.context_period,
                 "stream_words": self.stream_words, "n_escapes": self.n_escapes,
                 "crc32": dict(self.crc)}
 
     @classmethod
     def from_parts(cls, header: Mapping[str, Any], arrays: Mapping[str, np.ndarray], name: str = "",
                    *, check_arrays: bool = True) -> RansTensor:
-        """Build from a parsed header and the eleven arrays, checking every field (raises
+        """Build from a parsed header and the twelve arrays, checking every field (raises
         CodecError).
         ``check_arrays=False`` checks only the header and the arrays' dtypes and shapes: for a
         decoder that checks the contents itself (the C one)."""
@@ -147,6 +169,12 @@ class RansTensor(StoredForm):
                 header["crc32"] = {**crc, **{k: empty for k in SECOND_STAGE_ARRAYS}}
             arrays = {**arrays, "symbol_class": np.zeros(0, np.uint8),
                       "low_freqs": np.zeros((0, 1), np.uint16)}
+        if written_before_context(header):  # tables chosen by block: an earlier writer's tensor
+            crc = header.get("crc32")
+            header = {**header, "context_stride": 1, "context_period": 0}
+            if isinstance(crc, Mapping):
+                header["crc32"] = {**crc, "context_table": crc32(np.zeros(0, np.uint8))}
+            arrays = {**arrays, "context_table": np.zeros(0, np.uint8)}
         if (
             header.get("format") != FORMAT_NAME
             or header.get("version") != VERSION
@@ -177,6 +205,8 @@ class RansTensor(StoredForm):
             low_tables=_int(header["low_tables"], "low_tables", 0, MAX_TABLES, where),
             alphabet_size=_int(header["alphabet_size"], "alphabet_size", 0, MAX_ALPHABET, where),
             n_tables=_int(header["n_tables"], "n_tables", 0, MAX_TABLES, where),
+            context_stride=_int(header["context_stride"], "context_stride", 1, MAX_STRIDE, where),
+            context_period=_int(header["context_period"], "context_period", 0, MAX_PERIOD, where),
             stream_words=_int(header["stream_words"], "stream_words", 0, UINT32_LIMIT - 1, where),
             n_escapes=_int(header["n_escapes"], "n_escapes", 0, UINT32_LIMIT - 1, where),
             crc={k: _int(crc[k], f"crc32.{k}", 0, UINT32_LIMIT - 1, where) for k in CRC_KEYS},
@@ -207,9 +237,13 @@ class RansTensor(StoredForm):
             and 0 <= self.low_bits <= 7 - self.mantissa_bits
             and 0 <= self.low_tables <= MAX_TABLES
             and (self.low_bits > 0 or self.low_tables == 0)
+            and 1 <= self.context_stride <= MAX_STRIDE
+            and 0 <= self.context_period <= MAX_PERIOD
         ):
             raise CodecError(f"{where}block_size, lanes, prob_bits, mantissa_bits, low_bits, "
-                             "alphabet_size, n_tables or low_tables out of range (the alphabet "
+                             "alphabet_size, n_tables, low_tables, context_stride or "
+                             "context_period out of "
+                             "range (the alphabet "
                              "needs fewer than 2^prob_bits symbols, m + k <= 7, no second-stage "
                              "tables without low bits)")
         if len(self.shape) > MAX_DIMS or math.prod(max(d, 1) for d in self.shape) >= 1 << 62:
@@ -226,11 +260,12 @@ class RansTensor(StoredForm):
             "stream": (self.stream_words,),
             "block_words": (nb + 1,),
             "states": (nb, self.lanes),
-            "block_table": (nb,),
+            "block_table": (0 if self.context_period else nb,),
             "escapes": (packed_length(self.n_escapes, self.escape_bits),),
             "block_escapes": (nb + 1,),
             "symbol_class": (a + 1 if self.low_bits else 0,),
             "low_freqs": (self.low_tables, 1 << self.low_bits),
+            "context_table": (self.context_period,),
         }
         for key, dtype in ARRAY_DTYPES.items():
             array = self.arrays()[key]
@@ -260,8 +295,8 @@ class RansTensor(StoredForm):
         if np.any(self.tables.astype(np.int64).sum(axis=1) != 1 << self.prob_bits):
             raise CodecError(f"{where}every table's frequencies must sum to 2^prob_bits = "
                              f"{1 << self.prob_bits}")
-        if np.any(self.block_table >= self.n_tables):
-            raise CodecError(f"{where}a block names a table that does not exist")
+        if np.any(self.block_table >= self.n_tables) or np.any(self.context_table >= self.n_tables):
+            raise CodecError(f"{where}a block or a context names a table that does not exist")
         if self.low_bits and self.n_blocks and not self.low_tables:
             raise CodecError(f"{where}a tensor with low bits and blocks needs at least one "
                              "second-stage table")

@@ -205,10 +205,9 @@ def choose_tables(
         k *= 2
     best = None
     for assign in candidates:
-        freqs = np.stack([quantize(block_counts[assign == j].sum(axis=0),
-                                   prob_bits) for j in range(assign.max() + 1)])
-        size = sum(coded_bits(block_counts[assign == j].sum(axis=0), freqs[j],
-                              prob_bits) for j in range(len(freqs)))
+        totals = cluster_totals(block_counts, assign, int(assign.max()) + 1).astype(np.int64)
+        freqs = np.stack([quantize(row, prob_bits) for row in totals])
+        size = sum(coded_bits(row, f, prob_bits) for row, f in zip(totals, freqs, strict=True))
         size += freqs.size * TABLE_ENTRY_BITS
         if best is None or size < best[0]:
             best = (size, freqs, assign)
@@ -232,13 +231,21 @@ def cluster(block_counts: np.ndarray, order_key: np.ndarray, k: int) -> np.ndarr
     pooled = counts.sum(axis=0) + 1e-9
     pooled /= pooled.sum()
     for _ in range(CLUSTER_ROUNDS):
-        totals = np.stack([counts[assign == j].sum(axis=0) for j in range(k)])
+        totals = cluster_totals(counts, assign, k)
         p = (totals + pooled) / (totals.sum(axis=1, keepdims=True) + 1)
         new = np.argmin(-counts @ np.log2(p).T, axis=1)
         if np.array_equal(new, assign):
             break
         assign = new
     return np.unique(assign, return_inverse=True)[1].reshape(-1)
+
+
+def cluster_totals(counts: np.ndarray, assign: np.ndarray, k: int) -> np.ndarray:
+    """The summed counts of each of k clusters ([k, S], float64; exact: the counts are integers
+    below 2^53): one matrix product with the clusters' indicator."""
+    member = np.zeros((k, len(assign)), np.float64)
+    member[assign, np.arange(len(assign))] = 1.0
+    return member @ np.asarray(counts, np.float64)
 
 
 def ideal_bits(counts: np.ndarray) -> float:
@@ -369,3 +376,75 @@ def choose_coding(hist: np.ndarray, prob_bits: int, escapes: bool = True,
             bits = estimate_bits(hist, m, k, prob_bits, escapes)
             out.append((bits + (LOW_MIN_GAIN * n if k else 0.0), m, k))
     return sorted(out, key=lambda c: c[0])  # (stable: ties keep the order above)
+
+
+CONTEXTS = ("block", "column", "row")  # what chooses a weight's first-stage table (FORMAT.md 9.2)
+
+
+def context_of(shape: tuple[int, ...], context: str) -> tuple[int, int] | None:
+    """(D, P) of a context for a tensor of ``shape`` (weight i's table: context_table[(i // D) %
+    P]): the column (D = 1, P = the last dimension) or the row (D = the last dimension, P = the
+    rows), or None where it does not apply (fewer than two dimensions, columns or rows)."""
+    if context == "block" or len(shape) < 2:
+        return None
+    n = int(np.prod(shape, dtype=np.int64))
+    cols = int(shape[-1])
+    if cols < 2 or n // cols < 2:
+        return None
+    d, p = (1, cols) if context == "column" else (cols, n // cols)
+    return (d, p) if p <= MAX_CONTEXT_PERIOD else None
+
+
+MAX_CONTEXT_PERIOD = 1 << 24
+
+
+def choose_context(
+    symbols: np.ndarray, shape: tuple[int, ...], n_symbols: int, block_size: int,
+    order_key: np.ndarray, prob_bits: int, max_tables: int, own_tables: bool = False,
+    context: str | None = None,
+) -> dict[str, object]:
+    """The first-stage tables and what chooses among them, by measured size (FORMAT.md 9.5).
+
+    Candidates: tables clustered over blocks (``block_table``), over the columns of the tensor
+    (``context_table`` per column: D = 1, P = columns) and over its rows (D = columns, P = rows);
+    each costs its coded size (quantized tables), 16 bits per table entry and 8 bits per entry of
+    its block or context table. ``context`` forces one (``"block"``, ``"column"``, ``"row"``);
+    None takes the smallest (ties: the earlier). Returns freqs [K, S], block_table, stride D,
+    period P (0: by block), context_table and the size in bits."""
+    n = len(symbols)
+    n_blocks = -(-n // block_size)
+    choices = [context] if context is not None else list(CONTEXTS)
+    best: dict[str, object] | None = None
+    for c in choices:
+        width = n_symbols
+        if c == "block":  # block i // block_size; past the end, an extra symbol (dropped below)
+            d, p, n_groups, width = 1, 0, n_blocks, n_symbols + 1
+            padded = np.full(n_blocks * block_size, n_symbols, np.int64)
+            padded[:n] = symbols
+            first = np.arange(n_blocks, dtype=np.int64) * width
+            keys = padded.reshape(n_blocks, block_size) + first[:, None]
+        else:
+            dp = context_of(shape, c)
+            if dp is None:
+                if context is not None:
+                    raise CodecError(f"the {c} context does not apply to shape {list(shape)}")
+                continue
+            d, p = dp
+            n_groups = p
+            if d == 1:  # the column: i mod p
+                keys = symbols.reshape(-1, p) + (np.arange(p, dtype=np.int64) * n_symbols)[None, :]
+            else:  # the row: i // d
+                keys = symbols.reshape(p, d) + (np.arange(p, dtype=np.int64) * n_symbols)[:, None]
+        counts = np.bincount(keys.reshape(-1), minlength=n_groups * width).reshape(n_groups, width)
+        counts = counts[:, :n_symbols]
+        freqs, assign = choose_tables(counts, order_key, prob_bits, max_tables,
+                                      own_tables and c == "block")
+        size = sum(coded_bits(counts[assign == j].sum(axis=0), freqs[j], prob_bits)
+                   for j in range(len(freqs)))
+        size += TABLE_ENTRY_BITS * freqs.size + 8 * n_groups
+        if best is None or size < best["bits"]:
+            best = {"bits": size, "freqs": freqs, "stride": d, "period": p,
+                    "block_table": assign if p == 0 else np.zeros(0, np.int64),
+                    "context_table": assign if p else np.zeros(0, np.int64)}
+    assert best is not None
+    return best
