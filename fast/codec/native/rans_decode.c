@@ -31,6 +31,12 @@
  * 12-19 of the 32-bit one), in decode_lanes2 or, with AVX2, a second gather per 8 lanes in lanes_avx2;
  * bf16 = sign | value << (7 - m) | low << q | q raw bits (with AVX2 and m + k = 7, 16 weights at a time
  * together with the values and escapes: join1_avx2).
+ * Tables by context (FORMAT.md 9.2: weight i's table context_table[(i // D) mod P]): the portable lanes keep each
+ * lane's i mod D and (i / D) mod P and move them on by `lanes` a step (ctx_step); the AVX2 lanes store a slot with
+ * its table (table << 12 | slot, at most 16 tables) and find the 32 lanes' tables by one load (the column, D = 1),
+ * a blend of two rows' (D >= 32) or a gather (any D). Other m than 2: join8_avx2 (8 weights a shuffle, any width).
+ * On Whisper tiny.en's embedding (51864 x 384, one thread, Intel Xeon): tables by block, m = 4, 2.05 -> 1.00 ns
+ * per weight with join8_avx2; by column 2.76 (gathers) -> 1.31 (one load a group of 8 lanes).
  * One core of an Intel Xeon (Sapphire Rapids class), a whole model through decode_rans_cpu: SmolLM2 (two
  * stages) 6.6 ns per weight before the AVX2 two-stage lanes, 2.1 ns with them; MiniLM (one stage) 2.7 ns with
  * the earlier AVX2 lanes, 2.0 ns with these.
@@ -54,9 +60,15 @@ static int lanes_taken; /* the AVX2 lanes that ran since unw_rans_lanes_taken la
 /* Tables by context (FORMAT.md 9.2, context_period P > 0): weight i's first-stage table is
  * context_table[(i // D) % P]; base[c] is where table context_table[c] starts in the decoding tables. */
 typedef struct {
-    const uint32_t *base; /* [P]: table << p (in the 32-bit tables of the AVX2 lanes: table << 12, the same) */
+    const uint32_t *base; /* [P + 32]: table << p (in the AVX2 lanes' 32-bit tables: << 12, the same), entry
+                           * P + j repeating entry j mod P (32 lanes from any context: one contiguous load) */
     int64_t stride, period;
 } Ctx;
+
+/* How the AVX2 lanes find a lane's context: none (tables by block), the column (D = 1: the 32 lanes of a step take
+ * consecutive contexts, a load from base), long rows (D >= 32: the lanes of a step span at most two rows, a blend)
+ * or any (each lane's r and c kept in vectors, a gather from base). */
+enum { CTX_NONE, CTX_COLUMN, CTX_ROWS, CTX_ANY };
 
 /* The context of each of n lanes for the weights first, first + 1, ...: r = i mod D and c = (i / D) mod P. */
 static inline __attribute__((always_inline)) void ctx_start(const Ctx *cx, int64_t first, int n, int64_t *r,
@@ -256,7 +268,7 @@ typedef struct {
  * (steps) and a step cannot read past the stream's end; returns the step it stopped at. */
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) static inline __attribute__((always_inline)) int64_t
 lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW *L, int64_t t0, int64_t steps,
-           const int NB, const int TWO, const Ctx *cx) {
+           const int NB, const int TWO, const Ctx *cx, const int KIND) {
     pthread_once(&word_bytes_once, word_bytes_init);
     const __m256i slot_mask = _mm256_set1_epi32(4095), zero = _mm256_setzero_si256();
     const __m256i sixteen = _mm256_set1_epi32(16), class_mask = _mm256_set1_epi32(0xFF000);
@@ -266,7 +278,16 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
     /* a context (D and P < 2^31, at most 16 tables: a slot and its table fit 16 bits): each lane's
      * r = i mod D and c = (i / D) mod P, moved on by 32 weights a step as in ctx_step */
     __m256i cr[NB][4], cc[NB][4], ir = zero, ic = zero, dm1 = zero, pm1 = zero, dd = zero, pp = zero;
-    if (cx) {
+    int64_t r0[NB], c0[NB]; /* CTX_COLUMN, CTX_ROWS: lane 0's r and c */
+    const __m256i lane8 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    if (KIND == CTX_ROWS)
+        dm1 = _mm256_set1_epi32((int)cx->stride - 1);
+    if (KIND == CTX_COLUMN || KIND == CTX_ROWS)
+        for (int k = 0; k < NB; k++) {
+            int64_t i = L[k].first + 32 * t0;
+            r0[k] = i % cx->stride, c0[k] = i / cx->stride % cx->period;
+        }
+    if (KIND == CTX_ANY) {
         ir = _mm256_set1_epi32((int)(32 % cx->stride)), ic = _mm256_set1_epi32((int)(32 / cx->stride % cx->period));
         dd = _mm256_set1_epi32((int)cx->stride), pp = _mm256_set1_epi32((int)cx->period);
         dm1 = _mm256_set1_epi32((int)cx->stride - 1), pm1 = _mm256_set1_epi32((int)cx->period - 1);
@@ -275,7 +296,7 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
         pos[k] = L[k].pos;
         for (int g = 0; g < 4; g++)
             xs[k][g] = _mm256_loadu_si256((const __m256i *)(L[k].x + 8 * g));
-        if (cx) {
+        if (KIND == CTX_ANY) {
             int64_t r64[32], c64[32];
             int32_t r32[32], c32[32];
             ctx_start(cx, L[k].first + 32 * t0, 32, r64, c64);
@@ -298,7 +319,16 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
             __m256i e[4], slot[4];
             for (int g = 0; g < 4; g++) { /* first symbols: the values' slots (with a context: and tables) */
                 slot[g] = _mm256_and_si256(xs[k][g], slot_mask);
-                if (cx) {
+                if (KIND == CTX_COLUMN) /* lanes 8g ... 8g + 7: contexts c0 + 8g ... (base repeats past P) */
+                    slot[g] = _mm256_or_si256(slot[g], _mm256_loadu_si256((const __m256i *)(cx->base + c0[k] + 8 * g)));
+                if (KIND == CTX_ROWS) { /* row c0, or the next one for the lanes past its end */
+                    int64_t c1 = c0[k] + 1 == cx->period ? 0 : c0[k] + 1;
+                    __m256i next = _mm256_cmpgt_epi32(_mm256_add_epi32(lane8, _mm256_set1_epi32((int)(r0[k] + 8 * g))),
+                                                      dm1);
+                    slot[g] = _mm256_or_si256(slot[g], _mm256_blendv_epi8(_mm256_set1_epi32((int)cx->base[c0[k]]),
+                                                                          _mm256_set1_epi32((int)cx->base[c1]), next));
+                }
+                if (KIND == CTX_ANY) {
                     slot[g] = _mm256_or_si256(slot[g], _mm256_i32gather_epi32((const int *)cx->base, cc[k][g], 4));
                     __m256i r_ = _mm256_add_epi32(cr[k][g], ir);
                     __m256i wrap_ = _mm256_cmpgt_epi32(r_, dm1); /* -1 where r >= D */
@@ -313,6 +343,12 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
             __m256i s23 = _mm256_permute4x64_epi64(_mm256_packus_epi32(slot[2], slot[3]), 0xD8);
             _mm256_storeu_si256((__m256i *)(L[k].slots + 32 * t), s01);
             _mm256_storeu_si256((__m256i *)(L[k].slots + 32 * t + 16), s23);
+            if (KIND == CTX_COLUMN) { /* the next step's contexts: 32 on (32 mod P < P: one subtraction) */
+                c0[k] += 32 % cx->period;
+                c0[k] -= c0[k] >= cx->period ? cx->period : 0;
+            }
+            if (KIND == CTX_ROWS && (r0[k] += 32) >= cx->stride) /* D >= 32: at most one row on */
+                r0[k] -= cx->stride, c0[k] = c0[k] + 1 == cx->period ? 0 : c0[k] + 1;
             for (int g = 0; g < 4; g++) {
                 __m256i base2 = _mm256_and_si256(e[g], class_mask); /* class * 4096 */
                 int m;
@@ -350,12 +386,16 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
     __attribute__((target("avx2,bmi,bmi2,popcnt"))) static int64_t name(const uint32_t *tab2w,                  \
                                                                          const uint16_t *stream, uint64_t words, \
                                                                          LanesW *L, int64_t t0, int64_t steps) { \
-        return lanes_avx2(tab2w, stream, words, L, t0, steps, NB, TWO, NULL);                                    \
+        return lanes_avx2(tab2w, stream, words, L, t0, steps, NB, TWO, NULL, CTX_NONE);                          \
     }                                                                                                            \
-    __attribute__((target("avx2,bmi,bmi2,popcnt"))) static int64_t name##_ctx(                                  \
+    LANES_AVX2_CTX(name##_column, NB, TWO, CTX_COLUMN)                                                           \
+    LANES_AVX2_CTX(name##_rows, NB, TWO, CTX_ROWS)                                                               \
+    LANES_AVX2_CTX(name##_any, NB, TWO, CTX_ANY)
+#define LANES_AVX2_CTX(name, NB, TWO, KIND)                                                                      \
+    __attribute__((target("avx2,bmi,bmi2,popcnt"))) static int64_t name(                                        \
         const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW *L, int64_t t0, int64_t steps,     \
         const Ctx *cx) {                                                                                         \
-        return lanes_avx2(tab2w, stream, words, L, t0, steps, NB, TWO, cx);                                      \
+        return lanes_avx2(tab2w, stream, words, L, t0, steps, NB, TWO, cx, KIND);                                \
     }
 LANES_AVX2(lanes1_avx2, 1, 0)
 LANES_AVX2(lanes1_avx2_pair, 2, 0)
@@ -366,9 +406,16 @@ LANES_AVX2(lanes2_avx2_pair, 2, 1)
 static int64_t lanes_wide(const Rans *r, int pair, LanesW *L, int64_t t0, int64_t steps) {
     const uint16_t *stream = r->stream;
     uint64_t words = (uint64_t)r->words;
-    if (r->ctx.period)
-        return (r->k ? (pair ? lanes2_avx2_pair_ctx : lanes2_avx2_ctx) : (pair ? lanes1_avx2_pair_ctx : lanes1_avx2_ctx))(
-            r->dec2w, stream, words, L, t0, steps, &r->ctx);
+    typedef int64_t (*CtxLanes)(const uint32_t *, const uint16_t *, uint64_t, LanesW *, int64_t, int64_t,
+                                const Ctx *);
+    static const CtxLanes by_kind[3][2][2] = { /* [kind - CTX_COLUMN][two stages][pair] */
+        {{lanes1_avx2_column, lanes1_avx2_pair_column}, {lanes2_avx2_column, lanes2_avx2_pair_column}},
+        {{lanes1_avx2_rows, lanes1_avx2_pair_rows}, {lanes2_avx2_rows, lanes2_avx2_pair_rows}},
+        {{lanes1_avx2_any, lanes1_avx2_pair_any}, {lanes2_avx2_any, lanes2_avx2_pair_any}}};
+    if (r->ctx.period) {
+        int kind = r->ctx.stride == 1 ? CTX_COLUMN : r->ctx.stride >= 32 ? CTX_ROWS : CTX_ANY;
+        return by_kind[kind - CTX_COLUMN][r->k > 0][pair](r->dec2w, stream, words, L, t0, steps, &r->ctx);
+    }
     return (r->k ? (pair ? lanes2_avx2_pair : lanes2_avx2) : (pair ? lanes1_avx2_pair : lanes1_avx2))(
         r->dec2w, stream, words, L, t0, steps);
 }
@@ -476,7 +523,81 @@ __attribute__((target("avx2,bmi,bmi2"))) static int64_t join6_avx2(uint16_t *o, 
     }
     return j;
 }
+
+/* bf16 from values (escapes resolved), raw fields of w = 8 - m - k bits (sign, then q = w - 1 mantissa bits; the
+ * 8 fields of 8 weights lie in w bytes) and, with k > 0, low bits, 8 weights at a time: the w bytes broadcast,
+ * each lane's two bytes picked by one byte shuffle and shifted into place (any w: the shuffle and shifts are built
+ * for it). q: the raw byte of weight 0 (a multiple of 8 weights); stops 8 bytes before q_end. Returns how many
+ * weights it did. */
+__attribute__((target("avx2,bmi,bmi2"))) static int64_t join8_avx2(uint16_t *o, const uint16_t *vals,
+                                                                const uint8_t *lows, const uint8_t *q,
+                                                                const uint8_t *q_end, int64_t len, int m, int k) {
+    const int w = 8 - m - k, qb = w - 1, low = 7 - m;
+    int8_t pick[32];
+    int32_t shift[8];
+    for (int i = 0; i < 8; i++) {
+        int b = w * i >> 3;
+        shift[i] = w * i & 7;
+        for (int h = 0; h < 2; h++) { /* both 128-bit halves hold the same 8 bytes */
+            int8_t *c = pick + 16 * h + 4 * (i & 3);
+            if ((i >> 2) != h)
+                continue;
+            c[0] = (int8_t)b, c[1] = b + 1 < 8 ? (int8_t)(b + 1) : (int8_t)-128, c[2] = c[3] = -128;
+        }
+    }
+    const __m256i bytes = _mm256_loadu_si256((const __m256i *)pick);
+    const __m256i shifts = _mm256_loadu_si256((const __m256i *)shift), fmask = _mm256_set1_epi32((1 << w) - 1);
+    const __m256i qmask = _mm256_set1_epi32((1 << qb) - 1);
+    const __m128i qcount = _mm_cvtsi32_si128(qb), lowcount = _mm_cvtsi32_si128(low), signcount = _mm_cvtsi32_si128(15 - qb);
+    int64_t j = 0;
+    for (; j + 8 <= len && q + 8 <= q_end; j += 8, q += w) {
+        uint64_t eight;
+        memcpy(&eight, q, 8);
+        __m256i raw = _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)eight), bytes);
+        raw = _mm256_and_si256(_mm256_srlv_epi32(raw, shifts), fmask);
+        __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(vals + j)));
+        __m256i sign = _mm256_sll_epi32(_mm256_andnot_si256(qmask, raw), signcount); /* bit q -> bit 15 */
+        __m256i bits = _mm256_or_si256(sign, _mm256_or_si256(_mm256_sll_epi32(v, lowcount), _mm256_and_si256(raw, qmask)));
+        if (k) {
+            __m128i u8 = _mm_loadl_epi64((const __m128i *)(lows + j));
+            bits = _mm256_or_si256(bits, _mm256_sll_epi32(_mm256_cvtepu8_epi32(u8), qcount));
+        }
+        _mm_storeu_si128((__m128i *)(o + j), _mm_packus_epi32(_mm256_castsi256_si128(bits),
+                                                              _mm256_extracti128_si256(bits, 1)));
+    }
+    return j;
+}
 #endif
+
+/* bf16 of weights j, j + 8, ... of a block whose first weight start is a multiple of 8, 8 at a time: the 8 raw
+ * fields of w = 8 - m - k bits (sign, then q = 7 - m - k mantissa bits) lie in w whole bytes, read with one
+ * 64-bit load; values (escapes resolved in weight order) and, with k > 0, low bits. Stops where a load would pass
+ * the raw array's end; returns the weights done. */
+static inline __attribute__((always_inline)) int64_t join8(const Rans *r, uint16_t *o, uint16_t *vals,
+                                                           const uint8_t *lows, int k, int64_t j, int64_t len,
+                                                           int64_t start, uint64_t *esc_io, uint64_t esc_end) {
+    const int w = 8 - r->m - k, q = 7 - r->m - k, low = 7 - r->m, w_esc = 8 + r->m;
+    const uint64_t fmask = (1u << w) - 1, qmask = (1u << q) - 1;
+    uint64_t esc = *esc_io;
+    if ((start + j) % 8)
+        return j;
+    for (; j + 8 <= len && (start + j) / 8 * w + 8 <= r->raw_len; j += 8) {
+        uint64_t eight;
+        memcpy(&eight, r->raw + (start + j) / 8 * w, 8);
+        for (int i = 0; i < 8; i++) {
+            uint32_t v = vals[j + i], raw = (uint32_t)(eight >> (w * i) & fmask);
+            if (v == ESCAPE) {
+                v = esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc)
+                                                                   : 0;
+                esc++;
+            }
+            uint32_t u = k ? (uint32_t)lows[j + i] << q : 0;
+            o[j + i] = (uint16_t)((raw >> q) << 15 | v << low | u | (raw & qmask));
+        }
+    }
+    *esc_io = esc;
+    return j;
+}
 
 /* Block b's lanes at their start: states into x; returns its first word's position. */
 static inline __attribute__((always_inline)) uint64_t block_start(const Rans *r, int64_t b, uint32_t *x) {
@@ -572,7 +693,13 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
             j = join1_avx2(r, o, vals, value, lows, r->raw + start / 8, r->raw + r->raw_len, slots, low, &esc, esc_end);
         if (j < slots) /* the slots' values where join1_avx2 did not take them */
             values_avx2(vals + j, value, slots - j);
+        if (use_wide && w_raw > 1 && start % 8 == 0) { /* escapes first, then 8 weights at a time */
+            esc = escapes_avx2(r, vals, len, esc, esc_end);
+            j = join8_avx2(o, vals, lows, r->raw + start / 8 * w_raw, r->raw + r->raw_len, len, r->m, r->k);
+        }
 #endif
+        if (w_raw > 1 && start % 8 == 0) /* raw bits besides the sign: 8 raw fields in w bytes, one 64-bit load */
+            j = join8(r, o, vals, lows, r->k, j, len, start, &esc, esc_end);
         if (w_raw == 1 && start % 8 == 0) /* m + k = 7 (what the encoder picks): the signs, 8 to a raw byte */
             for (const uint8_t *s = r->raw + (start + j) / 8; j + 8 <= len && s < r->raw + r->raw_len; j += 8, s++)
                 for (int i = 0; i < 8; i++) {
@@ -600,6 +727,9 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     if (use_wide && w_raw == 6 && start % 4 == 0 && !r->k) { /* escapes first, then 8 weights at a time */
         esc = escapes_avx2(r, vals, len, esc, esc_end);
         j = join6_avx2(o, vals, r->raw + start / 4 * 3, r->raw + r->raw_len, len);
+    } else if (use_wide && start % 8 == 0 && !r->k) { /* any other m: the same, by join8_avx2 */
+        esc = escapes_avx2(r, vals, len, esc, esc_end);
+        j = join8_avx2(o, vals, NULL, r->raw + start / 8 * w_raw, r->raw + r->raw_len, len, r->m, 0);
     }
 #endif
     if (w_raw == 6 && start % 4 == 0 && !r->k) /* m = 2 (the default): 4 raw fields in every 3 bytes */
@@ -616,7 +746,9 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
                 o[j + k] = (uint16_t)((raw >> 5) << 15 | v << 5 | (raw & 31));
             }
         }
-    for (; j < len; j++) { /* any m (and the last few weights of the specialised case) */
+    if (!r->k && start % 8 == 0) /* any m: 8 raw fields of w bits in every w bytes, one 64-bit load */
+        j = join8(r, o, vals, NULL, 0, j, len, start, &esc, esc_end);
+    for (; j < len; j++) { /* any m (and the last few weights of the specialised cases) */
         uint32_t v = vals[j], raw = field(r->raw, r->raw_len, start + j, w_raw);
         if (v == ESCAPE) {
             v = esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc) : 0;
@@ -751,7 +883,7 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
     uint32_t *valw = wide_tables ? malloc(n_dec * sizeof(uint32_t)) : NULL;
     Block *blocks = calloc((size_t)r.n_blocks, sizeof(Block));
     /* by context: where each context's table starts (table << p; tables past the last read the last) */
-    uint32_t *ctx_base = context_period > 0 ? malloc((size_t)context_period * sizeof(uint32_t)) : NULL;
+    uint32_t *ctx_base = context_period > 0 ? malloc((size_t)(context_period + 32) * sizeof(uint32_t)) : NULL;
     if (!dec || !blocks || (low_bits && !dec2) || (wide_tables && (!decw || !valw || (low_bits && !dec2w)))
         || (context_period > 0 && !ctx_base)) {
         free(ctx_base);
@@ -779,6 +911,8 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
     r.n_tables = n_tables > 0 ? n_tables : 1;
     for (int64_t c = 0; c < context_period; c++)
         ctx_base[c] = (uint32_t)min64(context_table[c], r.n_tables - 1) << prob_bits;
+    for (int64_t c = context_period; c > 0 && c < context_period + 32; c++) /* repeating: see Ctx */
+        ctx_base[c] = ctx_base[c % context_period];
     r.ctx.base = ctx_base, r.ctx.stride = context_stride > 0 ? context_stride : 1, r.ctx.period = context_period;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     run_threads(work, &r, 0, (int)min64(threads, r.n_blocks));

@@ -267,8 +267,9 @@ class RansTensor(StoredForm):
             "low_freqs": (self.low_tables, 1 << self.low_bits),
             "context_table": (self.context_period,),
         }
+        arrays = self.arrays()
         for key, dtype in ARRAY_DTYPES.items():
-            array = self.arrays()[key]
+            array = arrays[key]
             if array.dtype.newbyteorder("=") != np.dtype(dtype) or array.shape != expected[key]:
                 raise CodecError(f"{where}array {key} is {array.dtype}{list(array.shape)}, "
                                  "expected "
