@@ -175,12 +175,28 @@ class Answer:
                                    "logprobs": self._logprobs(choice, entries[choice.index], 0)}
             if self.chat:
                 out["message"] = {"role": "assistant", "content": content}
+                calls = self._tool_calls(content, out)
+                if calls:
+                    out["message"] = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
             else:
                 out["text"] = content
             body.append(out)
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                              "created": self.created, "model": self.state.model_name, "choices": body,
                              "usage": self.usage()})
+
+    def _tool_calls(self, content: str, out: dict[str, Any]) -> tuple[str | None, list[dict]] | None:
+        """With tools: the answer's calls, if it made any (then ``out``'s finish_reason becomes
+        "tool_calls")."""
+        if self.parsed.tools is None:
+            return None
+        from serve.structured import tool_calls_of
+
+        text, calls = tool_calls_of(content, self.parsed.tools)
+        if not calls:
+            return None
+        out["finish_reason"] = "tool_calls"
+        return text, calls
 
     def _best(self) -> list[Choice]:
         """The answered choices: per prompt, the n of its best_of with the highest cumulative logprob
@@ -210,6 +226,7 @@ class Answer:
 
         tasks = [asyncio.create_task(run(c)) for c in self.choices]
         offsets = dict.fromkeys(range(len(self.choices)), 0)
+        held: dict[int, list[str]] = {c.index: [] for c in self.choices}  # with tools: sent whole at the end
         try:
             if self.chat:
                 for c in self.choices:
@@ -222,9 +239,23 @@ class Answer:
                     break
                 if item is None:
                     left -= 1
-                    yield self._chunk(choice, {} if self.chat else "", choice.finish_reason, None)
+                    finish = choice.finish_reason
+                    if self.parsed.tools is not None:  # the whole answer: content, or its calls
+                        out: dict[str, Any] = {"finish_reason": finish}
+                        content = "".join(held[choice.index])
+                        calls = self._tool_calls(content, out)
+                        delta: dict[str, Any] = {"content": content}
+                        if calls:
+                            delta = {"content": calls[0], "tool_calls": [dict(c, index=i) for i, c in
+                                                                         enumerate(calls[1])]}
+                        finish = out["finish_reason"]
+                        yield self._chunk(choice, delta, None, None)
+                    yield self._chunk(choice, {} if self.chat else "", finish, None)
                     continue
                 piece, entries = item
+                if self.parsed.tools is not None:
+                    held[choice.index].append(piece)
+                    continue
                 logprobs = self._logprobs(choice, entries, offsets[choice.index])
                 offsets[choice.index] += sum(len(self.state.token_text(t)[0]) for t, _ in entries)
                 yield self._chunk(choice, {"content": piece} if self.chat else piece, None, logprobs)

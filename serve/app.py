@@ -95,6 +95,10 @@ async def _answer(state: ServeState, request: Request, chat: bool, arrival: Arri
     if incoming is None:
         return gone()
     parsed = incoming.parsed
+    if parsed.params.get("grammar") is not None:  # refused here, naming the field, before anything is queued
+        from serve.structured import check_against
+
+        await asyncio.to_thread(check_against, parsed.params["grammar"], state.tokenizer, parsed.grammar_field)
     prompts = [Prompt(ids, _prompt_text(state.tokenizer, p, ids), drop=parsed.max_tokens == 0)
                for p, ids in zip(parsed.all_prompts, incoming.batch or (incoming.ids,), strict=True)]
     subs = [Submission(p.ids, params, client.tenant, None if state.keys is None else client.tenant)

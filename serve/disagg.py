@@ -30,8 +30,13 @@ torch), else on the reference runner (``python -m reference.disagg worker``). Ea
 salt and weight travel in its REQUEST (revision 1, PROTOCOL.md section 3.1): the workers' prefix caches
 are salted per tenant, and their schedulers queue tenants fairly by weight.
 
-What the protocol does not carry (logprobs, prompt logprobs, the penalties, ``min_p``, ``logit_bias``)
-is refused with a 400 naming the field (``beyond_the_protocol``); ``n`` works (its choices are requests).
+The penalties, ``min_p``, ``logit_bias``, a grammar (structured output), logprobs and prompt logprobs
+travel in the REQUEST (revision 3): the workers adjust, mask and sample as the engine does, a grammar's
+matcher and the penalties seeing the request's output so far (after a migration, the prompt's last
+``generated`` tokens), and each token's logprob comes back with it (DONE for the first, TOKEN for the
+rest); the prompt's logprobs come with the DONE (or the first TOKEN of a decode worker that computed
+the prompt itself), the prefix caches salted per request so every prompt row is computed. ``n`` works
+(its choices are requests).
 
 Sampling: a request's temperature, top_k, top_p and seed travel in its REQUEST (revision 2), and both
 workers sample as the engine does (``reference/engine/sampling.py``): the random number of the token at
@@ -111,19 +116,17 @@ class DisaggEngine:
     def add_request(self, prompt: list[int], params: SamplingParams, *, tenant: str = "default",
                     request_id: str | None = None, cache_salt: str | None = None) -> str:
         rid = str(request_id)
-        refused = beyond_the_protocol(params)
-        if refused:
-            raise RequestRejected(f"{refused}: not supported with disaggregated (P/D) workers: the handoff "
-                                  "protocol (revision 2) carries temperature, top_k, top_p and seed only, and no "
-                                  "logprobs; serve colocated (or --pipeline) for it")
         if len(prompt) >= self.max_model_len:
             raise RequestRejected(f"prompt of {len(prompt)} tokens does not fit the context of {self.max_model_len}")
         max_tokens = min(params.max_tokens, self.max_model_len - len(prompt))
+        if params.prompt_logprobs is not None:  # every prompt row computed: no prefix cache hit
+            cache_salt = f"{cache_salt or ''}\0prompt-logprobs\0{rid}"
         try:
             weight = self.tenants.weight(tenant) if self.tenants is not None else 1.0
             self.coordinator.submit(rid, list(prompt), max_tokens, tenant=tenant, cache_salt=cache_salt,
                                     weight=weight, sampling=sampling_fields(params),
-                                    eos_token_ids=end_tokens(params, self.eos_token_ids))
+                                    eos_token_ids=end_tokens(params, self.eos_token_ids),
+                                    extra=protocol_fields(params))
         except (CoordinatorError, UnknownTenantError) as e:
             raise RequestRejected(str(e)) from None
         self.entries[rid] = _Entry(list(prompt), params, tenant, RequestMetrics(time.monotonic()))
@@ -168,8 +171,16 @@ class DisaggEngine:
                 if stop:
                     self.coordinator.cancel(rid, "stop token")
             text = self.tokenizer.decode([token], skip_special=True) if self.tokenizer is not None else ""
+            logprob = req.logprobs[i] if i < len(req.logprobs) else None
+            prompt_lps = None
+            if i == 0 and e.params.prompt_logprobs is not None:
+                if req.prompt_logprobs is None:  # never silently without them
+                    self.coordinator.cancel(rid, "prompt logprobs lost")
+                    e.finish_reason, e.error = "error", "the prompt's logprobs did not arrive from the workers"
+                    return out + [Ended(rid, e.error)]
+                prompt_lps = req.prompt_logprobs
             out.append(TokenEvent(rid, token, len(e.delivered) - 1, now, e.finish_reason is not None,
-                                  e.finish_reason, text))
+                                  e.finish_reason, text, logprob, prompt_lps))
             if e.finish_reason is not None:
                 return out
         if req.result is not None:
@@ -262,15 +273,17 @@ def sampling_fields(params: SamplingParams) -> dict | None:
             "seed": seed}
 
 
-def beyond_the_protocol(params: SamplingParams) -> str | None:
-    """The first field of ``params`` the workers cannot honour (None: every one is carried)."""
-    default = SamplingParams()
-    for name in ("logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "min_p", "logit_bias"):
+def protocol_fields(params: SamplingParams) -> dict | None:
+    """A REQUEST's revision-3 fields (None: none differs from the default): the penalties, min_p,
+    logit_bias, grammar and logprobs."""
+    default, out = SamplingParams(), {}
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "grammar", "logprobs",
+                 "prompt_logprobs"):
         if getattr(params, name) != getattr(default, name):
-            return "logprobs (asked, or needed by best_of > n)" if name == "logprobs" else \
-                "echo with logprobs (prompt_logprobs)" if name == "prompt_logprobs" else name
-    return None
+            out[name] = getattr(params, name)
+    if params.logit_bias:
+        out["logit_bias"] = [[t, b] for t, b in params.logit_bias]
+    return out or None
 
 
 def end_tokens(params: SamplingParams, eos: tuple[int, ...]) -> list[int]:

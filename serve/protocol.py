@@ -2,11 +2,12 @@
 
 Every check names the field it rejects (``param`` in the error body, as OpenAI does), so a client
 sees ``temperature: must be a number in [0, 2]`` instead of a stack trace. Fields that change the
-output and that we do not implement (``UNSUPPORTED``: tools, ``response_format``, ``suffix``, ...)
+output and that we do not implement (``UNSUPPORTED``: ``suffix``, the deprecated ``functions``, ...)
 are refused rather than silently ignored; fields that do not (``user``, ``metadata``) are accepted.
 Supported beyond the basics: ``n``, ``best_of``, ``logprobs`` (completions: k; chat: true, with
 ``top_logprobs`` k), ``echo``, a list of prompts, ``presence_penalty``, ``frequency_penalty``,
-``logit_bias``, and vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``.
+``logit_bias``, ``response_format`` and (chat) ``tools`` / ``tool_choice`` (serve/structured.py), and
+vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``ignore_eos``.
 Text that reaches the tokenizer (the prompt, message contents, stop strings) must be valid Unicode:
 JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer can encode, so it is
 refused naming the field and the position.
@@ -63,6 +64,8 @@ class Parsed:
     best_of: int = 1  # choices generated per prompt, the n with the highest cumulative logprob answered
     echo: bool = False  # completions: the prompt comes back before the completion (and its logprobs)
     logprobs: int | None = None  # alternatives reported per token (None: no logprobs)
+    grammar_field: str | None = None  # the field params["grammar"] came from (response_format, tools)
+    tools: Any = None  # chat: structured.Tools (None: no tools)
 
     @property
     def all_prompts(self) -> tuple[Any, ...]:
@@ -70,10 +73,10 @@ class Parsed:
 
 
 UNSUPPORTED = {  # field -> the value that means "off"
-    "suffix": None, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-    "response_format": None, "audio": None, "prediction": None, "web_search_options": None,
+    "suffix": None, "functions": None, "function_call": None,  # the last two: deprecated, use tools
+    "audio": None, "prediction": None, "web_search_options": None,
 }
-OFF_TOO = {"response_format": {"type": "text"}, "tool_choice": "none", "function_call": "none"}
+OFF_TOO = {"function_call": "none"}
 
 
 def parse_completion(body: Any, model: str) -> Parsed:
@@ -88,6 +91,9 @@ def parse_completion(body: Any, model: str) -> Parsed:
     if len(prompts) > MAX_PROMPTS:
         raise bad("prompt", f"at most {MAX_PROMPTS} prompts in one request")
     checked = [_one_prompt(p, "prompt" if len(prompts) == 1 else f"prompt[{i}]") for i, p in enumerate(prompts)]
+    for field in ("tools", "tool_choice"):
+        if body.get(field) is not None:
+            raise bad(field, "is a chat field (POST /v1/chat/completions)")
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise bad("echo", "must be true or false")
@@ -117,9 +123,11 @@ def parse_chat(body: Any, model: str) -> Parsed:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
     clean = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant"):
-            raise bad(f"messages[{i}].role", "must be one of system, developer, user, assistant")
+        if not isinstance(m, dict) or m.get("role") not in ("system", "developer", "user", "assistant", "tool"):
+            raise bad(f"messages[{i}].role", "must be one of system, developer, user, assistant, tool")
         content = m.get("content")
+        if content is None and m["role"] == "assistant" and m.get("tool_calls"):
+            content = ""  # a message that only calls tools
         if isinstance(content, list):  # content parts: only text is understood
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                        for p in content):
@@ -142,8 +150,24 @@ def parse_chat(body: Any, model: str) -> Parsed:
             raise bad("top_logprobs", "needs logprobs: true")
     if body.get("echo") not in (None, False):
         raise bad("echo", "is a completions field (chat answers do not echo the messages)")
+    from serve import structured
+
+    tools = structured.parse_tools(body)
+    if tools is not None or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
+        clean = structured.tool_messages(clean, messages, tools)
+    if tools is not None and tools.forced:
+        if body.get("response_format") not in (None, {"type": "text"}):
+            raise bad("response_format", "cannot be combined with a forced tool call (tool_choice)")
+        body = {**body, "response_format": None}
     parsed = _common(body, clean, "messages", default_max_tokens=None)  # type: ignore[arg-type]
-    return dataclasses.replace(parsed, logprobs=(top or 0) if logprobs else None)
+    if tools is not None and tools.forced:
+        params = {**parsed.params, "grammar": structured.tool_grammar(tools)}
+        parsed = dataclasses.replace(parsed, params=params, grammar_field="tools")
+    if tools is not None and tools.choice != "none" and parsed.stream and logprobs:
+        raise bad("logprobs", "is not streamed together with tools (a tool call is sent whole); "
+                  "ask with stream: false")
+    return dataclasses.replace(parsed, logprobs=(top or 0) if logprobs else None,
+                               tools=tools if tools is not None and tools.choice != "none" else None)
 
 
 def _check_object(body: Any, model: str) -> None:
@@ -180,6 +204,13 @@ def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int 
             raise bad("top_k", "must be an integer >= 0 (0 or -1: no cut)")
         params["top_k"] = int(top_k)
     params.update(_penalties(body))
+    grammar_field = None
+    if body.get("response_format") is not None:
+        from serve import structured
+
+        text = structured.response_format_grammar(body["response_format"])
+        if text is not None:
+            params["grammar"], grammar_field = text, "response_format"
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed) or not 0 <= seed < 2**63:
@@ -213,7 +244,8 @@ def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int 
     except SamplingParamsError as e:
         field = str(e).split("=", 1)[0]
         raise bad(field, str(e)) from None
-    return Parsed(prompt, prompt_field, max_tokens, params, stop, stream, include_usage, n=n, best_of=best_of)
+    return Parsed(prompt, prompt_field, max_tokens, params, stop, stream, include_usage, n=n, best_of=best_of,
+                  grammar_field=grammar_field)
 
 
 def _number(body: dict, out: dict[str, Any], field: str, ok: Callable[[float], bool], where: str) -> None:

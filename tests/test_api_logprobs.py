@@ -11,12 +11,15 @@ driven by the official ``openai`` client.
   ``best_of`` answers the choice with the highest cumulative logprob.
 - Chat ``logprobs`` + ``top_logprobs`` streamed and whole agree.
 - ``logit_bias`` and ``frequency_penalty`` act on what is generated.
-- On the fast engine (CPU: batch-invariant products) logprobs are bit-identical between plain and
-  ``--compressed`` weights. The P/D endpoint refuses logprobs and penalties (400 naming the field: its
-  protocol does not carry them), and answers ``n`` > 1.
+- On the fast engine (CPU: batch-invariant products) logprobs (of generated tokens, sampled with every
+  adjustment, and of prompts: lm-eval's echo request) and a grammar's answer are bit-identical between plain
+  and ``--compressed`` weights and between colocated and P/D workers (REQUEST revision 3); P/D answers
+  ``n`` > 1.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import numpy as np
 import pytest
@@ -149,29 +152,39 @@ def logprob_answers(server: Server) -> list:
                                      temperature=0, logprobs=5, echo=True).model_dump()["choices"]]
     out.append(client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Hi"}],
                                               max_tokens=8, logprobs=True, top_logprobs=5).model_dump()["choices"])
+    out.append(client.completions.create(  # sampled, every adjustment on, logprobs of what was drawn
+        model="smollm2", prompt="Hello", max_tokens=8, temperature=0.9, seed=11, logprobs=2, frequency_penalty=1.0,
+        presence_penalty=0.5, logit_bias={"3": 5}, extra_body={"repetition_penalty": 1.3, "min_p": 0.02}
+    ).model_dump()["choices"])
+    out.append(client.completions.create(model="smollm2", prompt=["Hello", "What is"], max_tokens=0, echo=True,
+                                         logprobs=1).model_dump()["choices"])  # lm-eval's loglikelihood request
+    if importlib.util.find_spec("llguidance") is not None:  # a grammar over the tiny model's random logits
+        out.append(client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=24, logprobs=True,
+            response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {
+                "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+        ).model_dump()["choices"])
     return out
 
 
-def test_plain_and_compressed_logprobs_are_bit_identical_and_pd_refuses_them(tiny_models):
+def test_logprobs_are_bit_identical_plain_compressed_colocated_and_pd(tiny_models):
+    """Plain vs compressed weights, colocated vs P/D (REQUEST revision 3 carries logprobs, prompt logprobs,
+    penalties, logit_bias, min_p and a grammar; the workers send the logprobs back): the same bits."""
     answers = []
-    for weights, extra in (("plain", ()), ("compressed", ("--compressed",))):
+    for weights, extra in (("plain", ()), ("compressed", ("--compressed",)),
+                           ("plain", ("--prefill-workers", "1", "--decode-workers", "1"))):
         server = Server("--model", str(tiny_models[weights]), "--served-model-name", "smollm2", "--engine", "fast",
                         *extra)
         try:
             answers.append(logprob_answers(server))
+            if "--prefill-workers" in extra:
+                out = server.client().completions.create(model="smollm2", prompt="Hello, tiny model!",
+                                                         max_tokens=8, n=2)
+                colocated = answers[0][0][0]["text"][len("Hello, tiny model!"):]
+                assert [c.text for c in out.choices] == [colocated, colocated]
         finally:
             assert server.close() == 0
-    assert answers[0] == answers[1]
-    server = Server("--model", str(tiny_models["plain"]), "--served-model-name", "smollm2", "--engine", "fast",
-                    "--prefill-workers", "1", "--decode-workers", "1")
-    try:
-        client = server.client()
-        for field, value in (("logprobs", 1), ("frequency_penalty", 1.0), ("logit_bias", {"3": 5})):
-            with pytest.raises(openai.BadRequestError) as e:
-                client.completions.create(model="smollm2", prompt="Hello", max_tokens=2, **{field: value})
-            assert field in str(e.value) and "P/D" in str(e.value)
-        out = client.completions.create(model="smollm2", prompt="Hello, tiny model!", max_tokens=8, n=2)
-        colocated = answers[0][0][0]["text"][len("Hello, tiny model!"):]
-        assert [c.text for c in out.choices] == [colocated, colocated]
-    finally:
-        assert server.close() == 0
+    assert answers[0][0][0]["logprobs"]["token_logprobs"][0] is None  # echo: the prompt's, the first null
+    assert answers[0][3][0]["text"] == "Hello" and len(answers[0][3][0]["logprobs"]["tokens"]) >= 1
+    assert answers[0] == answers[1]  # plain = compressed
+    assert answers[0] == answers[2]  # colocated = P/D

@@ -4,8 +4,9 @@ The task (``tests/lm_eval_tiny/tiny_mc.jsonl``: six questions) is scored by logl
 ``/v1/completions`` with token-id prompts, ``echo: true``, ``logprobs: 1``, ``max_tokens: 1`` and sums the
 continuation's prompt logprobs. Its tokenizer is SmolLM2's own, written as a Hugging Face folder (no hub). The
 run must complete, and every choice's loglikelihood must be within 0.01 nats of the reference model's float32
-log-softmax (the server runs the reference engine). Skipped where lm-eval is not installed (``pip install
-lm-eval``: it brings datasets, pandas, scikit-learn; torch and numpy stay as they are).
+log-softmax (the server runs the reference engine). On the fast engine, the scores are bit-identical with plain
+and ``--compressed`` weights and with a prefill and a decode worker. Skipped where lm-eval is not installed
+(the ``eval`` extra, in ``all``: it brings datasets, pandas, scikit-learn; torch and numpy stay as they are).
 """
 
 from __future__ import annotations
@@ -66,27 +67,38 @@ def continuation_loglikelihood(context: str, continuation: str) -> float:
     return float(sum(lp[i - 1, whole[i]] for i in range(n, len(whole))))
 
 
-def test_lm_eval_loglikelihood_run_completes_and_matches_the_model(tmp_path):
+def run_lm_eval(tmp_path: Path, server: Server) -> list[dict]:
+    """lm-eval's loglikelihood run of the tiny task against ``server`` (closed at the end); its samples."""
+    out = tmp_path / f"out-{len(list(tmp_path.glob('out-*')))}"
     tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "unfire_tiny_mc.yaml").write_text(TASK.format(data=DATA))
-    tokenizer = hf_tokenizer_folder(tmp_path)
-    server = Server("--engine", "reference", "--max-num-seqs", "8")
+    if not tasks.exists():
+        tasks.mkdir()
+        (tasks / "unfire_tiny_mc.yaml").write_text(TASK.format(data=DATA))
+        hf_tokenizer_folder(tmp_path)
     try:
         env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                    HF_HOME=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
         args = (f"model=smollm2,base_url={server.base}/v1/completions,tokenizer_backend=huggingface,"
-                f"tokenizer={tokenizer},num_concurrent=1,max_retries=1,tokenized_requests=True")
+                f"tokenizer={tmp_path / 'tokenizer'},num_concurrent=1,max_retries=1,tokenized_requests=True")
         run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", args,
                               "--tasks", "unfire_tiny_mc", "--include_path", str(tasks), "--output_path",
-                              str(tmp_path / "out"), "--log_samples", "--batch_size", "1"],
+                              str(out), "--log_samples", "--batch_size", "1"],
                              capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
     finally:
         assert server.close() == 0
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    samples = [json.loads(line) for path in (tmp_path / "out").rglob("samples_unfire_tiny_mc_*.jsonl")
+    samples = [json.loads(line) for path in out.rglob("samples_unfire_tiny_mc_*.jsonl")
                for line in path.read_text().splitlines()]
     assert len(samples) == 6
+    return sorted(samples, key=lambda s: s["doc_id"])
+
+
+def loglikelihoods(samples: list[dict]) -> list[list[float]]:
+    return [[float(resp[0][0]) for resp in s["resps"]] for s in samples]
+
+
+def test_lm_eval_loglikelihood_run_completes_and_matches_the_model(tmp_path):
+    samples = run_lm_eval(tmp_path, Server("--engine", "reference", "--max-num-seqs", "8"))
     for s in samples:  # arguments: {"gen_args_0": {"arg_0": context, "arg_1": continuation}, ...}
         pairs = [(a["arg_0"], a["arg_1"]) for a in s["arguments"].values()]
         assert len(pairs) == 4
@@ -95,3 +107,21 @@ def test_lm_eval_loglikelihood_run_completes_and_matches_the_model(tmp_path):
             assert abs(ours - continuation_loglikelihood(context, continuation)) < 0.01
     accuracy = np.mean([s["acc"] for s in samples])
     assert 0 <= accuracy <= 1
+
+
+def test_lm_eval_scores_are_bit_identical_plain_compressed_and_pd(tmp_path):
+    """The fast engine (CPU tile products: batch-invariant): every choice's loglikelihood the same bits with
+    plain weights, ``--compressed`` weights and a prefill + a decode worker (prompt logprobs in REQUEST
+    revision 3), and within the bf16 engine's tolerance of the float32 reference model."""
+    pytest.importorskip("torch")
+    from tests.test_api_logprobs import BF16_NATS
+
+    runs = [run_lm_eval(tmp_path, Server("--engine", "fast", *extra, timeout=300)) for extra in
+            ((), ("--compressed",), ("--prefill-workers", "1", "--decode-workers", "1"))]
+    plain, compressed, pd = (loglikelihoods(r) for r in runs)
+    assert plain == compressed == pd
+    assert [s["acc"] for s in runs[0]] == [s["acc"] for s in runs[2]]
+    for s, lls in zip(runs[0], plain, strict=True):
+        for (context, continuation), ll in zip([(a["arg_0"], a["arg_1"]) for a in s["arguments"].values()], lls,
+                                               strict=True):
+            assert abs(ll - continuation_loglikelihood(context, continuation)) < 2 * BF16_NATS

@@ -9,7 +9,8 @@ with ``--compressed`` (every projection in the palette form: lossless, so the sa
 the same wherever a token is computed because a request's random number for position i is a function of
 (seed, i) only (``reference/engine/sampling.py``): on the P/D endpoint the first token is the prefill
 worker's and the rest the decode worker's. Each cell also takes the other sampling parameters (top_p,
-top_k, stop, ignore_eos) and refuses what no topology does (n > 1, logprobs) with the same 400.
+top_k, stop, ignore_eos), a JSON-schema answer (structured output), logprobs with penalties, and refuses
+what no topology does (the deprecated ``functions``) with the same 400.
 
 The quick variant runs on the tiny checkpoint (``tests/tiny_checkpoint.py``); the slow one on SmolLM2.
 """
@@ -17,6 +18,7 @@ The quick variant runs on the tiny checkpoint (``tests/tiny_checkpoint.py``); th
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -51,15 +53,25 @@ def ask(server: Server, question: str, mode: str, seed: int, max_tokens: int) ->
     return "".join(text), tokens
 
 
-def refusals(server: Server) -> list[str]:
-    """The 400s of what no topology does: the messages, to compare across cells."""
-    out = []
-    for bad in ({"response_format": {"type": "json_object"}}, {"tools": [{"type": "function", "function": {
-            "name": "f", "parameters": {"type": "object"}}}]}):
-        with pytest.raises(openai.BadRequestError) as e:
-            server.client().chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=2, **bad)
-        out.append(str(e.value))
+def structured(server: Server) -> list:
+    """What every topology does alike beyond plain text: a JSON-schema answer and logprobs with penalties
+    (REQUEST revision 3 over P/D), and the 400 of the deprecated ``functions``."""
+    client = server.client()
+    msgs = [{"role": "user", "content": "hi"}]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 8}},
+              "required": ["n", "s"], "additionalProperties": False}
+    out: list = []
+    if importlib.util.find_spec("llguidance") is not None:
+        r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=40, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        out.append((r.choices[0].message.content, r.choices[0].finish_reason))
+    r = client.completions.create(model="smollm2", prompt="Say", max_tokens=6, logprobs=2, frequency_penalty=1.0,
+                                  temperature=0.7, seed=3)
+    out.append(r.model_dump()["choices"])
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2,
+                                       functions=[{"name": "f", "parameters": {"type": "object"}}])
+    out.append(str(e.value))
     return out
 
 
@@ -88,7 +100,7 @@ def run_matrix(models: dict[str, tuple[str, ...]], max_tokens: int, timeout: flo
             try:
                 answers = {mode: [ask(server, q, mode, 100 + i, max_tokens) for i, q in enumerate(QUESTIONS)]
                            for mode in MODES}
-                cells[(topology, weights)] = {"answers": answers, "refusals": refusals(server),
+                cells[(topology, weights)] = {"answers": answers, "structured": structured(server),
                                               "others": other_parameters(server)}
                 if topology == "pd":  # every first token came from the prefill worker, the rest from decode
                     text = wait_idle(server, 2)
@@ -105,7 +117,7 @@ def check(cells: dict, max_tokens: int) -> None:
     for cell, got in cells.items():
         for mode in MODES:
             assert got["answers"][mode] == first["answers"][mode], (cell, mode)
-        assert got["refusals"] == first["refusals"], cell
+        assert got["structured"] == first["structured"], cell
         assert got["others"] == first["others"], cell
     (whole, eos_tokens, _), (stop_text, _, stop_reason) = first["others"]
     assert eos_tokens == 8  # ignore_eos: exactly max_tokens
@@ -114,7 +126,12 @@ def check(cells: dict, max_tokens: int) -> None:
     assert all(text and 0 < n <= max_tokens for mode in MODES for text, n in first["answers"][mode])
     greedy, sampled = first["answers"]["greedy"], first["answers"]["sampled"]
     assert greedy != sampled  # the draws matter on these prompts
-    assert "response_format" in first["refusals"][0] and "tools" in first["refusals"][1]
+    assert "functions" in first["structured"][-1]
+    if importlib.util.find_spec("llguidance") is not None:
+        text, reason = first["structured"][0]
+        assert text.startswith('{"n": ') or text.startswith('{"s": "')
+        if reason == "stop":
+            assert set(json.loads(text)) == {"n", "s"}
 
 
 @pytest.fixture(scope="module")

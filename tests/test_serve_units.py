@@ -63,8 +63,8 @@ def test_bad_keys_files_are_named(tmp_path, text, match):
     ("max_tokens", 2.5), ("seed", -1), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]), ("n", 0),
     ("stream", "yes"), ("logprobs", 2), ("presence_penalty", 2.5), ("top_k", -2), ("n", 17),
     ("top_logprobs", 21), ("frequency_penalty", "x"), ("min_p", 1.5), ("repetition_penalty", 0),
-    ("logit_bias", {"a": 1}), ("logit_bias", {"5": 101}), ("best_of", 0), ("response_format", {"type": "json_object"}),
-    ("tools", [{"type": "function"}]), ("echo", True),
+    ("logit_bias", {"a": 1}), ("logit_bias", {"5": 101}), ("best_of", 0), ("response_format", {"type": "xml"}),
+    ("tools", [{"type": "function"}]), ("tool_choice", "required"), ("echo", True),
 ])
 def test_invalid_parameters_name_the_field(field, value):
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], field: value}

@@ -45,6 +45,7 @@ from reference.disagg.frames import MAX_PAYLOAD, STREAM_KINDS, Frame, Kind
 from reference.disagg.messages import MessageError
 from reference.disagg.routing import Worker, choose_decode, choose_prefill
 from reference.disagg.transport import HANDSHAKE_PAYLOAD, Endpoint, Link, LinkClosed
+from reference.disagg.worker_base import logprob_from, prompt_logprobs_from
 from reference.kv.prefix_hash import prefix_keys
 
 log = logging.getLogger("reference.disagg")
@@ -82,6 +83,12 @@ class RequestState:
     eos: tuple[int, ...] | None = None
     # REQUEST revision 2: temperature, top_k, top_p, seed (None: greedy)
     sampling: dict | None = None
+    # REQUEST revision 3: penalties, min_p, logit_bias, grammar, logprobs (messages.REVISION_3)
+    extra: dict | None = None
+    # the logprob of each of ``tokens`` (None where not asked), from the DONE / TOKEN frames
+    logprobs: list = field(default_factory=list)
+    # the prompt's logprobs (extra["prompt_logprobs"] asked), from the DONE or the first TOKEN
+    prompt_logprobs: tuple | None = None
 
     def attempt_prompt(self) -> list[int]:
         """The current attempt's prompt: the client's, then the tokens streamed before this
@@ -164,7 +171,7 @@ class Coordinator:
     def submit(self, request_id: str, prompt: list[int], max_tokens: int, *,
                tenant: str = "default",
                cache_salt: str | None = None, weight: float = 1.0, sampling: dict | None = None,
-               eos_token_ids: Sequence[int] | None = None) -> None:
+               eos_token_ids: Sequence[int] | None = None, extra: dict | None = None) -> None:
         """Accept a request. Raises CoordinatorError, changing nothing, on bad input.
         ``tenant``, ``cache_salt`` and ``weight`` go to the workers: sequences with other salts
         never share prefix-cached blocks there, and the workers' fair queuing gives the tenant
@@ -173,7 +180,10 @@ class Coordinator:
         {temperature > 0, top_k, top_p, seed} (None: greedy), the same on every attempt, so a
         migrated request draws the numbers it would have drawn (``reference/engine/sampling.py``).
         ``eos_token_ids``:
-        the tokens that end it (None: the model's; [] with ignore_eos; stop ids may be added)."""
+        the tokens that end it (None: the model's; [] with ignore_eos; stop ids may be added).
+        ``extra``: the REQUEST fields of revision 3 (penalties, min_p, logit_bias, grammar,
+        logprobs), the same on every attempt; each attempt is told how many of its prompt's tokens
+        it generated."""
         if not isinstance(request_id, str) or not request_id or len(request_id) > 256:
             raise CoordinatorError(
                 "request id must be a non-empty string of at most 256 characters"
@@ -200,14 +210,23 @@ class Coordinator:
                                    f"{self.max_context}")
         tenant_fields = {"tenant": tenant, "cache_salt": cache_salt, "weight": weight}
         eos = tuple(self.eos) if eos_token_ids is None else tuple(eos_token_ids)
+        unknown = sorted(set(extra or {}) - set(messages.REVISION_3))
+        if unknown:
+            raise CoordinatorError(f"extra: {unknown} are not among the fields "
+                                   f"{list(messages.REVISION_3)}")
         try:
             messages.check(Kind.REQUEST, {"id": "", "prompt": [], "max_tokens": 1,
                                           "eos_token_ids": list(eos),
-                                          **tenant_fields, **(sampling or {})})
+                                          **tenant_fields, **(sampling or {}), **(extra or {})})
         except MessageError as e:
             raise CoordinatorError(
-                f"tenant, cache salt, weight, end tokens or sampling: {e}"
+                f"tenant, cache salt, weight, end tokens, sampling or revision 3 fields: {e}"
             ) from None
+        older = [w.node for w in self.workers.values() if w.alive and w.revision < 3]
+        if extra and older:
+            raise CoordinatorError(f"workers {older} speak a revision of the protocol before 3: "
+                                   f"they know no {sorted(extra)} (run the workers of the server's "
+                                   "release)")
         old = [w.node for w in self.workers.values() if w.alive and w.revision < 2]
         if sampling and old:
             raise CoordinatorError(f"workers {old} speak a revision of the protocol before 2: they "
@@ -216,7 +235,8 @@ class Coordinator:
         now = self.clock()
         req = RequestState(request_id, prompt, max_tokens, now,
                            now + self.deadline_for(len(prompt), max_tokens),
-                           **tenant_fields, eos=eos, sampling=dict(sampling) if sampling else None)
+                           **tenant_fields, eos=eos, sampling=dict(sampling) if sampling else None,
+                           extra=dict(extra) if extra else None)
         self.requests[request_id] = req
         self._route(req)
 
@@ -278,6 +298,11 @@ class Coordinator:
             body.update(tenant=req.tenant, cache_salt=req.cache_salt, weight=req.weight)
         if req.sampling:  # revision 2 (submit refused sampling while an older worker was live)
             body.update(req.sampling)
+        if req.extra:  # revision 3 (likewise); a later attempt's prompt logprobs are known already
+            body.update({k: v for k, v in req.extra.items()
+                         if k != "prompt_logprobs" or not req.offset})
+        if w.revision >= 3 and req.offset:
+            body["generated"] = req.offset
         return messages.dump(Kind.REQUEST, body)
 
     def _eos(self, req: RequestState) -> tuple[int, ...]:
@@ -450,6 +475,8 @@ class Coordinator:
         if w.role == "prefill" and frame.kind in (Kind.MANIFEST, Kind.KV, Kind.DONE, Kind.ABORT):
             if frame.kind is Kind.KV and not req.first_kv_seen:
                 req.first_kv_seen = True
+            if frame.kind is Kind.DONE:
+                self._keep_prompt_logprobs(req, messages.load(Kind.DONE, frame.payload))
             if frame.kind is Kind.DONE and req.prefill in self.workers:
                 p = self.workers[req.prefill]
                 p.inflight_tokens = max(0, p.inflight_tokens - len(req.prompt) - req.offset)
@@ -459,8 +486,11 @@ class Coordinator:
         elif w.role == "decode" and frame.kind is Kind.TOKEN:
             body = messages.load(Kind.TOKEN, frame.payload)
             # the attempt counts from its own first token
+            if body["index"] == 0 and not req.offset:
+                self._keep_prompt_logprobs(req, body)
             if body["index"] == len(req.tokens) - req.offset:
                 req.tokens.append(body["token"])
+                req.logprobs.append(logprob_from(body, body["token"]))
                 req.token_times.append(self.clock())
                 req.token_cpu.append(body["cpu_us"] / 1e6)
         elif w.role == "decode" and frame.kind is Kind.FINISH:
@@ -472,6 +502,12 @@ class Coordinator:
                       body["error"])
         if self.on_stream_frame is not None and req.result is None:
             self.on_stream_frame(req, frame)
+
+    def _keep_prompt_logprobs(self, req: RequestState, body: dict) -> None:
+        """The prompt's logprobs from a DONE or first TOKEN, if asked, carried and not kept yet."""
+        k = (req.extra or {}).get("prompt_logprobs")
+        if k is not None and req.prompt_logprobs is None:
+            req.prompt_logprobs = prompt_logprobs_from(body, req.prompt, min(k, self.vocab_size))
 
     def _forward(self, node: int | None, frame: Frame) -> None:
         w = self.workers.get(node) if node is not None else None

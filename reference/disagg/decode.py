@@ -35,6 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -43,8 +44,14 @@ from reference.disagg.frames import Frame, Kind
 from reference.disagg.nixl_carrier import DESCRIPTOR_FLAG, NixlSink, Read
 from reference.disagg.transport import Link
 from reference.disagg.wire import KV_HEADER, KVLayout, WireError, decode_kv, kv_digest_by_layer
-from reference.disagg.worker_base import WorkerBase
+from reference.disagg.worker_base import (
+    WorkerBase,
+    logprob_fields,
+    logprob_from,
+    prompt_logprob_fields,
+)
 from reference.engine.params import SamplingParams
+from reference.engine.request import Logprob
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
 from reference.model.llama import LlamaModel
@@ -64,8 +71,14 @@ class DecodeStream:
     cached: int = 0
     last_activity: float = 0.0
     recomputed: bool = False
-    # how its tokens are picked (greedy unless told)
+    # how its tokens are picked (greedy unless told); the prompt's last ``generated`` tokens are the
+    # request's output (a migrated request); a grammar's matcher once it picks; the first token's
+    # logprob as the DONE carried it
     params: SamplingParams = SamplingParams(seed=0)
+    generated: int = 0
+    constraint: Any = None
+    prompt_lps: dict = field(default_factory=dict)  # position -> Logprob (prompt_logprobs asked)
+    first_logprob: Logprob | None = None
     # NIXL carrier: the prefill agent named in the MANIFEST, its reads not yet resolved, and
     # whether an ACK(done) is owed once they are (the prefill worker frees its arena on that ACK)
     source: dict | None = None
@@ -163,6 +176,8 @@ class DecodeWorker(WorkerBase):
             return
         eos = body["eos_token_ids"]
         try:
+            params = self.sampling_of(body)
+            self.check_grammar(params)
             seq = SchedSequence(prompt_token_ids=body["prompt"], max_tokens=body["max_tokens"],
                                 eos_token_id=eos[0] if eos else None, stop_token_ids=tuple(eos[1:]),
                                 **self.tenant_of(body))
@@ -174,8 +189,8 @@ class DecodeWorker(WorkerBase):
         except RequestError as e:
             return self._finish_message(frame.stream, body["id"], [], "error",
                                         f"decode worker refused: {e}")
-        st = DecodeStream(frame.stream, body["id"], seq, last_activity=self.clock(),
-                          params=self.sampling_of(body))
+        st = DecodeStream(frame.stream, body["id"], seq, last_activity=self.clock(), params=params,
+                          generated=min(body.get("generated", 0), seq.num_prompt_tokens))
         seq.request = st
         self.streams[st.stream] = st
 
@@ -375,6 +390,7 @@ class DecodeWorker(WorkerBase):
                 st.covered[:, st.cached:] = False  # trust only our own cached prefix
             else:
                 self.link.count("kv_digest_match")
+        st.first_logprob = logprob_from(body, first)
         self._admit(st, first_token=first)
 
     def _landed(self, st: DecodeStream) -> int:
@@ -400,14 +416,16 @@ class DecodeWorker(WorkerBase):
             seq.num_computed_tokens = n
             self.block_manager.cache_full_blocks(seq)
             seq.token_ids.append(first_token)
-            self._token(st, first_token)
+            self._token(st, first_token, st.first_logprob)
             if first_token == seq.eos_token_id or first_token in seq.stop_token_ids:
                 return self._end(st, "stop", None)
             if seq.max_tokens == 1 or seq.num_tokens >= self.max_model_len:
                 return self._end(st, "length", None)
             self.link.count("handoffs_complete")
         else:
-            seq.num_computed_tokens = min(landed, n - 1)
+            # prompt logprobs asked: every row computed here (the prefill worker's may not come)
+            wants_rows = st.params.prompt_logprobs is not None
+            seq.num_computed_tokens = 0 if wants_rows else min(landed, n - 1)
             st.recomputed = True
             self.link.count("prefills_recomputed")
         self.scheduler.add_running(seq, self.clock())
@@ -425,10 +443,13 @@ class DecodeWorker(WorkerBase):
             Kind.ACK, st.stream, messages.dump(Kind.ACK, {"of": of, "cached_tokens": st.cached})
         )
 
-    def _token(self, st: DecodeStream, token: int) -> None:
+    def _token(self, st: DecodeStream, token: int, lp: Logprob | None = None) -> None:
         self.link.send(Kind.TOKEN, st.stream, messages.dump(Kind.TOKEN, {
             "index": st.seq.num_output_tokens - 1, "token": token,
-            "cpu_us": int(time.process_time() * 1e6)}))
+            "cpu_us": int(time.process_time() * 1e6), **logprob_fields(lp),
+            # the prompt's logprobs when this worker computed them (a recomputed prompt)
+            **(prompt_logprob_fields(st, st.seq.num_prompt_tokens)
+               if st.seq.num_output_tokens == 1 else {})}))
 
     def _end(self, st: DecodeStream, reason: str, error: str | None) -> None:
         """The request is over here: free what it holds, tell the coordinator."""
@@ -474,16 +495,15 @@ class DecodeWorker(WorkerBase):
             )
             self.install_s = 0.0
         batch, logits = ran
-        tokens = [
-            self.sample(lg, e.seq.request.params, e.seq.num_tokens) if e.needs_sample else None
-            for e, lg in zip(batch.entries, logits, strict=True)
-        ]
+        picked = [self.pick(e.seq.request, e.seq, lg) if e.needs_sample else (None, None)
+                  for e, lg in zip(batch.entries, logits, strict=True)]
+        tokens = [token for token, _ in picked]
         self.scheduler.postprocess(batch, tokens, self.clock())
-        for e, token in zip(batch.entries, tokens, strict=True):
+        for e, (token, lp) in zip(batch.entries, picked, strict=True):
             st: DecodeStream = e.seq.request
             if token is None or st.stream not in self.streams:
                 continue
-            self._token(st, token)
+            self._token(st, token, lp)
             if e.seq.is_finished:
                 self._finish_message(st.stream, st.request_id, e.seq.output_token_ids,
                                      e.seq.finish_reason, None, st.recomputed)

@@ -5,10 +5,12 @@ deep) and then every field is checked: present, of the right type, in range, and
 the schema does not name. What fails raises ``MessageError`` naming the frame kind and the field.
 The KV payload is binary (``wire.py``).
 
-Revisions 1 and 2 of the protocol (``REVISION``, PROTOCOL.md section 3.1) added fields that a
+Revisions 1 to 3 of the protocol (``REVISION``, PROTOCOL.md section 3.1) added fields that a
 message may leave out (``OPTIONAL``): a REQUEST's tenant, cache salt and scheduling weight, and a
-HELLO's revision (1); a REQUEST's sampling parameters (2). Absent, they mean what revision 0 meant
-(tenant "default", no salt, weight 1; revision 0; greedy).
+HELLO's revision (1); a REQUEST's sampling parameters (2); a REQUEST's penalties, logit bias,
+min-p, grammar, logprobs and ``generated`` count, and the logprobs of a DONE's first token and of
+a TOKEN (3). Absent, they mean what revision 0 meant (tenant "default", no salt, weight 1;
+revision 0; greedy; none of the revision 3 adjustments, no logprobs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any
 from reference import jsonsafe
 from reference.disagg.frames import Kind
 
-REVISION = 2  # the control payloads' revision this side speaks (PROTOCOL.md section 3.1)
+REVISION = 3  # the control payloads' revision this side speaks (PROTOCOL.md section 3.1)
 MAX_TOKENS_IN_MESSAGE = 1 << 20
 U32 = (1 << 32) - 1
 
@@ -46,6 +48,39 @@ def number(lo: float, hi: float) -> Check:
     return lambda v: (
         isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and lo < v <= hi
     )
+
+
+def closed(lo: float, hi: float) -> Check:
+    """A finite int or float in [lo, hi]."""
+    return lambda v: (
+        isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        and lo <= v <= hi
+    )
+
+
+def logprob(v: Any) -> bool:
+    """A log-probability: a finite number <= 0."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and v <= 0
+
+
+def top_pairs(v: Any) -> bool:
+    """The most likely alternatives, flat: [id, logprob, id, logprob, ...] (at most 1024 pairs)."""
+    return (isinstance(v, list) and len(v) % 2 == 0 and len(v) <= 2048
+            and all(integer()(t) and logprob(lp) for t, lp in zip(v[::2], v[1::2], strict=True)))
+
+
+def flat_numbers(v: Any) -> bool:
+    """A flat list of finite numbers (a prompt's logprobs: worker_base.prompt_logprob_fields)."""
+    return (isinstance(v, list) and len(v) <= MAX_TOKENS_IN_MESSAGE * 8
+            and all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+                    for x in v))
+
+
+def bias_pairs(v: Any) -> bool:
+    """A logit bias: [[token id, bias in [-100, 100]], ...] (at most 65536 pairs)."""
+    return (isinstance(v, list) and len(v) <= 1 << 16
+            and all(isinstance(x, list) and len(x) == 2 and integer()(x[0])
+                    and closed(-100, 100)(x[1]) for x in v))
 
 
 def integers(lo: int = 0, hi: int = U32, max_len: int = MAX_TOKENS_IN_MESSAGE) -> Check:
@@ -136,6 +171,16 @@ SCHEMAS: dict[Kind, dict[str, Check]] = {
         "top_k": integer(0, U32),
         "top_p": number(0.0, 1.0),
         "seed": integer(0, (1 << 63) - 1),
+        # revision 3
+        "generated": integer(0, U32),  # the prompt's last tokens that are the request's own output
+        "presence_penalty": closed(-2, 2),
+        "frequency_penalty": closed(-2, 2),
+        "repetition_penalty": number(0, 100),
+        "min_p": closed(0, 1),
+        "logit_bias": bias_pairs,
+        "grammar": lambda v: isinstance(v, str) and 0 < len(v) <= 1 << 22,
+        "logprobs": integer(0, 1024),
+        "prompt_logprobs": integer(0, 1024),
     },
     Kind.MANIFEST: {
         "id": text(),
@@ -145,11 +190,15 @@ SCHEMAS: dict[Kind, dict[str, Check]] = {
         "layout": layout_check,
         "kv_source": kv_source_check,
     },
-    Kind.DONE: {"first_token": integer(), "kv_frames": integer(), "kv_digest": text(64)},
+    Kind.DONE: {"first_token": integer(), "kv_frames": integer(), "kv_digest": text(64),
+                # revision 3, when asked for
+                "logprob": logprob, "top": top_pairs, "prompt_logprobs": flat_numbers},
     Kind.ABORT: {"reason": text(512), "action": one_of("cancel", "recompute", "refused")},
     Kind.ACK: {"of": one_of("manifest", "done"), "cached_tokens": integer()},
     Kind.HEARTBEAT: {"free_blocks": integer(), "inflight_tokens": integer()},
-    Kind.TOKEN: {"index": integer(), "token": integer(), "cpu_us": integer(0, 1 << 62)},
+    Kind.TOKEN: {"index": integer(), "token": integer(), "cpu_us": integer(0, 1 << 62),
+                 # revision 3, when asked for
+                 "logprob": logprob, "top": top_pairs, "prompt_logprobs": flat_numbers},
     Kind.FINISH: {
         "id": text(),
         "output": integers(),
@@ -171,13 +220,20 @@ SCHEMAS: dict[Kind, dict[str, Check]] = {
 OPTIONAL: dict[Kind, frozenset[str]] = {
     Kind.HELLO: frozenset({"revision"}),
     Kind.REQUEST: frozenset(
-        {"tenant", "cache_salt", "weight", "temperature", "top_k", "top_p", "seed"}
+        {"tenant", "cache_salt", "weight", "temperature", "top_k", "top_p", "seed", "generated",
+         "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+         "grammar", "logprobs", "prompt_logprobs"}
     ),
+    Kind.DONE: frozenset({"logprob", "top", "prompt_logprobs"}),
+    Kind.TOKEN: frozenset({"logprob", "top", "prompt_logprobs"}),
     # sent only by a prefill worker on the NIXL carrier (PROTOCOL.md section 4.1)
     Kind.MANIFEST: frozenset({"kv_source"}),
 }
 # revision 2: present together or not at all (greedy)
 SAMPLING = ("temperature", "top_k", "top_p", "seed")
+# revision 3: what a REQUEST may carry beyond (a worker of revision < 3 is never sent them)
+REVISION_3 = ("generated", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p",
+              "logit_bias", "grammar", "logprobs", "prompt_logprobs")
 
 
 def dump(kind: Kind, body: dict[str, Any]) -> bytes:

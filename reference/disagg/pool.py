@@ -120,6 +120,13 @@ def make_worker(role: str, model_spec: str, link: Link, opts: WorkerOptions,
         raise ValueError(f"kv_carrier must be one of {CARRIERS}, got {opts.kv_carrier!r}")
     nixl = opts.kv_carrier == "nixl"
     arena = opts.nixl_arena_mb << 20
+    worker = _worker(role, model, link, opts, nixl, arena, common)
+    worker.model_spec = model_spec  # a grammar's tokenizer is the checkpoint's
+    return worker
+
+
+def _worker(role: str, model: Any, link: Link, opts: WorkerOptions, nixl: bool, arena: int,
+            common: dict[str, Any]) -> PrefillWorker | DecodeWorker:
     if role == "prefill":
         return PrefillWorker(model, link, wire=opts.wire, handshake_timeout=opts.handshake_timeout,
                              retries=opts.handshake_retries,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +29,7 @@ from reference.disagg.frames import Frame, Kind
 from reference.disagg.nixl_carrier import DESCRIPTOR_FLAG, NixlSource
 from reference.disagg.transport import Link
 from reference.disagg.wire import KV_HEADER, KVLayout, encode_kv, kv_digest
-from reference.disagg.worker_base import WorkerBase
+from reference.disagg.worker_base import WorkerBase, logprob_fields, prompt_logprob_fields
 from reference.engine.params import SamplingParams
 from reference.kv.block_manager import BlockManager
 from reference.kv.prefix_hash import prefix_keys
@@ -52,8 +53,12 @@ class PrefillStream:
     kv_frames: int = 0
     last_send: float = 0.0
     tries: int = 0
-    # how its first token is picked (greedy unless told)
+    # how its first token is picked (greedy unless told); the prompt's last ``generated`` tokens are
+    # the request's output (a migrated request), a grammar's matcher once it picks
     params: SamplingParams = SamplingParams(seed=0)
+    generated: int = 0
+    constraint: Any = None
+    prompt_lps: dict = field(default_factory=dict)  # position -> Logprob (prompt_logprobs asked)
     # NIXL carrier: (offset, length) of its payloads staged in the arena, freed when it ends
     regions: list[tuple[int, int]] = field(default_factory=list)
 
@@ -113,6 +118,8 @@ class PrefillWorker(WorkerBase):
         if frame.stream in self.streams:
             return
         try:
+            params = self.sampling_of(body)
+            self.check_grammar(params)
             seq = SchedSequence(prompt_token_ids=body["prompt"], max_tokens=1, request=None,
                                 **self.tenant_of(body))
             self.scheduler.add(seq, self.clock())
@@ -121,7 +128,8 @@ class PrefillWorker(WorkerBase):
                 "reason": f"prefill worker refused the request: {e}", "action": "recompute"}))
             return
         st = PrefillStream(frame.stream, body["id"], seq, sent_upto=[0] * self.layout.num_layers,
-                           params=self.sampling_of(body))
+                           params=params,
+                           generated=min(body.get("generated", 0), seq.num_prompt_tokens))
         seq.request = st
         self.streams[st.stream] = st
         self._send_manifest(st)
@@ -215,13 +223,12 @@ class PrefillWorker(WorkerBase):
         batch, logits = ran
         tokens: list[int | None] = []
         for e, lg in zip(batch.entries, logits, strict=True):
-            token = (
-                self.sample(lg, e.seq.request.params, e.seq.num_tokens) if e.needs_sample else None
-            )
+            token, lp = self.pick(e.seq.request, e.seq, lg) if e.needs_sample else (None, None)
             tokens.append(token)
             if token is not None:
                 e.seq.request.done = {"first_token": token, "kv_digest": kv_digest(
-                    self.cache, e.block_table, e.seq.num_prompt_tokens)}
+                    self.cache, e.block_table, e.seq.num_prompt_tokens), **logprob_fields(lp),
+                    **prompt_logprob_fields(e.seq.request, e.seq.num_prompt_tokens)}
         self.scheduler.postprocess(batch, tokens, self.clock())
         for e in batch.entries:
             st: PrefillStream = e.seq.request

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from reference.engine import grammar
 from reference.engine.cost import StepShape
 from reference.engine.model_runner import ModelRunner, RunnableModel
 from reference.engine.params import (
@@ -160,6 +161,8 @@ class Engine:
         now = self.clock() if arrival_time is None else arrival_time
         seed = params.seed if params.seed is not None else derive_seed(self.seed, number)
         req = Request(request_id, ids, params, tenant, seed, RequestMetrics(now), number=number)
+        if params.grammar is not None:
+            req.constraint = self._constraint(params.grammar)
         try:
             req.seq = SchedSequence(ids, max_tokens=params.max_tokens, tenant=tenant,
                                     arrival_time=now, predicted_output_len=predicted_output_len,
@@ -180,6 +183,17 @@ class Engine:
         if params.prompt_logprobs is not None and not getattr(self.runner, "all_logits", False):
             raise RequestRejected("prompt_logprobs: this engine's runner gives no logits of prompt "
                                   "rows (a pipeline); ask without prompt logprobs (echo)")
+
+    def _constraint(self, text: str) -> grammar.Constraint:
+        """A request's grammar, checked against this engine's tokenizer and vocabulary."""
+        if self.tokenizer is None:
+            raise RequestRejected("grammar: structured output needs an engine with a tokenizer")
+        try:
+            ll = grammar.grammar_tokenizer(self.tokenizer, self.model.config.vocab_size)
+            grammar.check(text, ll)
+            return grammar.Constraint(text, ll, self.model.config.vocab_size)
+        except grammar.GrammarError as e:
+            raise RequestRejected(f"grammar: {e}") from None
 
     def _queue(self, reqs: list[Request]) -> None:
         """Queue requests that ``_new_request`` built (checked: adding them cannot fail)."""
@@ -371,9 +385,14 @@ class Engine:
 
 
 def _sample(req: Request, logits: np.ndarray, position: int) -> int:
-    """The request's next token (the penalties see its prompt and output so far)."""
-    return sample(logits, req.params, req.seed, position, req.prompt_token_ids,
-                  req.output_token_ids)
+    """The request's next token (the penalties see its prompt and output so far; a grammar, the
+    tokens it allows next, and it takes the token drawn)."""
+    allowed = req.constraint.allowed() if req.constraint is not None else None
+    token = sample(logits, req.params, req.seed, position, req.prompt_token_ids,
+                   req.output_token_ids, allowed)
+    if req.constraint is not None:
+        req.constraint.advance(token)
+    return token
 
 
 def _wants_prompt_rows(e: Any) -> bool:

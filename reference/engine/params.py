@@ -51,6 +51,9 @@ class SamplingParams:
     every prompt token (the first has none). They are of the model's raw distribution: the
     log-softmax of the logits before the adjustments, temperature and cuts (vLLM's default,
     "raw_logprobs").
+
+    ``grammar`` (structured output): only tokens the grammar allows are sampled, and the answer
+    ends with the end-of-sequence token once the grammar is complete (``grammar.py``).
     """
 
     max_tokens: int = 16
@@ -69,6 +72,8 @@ class SamplingParams:
     min_p: float = 0.0
     # token id -> bias; a dict is stored as a sorted tuple of pairs (the params stay hashable)
     logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
+    # structured output: llguidance's grammar text (reference/engine/grammar.py); None: free text
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> SamplingParamsError:
@@ -121,6 +126,13 @@ class SamplingParams:
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
             raise bad("repetition_penalty", "must be a number in (0, 100] (1 means none)")
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias, bad))
+        if self.grammar is not None:
+            if not isinstance(self.grammar, str) or not self.grammar:
+                raise bad("grammar", "must be None or a non-empty grammar text "
+                                     "(reference/engine/grammar.py)")
+            if self.ignore_eos:
+                raise bad("ignore_eos", "cannot be True with a grammar: a complete answer ends "
+                                        "with the end-of-sequence token")
 
     @property
     def penalized(self) -> bool:

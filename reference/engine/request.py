@@ -74,6 +74,7 @@ class Request:
     finish_reason: str | None = None
     output_logprobs: list[Logprob] = field(default_factory=list)  # when params.logprobs is not None
     prompt_logprobs: dict[int, Logprob] = field(default_factory=dict)  # by prompt position
+    constraint: Any = None  # grammar.Constraint when params.grammar is set
 
     @property
     def finished(self) -> bool:

@@ -11,8 +11,9 @@ whatever else is in the batch.
 
 The arithmetic is float64 and draws exactly one number per sampled token; greedy draws nothing.
 
-The order, as vLLM's sampler has it: ``adjust`` (logit bias, then the repetition, frequency and
-presence penalties), then greedy's argmax, or temperature, min-p, top-k, top-p and a draw. The
+The order, as vLLM's sampler has it: a grammar's mask (structured output, grammar.py), then
+``adjust`` (logit bias, then the repetition, frequency and presence penalties), then greedy's
+argmax, or temperature, min-p, top-k, top-p and a draw. The
 log-probabilities reported (``logprobs``) are the model's raw ones: the log-softmax of the logits as
 the model gave them, before any of these steps (vLLM's default, "raw_logprobs"), so they do not
 depend on how the request samples.
@@ -100,10 +101,14 @@ def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 
 
 def sample(logits: np.ndarray, params: SamplingParams, seed: int, position: int,
-           prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = ()) -> int:
+           prompt_ids: Sequence[int] = (), output_ids: Sequence[int] = (),
+           allowed: np.ndarray | None = None) -> int:
     """One token id for ``position`` of the request whose stream is ``seed``, ``prompt_ids`` and
-    ``output_ids`` the tokens so far (for the penalties). Greedy takes the first index of the
-    largest logit and draws nothing."""
+    ``output_ids`` the tokens so far (for the penalties). ``allowed``: a bool per token, the only
+    tokens that may be drawn (a grammar's mask, grammar.py); the others' logits become -inf first.
+    Greedy takes the first index of the largest logit and draws nothing."""
+    if allowed is not None:
+        logits = np.where(allowed, np.asarray(logits, dtype=np.float64), -np.inf)
     if params.penalized:
         logits = adjust(logits, params, prompt_ids, output_ids)
     if params.greedy:
