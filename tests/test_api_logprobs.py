@@ -13,8 +13,8 @@ driven by the official ``openai`` client.
 - ``logit_bias`` and ``frequency_penalty`` act on what is generated.
 - On the fast engine (CPU: batch-invariant products) logprobs (of generated tokens, sampled with every
   adjustment, and of prompts: lm-eval's echo request) and a grammar's answer are bit-identical between plain
-  and ``--compressed`` weights and between colocated and P/D workers (REQUEST revision 3); P/D answers
-  ``n`` > 1.
+  and ``--compressed`` weights and between colocated, P/D workers (REQUEST revision 3) and a pipeline of 2
+  stages; P/D answers ``n`` > 1.
 """
 
 from __future__ import annotations
@@ -167,12 +167,14 @@ def logprob_answers(server: Server) -> list:
     return out
 
 
-def test_logprobs_are_bit_identical_plain_compressed_colocated_and_pd(tiny_models):
+def test_logprobs_are_bit_identical_plain_compressed_colocated_pd_and_pipeline(tiny_models):
     """Plain vs compressed weights, colocated vs P/D (REQUEST revision 3 carries logprobs, prompt logprobs,
-    penalties, logit_bias, min_p and a grammar; the workers send the logprobs back): the same bits."""
+    penalties, logit_bias, min_p and a grammar; the workers send the logprobs back) vs a pipeline of 2 stages:
+    the same bits."""
     answers = []
     for weights, extra in (("plain", ()), ("compressed", ("--compressed",)),
-                           ("plain", ("--prefill-workers", "1", "--decode-workers", "1"))):
+                           ("plain", ("--prefill-workers", "1", "--decode-workers", "1")),
+                           ("plain", ("--pipeline", "2"))):
         server = Server("--model", str(tiny_models[weights]), "--served-model-name", "smollm2", "--engine", "fast",
                         *extra)
         try:
@@ -188,3 +190,4 @@ def test_logprobs_are_bit_identical_plain_compressed_colocated_and_pd(tiny_model
     assert answers[0][3][0]["text"] == "Hello" and len(answers[0][3][0]["logprobs"]["tokens"]) >= 1
     assert answers[0] == answers[1]  # plain = compressed
     assert answers[0] == answers[2]  # colocated = P/D
+    assert answers[0] == answers[3]  # colocated = a pipeline of 2 stages (every prompt row from the last stage)

@@ -356,6 +356,20 @@ def test_a_stage_accepts_a_well_formed_micro_batch():
     assert copies == [(1, 6)]
 
 
+def test_a_chunk_wanting_every_rows_logits_says_so_and_is_counted_by_rows():
+    chunks = [Chunk([1, 2, 3], 0, [2], wants_logits=True, all_logits=True), Chunk([4, 5], 0, [7], all_logits=True,
+                                                                                     wants_logits=False),
+              Chunk([6], 0, [1], wants_logits=True)]
+    h, meta = encode_forward(1, 0, chunks)
+    fields = check_header(h, LIMITS, (FORWARD,))
+    assert fields[6] == 3 + 2 + 1  # the rows the last stage sends back
+    got, _ = decode_forward(fields, meta, LIMITS)
+    assert [(c.wants_logits, c.all_logits) for c in got] == [(True, True), (False, True), (True, False)]
+    meta[2] = 4  # no such flag
+    with pytest.raises(WireError, match="chunk 0"):
+        decode_forward(fields, meta, LIMITS)
+
+
 @pytest.mark.parametrize(("chunks", "copies", "why"), [
     ([Chunk([1], 0, [8])], [], "block id outside"),
     ([Chunk([1] * 9, 0, [1, 2])], [], "does not cover"),

@@ -49,7 +49,7 @@ from fast.pipeline import stage as stage_mod
 from fast.pipeline import wire
 from fast.pipeline.chain import Node, PipelineError, Plan, micro_batch_shape, parse_chain, plan
 from fast.pipeline.stage import FOREVER, StageModel, limits_of, load_checkpoint, now
-from reference.model.llama import Chunk
+from reference.model.llama import Chunk, logit_rows
 from reference.model.weights import open_weights
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +88,7 @@ def cut(chunks: Sequence[Chunk], pieces: int) -> list[list[tuple[int, Chunk]]]:
             a, b = max(edges[p], at) - at, min(edges[p + 1], at + n) - at
             if a < b:
                 out[p].append((j, Chunk(list(ch.tokens[a:b]), ch.start + a, ch.block_table,
-                                        wants_logits=ch.wants_logits and b == n)))
+                                        wants_logits=ch.wants_logits and b == n, all_logits=ch.all_logits)))
         at += n
     return out
 
@@ -97,6 +97,7 @@ class PipelineRunner:
     """Stage 0 here, stages 1.. as processes; ``forward`` runs a step through all of them."""
 
     _active: PipelineRunner | None = None  # torch.distributed has one default group per process
+    all_logits = True  # honours Chunk.all_logits (prompt logprobs): the last stage sends every row asked for
 
     def __init__(self, model_spec: str, config: Any, weights: Any, the_plan: Plan, *, num_blocks: int,
                  block_size: int = 16, kv_dtype: str | None = None, dtype: str = "bfloat16", micro_batches: int = 2,
@@ -198,18 +199,24 @@ class PipelineRunner:
         except RuntimeError as e:  # a send to a dead stage
             raise self._fail(f"sending to stage 1 failed: {e}") from None
         out: list[np.ndarray | None] = [None] * len(chunks)
+        every: dict[int, list[np.ndarray]] = {}  # chunks with all_logits: their parts' rows, piece by piece
         for m, piece in enumerate(pieces):
             logits, trace = got[m]
-            wanted = [j for j, ch in piece if ch.wants_logits]
-            for row, j in enumerate(wanted):
-                out[j] = logits[row]
+            for i, a, b in logit_rows([ch for _, ch in piece])[1]:
+                j = piece[i][0]
+                if chunks[j].all_logits:
+                    every.setdefault(j, []).append(logits[a:b])
+                else:
+                    out[j] = logits[a]
+        for j, parts in every.items():
+            out[j] = np.concatenate(parts)
         stage_busy = [busy0] + [[(float(got[m][1][2 * k]), float(got[m][1][2 * k + 1])) for m in range(len(pieces))]
                                 for k in range(1, self.world)]
         sampled = sum(1 for ch in chunks if ch.wants_logits)
         tokens = sum(len(ch.tokens) for ch in chunks)
         self.stats.steps.append(StepTrace(begin, now(), tokens, sampled, stage_busy))
         self.stats.tokens += tokens
-        self.stats.bytes_back += sampled * self.config.vocab_size * 4 + \
+        self.stats.bytes_back += len(logit_rows(chunks)[0]) * self.config.vocab_size * 4 + \
             len(pieces) * (wire.HEADER_LEN + 2 * self.world) * 8
         return out
 

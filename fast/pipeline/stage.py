@@ -33,7 +33,7 @@ import torch.distributed as dist
 from fast.engine.model import TorchLlama
 from fast.kv import KVStep
 from fast.pipeline import wire
-from reference.model.llama import Chunk, LlamaModel
+from reference.model.llama import Chunk, LlamaModel, logit_rows
 from reference.model.loader import LlamaWeights
 from reference.model.stage import NumpyStage
 
@@ -182,8 +182,7 @@ class StageModel:
             x = self.model.embed(torch.from_numpy(tokens))
         x = self.model.run_layers(x, positions, step, self.cache)
         if self.is_last:
-            rows = (first_row + sizes - 1)[[j for j, ch in enumerate(chunks) if ch.wants_logits]]
-            x = self.model.logits(x, torch.from_numpy(rows))
+            x = self.model.logits(x, torch.from_numpy(logit_rows(chunks)[0]))
         return self._done(x, started)
 
     def _done(self, x: torch.Tensor, started: float) -> tuple[torch.Tensor, float, float]:

@@ -3,11 +3,13 @@
 Every message starts with a header of 9 int64: ``MAGIC, kind, step, micro-batch, chunks, tokens,
 copies, rows, meta_len``. Then, by kind:
 
-* ``FORWARD`` (stage k -> k+1): ``meta`` int64[meta_len] (per chunk: tokens, start, wants logits,
-  block-table length, the table; then the copy-on-write pairs, applied before the micro-batch),
-  the residual stream float32 [tokens, hidden], and the trace float64 [2 (k+1)] (when each stage
-  started and ended its compute, on the host's monotonic clock);
-* ``LOGITS`` (last stage -> stage 0): float32 [rows, vocab] and the trace float64 [2 K];
+* ``FORWARD`` (stage k -> k+1): ``meta`` int64[meta_len] (per chunk: tokens, start, which logits it
+  wants (bit 0: its last row's, bit 1: every row's, for a prompt's logprobs), block-table length, the
+  table; then the copy-on-write pairs, applied before the micro-batch), the residual stream float32
+  [tokens, hidden], and the trace float64 [2 (k+1)] (when each stage started and ended its compute, on
+  the host's monotonic clock);
+* ``LOGITS`` (last stage -> stage 0): float32 [rows, vocab] (``reference.model.llama.logit_rows``'s rows, chunk
+  by chunk) and the trace float64 [2 K];
 * ``STOP``: nothing more; every stage passes it on and exits.
 
 A receiver checks the header against its limits (the number of KV blocks, the context, the step's
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from reference.model.llama import Chunk
+from reference.model.llama import Chunk, logit_rows
 
 MAGIC = 0x55465050  # "UFPP"
 FORWARD, LOGITS, STOP = 1, 2, 3
@@ -57,11 +59,12 @@ def encode_forward(step: int, mb: int, chunks: Sequence[Chunk],
     """The header and meta of a FORWARD message for these chunks (tokens themselves go only to stage 0)."""
     meta: list[int] = []
     for ch in chunks:
-        meta += [len(ch.tokens), ch.start, int(ch.wants_logits), len(ch.block_table), *ch.block_table]
+        wants = int(ch.wants_logits) | 2 * int(ch.all_logits)  # bit 0: the last row's logits; bit 1: every row's
+        meta += [len(ch.tokens), ch.start, wants, len(ch.block_table), *ch.block_table]
     for src, dst in copies:
         meta += [src, dst]
     tokens = sum(len(ch.tokens) for ch in chunks)
-    rows = sum(1 for ch in chunks if ch.wants_logits)
+    rows = len(logit_rows(chunks)[0])
     h = header(FORWARD, step, mb, len(chunks), tokens, len(copies), rows, len(meta))
     return h, torch.tensor(meta, dtype=torch.int64)
 
@@ -76,7 +79,7 @@ def check_header(h: torch.Tensor, limits: Limits, kinds: tuple[int, ...]) -> tup
     if kind == STOP:
         return kind, step, mb, chunks, tokens, copies, rows, meta_len
     if not (0 <= step and 0 <= mb and 1 <= chunks <= limits.max_chunks and 1 <= tokens <= limits.max_tokens
-            and 0 <= rows <= chunks and 0 <= copies <= limits.num_blocks):
+            and 0 <= rows <= tokens and 0 <= copies <= limits.num_blocks):
         raise WireError(f"header out of range: step {step}, micro-batch {mb}, {chunks} chunks, {tokens} tokens, "
                         f"{rows} rows, {copies} copies")
     if kind == FORWARD and not 4 * chunks + 2 * copies <= meta_len <= chunks * (4 + limits.max_table) + 2 * copies:
@@ -95,7 +98,7 @@ def decode_forward(fields: tuple[int, ...], meta: torch.Tensor,
             raise WireError(f"meta ends inside chunk {j}")
         size, start, wants, table_len = m[at:at + 4]
         at += 4
-        if size < 1 or start < 0 or start + size > limits.max_position or wants not in (0, 1):
+        if size < 1 or start < 0 or start + size > limits.max_position or wants not in (0, 1, 2, 3):
             raise WireError(f"chunk {j}: {size} tokens from {start} (context {limits.max_position})")
         if not (size + start <= table_len * limits.block_size and table_len <= limits.max_table) \
                 or at + table_len > len(m):
@@ -104,8 +107,8 @@ def decode_forward(fields: tuple[int, ...], meta: torch.Tensor,
         at += table_len
         if any(not 0 <= b < limits.num_blocks for b in table):
             raise WireError(f"chunk {j}: a block id outside [0, {limits.num_blocks})")
-        chunks.append(Chunk([0] * size, start, table, wants_logits=bool(wants)))
-        total, rows = total + size, rows + wants
+        chunks.append(Chunk([0] * size, start, table, wants_logits=bool(wants & 1), all_logits=bool(wants & 2)))
+        total, rows = total + size, rows + (size if wants & 2 else wants)
     if total != n_tokens or rows != n_rows:
         raise WireError(f"chunks hold {total} tokens and {rows} rows; the header says {n_tokens} and {n_rows}")
     if len(m) - at != 2 * n_copies:

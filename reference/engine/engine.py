@@ -182,7 +182,7 @@ class Engine:
             raise RequestRejected(f"logit_bias: token ids must be in [0, {vocab})")
         if params.prompt_logprobs is not None and not getattr(self.runner, "all_logits", False):
             raise RequestRejected("prompt_logprobs: this engine's runner gives no logits of prompt "
-                                  "rows (a pipeline); ask without prompt logprobs (echo)")
+                                  "rows (Chunk.all_logits); ask without prompt logprobs (echo)")
 
     def _constraint(self, text: str) -> grammar.Constraint:
         """A request's grammar, checked against this engine's tokenizer and vocabulary."""

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from reference.kv.cache import KVCache
-from reference.model.llama import Chunk, LlamaModel
+from reference.model.llama import Chunk, LlamaModel, logit_rows
 
 
 class NumpyStage:
@@ -50,9 +50,10 @@ class NumpyStage:
 
     def compute(self, chunks: Sequence[Chunk], x: np.ndarray | None = None) -> np.ndarray:
         """The first stage embeds the chunks' tokens (``x`` None); every stage runs its layers; the
-        last one returns the logits [chunks wanting them, vocab], the others the residual stream
+        last one returns the logits of the rows ``logit_rows`` names (the last row of each chunk
+        that wants logits, every row of one with ``all_logits``), the others the residual stream
         [tokens, hidden]."""
         if self.is_first:
             x = self.part.embed(chunks)
         x = self.part.run_layers(np.asarray(x, dtype=np.float32), chunks, self.cache)
-        return self.part.logits(x, chunks) if self.is_last else x
+        return self.part.head(x[logit_rows(chunks)[0]]) if self.is_last else x
