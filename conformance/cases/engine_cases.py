@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from conformance.registry import Case, Gen, Level, register
+from conformance.registry import Bound, Case, Gen, Level, register
 
 SYSTEM = "You are a helpful assistant. Answer in one short sentence."
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "Who wrote Hamlet?"]
@@ -136,3 +136,77 @@ register(Case(
     name="engine.compressed_vs_plain", level=Level.BIT_EXACT, inputs=_compressed_inputs,
     reference=_fast_engine("bfloat16"), fast=_fast_engine("bfloat16", compressed=True), requires=_requires,
     about="fast engine, bf16: weights served compressed (UnweightLinear) give the plain weights' greedy tokens"))
+
+
+# -- sampling beyond greedy: penalties, logit bias, min-p, a grammar; logprobs -------------------------------
+
+SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 24}},
+          "required": ["answer"], "additionalProperties": False}
+LOGPROB_BOUND = Bound("|fast - reference| <= 2e-3 nats (float32 logits, another summation order; the raw "
+                      "log-softmax of each sampled token and of its 3 alternatives)",
+                      lambda inputs, ref: np.full(np.shape(ref), 2e-3))
+
+
+def _adjusted_params(inputs: dict[str, Any], grammar: str | None = None) -> Any:
+    from reference.engine import SamplingParams
+
+    return SamplingParams(max_tokens=inputs["max_tokens"], temperature=0.8, seed=7, presence_penalty=0.4,
+                          frequency_penalty=0.6, repetition_penalty=1.2, min_p=0.02,
+                          logit_bias={28: 2.0, 30: -5.0}, logprobs=3, grammar=grammar)
+
+
+def _grammar_requires() -> str | None:
+    if importlib.util.find_spec("llguidance") is None:
+        return "needs llguidance (pip install -e '.[structured]')"
+    return _requires()
+
+
+def _adjusted(engine_of: Any, field: str, grammar: bool = False):
+    """Run the prompts seeded, with every logit adjustment (and a JSON schema's grammar); ``field``:
+    the output tokens, or the logprobs of the tokens and their alternatives."""
+    def run(inputs: dict[str, Any]) -> np.ndarray:
+        from reference.engine import grammar as grammars
+
+        text = grammars.json_schema_grammar(SCHEMA) if grammar else None
+        engine = engine_of(inputs)
+        with _one_thread(inputs["device"]):
+            outputs = engine.generate(inputs["prompts"], _adjusted_params(inputs, text))
+        if field == "tokens":
+            width = inputs["max_tokens"]
+            return np.asarray([o.output_token_ids + [-1] * (width - len(o.output_token_ids)) for o in outputs])
+        return np.asarray([[lp.logprob, *(v for _, v in lp.top)] for o in outputs for lp in o.logprobs])
+    return run
+
+
+def _reference_of(inputs: dict[str, Any]) -> Any:
+    from reference.engine import Engine
+    from reference.model.llama import LlamaModel
+    from reference.model.tokenizer import load_tokenizer
+
+    return Engine(LlamaModel(inputs["config"], inputs["weights"]), tokenizer=load_tokenizer("smollm2"),
+                  **inputs["options"])
+
+
+def _fast_of(inputs: dict[str, Any]) -> Any:
+    from fast.engine import Engine, FastModel, TorchLlama
+    from reference.model.tokenizer import load_tokenizer
+
+    model = TorchLlama(inputs["config"], inputs["weights"], dtype="float32", device=inputs["device"])
+    return Engine(FastModel(model), tokenizer=load_tokenizer("smollm2"), **inputs["options"])
+
+
+register(Case(
+    name="engine.sampled_adjusted_vs_reference", level=Level.BIT_EXACT, inputs=_engine_inputs,
+    reference=_adjusted(_reference_of, "tokens"), fast=_adjusted(_fast_of, "tokens"), requires=_requires,
+    about="seeded sampling with presence/frequency/repetition penalties, logit bias and min-p: the same tokens"))
+
+register(Case(
+    name="engine.logprobs_vs_reference", level=Level.BOUNDED, inputs=_engine_inputs, bound=LOGPROB_BOUND,
+    reference=_adjusted(_reference_of, "logprobs"), fast=_adjusted(_fast_of, "logprobs"), requires=_requires,
+    about="the logprobs reported for those tokens (raw log-softmax, 3 alternatives)"))
+
+register(Case(
+    name="engine.grammar_vs_reference", level=Level.BIT_EXACT, inputs=_engine_inputs,
+    reference=_adjusted(_reference_of, "tokens", grammar=True), fast=_adjusted(_fast_of, "tokens", grammar=True),
+    requires=_grammar_requires,
+    about="structured output: a JSON schema's grammar masking the sampler (llguidance) gives the same tokens"))
