@@ -9,6 +9,7 @@ allowed elsewhere is still served; a stream whose site dies ends (error event or
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -205,6 +206,30 @@ def test_openai_client_gets_answers_routed_by_tier(fleet: FleetProcess) -> None:
     for r in fleet.records():
         assert r["outcome"] == "done" and r["status"] == 200 and r["ttft_ms"] > 0 and r["token_times_ms"]
         assert {"arrival_s", "tier", "prefill_site", "reason", "e2e_ms"} <= set(r)
+
+
+def test_the_gateway_passes_logprobs_echo_and_structured_output_through(fleet: FleetProcess) -> None:
+    """What evaluation harnesses and applications send reaches a site's server unchanged: echo with logprobs and no
+    tokens (lm-eval's loglikelihood request), chat logprobs, a JSON schema and a forced tool call."""
+    c = client(fleet.url, "us-chat")
+    r = c.completions.create(model="auto", prompt=["Where is Paris?", "Hi there"], max_tokens=0, echo=True, logprobs=1)
+    assert [ch.text for ch in r.choices] == ["Where is Paris?", "Hi there"]
+    assert all(ch.logprobs.token_logprobs[0] is None and len(ch.logprobs.tokens) >= 2 for ch in r.choices)
+    r = c.chat.completions.create(model="auto", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                  logprobs=True, top_logprobs=2)
+    assert len(r.choices[0].logprobs.content) >= 1 and len(r.choices[0].logprobs.content[0].top_logprobs) == 2
+    if importlib.util.find_spec("llguidance") is None:
+        return
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    r = c.chat.completions.create(model="auto", messages=[{"role": "user", "content": "A number?"}], max_tokens=12,
+                                  response_format=fmt)
+    assert r.choices[0].message.content.startswith('{"n": ')
+    r = c.chat.completions.create(model="auto", messages=[{"role": "user", "content": "A number?"}], max_tokens=16,
+                                  tools=[{"type": "function", "function": {"name": "pick", "parameters": schema}}],
+                                  tool_choice="required")
+    assert r.choices[0].finish_reason in ("tool_calls", "length")
 
 
 def test_a_stream_whose_site_dies_ends_with_an_error_event(fleet: FleetProcess) -> None:
