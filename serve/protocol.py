@@ -77,6 +77,24 @@ UNSUPPORTED = {  # field -> the value that means "off"
     "audio": None, "prediction": None, "web_search_options": None,
 }
 OFF_TOO = {"function_call": "none"}
+# OpenAI fields that change nothing here in the values listed (others refused): field -> (allowed values, why)
+ONLY = {
+    "modalities": ((["text"],), "this server answers text only"),
+    "reasoning_effort": ((), "the served models do not reason (no reasoning tokens to budget)"),
+    "verbosity": ((), "not supported: the answer's length is max_tokens' and the prompt's"),
+    "store": ((False,), "this server stores no completions"),
+    "service_tier": (("auto", "default"), "one tier here; tenants and their weights come from the API key"),
+    # vLLM's extensions, in the values that are what this server does anyway
+    "skip_special_tokens": ((True,), "special tokens are always left out of the text"),
+    "include_stop_str_in_output": ((False,), "a stop string is never part of the text"),
+    "add_generation_prompt": ((True,), "the chat template always ends with the assistant's turn"),
+    "use_beam_search": ((False,), "no beam search (best_of ranks sampled choices)"),
+    "min_tokens": ((0,), "not implemented (the end-of-sequence token is never masked)"),
+}
+# vLLM's extensions that change the output and that we do not implement (vLLM's users send them)
+VLLM_UNSUPPORTED = ("guided_grammar", "guided_decoding_backend", "structured_outputs", "length_penalty",
+                    "bad_words", "allowed_token_ids", "truncate_prompt_tokens", "prompt_logprobs",
+                    "continue_final_message", "chat_template", "chat_template_kwargs")
 
 
 def parse_completion(body: Any, model: str) -> Parsed:
@@ -158,6 +176,9 @@ def parse_chat(body: Any, model: str) -> Parsed:
     if tools is not None and tools.forced:
         if body.get("response_format") not in (None, {"type": "text"}):
             raise bad("response_format", "cannot be combined with a forced tool call (tool_choice)")
+        for field in structured.GUIDED:
+            if body.get(field) is not None:
+                raise bad(field, "cannot be combined with a forced tool call (tool_choice)")
         body = {**body, "response_format": None}
     parsed = _common(body, clean, "messages", default_max_tokens=None)  # type: ignore[arg-type]
     if tools is not None and tools.forced:
@@ -183,6 +204,16 @@ def _check_object(body: Any, model: str) -> None:
         value = body.get(field)
         if value is not None and value != off and value is not False and value != OFF_TOO.get(field):
             raise bad(field, f"is not supported by this server (only {field}={off!r})")
+    for field, (allowed, why) in ONLY.items():
+        value = body.get(field)
+        if value is not None and value not in allowed:
+            raise bad(field, f"{value!r} is not supported: {why}")
+    for field in VLLM_UNSUPPORTED:
+        if body.get(field) is not None:
+            raise bad(field, "is a vLLM extension this server does not implement (response_format covers "
+                      "structured output; echo with logprobs gives prompt logprobs)")
+    if body.get("parallel_tool_calls") not in (None, True, False):
+        raise bad("parallel_tool_calls", "must be true or false")
 
 
 def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int | None,
@@ -205,12 +236,15 @@ def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int 
         params["top_k"] = int(top_k)
     params.update(_penalties(body))
     grammar_field = None
-    if body.get("response_format") is not None:
-        from serve import structured
+    from serve import structured
 
-        text = structured.response_format_grammar(body["response_format"])
-        if text is not None:
-            params["grammar"], grammar_field = text, "response_format"
+    for field in ("response_format", *structured.GUIDED):  # OpenAI's, or vLLM's guided_* extensions
+        if body.get(field) is not None:
+            text = structured.grammar_of(field, body[field])
+            if text is not None:
+                if grammar_field is not None:
+                    raise bad(field, f"cannot be combined with {grammar_field} (one grammar per request)")
+                params["grammar"], grammar_field = text, field
     seed = body.get("seed")
     if seed is not None:
         if not _is_int(seed) or not 0 <= seed < 2**63:

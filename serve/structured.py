@@ -42,10 +42,37 @@ class Tools:
     functions: tuple[dict[str, Any], ...]  # {"name", "description", "parameters"}
     choice: str  # "auto", "required", "none", or the name of the function it must call
     forced: bool  # a call is forced by a grammar ("required" or a named function)
+    parallel: bool = True  # parallel_tool_calls: false answers the first call only
 
     @property
     def names(self) -> set[str]:
         return {f["name"] for f in self.functions}
+
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice")  # vLLM's structured-output extensions
+
+
+def grammar_of(field: str, value: Any) -> str | None:
+    """The grammar of ``response_format`` or of one of vLLM's ``guided_*`` fields (None: free text)."""
+    if field == "response_format":
+        return response_format_grammar(value)
+    try:
+        if field == "guided_json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    raise bad(field, "must be a JSON schema (an object, or its JSON text)") from None
+            return grammar.json_schema_grammar(value)
+        if field == "guided_regex":
+            if not isinstance(value, str) or not value:
+                raise bad(field, "must be a non-empty regular expression")
+            return grammar.regex_grammar(value)
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise bad(field, "must be a non-empty list of non-empty strings")
+        return grammar.lark_grammar("start: " + " | ".join(json.dumps(c) for c in value))
+    except grammar.GrammarError as e:
+        raise bad(field, str(e)) from None
 
 
 def response_format_grammar(value: Any) -> str | None:
@@ -99,15 +126,16 @@ def parse_tools(body: dict) -> Tools | None:
         raise bad("tools", "two functions have the same name")
     if choice is None:
         choice = "auto"
+    parallel = body.get("parallel_tool_calls") is not False
     if isinstance(choice, dict):
         named = choice.get("function", {}).get("name") if choice.get("type") == "function" else None
         if not isinstance(named, str) or named not in {f["name"] for f in functions}:
             raise bad("tool_choice", "a named choice must be {\"type\": \"function\", \"function\": {\"name\": …}} "
                       "with the name of one of the tools")
-        return Tools(tuple(functions), named, True)
+        return Tools(tuple(functions), named, True, parallel)
     if choice not in ("auto", "required", "none"):
         raise bad("tool_choice", 'must be "auto", "required", "none" or {"type": "function", "function": {"name": …}}')
-    return Tools(tuple(functions), choice, choice == "required")
+    return Tools(tuple(functions), choice, choice == "required", parallel)
 
 
 def tool_grammar(tools: Tools) -> str:
@@ -181,6 +209,8 @@ def tool_calls_of(text: str, tools: Tools) -> tuple[str | None, list[dict[str, A
                           "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}})
     if not calls:
         return text, []
+    if not tools.parallel:
+        calls = calls[:1]
     content = text[:text.index("<tool_call>")].strip()
     return content or None, calls
 

@@ -135,3 +135,27 @@ def test_both_engines_answer_the_same_valid_json() -> None:
     with pytest.raises(RequestRejected, match="grammar"):
         ref.add_request(prompt, bad)
     assert not ref.has_unfinished()
+
+
+def test_tool_calls_are_read_from_the_answer_and_written_back_into_the_prompt() -> None:
+    from serve.structured import parse_tools, tool_calls_of, tool_messages
+
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    tools = parse_tools({"tools": [fn]})
+    text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><tool_call>{"name": "f", ' \
+           '"arguments": {}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call><tool_call>{oops'
+    content, calls = tool_calls_of(text, tools)
+    assert content == "Sure." and [json.loads(c["function"]["arguments"]) for c in calls] == [{"x": 1}, {}]
+    assert len(tool_calls_of(text, parse_tools({"tools": [fn], "parallel_tool_calls": False}))[1]) == 1
+    assert tool_calls_of("no call here", tools) == ("no call here", [])
+    raw = [{"role": "user", "content": "hi"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    clean = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""},
+             {"role": "tool", "content": "42"}]
+    out = tool_messages(clean, raw, tools)
+    assert out[0]["role"] == "system" and "<tools>" in out[0]["content"] and '"name": "f"' in out[0]["content"]
+    assert out[2]["content"] == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    assert out[3] == {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+    assert tool_messages(clean, raw, parse_tools({"tools": [fn], "tool_choice": "none"}))[0]["role"] == "user"

@@ -15,6 +15,7 @@ worker (the grammar travels in REQUEST revision 3; each worker masks with its ow
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -143,3 +144,28 @@ def test_refusals_name_the_field(server):
     r = client.completions.create(model="smollm2", prompt="A JSON object about Paris:", max_tokens=40,
                                   extra_body={"response_format": {"type": "json_object"}})
     assert r.choices[0].text.startswith("{")
+
+
+def test_vllm_guided_fields_and_openai_fields_that_would_be_ignored(server):
+    client = server.client()
+    msgs = [{"role": "user", "content": "Is the sky blue?"}]
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=8,
+                                       extra_body={"guided_choice": ["yes", "no", "it depends"]})
+    assert r.choices[0].message.content in ("yes", "no", "it depends")
+    r = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12,
+                                       extra_body={"guided_regex": r"(Yes|No)\. [0-9]{2}"})
+    assert re.fullmatch(r"(Yes|No)\. [0-9]{2}", r.choices[0].message.content)
+    r = client.completions.create(model="smollm2", prompt="Alice is 30. As JSON:", max_tokens=30,
+                                  extra_body={"guided_json": {"type": "object", "properties": {"age": {
+                                      "type": "integer"}}, "required": ["age"], "additionalProperties": False}})
+    assert r.choices[0].finish_reason == "length" or set(json.loads(r.choices[0].text)) == {"age"}
+    for extra, field in (({"reasoning_effort": "high"}, "reasoning_effort"), ({"store": True}, "store"),
+                         ({"modalities": ["text", "audio"]}, "modalities"), ({"min_tokens": 3}, "min_tokens"),
+                         ({"guided_grammar": "root ::= 'a'"}, "guided_grammar"),
+                         ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, extra_body=extra)
+        assert field in str(e.value)
+    ok = client.chat.completions.create(model="smollm2", messages=msgs, max_tokens=2, store=False,
+                                        service_tier="auto", extra_body={"skip_special_tokens": True})
+    assert ok.choices[0].message.content is not None
