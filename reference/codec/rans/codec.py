@@ -28,6 +28,7 @@ from reference.codec.rans.format import (
     RansTensor,
 )
 from reference.codec.rans.model import (
+    CONTEXT_MIN_GAIN,
     CONTEXTS,
     LOW_MIN_GAIN,
     TABLE_ENTRY_BITS,
@@ -92,8 +93,9 @@ def encode_rans_many(
                                    escapes, mantissa_bits, low_bits)[:CONFIRM]
         models = [_model(bits, names[i], block_size, prob_bits, m, k, max_tables, escapes,
                          own_tables, context) for _, m, k in candidates]
-        batch.append(min(
-            models, key=lambda md: md["bits"] + LOW_MIN_GAIN * md["n"] * (md["k"] > 0)
+        batch.append(min(  # two stages and tables by context charged what they cost in decoding
+            models, key=lambda md: md["bits"] + md["n"] * (LOW_MIN_GAIN * (md["k"] > 0)
+                                                           + CONTEXT_MIN_GAIN * (md["period"] > 0))
         ))
         if i + 1 == len(tensors) or sum(m["n"] for m in batch) >= ENCODE_BATCH:
             out += _encode_batch(batch, block_size, lanes, prob_bits)

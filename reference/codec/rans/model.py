@@ -32,6 +32,9 @@ MAX_CLASSES = 256  # second-stage tables: a class is stored in a uint8
 # two stages only where they save this many bits per weight: their decoding does a second lookup
 # per weight
 LOW_MIN_GAIN = 0.02
+# tables by context (a weight's column or row) only where they save this many bits per weight: their
+# decoding looks a table up per weight, among up to 16 (a cache's worth), not one per block
+CONTEXT_MIN_GAIN = 0.02
 
 
 def split_weights(bits: np.ndarray, mantissa_bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -408,9 +411,10 @@ def choose_context(
     Candidates: tables clustered over blocks (``block_table``), over the columns of the tensor
     (``context_table`` per column: D = 1, P = columns) and over its rows (D = columns, P = rows);
     each costs its coded size (quantized tables), 16 bits per table entry and 8 bits per entry of
-    its block or context table. ``context`` forces one (``"block"``, ``"column"``, ``"row"``);
+    its block or context table, and a context CONTEXT_MIN_GAIN bit per weight more (its decoding
+    looks a table up per weight). ``context`` forces one (``"block"``, ``"column"``, ``"row"``);
     None takes the smallest (ties: the earlier). Returns freqs [K, S], block_table, stride D,
-    period P (0: by block), context_table and the size in bits."""
+    period P (0: by block), context_table and the size in bits (without the charge)."""
     n = len(symbols)
     n_blocks = -(-n // block_size)
     choices = [context] if context is not None else list(CONTEXTS)
@@ -442,8 +446,9 @@ def choose_context(
         size = sum(coded_bits(counts[assign == j].sum(axis=0), freqs[j], prob_bits)
                    for j in range(len(freqs)))
         size += TABLE_ENTRY_BITS * freqs.size + 8 * n_groups
-        if best is None or size < best["bits"]:
-            best = {"bits": size, "freqs": freqs, "stride": d, "period": p,
+        score = size + (CONTEXT_MIN_GAIN * n if p else 0.0)
+        if best is None or score < best["score"]:
+            best = {"bits": size, "score": score, "freqs": freqs, "stride": d, "period": p,
                     "block_table": assign if p == 0 else np.zeros(0, np.int64),
                     "context_table": assign if p else np.zeros(0, np.int64)}
     assert best is not None
