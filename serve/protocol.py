@@ -22,30 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from reference.engine.params import SamplingParams, SamplingParamsError
+from serve import structured
+from serve.errors import ApiError, bad
 
 MAX_STOPS = 4
 MAX_LOGPROBS = 20  # alternatives per token (OpenAI's chat limit, vLLM's default max_logprobs)
 MAX_CHOICES = 16  # n, best_of
 MAX_PROMPTS = 64  # prompts in one completions request
-
-
-class ApiError(Exception):
-    """An error answered as an OpenAI error body: ``{"error": {message, type, param, code}}``."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.kind = kind or {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error",
-                             503: "service_unavailable"}.get(status, "invalid_request_error")
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-
-def bad(param: str, why: str) -> ApiError:
-    return ApiError(400, f"{param}: {why}", param=param, code="invalid_value")
 
 
 @dataclass(frozen=True)
@@ -168,8 +151,6 @@ def parse_chat(body: Any, model: str) -> Parsed:
             raise bad("top_logprobs", "needs logprobs: true")
     if body.get("echo") not in (None, False):
         raise bad("echo", "is a completions field (chat answers do not echo the messages)")
-    from serve import structured
-
     tools = structured.parse_tools(body)
     if tools is not None or any(m.get("role") == "tool" or m.get("tool_calls") for m in messages):
         clean = structured.tool_messages(clean, messages, tools)
@@ -236,8 +217,6 @@ def _common(body: dict, prompt: Any, prompt_field: str, default_max_tokens: int 
         params["top_k"] = int(top_k)
     params.update(_penalties(body))
     grammar_field = None
-    from serve import structured
-
     for field in ("response_format", *structured.GUIDED):  # OpenAI's, or vLLM's guided_* extensions
         if body.get(field) is not None:
             text = structured.grammar_of(field, body[field])

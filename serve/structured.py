@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from reference.engine import grammar
-from serve.protocol import ApiError, bad
+from serve.errors import ApiError, bad
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 TOOLS_PROMPT = (

@@ -44,6 +44,26 @@ metric_list:
 """
 
 
+GEN_TASK = """task: unfire_tiny_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Answer with one word. {{{{question}}}}"
+doc_to_target: "{{{{choices[answer]}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    ignore_case: true
+    ignore_punctuation: true
+"""
+
+
 def hf_tokenizer_folder(root: Path) -> Path:
     folder = root / "tokenizer"
     folder.mkdir()
@@ -125,3 +145,34 @@ def test_lm_eval_scores_are_bit_identical_plain_compressed_and_pd(tmp_path):
         for (context, continuation), ll in zip([(a["arg_0"], a["arg_1"]) for a in s["arguments"].values()], lls,
                                                strict=True):
             assert abs(ll - continuation_loglikelihood(context, continuation)) < 2 * BF16_NATS
+
+
+def test_lm_eval_chat_generation_run_completes(tmp_path):
+    """``local-chat-completions`` (``--apply_chat_template``): a generate_until task through
+    /v1/chat/completions, greedy, every answer the server's own for the same messages."""
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "unfire_tiny_gen.yaml").write_text(GEN_TASK.format(data=DATA))
+    server = Server("--engine", "fast", timeout=300)
+    try:
+        env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                   HF_HOME=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
+        args = f"model=smollm2,base_url={server.base}/v1/chat/completions,num_concurrent=1,max_retries=1"
+        run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-chat-completions", "--model_args",
+                              args, "--tasks", "unfire_tiny_gen", "--include_path", str(tasks), "--output_path",
+                              str(tmp_path / "out"), "--log_samples", "--apply_chat_template", "--batch_size", "1"],
+                             capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        samples = [json.loads(line) for path in (tmp_path / "out").rglob("samples_unfire_tiny_gen_*.jsonl")
+                   for line in path.read_text().splitlines()]
+        assert len(samples) == 6
+        client = server.client()
+        for s in samples:
+            question = s["doc"]["question"]
+            ours = client.chat.completions.create(
+                model="smollm2", max_tokens=8, temperature=0, stop=["\n"],
+                messages=[{"role": "user", "content": f"Answer with one word. {question}"}]).choices[0].message.content
+            assert s["resps"][0][0] == ours
+            assert s["exact_match"] in (0.0, 1.0)
+    finally:
+        assert server.close() == 0
