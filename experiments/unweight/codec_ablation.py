@@ -31,6 +31,7 @@ LEAVE_ONE_OUT = {  # idea -> the parameters that switch it off
     "exponent + top 2 mantissa bits coded jointly (off: exponent only)": {"mantissa_bits": 0},
     "clustered tables, up to 16 per tensor (off: one table)": {"max_tables": 1},
     "escapes for rare values (off: every value gets a slot)": {"escapes": False},
+    "tables by context, a weight's column or row, where they pay (off: by block)": {"context": "block"},
 }
 DROPPED = {"one table per block (instead of clustered tables)": {"own_tables": True},
            "exponent + top 3 mantissa bits": {"mantissa_bits": 3}}
@@ -86,15 +87,25 @@ def run_ablation(tensors: list[np.ndarray], ctx: Context) -> dict[str, Any]:
     }
 
 
-def symbol_counts(t: RansTensor, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(counts [blocks, A + 1] of each block's symbols, the symbols in weight order) of an encoded tensor."""
+def weight_tables(t: RansTensor) -> np.ndarray:
+    """The first-stage table of each weight (FORMAT.md 9.2: its block's, or its context's)."""
+    index = np.arange(t.n)
+    if t.context_period:
+        return t.context_table.astype(np.int64)[index // t.context_stride % t.context_period]
+    return t.block_table.astype(np.int64)[index // t.block_size]
+
+
+def symbol_counts(t: RansTensor, bits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(counts [tables, A + 1] of the symbols each table codes, the symbols in weight order, each weight's table)
+    of an encoded tensor."""
     values, _ = split_weights(bits.reshape(-1), t.mantissa_bits)
     symbol_of = np.full(1 << t.escape_bits, t.alphabet_size, np.int64)
     symbol_of[t.alphabet.astype(np.int64)] = np.arange(t.alphabet_size)
     symbols = symbol_of[values]
-    block = np.arange(t.n) // t.block_size
+    table = weight_tables(t)
     width = t.alphabet_size + 1
-    return np.bincount(block * width + symbols, minlength=t.n_blocks * width).reshape(t.n_blocks, width), symbols
+    counts = np.bincount(table * width + symbols, minlength=t.n_tables * width).reshape(t.n_tables, width)
+    return counts, symbols, table
 
 
 def rans_parts(cts: list[RansTensor], tensors: list[np.ndarray], n: int) -> dict[str, float]:
@@ -103,14 +114,15 @@ def rans_parts(cts: list[RansTensor], tensors: list[np.ndarray], n: int) -> dict
     minus the model; 'index' the per-block offsets and table ids."""
     parts = dict.fromkeys(["raw_bits", "model", "coder_loss", "escapes", "index", "tables", "header"], 0.0)
     for t, bits in zip(cts, tensors, strict=True):
-        counts, _ = symbol_counts(t, bits)
-        freq = t.tables.astype(np.float64)[t.block_table]
+        counts, _, _ = symbol_counts(t, bits)
+        freq = t.tables.astype(np.float64)
         model = float((counts * (t.prob_bits - np.log2(np.where(counts > 0, freq, 1)))).sum())
         parts["raw_bits"] += 8 * t.raw.nbytes
         parts["model"] += model
         parts["coder_loss"] += 16 * t.stream_words + 32 * t.states.size - model
         parts["escapes"] += 8 * t.escapes.nbytes
-        parts["index"] += 8 * (t.block_words.nbytes + t.block_escapes.nbytes + t.block_table.nbytes)
+        parts["index"] += 8 * (t.block_words.nbytes + t.block_escapes.nbytes + t.block_table.nbytes
+                               + t.context_table.nbytes)
         parts["tables"] += 8 * (t.tables.nbytes + t.alphabet.nbytes)
         parts["header"] += 8 * len(t.header_json().encode())
     return {k: v / n for k, v in parts.items()}
@@ -136,18 +148,19 @@ def coder_costs(cts: list[RansTensor], tensors: list[np.ndarray], n: int, pairs:
     symbols of a block (pair tables not counted), and rANS: its stream and the lanes' states."""
     cost = dict.fromkeys(["entropy", "huffman", *(["huffman_pairs"] if pairs else []), "rans"], 0.0)
     for t, bits in zip(cts, tensors, strict=True):
-        counts, symbols = symbol_counts(t, bits)
+        counts, symbols, table = symbol_counts(t, bits)
         width = t.alphabet_size + 1
         index = np.arange(t.n)
         block_end = np.minimum(t.n, (index // t.block_size + 1) * t.block_size)
         pair_start = (index % t.block_size % 2 == 0) & (index + 1 < block_end)
+        pair_start[:-1] &= table[:-1] == table[1:]  # (tables by context: a pair takes one table)
         for k in range(t.n_tables):
-            c = counts[t.block_table == k].sum(axis=0)
+            c = counts[k]
             used = c > 0
             cost["entropy"] += float((c[used] * np.log2(c.sum() / c[used])).sum())
             cost["huffman"] += float((c * np.array(code_lengths(c, 16))).sum())
             if pairs:  # consecutive weights (2i, 2i + 1) of a block; a block's odd last weight is coded alone
-                starts = np.flatnonzero(pair_start & np.repeat(t.block_table == k, t.block_size)[: t.n])
+                starts = np.flatnonzero(pair_start & (table == k))
                 pair_counts = np.bincount(symbols[starts] * width + symbols[starts + 1], minlength=width * width)
                 alone = c - np.bincount(symbols[starts], minlength=width) - np.bincount(symbols[starts + 1],
                                                                                        minlength=width)
@@ -163,8 +176,8 @@ def context_estimates(tensors: list[np.ndarray], final: list[RansTensor], n: int
     plus side information (a packed class id per row) and one 16-bit entry per symbol and context."""
     base = prev = rows = 0.0
     for t, bits in zip(final, tensors, strict=True):
-        counts, symbols = symbol_counts(t, bits)
-        freq = t.tables.astype(np.float64)[t.block_table]
+        counts, symbols, _ = symbol_counts(t, bits)
+        freq = t.tables.astype(np.float64)
         base += float((counts * (t.prob_bits - np.log2(np.where(counts > 0, freq, 1)))).sum())
         base += 16 * t.tables.size
         exponent = (bits.reshape(-1).astype(np.int64) >> 7) & 0xFF
