@@ -392,6 +392,17 @@ def figure(result: dict, path: Path) -> Path:
     return path
 
 
+def resolve_cpus(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """``--cpus`` checked; ``--client-cpus`` defaulted to the machine's cores not in ``--cpus`` (else ``--cpus``)."""
+    try:
+        cpus = {int(c) for c in a.cpus.split(",")}
+    except ValueError:
+        p.error(f"--cpus {a.cpus!r}: a comma-separated list of core numbers")
+    if a.client_cpus is None:
+        rest = sorted(set(os.sched_getaffinity(0)) - cpus)
+        a.client_cpus = ",".join(map(str, rest)) if rest else a.cpus
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m experiments.engine.bench_serve_vllm",
                                 description=__doc__.split("\n")[0])
@@ -437,13 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("num_prompts", "input_len", "max_tokens", "repeats", "passes", "max_num_seqs", "vllm_budget"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    try:
-        cpus = {int(c) for c in a.cpus.split(",")}
-    except ValueError:
-        p.error(f"--cpus {a.cpus!r}: a comma-separated list of core numbers")
-    if a.client_cpus is None:
-        rest = sorted(set(os.sched_getaffinity(0)) - cpus)
-        a.client_cpus = ",".join(map(str, rest)) if rest else a.cpus
+    resolve_cpus(p, a)
     if a.vllm_python is not None and not Path(a.vllm_python).exists():
         p.error(f"--vllm-python {a.vllm_python}: no such file")
     return a

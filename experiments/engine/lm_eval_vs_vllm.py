@@ -48,7 +48,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.engine.bench_serve_vllm import MODEL, free_port, wait_ready, write_model_folder
+from experiments.engine.bench_serve_vllm import MODEL, free_port, resolve_cpus, wait_ready, write_model_folder
 from reference import provenance
 from reference.safe_write import write_text
 
@@ -343,13 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("max_num_seqs", "vllm_budget"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    try:
-        cpus = {int(c) for c in a.cpus.split(",")}
-    except ValueError:
-        p.error(f"--cpus {a.cpus!r}: a comma-separated list of core numbers")
-    if a.client_cpus is None:
-        rest = sorted(set(os.sched_getaffinity(0)) - cpus)
-        a.client_cpus = ",".join(map(str, rest)) if rest else a.cpus
+    resolve_cpus(p, a)
     if not a.vllm_python:
         p.error(VLLM_SETUP)
     if not Path(a.vllm_python).exists():
