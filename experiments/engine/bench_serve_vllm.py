@@ -163,13 +163,22 @@ def server(kind: str, setting: str, a: argparse.Namespace, model_dir: Path | Non
                MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048",
                "--max-num-batched-tokens", setting, "--max-num-seqs", str(a.max_num_seqs),
                "--gpu-memory-utilization", str(a.vllm_memory_fraction), "--disable-log-stats"]
-    cmd = ["taskset", "-c", a.cpus, "nice", "-n", str(a.nice), *cmd]
     log = workdir / f"{kind}-{setting.replace('/', '_')}-{port}.log"
-    with log.open("w") as f:  # its own session: vLLM's engine-core process goes with it
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    with pinned_process(cmd, env, a, log, f"http://127.0.0.1:{port}/health") as srv:
+        yield {**srv, "url": f"http://127.0.0.1:{port}"}
+
+
+@contextlib.contextmanager
+def pinned_process(cmd: list[str], env: dict[str, str], a: argparse.Namespace, log: Path, health: str,
+                   cwd: Path | None = None) -> Iterator[dict]:
+    """Start a server in its own session (vLLM's engine-core process, P/D's workers go with it), pinned to
+    ``--cpus`` at ``--nice``; yields its pid and start-up time once ``health`` answers 200; stops the session."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(["taskset", "-c", a.cpus, "nice", "-n", str(a.nice), *cmd], env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
     try:
-        started = wait_ready(proc, f"http://127.0.0.1:{port}/health", log, a.startup_timeout)
-        yield {"pid": proc.pid, "url": f"http://127.0.0.1:{port}", "startup_s": round(started, 1), "log": log}
+        started = wait_ready(proc, health, log, a.startup_timeout)
+        yield {"pid": proc.pid, "startup_s": round(started, 1), "log": log}
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)

@@ -39,7 +39,6 @@ import contextlib
 import importlib.metadata
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from experiments.engine.bench_serve_vllm import MODEL, free_port, resolve_cpus, wait_ready, write_model_folder
+from experiments.engine.bench_serve_vllm import (
+    MODEL,
+    free_port,
+    pinned_process,
+    resolve_cpus,
+    write_model_folder,
+)
 from reference import provenance
 from reference.safe_write import write_text
 
@@ -142,26 +147,6 @@ def table(summary: dict[str, Any]) -> str:
 # -- servers and lm-eval ---------------------------------------------------------------------------------
 
 @contextlib.contextmanager
-def process(cmd: list[str], env: dict[str, str], a: argparse.Namespace, log: Path, health: str) -> Iterator[dict]:
-    """Start a server (its own session: vLLM's engine core and P/D's workers go with it) pinned to ``--cpus`` at
-    ``--nice``, as bench_serve_vllm starts them; yields its pid and start-up time once ``health`` answers 200."""
-    with log.open("w") as f:
-        proc = subprocess.Popen(["taskset", "-c", a.cpus, "nice", "-n", str(a.nice), *cmd], env=env, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
-    try:
-        started = wait_ready(proc, health, log, a.startup_timeout)
-        yield {"pid": proc.pid, "startup_s": round(started, 1), "log": log}
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-@contextlib.contextmanager
 def start(name: str, dtype: str, a: argparse.Namespace, model_dir: Path, workdir: Path) -> Iterator[dict]:
     """``vllm serve`` (``name`` "vllm", through vllm_cli, the flags bench_serve_vllm gives it but ``--dtype``) or
     ``python -m serve --engine fast --dtype DTYPE`` with ``name``'s flags (``OURS``); yields its url too."""
@@ -178,7 +163,8 @@ def start(name: str, dtype: str, a: argparse.Namespace, model_dir: Path, workdir
     else:
         cmd = [sys.executable, "-m", "serve", "--model", MODEL, "--engine", "fast", "--dtype", dtype, "--port",
                str(port), "--threads", threads, "--max-num-seqs", str(a.max_num_seqs), *OURS[name]]
-    with process(cmd, env, a, workdir / f"{name}-{dtype}-{port}.log", f"http://127.0.0.1:{port}/health") as srv:
+    with pinned_process(cmd, env, a, workdir / f"{name}-{dtype}-{port}.log", f"http://127.0.0.1:{port}/health",
+                        cwd=REPO) as srv:
         yield srv | {"url": f"http://127.0.0.1:{port}"}
 
 
