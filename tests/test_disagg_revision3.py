@@ -112,3 +112,35 @@ def test_old_workers_are_not_sent_the_new_fields_and_bad_ones_are_refused():
                  {"index": 0, "token": 1, "cpu_us": 0, "prompt_logprobs": [float("nan")]}):
         with pytest.raises(messages.MessageError):
             messages.check(Kind.TOKEN, body)
+
+
+def test_a_workers_grammar_counts_a_migrated_prompts_generated_tokens_as_output():
+    """``generated`` = k: the prompt's last k tokens were the request's own output, so the worker's matcher has
+    consumed them (and the penalties count them) before it picks: the token is the colocated engine's."""
+    pytest.importorskip("llguidance")
+    from types import SimpleNamespace
+
+    from reference.disagg.worker_base import WorkerBase
+    from reference.engine import grammar
+    from reference.engine.sampling import sample
+    from tests.smollm import smollm2_tokenizer
+
+    tok, vocab = smollm2_tokenizer(), 49152
+    text = grammar.json_schema_grammar({"type": "object", "properties": {"name": {"type": "string"}},
+                                        "required": ["name"]})
+    prompt, done = tok.encode("Say a name as JSON:"), tok.encode('{"name": "Bo')
+    worker = WorkerBase()
+    worker.model, worker.model_spec = SimpleNamespace(config=SimpleNamespace(vocab_size=vocab)), "smollm2"
+    rng = np.random.default_rng(5)
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, seed=9, frequency_penalty=1.0, grammar=text, logprobs=1)
+        st = SimpleNamespace(params=params, generated=len(done), constraint=None)
+        seq = SimpleNamespace(num_prompt_tokens=len(prompt + done), prompt_token_ids=prompt + done,
+                              output_token_ids=[], num_tokens=len(prompt + done))
+        logits = rng.normal(0, 3, vocab).astype(np.float32)
+        token, lp = worker.pick(st, seq, logits)
+        allowed = grammar.Constraint(text, grammar.grammar_tokenizer(tok, vocab), vocab, tokens=done).allowed()
+        assert token == sample(logits, params, 9, len(prompt + done), prompt, done, allowed)
+        fresh = grammar.Constraint(text, grammar.grammar_tokenizer(tok, vocab), vocab).allowed()
+        assert allowed[token] and not fresh[token]  # a token inside the string: not what an empty answer allows
+        assert lp is not None and lp.token_id == token
