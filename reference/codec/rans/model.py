@@ -398,7 +398,9 @@ def context_of(shape: tuple[int, ...], context: str) -> tuple[int, int] | None:
     return (d, p) if p <= MAX_CONTEXT_PERIOD else None
 
 
-MAX_CONTEXT_PERIOD = 1 << 24
+# the encoder's own bound on P (the format's is 2^24): beyond it (an embedding's rows, one per
+# token) clustering the groups costs most of the encoding time and has never won
+MAX_CONTEXT_PERIOD = 1 << 14
 
 
 def choose_context(
