@@ -27,6 +27,7 @@ from reference.engine.request import TokenEvent
 from serve.engine_thread import Failed, Finished, Ticket
 from serve.logprobs import Entry, chat_logprobs, completion_logprobs
 from serve.protocol import ApiError, Parsed
+from serve.structured import tool_calls_of
 from serve.textstream import TextStream
 
 Delta = tuple[str, list[Entry]]  # a piece of text and the tokens (with logprobs) it came with
@@ -175,9 +176,10 @@ class Answer:
                                    "logprobs": self._logprobs(choice, entries[choice.index], 0)}
             if self.chat:
                 out["message"] = {"role": "assistant", "content": content}
-                calls = self._tool_calls(content, out)
+                calls = self._tool_calls(content)
                 if calls:
                     out["message"] = {"role": "assistant", "content": calls[0], "tool_calls": calls[1]}
+                    out["finish_reason"] = "tool_calls"
             else:
                 out["text"] = content
             body.append(out)
@@ -185,18 +187,13 @@ class Answer:
                              "created": self.created, "model": self.state.model_name, "choices": body,
                              "usage": self.usage()})
 
-    def _tool_calls(self, content: str, out: dict[str, Any]) -> tuple[str | None, list[dict]] | None:
-        """With tools: the answer's calls, if it made any (then ``out``'s finish_reason becomes
-        "tool_calls")."""
+    def _tool_calls(self, content: str) -> tuple[str | None, list[dict]] | None:
+        """With tools: the answer's content before its calls, and the calls, if it made any (its
+        finish_reason is then "tool_calls")."""
         if self.parsed.tools is None:
             return None
-        from serve.structured import tool_calls_of
-
         text, calls = tool_calls_of(content, self.parsed.tools)
-        if not calls:
-            return None
-        out["finish_reason"] = "tool_calls"
-        return text, calls
+        return (text, calls) if calls else None
 
     def _best(self) -> list[Choice]:
         """The answered choices: per prompt, the n of its best_of with the highest cumulative logprob
@@ -241,14 +238,13 @@ class Answer:
                     left -= 1
                     finish = choice.finish_reason
                     if self.parsed.tools is not None:  # the whole answer: content, or its calls
-                        out: dict[str, Any] = {"finish_reason": finish}
                         content = "".join(held[choice.index])
-                        calls = self._tool_calls(content, out)
+                        calls = self._tool_calls(content)
                         delta: dict[str, Any] = {"content": content}
                         if calls:
                             delta = {"content": calls[0], "tool_calls": [dict(c, index=i) for i, c in
                                                                          enumerate(calls[1])]}
-                        finish = out["finish_reason"]
+                            finish = "tool_calls"
                         yield self._chunk(choice, delta, None, None)
                     yield self._chunk(choice, {} if self.chat else "", finish, None)
                     continue

@@ -30,6 +30,7 @@ from serve.keys import KeyTable
 from serve.logprobs import TokenText
 from serve.metrics import ServerMetrics
 from serve.protocol import ApiError, Parsed, parse_chat, parse_completion
+from serve.structured import check_against
 
 
 class ServeState:
@@ -96,8 +97,6 @@ async def _answer(state: ServeState, request: Request, chat: bool, arrival: Arri
         return gone()
     parsed = incoming.parsed
     if parsed.params.get("grammar") is not None:  # refused here, naming the field, before anything is queued
-        from serve.structured import check_against
-
         await asyncio.to_thread(check_against, parsed.params["grammar"], state.tokenizer, parsed.grammar_field)
     prompts = [Prompt(ids, _prompt_text(state.tokenizer, p, ids), drop=parsed.max_tokens == 0)
                for p, ids in zip(parsed.all_prompts, incoming.batch or (incoming.ids,), strict=True)]
