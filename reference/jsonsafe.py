@@ -8,8 +8,9 @@ without recursing, and refuses a document deeper than ``max_depth`` with ``JsonE
 shallow: a request body needs 4 levels, a safetensors header 3, a container header 4.
 
 The depth is counted on the brackets that stand outside strings. Counting the brackets at all is a
-C-speed ``str.count``; only a document with more than ``max_depth`` of them is scanned token by
-token (strings skipped whole by one regular expression).
+C-speed ``str.count``; only a document with more than ``max_depth`` of them is scanned: its strings
+removed whole by one regular expression, then everything but brackets by another, and the brackets
+left counted in order.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from typing import Any
 
 MAX_DEPTH = 64
 
-# a string (escapes included, matched without backtracking) or one bracket
-_STRING_OR_BRACKET = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.DOTALL)
+# a string (escapes included, matched without backtracking); a run of anything but brackets
+_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 
 
 class JsonError(ValueError):
@@ -34,8 +36,7 @@ def nesting_depth(text: str, stop_above: int | None = None) -> int:
     if text.count("[") + text.count("{") <= (stop_above if stop_above is not None else -1):
         return text.count("[") + text.count("{")  # an upper bound that is already small enough
     depth = deepest = 0
-    for match in _STRING_OR_BRACKET.finditer(text):
-        c = match.group()
+    for c in _NOT_BRACKET.sub("", _STRING.sub("", text)):  # the brackets outside strings, in order
         if c in "[{":
             depth += 1
             if depth > deepest:

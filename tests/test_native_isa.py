@@ -97,7 +97,8 @@ def test_crc32_under_every_isa(isa: str) -> None:
 @pytest.mark.parametrize("threads", [1, 2])
 def test_rans_decoder_under_every_isa(isa: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The default rANS parameters (32 lanes, 12 probability bits, 2 mantissa bits: the AVX2 lanes' case) and
-    another mantissa width: the original bits under every cap; the AVX2 build only from avx2 on."""
+    another mantissa width: the original bits under every cap; the AVX2 build only from avx2 on, the AVX-512 lanes
+    only from avx512 on."""
     monkeypatch.setattr(decode_rans_c, "MIN_WEIGHTS_PER_THREAD", 1)
     bits = _trained(2, 64, 700)
     for params in ({}, {"mantissa_bits": 3, "block_size": 1000}):
@@ -105,6 +106,7 @@ def test_rans_decoder_under_every_isa(isa: str, threads: int, monkeypatch: pytes
         got = decode_rans_cpu(t, threads=threads, native=True)
         assert np.array_equal(got, bits) and np.array_equal(got, decode_rans(t))
     assert decode_rans_c.library().unw_rans_use(1) <= _allows(isa, "avx2")
+    assert decode_rans_c.library().unw_rans_use512(1) <= _allows(isa, "avx512")  # the AVX-512 lanes: avx512 on
 
 
 @needs_decoders

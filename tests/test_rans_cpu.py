@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fast import cpu_isa
 from fast.codec import decode_rans_c
-from fast.codec.decode_rans_c import decode_rans_cpu
+from fast.codec.decode_rans_c import decode_rans_cpu, decode_rans_many
 from reference.bf16 import float32_to_bf16
 from reference.codec import RansTensor, decode_rans, encode_rans
 from reference.codec.errors import CodecError
@@ -25,10 +25,30 @@ from reference.codec.format import crc32
 from tests.codec_strategies import bf16_tensors
 from tests.test_codec_rans import encode_or_refuse, rans_params
 from tests.test_codec_rans_corruption import BASE, ROWS, TRAINED
-from tests.test_decode_cpu import build
 
 HAS_C = decode_rans_c.library() is not None
 needs_c = pytest.mark.skipif(not HAS_C, reason="no C compiler: the C rANS decoder is not built")
+# the decoder's paths: the portable build, the AVX2 build with its AVX2 lanes, with the AVX-512 lanes
+PATHS = ("portable", "avx2", "avx512")
+
+
+@contextlib.contextmanager
+def path(name: str) -> Iterator[str]:
+    """Decode by one of PATHS where the CPU and UNFIRE_CPU_ISA allow it (else the best below it); yields the path
+    that runs."""
+    lib = decode_rans_c.library()
+    wide = lib.unw_rans_use(int(name != "portable"))
+    on512 = lib.unw_rans_use512(int(name == "avx512"))
+    try:
+        yield "avx512" if on512 else "avx2" if wide else "portable"
+    finally:
+        lib.unw_rans_use(1)
+        lib.unw_rans_use512(1)
+
+
+def lanes_of(runs: str, two_stages: bool) -> int:
+    """What unw_rans_lanes_taken reports after a tensor of 32 lanes and p = 12 went through path ``runs``."""
+    return {"portable": 0, "avx2": 1, "avx512": 4}[runs] << int(two_stages)
 
 
 def _wide_case() -> np.ndarray:
@@ -90,13 +110,14 @@ def flipped(t: RansTensor, key: str, where: int, bit: int) -> dict[str, np.ndarr
 
 
 @needs_c
-@given(bits=bf16_tensors(), params=rans_params(), threads=st.sampled_from([1, 2, 3]), wide=st.booleans())
-def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict, threads: int, wide: bool) -> None:
-    """Both builds (portable, and AVX2 + BMI2 where the CPU has it), any shape and parameters."""
+@given(bits=bf16_tensors(), params=rans_params(), threads=st.sampled_from([1, 2, 3]), way=st.sampled_from(PATHS))
+def test_c_rans_decoder_equals_reference_decoder(bits: np.ndarray, params: dict, threads: int, way: str) -> None:
+    """Every path (portable, the AVX2 build's AVX2 lanes, its AVX-512 lanes, where the CPU has them), any shape and
+    parameters."""
     t = encode_or_refuse(bits, params)
     if t is None:
         return
-    with build(decode_rans_c.library().unw_rans_use, wide), many_threads():
+    with path(way), many_threads():
         got = decode_rans_cpu(t, threads=threads, native=True)
     assert got.dtype == np.uint16 and got.shape == bits.shape
     assert np.array_equal(got, decode_rans(t)) and np.array_equal(got, bits)
@@ -189,27 +210,63 @@ def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> 
     {"mantissa_bits": 2, "low_bits": 5, "context": "row"},  # tables by context: the row's, two stages
     {"mantissa_bits": 2, "low_bits": 0, "context": "column"},  # the column's, one stage
     {"mantissa_bits": 1, "low_bits": 3, "context": "column", "max_tables": 16},
+    {"mantissa_bits": 7, "low_bits": 0, "context": "block"},  # one stage, the raw bits the signs
+    {"mantissa_bits": 3, "low_bits": 4, "context": "column"},  # two stages, m + k = 7, by column
+    {"mantissa_bits": 2, "low_bits": 5, "context": "row", "shape": (2500, 16)},  # rows shorter than the 32 lanes
+    # one stage, 140 symbols (the AVX-512 lanes' values from four word permutes) and 265 (gathered)
+    {"mantissa_bits": 3, "low_bits": 0, "context": "column"},
+    {"mantissa_bits": 4, "low_bits": 0, "context": "block"},
 ])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_avx2_lanes_take_two_stage_tensors(params: dict, threads: int) -> None:
-    """At 32 lanes and p = 12 two-stage tensors (and one-stage ones) go through the AVX2 lanes where the CPU and
-    UNFIRE_CPU_ISA allow them (blocks two at a time, an odd block alone, partial steps in portable C), with the
-    portable build's bits; the portable build and UNFIRE_CPU_ISA=scalar take none of them."""
+@pytest.mark.parametrize("block_size", [4500, 4504])
+def test_wide_lanes_take_two_stage_tensors(params: dict, threads: int, block_size: int) -> None:
+    """At 32 lanes and p = 12 two-stage tensors (and one-stage ones) go through the AVX2 or the AVX-512 lanes where
+    the CPU and UNFIRE_CPU_ISA allow them (blocks two at a time, an odd block alone, partial steps in portable C),
+    with the portable build's bits; the portable build and UNFIRE_CPU_ISA=scalar take none of them. Blocks of 4504
+    weights start on a raw byte: with m + k = 7 the AVX-512 lanes write bf16 themselves (escapes or-ed in after);
+    blocks of 4500 do not, and they store values for the join."""
     lib = decode_rans_c.library()
-    t = encode_rans(WIDE, block_size=4500, **params)
+    params = dict(params)
+    bits = WIDE.reshape(params.pop("shape", WIDE.shape))
+    t = encode_rans(bits, block_size=block_size, **params)
     assert t.lanes == 32 and t.prob_bits == 12 and t.n_blocks == 9 and t.n_escapes >= 4
     assert (t.context_period > 0) == (params.get("context", "block") != "block") or "context" not in params
     assert params.get("low_bits", 1) == 0 or t.low_bits > 0 and t.low_tables > 1
-    expected = 2 if t.low_bits else 1
     got = {}
-    for wide in (False, True):
-        with build(lib.unw_rans_use, wide), many_threads():
+    for way in PATHS:
+        with path(way) as runs, many_threads():
             lib.unw_rans_lanes_taken()
-            got[wide] = decode_rans_cpu(t, threads=threads, native=True)
-            taken = lib.unw_rans_lanes_taken()
-            assert taken == (expected if wide and lib.unw_rans_use(1) else 0)
-    assert np.array_equal(got[True], got[False]) and np.array_equal(got[True], WIDE)
-    assert np.array_equal(got[True], decode_rans(t))
+            got[way] = decode_rans_cpu(t, threads=threads, native=True)
+            assert lib.unw_rans_lanes_taken() == lanes_of(runs, t.low_bits > 0)
+            assert runs == way or way == "avx512" and not lib.unw_rans_use512(1)
+    for way in PATHS:
+        assert np.array_equal(got[way], bits), way
+    assert np.array_equal(got["portable"], decode_rans(t))
+
+
+SMALL = ("alphabet", "tables", "block_words", "states", "block_table", "block_escapes", "symbol_class", "low_freqs",
+         "context_table")
+
+
+@needs_c
+@given(st.sampled_from(list(DAMAGE_BASES)), st.data(), st.integers(0, 2**40), st.integers(0, 7))
+def test_index_checks_in_c_give_check_index_verdict(which: str, data: st.DataObject, where: int, bit: int) -> None:
+    """The index checks run in C (unw_rans_check) refuse exactly what RansTensor.check_index refuses, with its
+    message; a damaged small array (its CRC recomputed) that passes both decodes exactly or fails later."""
+    base, original = DAMAGE_BASES[which]
+    key = data.draw(st.sampled_from([k for k in SMALL if getattr(base, k).size]))
+    t = with_arrays(base, flipped(base, key, where, bit), fix_crc=True)
+    try:
+        t.check_index()
+        expected = None
+    except CodecError as e:
+        expected = str(e)
+    if expected is None:
+        decodes_exactly_or_raises(t, original)
+        return
+    with pytest.raises(CodecError) as got:
+        decode_rans_cpu(t, native=True)
+    assert str(got.value) == expected
 
 
 @needs_c
@@ -221,3 +278,27 @@ def test_scalar_cap_takes_no_avx2_lanes(monkeypatch: pytest.MonkeyPatch) -> None
     lib.unw_rans_lanes_taken()
     assert np.array_equal(decode_rans_cpu(WIDE_TWO, native=True), WIDE)
     assert lib.unw_rans_lanes_taken() == 0
+
+
+@needs_c
+@pytest.mark.parametrize("way", PATHS)
+def test_decode_into_a_poisoned_buffer_and_many_into_one(way: str) -> None:
+    """``out=``: every weight is written (the buffer starts as 0xFFFF, a NaN pattern in bf16), the returned array is
+    that buffer; ``decode_rans_many``: each tensor a view of one buffer, the same bits as decoding it alone; a wrong
+    ``out`` is refused naming the problem."""
+    tensors = [WIDE_TWO, WIDE_ROWS, WIDE_COLUMNS, encode_rans(WIDE[:3, :77], mantissa_bits=4)]
+    originals = [WIDE, WIDE, WIDE, WIDE[:3, :77]]
+    with path(way):
+        for t, original in zip(tensors, originals, strict=True):
+            out = np.full(t.n, 0xFFFF, np.uint16)
+            got = decode_rans_cpu(t, native=True, out=out)
+            assert np.shares_memory(got, out) and got.shape == original.shape and np.array_equal(got, original)
+        many = decode_rans_many(tensors)
+    assert all(m.base is many[0].base and m.base is not None for m in many)  # views of one buffer
+    for got, original in zip(many, originals, strict=True):
+        assert np.array_equal(got, original)
+    wrong = (np.zeros(WIDE.size, np.int16), np.zeros(WIDE.size + 1, np.uint16),
+             np.zeros((WIDE.size, 2), np.uint16)[:, 0])  # dtype, size, not contiguous
+    for bad in wrong:
+        with pytest.raises(ValueError, match="out must be a writeable contiguous uint16 array"):
+            decode_rans_cpu(WIDE_TWO, native=True, out=bad)

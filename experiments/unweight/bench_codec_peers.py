@@ -16,12 +16,13 @@ compress``, in both modes; ZipNN: the file's bytes in one ``ZipNN.compress`` cal
 * **one-thread decode GB/s**: bf16 bytes of tensor data out per second, from the compressed file (in the page
   cache) to decoded buffers in memory, nothing written to disk (the CLI end to end, writing included, is
   ``bench_codec_cli.py``): ours through ``Container`` with the C decoders at ``threads=1`` (every CRC-32
-  checked), ZipNN ``decompress`` at ``threads=1``, lmzip ``ArchiveIndex.decode`` chunk by chunk (its CRCs
-  checked; lmz's own ``decompress`` always writes a file), bigsmall ``decompress(dst=None)``. The process
-  is pinned to one core (``NUMBA_NUM_THREADS=1`` for bigsmall's numba kernels). ``--repeat`` runs, the
-  coders' order rotating from run to run; reported per coder: the median and best of the runs, and the
-  median over runs of its speed relative to ZipNN's in the same run (the ratio is the number to read on a
-  shared machine: absolute speeds move with other jobs' load).
+  checked; the rANS form as the CLI decodes it, each batch into one buffer: ``decode_rans_many``), ZipNN
+  ``decompress`` at ``threads=1``, lmzip ``ArchiveIndex.decode`` chunk by chunk (its CRCs checked; lmz's own
+  ``decompress`` always writes a file), bigsmall ``decompress(dst=None)``. The process is pinned to one core
+  (``NUMBA_NUM_THREADS=1`` for bigsmall's numba kernels). ``--repeat`` runs, the coders' order rotating from run
+  to run; reported per coder: the median and best of the runs, and the median over runs of its speed relative to
+  ZipNN's in the same run (the ratio is the number to read on a shared machine: absolute speeds move with other
+  jobs' load).
 
 Every decoded output is compared byte for byte with the input (tensor by tensor for the coders that give
 tensors, the whole file for those that give the file's bytes) before any timing; a coder that differs is an
@@ -133,7 +134,7 @@ class Coder:
 def ours(mode: str) -> Coder:
     from fast.codec.__main__ import encode_to_reference
     from fast.codec.decode_c import decode_cpu
-    from fast.codec.decode_rans_c import decode_rans_cpu
+    from fast.codec.decode_rans_c import decode_rans_many
     from reference.codec.container_read import Container
     from reference.codec.container_write import compress_checkpoint
     from reference.provenance import commit
@@ -143,7 +144,7 @@ def ours(mode: str) -> Coder:
 
     def decode(dst: Path) -> dict[str, np.ndarray]:
         with Container(dst, decoder=lambda cts: [decode_cpu(ct, threads=1) for ct in cts],
-                       rans_decoder=lambda ts: [decode_rans_cpu(t, threads=1) for t in ts]) as c:
+                       rans_decoder=lambda ts: decode_rans_many(ts, threads=1)) as c:
             return {name: array for name, array, _ in c.items()}
 
     label = {"unweight": "ours_unweight", "rans": "ours_rans"}[mode]

@@ -13,6 +13,7 @@ Public API (bf16 tensors are torch.bfloat16; forms are ``fast.codec.forms.Huffma
     decode_rans_cpu(t, threads=1) -> bits    the same for the rANS form (fast.codec.decode_rans_c; C,
                                              native/rans_decode.c): RansTensor -> uint16 bits, every
                                              FORMAT.md 9.6 check kept; NumPy fallback without a compiler
+    decode_rans_many(ts, threads=1) -> [bits]   several rANS-form tensors into one buffer (the CLI's decoder)
     decode_huffman(hform) -> bf16            Triton: Huffman form -> bf16, one lane per group
     transcode(hform) -> PaletteForm          Triton: Huffman form -> palette form (done once at load)
     decode_palette(pform) -> bf16            Triton: palette form -> bf16, tiles with verbatim patching
@@ -58,6 +59,7 @@ from typing import Any
 _HOME = {
     "HuffmanForm": "forms", "PaletteForm": "forms", "MatmulConfig": "matmul_triton", "fused_matmul": "matmul_triton",
     "UnweightLinear": "linear", "decode_cpu": "decode_c", "decode_rans_cpu": "decode_rans_c",
+    "decode_rans_many": "decode_rans_c",
     "decode_huffman": "decode_triton", "transcode": "decode_triton", "decode_palette": "palette_triton",
     "decode_palette_torch": "decode_torch", "transcode_torch": "decode_torch",
     "huffman_from_reference": "convert", "huffman_to_reference": "convert", "palette_from_reference": "convert",

@@ -70,10 +70,9 @@ def decode_batch(tensors: list[CompressedTensor]) -> list[np.ndarray]:
 
 def decode_rans_batch(tensors: list[RansTensor]) -> list[np.ndarray]:
     """Decode rANS-form tensors (headers checked, arrays not: the C decoder checks them)."""
-    from fast.codec.decode_rans_c import decode_rans_cpu
+    from fast.codec.decode_rans_c import decode_rans_many
 
-    threads = cli_threads()
-    return [decode_rans_cpu(t, threads=threads) for t in tensors]
+    return decode_rans_many(tensors, threads=cli_threads())
 
 
 def main(argv: list[str] | None = None, **kwargs: Any) -> int:

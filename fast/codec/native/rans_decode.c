@@ -40,6 +40,14 @@
  * One core of an Intel Xeon (Sapphire Rapids class), a whole model through decode_rans_cpu: SmolLM2 (two
  * stages) 6.6 ns per weight before the AVX2 two-stage lanes, 2.1 ns with them; MiniLM (one stage) 2.7 ns with
  * the earlier AVX2 lanes, 2.0 ns with these.
+ * With AVX-512 (F, BW, VL, DQ, VBMI; UNFIRE_CPU_ISA avx512 or amx) the AVX-512 lanes take the AVX2 lanes' place
+ * (see lanes_avx512): 16 lanes a vector, four blocks side by side, the refills by one expand, each value looked up
+ * in registers when the tensor has at most 256 symbols (its table entries then hold the symbol), and bf16 written
+ * by the lanes themselves (no pass over values and raw bits after them). The tables are built straight in their
+ * 32-bit form, the portable C after the wide lanes reads them too (decode_lanes_w), and every buffer is kept
+ * between calls (scratch.h). Same machine, the sum over a model's tensors of decode_rans_cpu (best of 3 each),
+ * UNFIRE_CPU_ISA=avx2 (the AVX2 lanes) against the AVX-512 lanes, in one run: SmolLM2 2.05 -> 1.79 ns per weight,
+ * Whisper tiny.en 1.69 -> 1.27, MiniLM 1.39 -> 1.12.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -48,6 +56,7 @@
 
 #include "builds.h"
 #include "crc32.h"
+#include "scratch.h"
 #include "threads.h"
 
 #define ESCAPE 0xFFFFu /* the value an escape symbol's entry holds (alphabet values are < 2^15) */
@@ -55,7 +64,11 @@
 
 enum { OK, BAD_WORDS, BAD_ESCAPES, BAD_CRC, NO_MEMORY };
 
-static int lanes_taken; /* the AVX2 lanes that ran since unw_rans_lanes_taken last asked: 1 one stage, 2 two */
+static int lanes_taken; /* the lanes that ran since unw_rans_lanes_taken last asked: AVX2 1 one stage, 2 two;
+                         * AVX-512 4 one stage, 8 two */
+/* the AVX-512 lanes: the CPU has AVX-512 F, BW, VL, DQ and VBMI; UNFIRE_CPU_ISA allows them (avx512 on); in use (that, the
+ * AVX2 build in use, and not switched off by unw_rans_use512) */
+static int avx512_cpu, avx512_cap = 1, avx512_on = 1;
 
 /* Tables by context (FORMAT.md 9.2, context_period P > 0): weight i's first-stage table is
  * context_table[(i // D) % P]; base[c] is where table context_table[c] starts in the decoding tables. */
@@ -105,6 +118,10 @@ typedef struct {
     int64_t raw_len, esc_len, words, n_escapes, n, block_size, n_blocks, next_block;
     int lanes, p, m, k, n_tables;
     Ctx ctx; /* ctx.period > 0: tables by context (block_table unused) */
+    int l512, bf16; /* the AVX-512 lanes decode the blocks' whole steps; they write bf16 (m + k = 7) */
+    const uint16_t *sym; /* with the AVX-512 lanes and at most 64 symbols (or 256, one stage): each symbol's value
+                          * [256] and class << 4 [64] (decw then holds symbols, not classes); else NULL */
+    int sym_level;       /* lanes512_fns' first index: 0 no sym, 1 at most 64 symbols, 2 at most 256 */
     uint16_t *out;
     struct Block *blocks;
 } Rans;
@@ -208,6 +225,47 @@ static inline __attribute__((always_inline)) uint64_t decode_lanes2(const uint64
             pos += need;
             x[l] = xl;
             lows[base + l] = (uint8_t)e;
+        }
+        if (cx)
+            ctx_step(cx, ir, ic, nl, cr, cc);
+    }
+    return pos;
+}
+
+/* decode_lanes (and decode_lanes2, with two stages) on the wide lanes' 32-bit tables (p = 12, 32 lanes: see
+ * build_wide), in portable C, every read clamped: what the wide lanes leave of a block (its last partial step, the
+ * steps near the stream's end). tabw: the block's table (by context: all of them), valw its values (or the
+ * symbols' values and classes, r->sym); vals and lows from the block's weight `first - block start` on. */
+static uint64_t decode_lanes_w(const Rans *r, const uint32_t *tabw, const uint32_t *valw, const uint16_t *stream,
+                               uint64_t pos, uint64_t last_word, uint32_t *x, uint16_t *vals, uint8_t *lows,
+                               uint8_t *cls, int64_t len, const Ctx *cx, int64_t first, int64_t *cnt) {
+    const int lanes = 32;
+    const uint16_t *sym = r->sym;
+    int64_t *cr = cnt, *cc = cnt + lanes, ir = 0, ic = 0;
+    if (cx) {
+        ctx_start(cx, first, lanes, cr, cc);
+        ir = lanes % cx->stride, ic = lanes / cx->stride % cx->period;
+    }
+    for (int64_t base = 0; base < len; base += lanes) {
+        int nl = (int)min64(lanes, len - base);
+        for (int l = 0; l < nl; l++) {
+            uint32_t xl = x[l], idx = (cx ? cx->base[cc[l]] : 0) + (xl & 4095), e = tabw[idx], field = e >> 12 & 0xFF;
+            xl = ((e & 4095) + 1) * (xl >> 12) + (e >> 20);
+            uint32_t need = xl < STATE_LOW, word = stream[pos > last_word ? last_word : pos];
+            xl = xl << (need << 4) | (word & (0u - need));
+            pos += need;
+            x[l] = xl;
+            vals[base + l] = (uint16_t)(sym ? sym[field] : valw[idx]);
+            cls[l] = (uint8_t)(sym ? sym[256 + (field & 63)] >> 4 : field);
+        }
+        for (int l = 0; r->k && l < nl; l++) {
+            uint32_t xl = x[l], e = r->dec2w[((uint32_t)cls[l] << 12) + (xl & 4095)];
+            xl = ((e & 4095) + 1) * (xl >> 12) + (e >> 20);
+            uint32_t need = xl < STATE_LOW, word = stream[pos > last_word ? last_word : pos];
+            xl = xl << (need << 4) | (word & (0u - need));
+            pos += need;
+            x[l] = xl;
+            lows[base + l] = (uint8_t)(e >> 12);
         }
         if (cx)
             ctx_step(cx, ir, ic, nl, cr, cc);
@@ -569,6 +627,270 @@ __attribute__((target("avx2,bmi,bmi2"))) static int64_t join8_avx2(uint16_t *o, 
 }
 #endif
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define HAVE_LANES_AVX512 1
+#define TARGET512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,bmi,bmi2,popcnt")))
+/* The AVX-512 lanes (32 lanes, p = 12, the same 32-bit tables as the AVX2 lanes): a block's 32 lanes are two
+ * vectors of 16. A sub-step of 16 lanes: the new states as in SUBSTEP_AVX2, the lanes needing a word in a mask
+ * register (one compare), and their words put in place by one expand of the next 16 words (vpexpandd: the
+ * lanes that need one take consecutive words in lane order, FORMAT.md 9.4), no shuffle table. Each lane's value
+ * is gathered in the step, beside its table entry (off the chain of states), or with at most 64 symbols looked up
+ * in registers (SYM). Where every block starts on a raw byte (BF16) the step writes the 32 weights' bf16 at once:
+ * with m + k = 7 the raw bits are the signs (what the encoder picks for two stages: the step's 4 raw bytes are a
+ * mask), else each lane's w-bit raw field is cut from the step's 4w raw bytes by one byte permute (vpermb: the
+ * field's two bytes) and a shift; an escape's weight is written without its value and its position kept, the value
+ * or-ed in after the lanes (escapes in weight order). Otherwise the step stores the values (and low bits), joined
+ * with the raw bits after the lanes as behind the AVX2 lanes. Same bits as every other path. */
+typedef struct {
+    const uint32_t *tabw, *valw; /* the block's first-stage table and its slots' values (by context: all tables) */
+    uint64_t pos;
+    uint32_t *x;
+    uint16_t *vals; /* values (escapes: ESCAPE), when not writing bf16 */
+    uint8_t *lows;  /* low bits, when not writing bf16 (two stages) */
+    uint16_t *out;  /* bf16 of the block's weights, when writing it */
+    const uint8_t *raw; /* the raw bits of the block's first weight on, when writing bf16 */
+    uint32_t *escaped; /* the positions in the block of the escaped weights written so far, in weight order */
+    int64_t n_escaped, first;
+} Lanes512;
+
+/* One sub-step of 16 lanes in AVX-512 (see above); pos moves on by the words taken. */
+#define SUBSTEP_AVX512(e, xs, stream, pos)                                                                        \
+    do {                                                                                                         \
+        __m512i q_ = _mm512_srli_epi32(xs, 12);                                                                  \
+        __m512i y_ = _mm512_add_epi32(_mm512_mullo_epi32(_mm512_and_si512(e, slot_mask), q_),                    \
+                                      _mm512_add_epi32(q_, _mm512_srli_epi32(e, 20)));                           \
+        __mmask16 need_ = _mm512_cmplt_epu32_mask(y_, state_low);                                                \
+        __m512i w_ = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((stream) + (pos))));             \
+        xs = _mm512_mask_or_epi32(y_, need_, _mm512_slli_epi32(y_, 16), _mm512_maskz_expand_epi32(need_, w_));   \
+        pos += (uint64_t)__builtin_popcount((unsigned)need_);                                                    \
+    } while (0)
+
+/* The AVX-512 lanes for NB blocks side by side, one stage or two (TWO), tables by block or by context (KIND, as
+ * lanes_avx2), writing bf16 (BF16: low = 7 - m, w = 8 - m - k raw bits a weight) or values. Steps from t0 while
+ * every block has steps left (steps) and a step cannot read past the stream's end; returns the step it stopped at. */
+TARGET512 static inline __attribute__((always_inline)) int64_t
+lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream, uint64_t words, Lanes512 *L,
+             int64_t t0, int64_t steps, const int NB, const int TWO, const Ctx *cx, const int KIND, const int BF16,
+             const int SYM, int low, int w) {
+    const __m512i slot_mask = _mm512_set1_epi32(4095), state_low = _mm512_set1_epi32((int)STATE_LOW);
+    const __m512i class_mask = _mm512_set1_epi32(0xFF000), byte = _mm512_set1_epi32(255);
+    const __m512i sign = _mm512_set1_epi32(0x8000), lane16 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                                  11, 12, 13, 14, 15);
+    const __m512i escape = _mm512_set1_epi32(ESCAPE);
+    const __m128i lowcount = _mm_cvtsi32_si128(low);
+    /* BF16 with w > 1: lane l of group g takes raw bytes 2wg + (wl >> 3) and the next (vpermb), shifted right by
+     * wl mod 8, w bits; the sign is bit q = w - 1 (to bit 15), then q mantissa bits; the low bits go above them */
+    const int q = w - 1;
+    const __m128i qcount = _mm_cvtsi32_si128(q), signcount = _mm_cvtsi32_si128(15 - q);
+    const __m512i fmask = _mm512_set1_epi32((1 << w) - 1), qmask = _mm512_set1_epi32((1 << q) - 1);
+    const __mmask32 step_bytes = (__mmask32)((1ull << (4 * w)) - 1);
+    __m512i pick[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()}, shift = pick[0];
+    if (BF16 && w > 1) {
+        int32_t p_[2][16], s_[16];
+        for (int l = 0; l < 16; l++) {
+            s_[l] = w * l & 7;
+            for (int g = 0; g < 2; g++) {
+                int b = 2 * w * g + (w * l >> 3);
+                p_[g][l] = b | (b + 1) << 8;
+            }
+        }
+        pick[0] = _mm512_loadu_si512((const void *)p_[0]), pick[1] = _mm512_loadu_si512((const void *)p_[1]);
+        shift = _mm512_loadu_si512((const void *)s_);
+    }
+    /* SYM (1: at most 64 symbols, 4: 256): the entries hold the symbol where the AVX2 lanes' hold the class; its
+     * value (and with two stages, SYM = 1, its class << 4) is looked up in registers: a permute of words picks among
+     * 64 (two 32-word tables), SYM of them and a choice by bits 6 and 7 of the symbol among 256 */
+    const __m512i word = _mm512_set1_epi32(0xFFFF), bit6 = _mm512_set1_epi32(64), bit7 = _mm512_set1_epi32(128);
+    __m512i vt[8], cls_lo = word, cls_hi = word;
+    for (int h = 0; h < 8; h++)
+        vt[h] = h < 2 * SYM ? _mm512_loadu_si512((const void *)(sym + 32 * h)) : word;
+    if (SYM && TWO)
+        cls_lo = _mm512_loadu_si512((const void *)(sym + 256)), cls_hi = _mm512_loadu_si512((const void *)(sym + 288));
+    __m512i xs[NB][2], cr[NB][2], cc[NB][2];
+    __m512i ir = _mm512_setzero_si512(), ic = ir, dm1 = ir, pm1 = ir, dd = ir, pp = ir;
+    uint64_t pos[NB];
+    int64_t r0[NB], c0[NB]; /* CTX_COLUMN, CTX_ROWS: lane 0's r and c */
+    if (KIND == CTX_ROWS)
+        dm1 = _mm512_set1_epi32((int)cx->stride - 1);
+    if (KIND == CTX_COLUMN || KIND == CTX_ROWS)
+        for (int k = 0; k < NB; k++) {
+            int64_t i = L[k].first + 32 * t0;
+            r0[k] = i % cx->stride, c0[k] = i / cx->stride % cx->period;
+        }
+    if (KIND == CTX_ANY) {
+        ir = _mm512_set1_epi32((int)(32 % cx->stride)), ic = _mm512_set1_epi32((int)(32 / cx->stride % cx->period));
+        dd = _mm512_set1_epi32((int)cx->stride), pp = _mm512_set1_epi32((int)cx->period);
+        dm1 = _mm512_set1_epi32((int)cx->stride - 1), pm1 = _mm512_set1_epi32((int)cx->period - 1);
+    }
+    for (int k = 0; k < NB; k++) {
+        pos[k] = L[k].pos;
+        for (int g = 0; g < 2; g++)
+            xs[k][g] = _mm512_loadu_si512((const void *)(L[k].x + 16 * g));
+        if (KIND == CTX_ANY) {
+            int64_t r64[32], c64[32];
+            int32_t r32[32], c32[32];
+            ctx_start(cx, L[k].first + 32 * t0, 32, r64, c64);
+            for (int l = 0; l < 32; l++)
+                r32[l] = (int32_t)r64[l], c32[l] = (int32_t)c64[l];
+            for (int g = 0; g < 2; g++) {
+                cr[k][g] = _mm512_loadu_si512((const void *)(r32 + 16 * g));
+                cc[k][g] = _mm512_loadu_si512((const void *)(c32 + 16 * g));
+            }
+        }
+    }
+    int64_t t = t0;
+    for (; t < steps; t++) {
+        int room = 1;
+        for (int k = 0; k < NB; k++)
+            room &= pos[k] + 32 * (1 + TWO) <= words; /* a step reads at most 32 words per stage */
+        if (!room)
+            break;
+        for (int k = 0; k < NB; k++) {
+            __m512i e[2], v[2];
+            for (int g = 0; g < 2; g++) { /* first symbols: the values (with a context: the lanes' tables) */
+                __m512i slot = _mm512_and_si512(xs[k][g], slot_mask);
+                if (KIND == CTX_COLUMN) /* lanes 16g ... 16g + 15: contexts c0 + 16g ... (base repeats past P) */
+                    slot = _mm512_or_si512(slot, _mm512_loadu_si512((const void *)(cx->base + c0[k] + 16 * g)));
+                if (KIND == CTX_ROWS) { /* row c0, or the next one for the lanes past its end */
+                    int64_t c1 = c0[k] + 1 == cx->period ? 0 : c0[k] + 1;
+                    __mmask16 next = _mm512_cmpgt_epi32_mask(
+                        _mm512_add_epi32(lane16, _mm512_set1_epi32((int)(r0[k] + 16 * g))), dm1);
+                    slot = _mm512_or_si512(slot, _mm512_mask_blend_epi32(next, _mm512_set1_epi32((int)cx->base[c0[k]]),
+                                                                         _mm512_set1_epi32((int)cx->base[c1])));
+                }
+                if (KIND == CTX_ANY) {
+                    slot = _mm512_or_si512(slot, _mm512_i32gather_epi32(cc[k][g], (const void *)cx->base, 4));
+                    __m512i r_ = _mm512_add_epi32(cr[k][g], ir);
+                    __mmask16 wrap_ = _mm512_cmpgt_epi32_mask(r_, dm1); /* r >= D */
+                    cr[k][g] = _mm512_mask_sub_epi32(r_, wrap_, r_, dd);
+                    __m512i c_ = _mm512_mask_add_epi32(_mm512_add_epi32(cc[k][g], ic), wrap_,
+                                                       _mm512_add_epi32(cc[k][g], ic), _mm512_set1_epi32(1));
+                    cc[k][g] = _mm512_mask_sub_epi32(c_, _mm512_cmpgt_epi32_mask(c_, pm1), c_, pp);
+                }
+                e[g] = _mm512_i32gather_epi32(slot, (const void *)L[k].tabw, 4);
+                if (SYM) { /* the symbol's value (a word permute reads the low 6 bits of each word of e >> 12) */
+                    __m512i s_ = _mm512_srli_epi32(e[g], 12), r_ = _mm512_permutex2var_epi16(vt[0], s_, vt[1]);
+                    if (SYM == 4) {
+                        __mmask16 b6 = _mm512_test_epi32_mask(s_, bit6), b7 = _mm512_test_epi32_mask(s_, bit7);
+                        __m512i r1 = _mm512_permutex2var_epi16(vt[2], s_, vt[3]);
+                        __m512i r2 = _mm512_permutex2var_epi16(vt[4], s_, vt[5]);
+                        __m512i r3 = _mm512_permutex2var_epi16(vt[6], s_, vt[7]);
+                        r_ = _mm512_mask_blend_epi32(b7, _mm512_mask_blend_epi32(b6, r_, r1),
+                                                     _mm512_mask_blend_epi32(b6, r2, r3));
+                    }
+                    v[g] = _mm512_and_si512(r_, word);
+                } else
+                    v[g] = _mm512_i32gather_epi32(slot, (const void *)L[k].valw, 4);
+            }
+            if (KIND == CTX_COLUMN) { /* the next step's contexts: 32 on (32 mod P < P: one subtraction) */
+                c0[k] += 32 % cx->period;
+                c0[k] -= c0[k] >= cx->period ? cx->period : 0;
+            }
+            if (KIND == CTX_ROWS && (r0[k] += 32) >= cx->stride) /* D >= 32: at most one row on */
+                r0[k] -= cx->stride, c0[k] = c0[k] + 1 == cx->period ? 0 : c0[k] + 1;
+            for (int g = 0; g < 2; g++) {
+                __m512i base2 = _mm512_and_si512(e[g], class_mask); /* class * 4096 */
+                if (SYM && TWO) /* class << 4 by symbol, from the table */
+                    base2 = _mm512_slli_epi32(_mm512_and_si512(
+                        _mm512_permutex2var_epi16(cls_lo, _mm512_srli_epi32(e[g], 12), cls_hi), word), 8);
+                SUBSTEP_AVX512(e[g], xs[k][g], stream, pos[k]);
+                e[g] = base2;
+            }
+            __m512i u[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            if (TWO) {
+                for (int g = 0; g < 2; g++) /* second symbols: the low bits */
+                    e[g] = _mm512_i32gather_epi32(_mm512_or_si512(e[g], _mm512_and_si512(xs[k][g], slot_mask)),
+                                                  (const void *)tab2w, 4);
+                for (int g = 0; g < 2; g++) {
+                    SUBSTEP_AVX512(e[g], xs[k][g], stream, pos[k]);
+                    u[g] = _mm512_and_si512(_mm512_srli_epi32(e[g], 12), byte);
+                }
+            }
+            if (BF16) { /* sign | value << low | low bits, the escapes' values left out (kept: their positions) */
+                __mmask16 esc0 = _mm512_cmpeq_epi32_mask(v[0], escape), esc1 = _mm512_cmpeq_epi32_mask(v[1], escape);
+                uint32_t s = 0;
+                __m512i bytes = _mm512_setzero_si512();
+                if (w == 1) /* the signs: a bit a weight */
+                    memcpy(&s, L[k].raw + 4 * t, 4);
+                else /* 4w bytes (a masked load: never past them) */
+                    bytes = _mm512_castsi256_si512(_mm256_maskz_loadu_epi8(step_bytes, L[k].raw + 4 * w * t));
+                for (int g = 0; g < 2; g++) {
+                    __m512i o = _mm512_sll_epi32(_mm512_maskz_mov_epi32(g ? ~esc1 : ~esc0, v[g]), lowcount);
+                    if (w == 1) {
+                        o = _mm512_or_si512(o, u[g]);
+                        o = _mm512_mask_or_epi32(o, (__mmask16)(s >> 16 * g), o, sign);
+                    } else {
+                        __m512i f = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi8(pick[g], bytes), shift),
+                                                     fmask);
+                        o = _mm512_or_si512(_mm512_or_si512(o, _mm512_sll_epi32(_mm512_andnot_si512(qmask, f), signcount)),
+                                            _mm512_or_si512(_mm512_sll_epi32(u[g], qcount), _mm512_and_si512(f, qmask)));
+                    }
+                    _mm256_storeu_si256((__m256i *)(L[k].out + 32 * t + 16 * g), _mm512_cvtepi32_epi16(o));
+                }
+                for (uint32_t m = (uint32_t)esc0 | (uint32_t)esc1 << 16; m; m &= m - 1) /* rare */
+                    L[k].escaped[L[k].n_escaped++] = (uint32_t)(32 * t + __builtin_ctz(m));
+            } else {
+                for (int g = 0; g < 2; g++) {
+                    _mm256_storeu_si256((__m256i *)(L[k].vals + 32 * t + 16 * g), _mm512_cvtepi32_epi16(v[g]));
+                    if (TWO)
+                        _mm_storeu_si128((__m128i *)(L[k].lows + 32 * t + 16 * g), _mm512_cvtepi32_epi8(u[g]));
+                }
+            }
+        }
+    }
+    for (int k = 0; k < NB; k++) {
+        L[k].pos = pos[k];
+        for (int g = 0; g < 2; g++)
+            _mm512_storeu_si512((void *)(L[k].x + 16 * g), xs[k][g]);
+    }
+    return t;
+}
+
+/* lanes_avx512 for one block or four (NB), one stage or two (TWO), writing bf16 or values (BF16), values by
+ * symbol or gathered (SYM): one function per table kind (by block, column, rows, any) */
+#define LANES_AVX512(name, NB, TWO, BF16, SYM)                                                                  \
+    LANES_AVX512_KIND(name, NB, TWO, BF16, SYM, CTX_NONE)                                                       \
+    LANES_AVX512_KIND(name##_column, NB, TWO, BF16, SYM, CTX_COLUMN)                                            \
+    LANES_AVX512_KIND(name##_rows, NB, TWO, BF16, SYM, CTX_ROWS)                                                \
+    LANES_AVX512_KIND(name##_any, NB, TWO, BF16, SYM, CTX_ANY)
+#define LANES_AVX512_KIND(name, NB, TWO, BF16, SYM, KIND)                                                       \
+    TARGET512 static int64_t name(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,            \
+                                  uint64_t words, Lanes512 *L, int64_t t0, int64_t steps, const Ctx *cx, int low, \
+                                  int w) {                                                                      \
+        return lanes_avx512(tab2w, sym, stream, words, L, t0, steps, NB, TWO, cx, KIND, BF16, SYM, low, w);      \
+    }
+#define LANES_AVX512_NB(name, TWO, BF16, SYM)                                                                   \
+    LANES_AVX512(name, 1, TWO, BF16, SYM)                                                                       \
+    LANES_AVX512(name##_quad, 4, TWO, BF16, SYM)
+LANES_AVX512_NB(l512_one, 0, 0, 0)
+LANES_AVX512_NB(l512_two, 1, 0, 0)
+LANES_AVX512_NB(l512_one_bf16, 0, 1, 0)
+LANES_AVX512_NB(l512_two_bf16, 1, 1, 0)
+LANES_AVX512_NB(l512_one_sym, 0, 0, 1)
+LANES_AVX512_NB(l512_two_sym, 1, 0, 1)
+LANES_AVX512_NB(l512_one_bf16_sym, 0, 1, 1)
+LANES_AVX512_NB(l512_two_bf16_sym, 1, 1, 1)
+LANES_AVX512_NB(l512_one_sym256, 0, 0, 4)
+LANES_AVX512_NB(l512_one_bf16_sym256, 0, 1, 4)
+#undef LANES_AVX512
+#undef LANES_AVX512_KIND
+#undef LANES_AVX512_NB
+
+typedef int64_t (*Lanes512Fn)(const uint32_t *, const uint16_t *, const uint16_t *, uint64_t, Lanes512 *, int64_t,
+                              int64_t, const Ctx *, int, int);
+/* [values: gathered, by symbol (64), by symbol (256; one stage only)][BF16][two stages][one block, four][kind] */
+#define LANES512_ROW(name) {name, name##_column, name##_rows, name##_any}
+#define LANES512_NB(name) {LANES512_ROW(name), LANES512_ROW(name##_quad)}
+static const Lanes512Fn lanes512_fns[3][2][2][2][4] = {
+    {{LANES512_NB(l512_one), LANES512_NB(l512_two)}, {LANES512_NB(l512_one_bf16), LANES512_NB(l512_two_bf16)}},
+    {{LANES512_NB(l512_one_sym), LANES512_NB(l512_two_sym)},
+     {LANES512_NB(l512_one_bf16_sym), LANES512_NB(l512_two_bf16_sym)}},
+    {{LANES512_NB(l512_one_sym256), LANES512_NB(l512_two)},  /* (two stages never take 256 symbols) */
+     {LANES512_NB(l512_one_bf16_sym256), LANES512_NB(l512_two_bf16)}}};
+#undef LANES512_ROW
+#undef LANES512_NB
+#endif
+
 /* bf16 of weights j, j + 8, ... of a block whose first weight start is a multiple of 8, 8 at a time: the 8 raw
  * fields of w = 8 - m - k bits (sign, then q = 7 - m - k mantissa bits) lie in w whole bytes, read with one
  * 64-bit load; values (escapes resolved in weight order) and, with k > 0, low bits. Stops where a load would pass
@@ -605,8 +927,8 @@ static inline __attribute__((always_inline)) uint64_t block_start(const Rans *r,
     return r->block_words[b];
 }
 
-/* Whether blocks go through the AVX2 lanes (32 lanes, p = 12, the AVX2 build: the 32-bit tables were built; with a
- * context, D and P < 2^31 and at most 16 tables). */
+/* Whether blocks go through the AVX2 or AVX-512 lanes (32 lanes, p = 12, the AVX2 build: the 32-bit tables were
+ * built; with a context, D and P < 2^31 and at most 16 tables); which: r->l512. */
 static inline __attribute__((always_inline)) int wide(const Rans *r) {
     return use_wide && r->decw != NULL
            && (!r->ctx.period || (r->n_tables <= 16 && r->ctx.stride < INT32_MAX && r->ctx.period < INT32_MAX));
@@ -617,24 +939,46 @@ static inline __attribute__((always_inline)) int64_t block_table(const Rans *r, 
     return r->ctx.period ? 0 : (int64_t)min64(r->block_table[b], r->n_tables - 1);
 }
 
+/* The kind of context (CTX_*) the wide lanes take for r. */
+static inline __attribute__((always_inline)) int ctx_kind(const Rans *r) {
+    return !r->ctx.period ? CTX_NONE : r->ctx.stride == 1 ? CTX_COLUMN : r->ctx.stride >= 32 ? CTX_ROWS : CTX_ANY;
+}
+
 /* Decode block b (see the top of this file). x: its lanes' states and pos its word position after `done`
- * weights (0, or whole steps a pair of the AVX2 lanes decoded into vals, as slots, and lows). */
+ * weights (0, or whole steps a pair of the AVX2 lanes decoded into vals, as slots, and lows; or of the AVX-512
+ * lanes, as values and lows, or as bf16 in the output with the positions of n_escaped escaped weights in
+ * escaped). */
 static inline __attribute__((always_inline)) void decode_block(const Rans *r, int64_t b, uint16_t *vals,
                                                                uint8_t *lows, uint8_t *cls, int64_t *cnt, uint32_t *x,
-                                                               int64_t done, uint64_t pos) {
+                                                               int64_t done, uint64_t pos, uint32_t *escaped,
+                                                               int64_t n_escaped) {
     Block *job = &r->blocks[b];
     const int lanes = r->lanes, low = 7 - r->m, w_raw = 8 - r->m - r->k, w_esc = 8 + r->m;
     int64_t start = b * r->block_size, len = min64(r->block_size, r->n - start);
     job->crc_raw = crc_piece(r->raw, r->raw_len, b, r->n_blocks, &job->raw_bytes);
     job->crc_stream = crc_piece((const uint8_t *)r->stream, 2 * r->words, b, r->n_blocks, &job->stream_bytes);
     job->crc_esc = crc_piece(r->escapes, r->esc_len, b, r->n_blocks, &job->esc_bytes);
-    const uint64_t *tab = r->dec + (block_table(r, b) << r->p);
+    const uint64_t *tab = r->dec ? r->dec + (block_table(r, b) << r->p) : NULL; /* (the portable lanes' tables) */
     const Ctx *cx = r->ctx.period ? &r->ctx : NULL;
     static const uint16_t no_word = 0;
     const uint16_t *stream = r->words ? r->stream : &no_word;
     const uint64_t last_word = r->words ? (uint64_t)r->words - 1 : 0;
     int64_t slots = 0; /* with the AVX2 lanes: vals[0 .. slots) holds slots (their values: value) */
+    int64_t fused = 0; /* with the AVX-512 lanes writing bf16: the output's first `fused` weights are written */
     const uint32_t *value = NULL;
+    uint16_t *restrict o = r->out + start;
+#ifdef HAVE_LANES_AVX512
+    if (r->l512) { /* the whole steps the pair left */
+        int64_t table = block_table(r, b) << 12;
+        Lanes512 L = {r->decw + table, r->valw ? r->valw + table : NULL, pos, x, vals, lows, o,
+                      r->raw + start / 8 * w_raw, escaped, n_escaped, start};
+        done = 32 * lanes512_fns[r->sym_level][r->bf16][r->k > 0][0][ctx_kind(r)](
+            r->dec2w, r->sym, stream, (uint64_t)r->words, &L, done / 32, len / 32, &r->ctx, low, w_raw);
+        pos = L.pos, n_escaped = L.n_escaped;
+        fused = r->bf16 ? done : 0;
+        __atomic_or_fetch(&lanes_taken, r->k ? 8 : 4, __ATOMIC_RELAXED);
+    } else
+#endif
 #ifdef HAVE_LANES_AVX2
     if (wide(r)) { /* the whole steps the pair left */
         int64_t table = block_table(r, b) << 12;
@@ -645,7 +989,13 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
         __atomic_or_fetch(&lanes_taken, r->k ? 2 : 1, __ATOMIC_RELAXED);
     }
 #endif
-    if (r->k) { /* two stages: two words per weight at most */
+    if (done < len && r->decw) { /* what the wide lanes left, on their tables */
+        int64_t table = block_table(r, b) << 12;
+        pos = decode_lanes_w(r, r->decw + table, r->valw ? r->valw + table : NULL, stream, pos, last_word, x, vals + done,
+                             lows + done, cls, len - done, cx, start + done, cnt);
+        done = len;
+    }
+    if (r->k && done < len) { /* two stages: two words per weight at most */
         const uint64_t *tab2 = r->dec2;
         int64_t rest = len - done;
         int64_t first = start + done;
@@ -684,8 +1034,10 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     }
     /* escapes (in weight order: each escape symbol takes the next escape field) and bf16, in one pass */
     uint64_t esc = r->block_escapes[b], esc_end = r->block_escapes[b + 1];
-    uint16_t *restrict o = r->out + start;
-    int64_t j = 0;
+    int64_t j = fused;
+    for (int64_t i = 0; fused && i < n_escaped; i++, esc++) /* the AVX-512 lanes' escaped weights: their values */
+        o[escaped[i]] |= (uint16_t)((esc < esc_end && esc < (uint64_t)r->n_escapes
+                                     ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc) : 0) << low);
     if (r->k) { /* two stages: bf16 = sign | value << (7 - m) | low << q | q raw bits */
         const int q = 7 - r->m - r->k;
 #ifdef HAVE_LANES_AVX2
@@ -693,7 +1045,7 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
             j = join1_avx2(r, o, vals, value, lows, r->raw + start / 8, r->raw + r->raw_len, slots, low, &esc, esc_end);
         if (j < slots) /* the slots' values where join1_avx2 did not take them */
             values_avx2(vals + j, value, slots - j);
-        if (use_wide && w_raw > 1 && start % 8 == 0) { /* escapes first, then 8 weights at a time */
+        if (!fused && use_wide && w_raw > 1 && start % 8 == 0) { /* escapes first, then 8 weights at a time */
             esc = escapes_avx2(r, vals, len, esc, esc_end);
             j = join8_avx2(o, vals, lows, r->raw + start / 8 * w_raw, r->raw + r->raw_len, len, r->m, r->k);
         }
@@ -724,7 +1076,9 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
 #ifdef HAVE_LANES_AVX2
     if (slots && !r->k) /* the slots' values */
         values_avx2(vals, value, slots);
-    if (use_wide && w_raw == 6 && start % 4 == 0 && !r->k) { /* escapes first, then 8 weights at a time */
+    if (fused)
+        ; /* the AVX-512 lanes wrote bf16: the weights after them below */
+    else if (use_wide && w_raw == 6 && start % 4 == 0 && !r->k) { /* escapes first, then 8 weights at a time */
         esc = escapes_avx2(r, vals, len, esc, esc_end);
         j = join6_avx2(o, vals, r->raw + start / 4 * 3, r->raw + r->raw_len, len);
     } else if (use_wide && start % 8 == 0 && !r->k) { /* any other m: the same, by join8_avx2 */
@@ -767,26 +1121,55 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
 static inline __attribute__((always_inline)) void *work_body(void *arg) {
     Rans *r = arg;
     size_t most = (size_t)min64(r->block_size, r->n > 0 ? r->n : 1);
-    uint16_t *vals = malloc(2 * sizeof(uint16_t) * most);
-    uint8_t *lows = malloc(r->k ? 2 * most : 1), *cls = malloc((size_t)r->lanes);
-    uint32_t *x = malloc(2 * sizeof(uint32_t) * (size_t)r->lanes);
+    const int group = r->l512 ? 4 : 2; /* the most blocks decoded side by side */
+    uint16_t *vals = scratch_take(group * sizeof(uint16_t) * most);
+    uint8_t *lows = scratch_take(r->k ? group * most : 1), *cls = malloc((size_t)r->lanes);
+    uint32_t *x = malloc(group * sizeof(uint32_t) * (size_t)r->lanes);
     int64_t *cnt = malloc(2 * sizeof(int64_t) * (size_t)r->lanes);
+    uint32_t *escaped = r->bf16 ? scratch_take(group * sizeof(uint32_t) * most) : cnt; /* (cnt: any non-NULL) */
     int64_t b;
     while (1) {
         int pair = 0;
 #ifdef HAVE_LANES_AVX2
         pair = wide(r);
 #endif
-        if ((b = __atomic_fetch_add(&r->next_block, 1 + pair, __ATOMIC_RELAXED)) >= r->n_blocks)
+        int take = r->l512 ? 4 : 1 + pair;
+        if ((b = __atomic_fetch_add(&r->next_block, take, __ATOMIC_RELAXED)) >= r->n_blocks)
             break;
-        if (!(vals && lows && cls && x && cnt)) {
-            for (int64_t c = b; c <= b + pair && c < r->n_blocks; c++)
+        if (!(vals && lows && cls && x && cnt && escaped)) {
+            for (int64_t c = b; c < b + take && c < r->n_blocks; c++)
                 r->blocks[c].error = NO_MEMORY;
             continue;
         }
+#ifdef HAVE_LANES_AVX512
+        if (r->l512) { /* four blocks side by side (the tensor's last ones, fewer than four, each alone) */
+            int nb = (int)min64(4, r->n_blocks - b);
+            if (nb == 4) {
+                const int g = 4;
+                Lanes512 L[4];
+                int64_t steps = min64(r->block_size, r->n - (b + g - 1) * r->block_size) / 32;
+                for (int k = 0; k < g; k++) {
+                    int64_t s0 = (b + k) * r->block_size, t0 = block_table(r, b + k) << 12;
+                    Lanes512 l = {r->decw + t0, r->valw ? r->valw + t0 : NULL, block_start(r, b + k, x + 32 * k),
+                                  x + 32 * k, vals + k * most, r->k ? lows + k * most : lows, r->out + s0,
+                                  r->raw + s0 / 8 * (8 - r->m - r->k), r->bf16 ? escaped + k * most : escaped, 0, s0};
+                    L[k] = l;
+                }
+                int64_t done = 32 * lanes512_fns[r->sym_level][r->bf16][r->k > 0][1][ctx_kind(r)](
+                    r->dec2w, r->sym, r->stream, (uint64_t)r->words, L, 0, steps, &r->ctx, 7 - r->m, 8 - r->m - r->k);
+                for (int k = 0; k < g; k++)
+                    decode_block(r, b + k, L[k].vals, L[k].lows, cls, cnt, L[k].x, done, L[k].pos, L[k].escaped,
+                                 L[k].n_escaped);
+                continue;
+            }
+            for (; nb > 0; b++, nb--) /* the tensor's last blocks, each alone */
+                decode_block(r, b, vals, lows, cls, cnt, x, 0, block_start(r, b, x), escaped, 0);
+            continue;
+        }
+#endif
         uint64_t pos = block_start(r, b, x);
         if (!pair || b + 1 == r->n_blocks) {
-            decode_block(r, b, vals, lows, cls, cnt, x, 0, pos);
+            decode_block(r, b, vals, lows, cls, cnt, x, 0, pos, escaped, 0);
             continue;
         }
 #ifdef HAVE_LANES_AVX2
@@ -797,12 +1180,14 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
                        {r->decw + (block_table(r, b + 1) << 12), block_start(r, b + 1, x + 32), x + 32, vals + most,
                         lows1, (b + 1) * r->block_size}};
         int64_t done = 32 * lanes_wide(r, 1, L, 0, steps);
-        decode_block(r, b, vals, lows, cls, cnt, x, done, L[0].pos);
-        decode_block(r, b + 1, vals + most, lows1, cls, cnt, x + 32, done, L[1].pos);
+        decode_block(r, b, vals, lows, cls, cnt, x, done, L[0].pos, escaped, 0);
+        decode_block(r, b + 1, vals + most, lows1, cls, cnt, x + 32, done, L[1].pos, escaped, 0);
 #endif
     }
-    free(vals);
-    free(lows);
+    scratch_give(vals);
+    scratch_give(lows);
+    if (r->bf16)
+        scratch_give(escaped);
     free(cls);
     free(x);
     free(cnt);
@@ -814,19 +1199,46 @@ TWO_BUILDS(work, work_body) /* builds.h: any CPU, or AVX2 + BMI2 */
 /* Use the AVX2 + BMI2 build if wide (and the CPU has it); returns 1 if it is in use. For the tests. */
 int unw_rans_use(int wide) { return builds_use(wide); }
 
-/* Which AVX2 lanes decoded blocks since the last call (bit 0: one stage, bit 1: two stages), and forget. For the
- * tests (that two-stage tensors take the AVX2 lanes where the cap allows). */
+static void avx512_init(void) {
+#if defined(HAVE_LANES_AVX512)
+    __builtin_cpu_init();
+    avx512_cpu = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                 && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")
+                 && __builtin_cpu_supports("avx512vbmi");
+#endif
+}
+static pthread_once_t avx512_once = PTHREAD_ONCE_INIT;
+
+/* Whether the AVX-512 lanes decode (the CPU has them, UNFIRE_CPU_ISA allows them and the AVX2 build is in use). */
+static int avx512_in_use(void) {
+    pthread_once(&avx512_once, avx512_init);
+    return avx512_cpu && avx512_cap && avx512_on && use_wide;
+}
+
+/* Let the AVX-512 lanes decode if on (where the CPU, the cap and the build allow; else the AVX2 lanes do); returns
+ * 1 if they are in use. For the tests. */
+int unw_rans_use512(int on) {
+    avx512_on = on;
+    return avx512_in_use();
+}
+
+/* Which lanes decoded blocks since the last call (AVX2: bit 0 one stage, bit 1 two stages; AVX-512: bits 2 and 3),
+ * and forget. For the tests (that tensors take the wide lanes where the cap allows). */
 int unw_rans_lanes_taken(void) { return __atomic_exchange_n(&lanes_taken, 0, __ATOMIC_RELAXED); }
 
 /* Cap the paths at instruction set isa (builds.h's ISA_*: UNFIRE_CPU_ISA, set by decode_rans_c.py when it
- * loads the library): the AVX2 lanes (the AVX2 + BMI2 build) from avx2 on, the CRC as crc_isa. Returns the
- * paths in use: bit 0 the AVX2 + BMI2 build, bits 2-3 the CRC level (as unw_isa of decode.c). */
-int unw_rans_isa(int isa) { return builds_isa(isa) | crc_isa(isa) << 2; }
+ * loads the library): the AVX2 lanes (the AVX2 + BMI2 build) from avx2 on, the AVX-512 lanes from avx512 on, the CRC
+ * as crc_isa. Returns the paths in use: bit 0 the AVX2 + BMI2 build, bits 2-3 the CRC level (as unw_isa of
+ * decode.c), bit 4 the AVX-512 lanes. */
+int unw_rans_isa(int isa) {
+    avx512_cap = isa >= ISA_AVX512;
+    return builds_isa(isa) | crc_isa(isa) << 2 | avx512_in_use() << 4;
+}
 
 /* The decoding table of each frequency table: entry k * M + slot = class << 48 | f[s] << 32 | (slot - c[s]) << 16
  * | value of the symbol s owning the slot (value: ESCAPE for s == A, or the symbol itself when alphabet is NULL;
  * class: its second-stage table, symbol_class[s] clamped below n_classes, or 0 without symbol_class). Rows summing
- * to more than M are cut at M; slots of rows summing to less stay 0 (Python has refused both already). */
+ * to more than M are cut at M; slots of rows summing to less are 0 (Python has refused both already). */
 static void build_tables(uint64_t *dec, const uint16_t *tables, const uint16_t *alphabet, int a, int k, int p,
                          const uint8_t *symbol_class, int n_classes) {
     int64_t m = (int64_t)1 << p;
@@ -838,7 +1250,104 @@ static void build_tables(uint64_t *dec, const uint16_t *tables, const uint16_t *
             for (uint64_t i = 0; i < f && slot < m; i++, slot++)
                 dec[t * m + slot] = cls << 48 | f << 32 | i << 16 | value;
         }
+        for (; slot < m; slot++) /* a row summing to less than M (refused before; never read as garbage) */
+            dec[t * m + slot] = 0;
     }
+}
+
+/* The 32-bit tables of the wide lanes (p = 12), straight from the frequencies: entry t * 4096 + slot = (f - 1) mod 4096
+ * | field << 12 | (slot - c) << 20 for the symbol s owning the slot, field its class (symbol_class[s] clamped below
+ * n_classes; 0 without symbol_class), or s itself if by_symbol; and in valw (if not NULL) its value (ESCAPE for
+ * s == a, s itself when alphabet is NULL). Rows summing to more than 4096 are cut, slots of rows summing to less
+ * are 0 (Python has refused both already). */
+static void build_wide(uint32_t *decw, uint32_t *valw, const uint16_t *tables, const uint16_t *alphabet, int a, int k,
+                       const uint8_t *symbol_class, int n_classes, int by_symbol) {
+    const int64_t m = 4096;
+    for (int t = 0; t < k; t++) {
+        uint32_t *row = decw + t * m, *vrow = valw ? valw + t * m : NULL;
+        int64_t slot = 0;
+        for (int s = 0; s <= a && slot < m; s++) {
+            uint32_t f = tables[(int64_t)t * (a + 1) + s], value = !alphabet ? (uint32_t)s : s < a ? alphabet[s] : ESCAPE;
+            uint32_t field = by_symbol ? (uint32_t)s
+                                       : symbol_class ? (uint32_t)(symbol_class[s] < n_classes ? symbol_class[s]
+                                                                                               : n_classes - 1) : 0;
+            uint32_t head = ((f - 1) & 0xFFF) | (field & 0xFF) << 12;
+            int64_t from = slot, end = min64(m, slot + f);
+            for (uint32_t i = 0; slot < end; i++, slot++)
+                row[slot] = head | i << 20;
+            for (int64_t j = from; vrow && j < end; j++)
+                vrow[j] = value;
+        }
+        for (; slot < m; slot++) {
+            row[slot] = 0;
+            if (vrow)
+                vrow[slot] = 0;
+        }
+    }
+}
+
+/* The checks of RansTensor.check_index (reference/codec/rans/format.py, FORMAT.md 9.6) on the small arrays, in C:
+ * the same verdicts, microseconds instead of a few dozen NumPy calls per tensor. Returns 0, or which check failed
+ * (decode_rans_c.py's INDEX_ERRORS, in check_index's order). The arrays have the lengths the header implies
+ * (RansTensor.check_header ran first). */
+int unw_rans_check(const uint16_t *alphabet, int a, int mantissa_bits, const uint16_t *tables, int n_tables,
+                   int prob_bits, const uint8_t *block_table, int64_t n_block_table, const uint8_t *context_table,
+                   int64_t period, int low_bits, int low_tables, const uint16_t *low_freqs,
+                   const uint8_t *symbol_class, int64_t n_symbol_class, const uint32_t *block_words,
+                   const uint32_t *block_escapes, const uint32_t *states, int64_t n_blocks, int lanes, int64_t words,
+                   int64_t n_escapes, int64_t n, int64_t block_size) {
+    uint64_t seen[512]; /* a bit per value < 2^15 */
+    memset(seen, 0, sizeof seen);
+    for (int s = 0; s < a; s++) {
+        uint32_t v = alphabet[s];
+        if (v >> (8 + mantissa_bits) || seen[v >> 6] >> (v & 63) & 1)
+            return 1;
+        seen[v >> 6] |= 1ull << (v & 63);
+    }
+    if (n_blocks && !n_tables)
+        return 2;
+    for (int t = 0; t < n_tables; t++) {
+        int64_t sum = 0;
+        for (int s = 0; s <= a; s++)
+            sum += tables[(int64_t)t * (a + 1) + s];
+        if (sum != (int64_t)1 << prob_bits)
+            return 3;
+    }
+    for (int64_t b = 0; b < n_block_table; b++)
+        if (block_table[b] >= n_tables)
+            return 4;
+    for (int64_t c = 0; c < period; c++)
+        if (context_table[c] >= n_tables)
+            return 4;
+    if (low_bits && n_blocks && !low_tables)
+        return 5;
+    for (int t = 0; t < low_tables; t++) {
+        int64_t sum = 0;
+        for (int u = 0; u < 1 << low_bits; u++)
+            sum += low_freqs[((int64_t)t << low_bits) + u];
+        if (sum != (int64_t)1 << prob_bits)
+            return 6;
+    }
+    for (int64_t s = 0; s < n_symbol_class; s++)
+        if (symbol_class[s] >= low_tables)
+            return 7;
+    const uint32_t *starts[2] = {block_words, block_escapes};
+    int64_t ends[2] = {words, n_escapes};
+    for (int key = 0; key < 2; key++) {
+        const uint32_t *st = starts[key];
+        if (st[0] != 0 || st[n_blocks] != ends[key])
+            return 8 + key;
+        for (int64_t b = 0; b < n_blocks; b++)
+            if (st[b + 1] < st[b])
+                return 8 + key;
+    }
+    for (int64_t b = 0; b < n_blocks; b++)
+        if (block_escapes[b + 1] - block_escapes[b] > min64(block_size, n - b * block_size))
+            return 10;
+    for (int64_t i = 0; i < n_blocks * lanes; i++)
+        if (states[i] < STATE_LOW)
+            return 11;
+    return 0;
 }
 
 /* Decode a checked rANS-form tensor (see the top of this file) into out (uint16 [n]). crc_io[0..3]: the
@@ -871,49 +1380,83 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
             }
         return OK;
     }
-    uint64_t *dec = calloc((size_t)(n_tables > 0 ? n_tables : 1) << prob_bits, sizeof(uint64_t));
-    /* two stages: at least one (zero) second-stage table, so that a class never points outside */
-    size_t n_dec2 = (size_t)(low_tables > 0 ? low_tables : 1) << prob_bits;
-    size_t n_dec = (size_t)(n_tables > 0 ? n_tables : 1) << prob_bits;
-    uint64_t *dec2 = low_bits ? calloc(n_dec2, sizeof(uint64_t)) : NULL;
-    /* the AVX2 lanes' 32-bit tables (f - 1 and slot - c take 12 bits each at p = 12, the class or low bits 8) */
-    int wide_tables = prob_bits == 12 && lanes == 32 && use_wide;
-    uint32_t *decw = wide_tables ? malloc(n_dec * sizeof(uint32_t)) : NULL;
-    uint32_t *dec2w = wide_tables && low_bits ? malloc(n_dec2 * sizeof(uint32_t)) : NULL;
-    uint32_t *valw = wide_tables ? malloc(n_dec * sizeof(uint32_t)) : NULL;
-    Block *blocks = calloc((size_t)r.n_blocks, sizeof(Block));
     /* by context: where each context's table starts (table << p; tables past the last read the last) */
-    uint32_t *ctx_base = context_period > 0 ? malloc((size_t)(context_period + 32) * sizeof(uint32_t)) : NULL;
-    if (!dec || !blocks || (low_bits && !dec2) || (wide_tables && (!decw || !valw || (low_bits && !dec2w)))
-        || (context_period > 0 && !ctx_base)) {
-        free(ctx_base);
-        free(dec);
-        free(dec2);
-        free(decw);
-        free(dec2w);
-        free(valw);
-        free(blocks);
-        return NO_MEMORY;
-    }
-    build_tables(dec, tables, alphabet, alphabet_size, n_tables, prob_bits, low_bits ? symbol_class : NULL,
-                 low_tables > 0 ? low_tables : 1);
-    if (low_bits)
-        build_tables(dec2, low_freqs, NULL, (1 << low_bits) - 1, low_tables, prob_bits, NULL, 1);
-    for (size_t i = 0; wide_tables && i < n_dec; i++) { /* f <= M after build_tables' cut; a slot left 0 reads f = 1 */
-        decw[i] = (uint32_t)((dec[i] >> 32) - 1) & 0xFFF | (uint32_t)(dec[i] >> 48) << 12
-                  | (uint32_t)(dec[i] >> 16 & 0xFFF) << 20;
-        valw[i] = (uint16_t)dec[i];
-    }
-    for (size_t i = 0; wide_tables && low_bits && i < n_dec2; i++)
-        dec2w[i] = (uint32_t)((dec2[i] >> 32) - 1) & 0xFFF | (uint32_t)(dec2[i] & 0xFF) << 12
-                   | (uint32_t)(dec2[i] >> 16 & 0xFFF) << 20;
-    r.dec = dec, r.dec2 = dec2, r.decw = decw, r.dec2w = dec2w, r.valw = valw, r.blocks = blocks;
     r.n_tables = n_tables > 0 ? n_tables : 1;
-    for (int64_t c = 0; c < context_period; c++)
+    uint32_t *ctx_base = context_period > 0 ? scratch_take((size_t)(context_period + 32) * sizeof(uint32_t)) : NULL;
+    for (int64_t c = 0; ctx_base && c < context_period; c++)
         ctx_base[c] = (uint32_t)min64(context_table[c], r.n_tables - 1) << prob_bits;
-    for (int64_t c = context_period; c > 0 && c < context_period + 32; c++) /* repeating: see Ctx */
+    for (int64_t c = context_period; ctx_base && c < context_period + 32; c++) /* repeating: see Ctx */
         ctx_base[c] = ctx_base[c % context_period];
     r.ctx.base = ctx_base, r.ctx.stride = context_stride > 0 ? context_stride : 1, r.ctx.period = context_period;
+    /* The tables (kept between calls: scratch.h). The wide lanes (AVX2 or AVX-512: 32 lanes, p = 12, the AVX2 build;
+     * with a context, D and P < 2^31 and at most 16 tables) and the portable C after them read 32-bit tables (f - 1
+     * and slot - c in 12 bits each, the class or low bits in 8); the portable lanes elsewhere the 64-bit ones. With
+     * the AVX-512 lanes and at most 64 symbols (the escape's included), the entries hold the symbol in place of the
+     * class, its value and class coming from two small tables (sym). Two stages: at least one (zero) second-stage
+     * table, so that a class never points outside. */
+    size_t n_dec = (size_t)r.n_tables << prob_bits, n_dec2 = (size_t)(low_tables > 0 ? low_tables : 1) << prob_bits;
+    int wide_tables = prob_bits == 12 && lanes == 32 && use_wide
+                      && (!context_period || (r.n_tables <= 16 && r.ctx.stride < INT32_MAX && context_period < INT32_MAX));
+    int by_symbol = wide_tables && avx512_in_use() && alphabet_size + 1 <= (low_bits ? 64 : 256);
+    uint64_t *dec = wide_tables ? NULL : scratch_take(n_dec * sizeof(uint64_t));
+    uint64_t *dec2 = !wide_tables && low_bits ? scratch_take(n_dec2 * sizeof(uint64_t)) : NULL;
+    uint32_t *decw = wide_tables ? scratch_take(n_dec * sizeof(uint32_t)) : NULL;
+    uint32_t *dec2w = wide_tables && low_bits ? scratch_take(n_dec2 * sizeof(uint32_t)) : NULL;
+    uint32_t *valw = wide_tables && !by_symbol ? scratch_take(n_dec * sizeof(uint32_t)) : NULL;
+    Block *blocks = scratch_take((size_t)r.n_blocks * sizeof(Block));
+    if (!blocks || (context_period > 0 && !ctx_base) || (wide_tables ? !decw || (low_bits && !dec2w) || (!by_symbol && !valw)
+                                                                     : !dec || (low_bits && !dec2))) {
+        scratch_give(ctx_base);
+        scratch_give(dec);
+        scratch_give(dec2);
+        scratch_give(decw);
+        scratch_give(dec2w);
+        scratch_give(valw);
+        scratch_give(blocks);
+        return NO_MEMORY;
+    }
+    memset(blocks, 0, (size_t)r.n_blocks * sizeof(Block));
+    uint16_t sym[320];
+    if (by_symbol) {
+        memset(sym, 0, sizeof sym);
+        for (int s = 0; s <= alphabet_size; s++) {
+            sym[s] = s < alphabet_size ? alphabet[s] : ESCAPE;
+            if (low_bits) /* (then at most 64 symbols) */
+                sym[256 + s] = (uint16_t)(min64(symbol_class[s], (low_tables > 0 ? low_tables : 1) - 1) << 4);
+        }
+    }
+    if (wide_tables) {
+        build_wide(decw, valw, tables, alphabet, alphabet_size, n_tables, low_bits ? symbol_class : NULL,
+                   low_tables > 0 ? low_tables : 1, by_symbol);
+        if (low_bits)
+            build_wide(dec2w, NULL, low_freqs, NULL, (1 << low_bits) - 1, low_tables, NULL, 1, 1); /* field: u */
+    } else {
+        build_tables(dec, tables, alphabet, alphabet_size, n_tables, prob_bits, low_bits ? symbol_class : NULL,
+                     low_tables > 0 ? low_tables : 1);
+        if (low_bits)
+            build_tables(dec2, low_freqs, NULL, (1 << low_bits) - 1, low_tables, prob_bits, NULL, 1);
+    }
+    if (n_tables <= 0) { /* no table (refused before): the one table read is zeros */
+        if (dec)
+            memset(dec, 0, n_dec * sizeof(uint64_t));
+        if (decw)
+            memset(decw, 0, n_dec * sizeof(uint32_t));
+        if (valw)
+            memset(valw, 0, n_dec * sizeof(uint32_t));
+    }
+    if (low_bits && low_tables <= 0) {
+        if (dec2)
+            memset(dec2, 0, n_dec2 * sizeof(uint64_t));
+        if (dec2w)
+            memset(dec2w, 0, n_dec2 * sizeof(uint32_t));
+    }
+    r.dec = dec, r.dec2 = dec2, r.decw = decw, r.dec2w = dec2w, r.valw = valw, r.blocks = blocks;
+    /* the AVX-512 lanes where the AVX2 lanes would run; writing bf16 where every block starts on a raw byte and
+     * the raw array holds the raw bits of every weight */
+    r.l512 = avx512_in_use() && wide(&r);
+    r.sym = r.l512 && by_symbol ? sym : NULL;
+    r.sym_level = !r.sym ? 0 : alphabet_size + 1 <= 64 ? 1 : 2;
+    r.bf16 = r.l512 && block_size % 8 == 0 && raw_len >= (n * (8 - mantissa_bits - low_bits) + 7) / 8;
     threads = threads < 1 ? 1 : threads > MAX_THREADS ? MAX_THREADS : threads;
     run_threads(work, &r, 0, (int)min64(threads, r.n_blocks));
     int error = OK;
@@ -933,13 +1476,13 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
         if (!error)
             got[3] = crc_join(got[3], blocks[b].crc_out, 2 * min64(block_size, n - b * block_size), &shift[3]);
     }
-    free(dec);
-    free(dec2);
-    free(decw);
-    free(dec2w);
-    free(valw);
-    free(blocks);
-    free(ctx_base);
+    scratch_give(dec);
+    scratch_give(dec2);
+    scratch_give(decw);
+    scratch_give(dec2w);
+    scratch_give(valw);
+    scratch_give(blocks);
+    scratch_give(ctx_base);
     if (error == NO_MEMORY)
         return error;
     for (int a = 0; a < 3; a++)
