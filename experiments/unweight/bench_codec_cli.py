@@ -1,9 +1,9 @@
-"""The decompression command end to end: ``python -m fast.codec decompress`` against ZipNN's decompress + save_file.
+"""The decompression command end to end: ``python -m fast.codec decompress`` against ZipNN's and lmzip's.
 
     python -m experiments.unweight.bench_codec_cli [--weights minilm smollm2] [--repeat 5] [--json PATH]
 
 What a user runs to get a plain bf16 safetensors file back, timed as a whole process (interpreter start,
-imports, reading the compressed file, decoding, writing the output, exit), one thread on one core for both:
+imports, reading the compressed file, decoding, writing the output, exit), one thread on one core for each:
 
 * **ours**: ``python -m fast.codec decompress CONTAINER OUT`` (``OMP_NUM_THREADS=1``: the C decoders at one
   thread; the output written through ``atomic_output``, fsync included), for the Huffman container and the rANS
@@ -11,17 +11,22 @@ imports, reading the compressed file, decoding, writing the output, exit), one t
 * **ZipNN**: a script that opens a safetensors file of ZipNN-compressed tensors (one uint8 blob per tensor,
   ``ZipNN(input_format='byte', bytearray_dtype='bfloat16', threads=1)``, shapes in the metadata), decompresses
   each with ``ZipNN.decompress``, wraps it as a torch bf16 tensor (no copy) and writes them all with
-  ``safetensors.torch.save_file`` (``torch.set_num_threads(1)``).
+  ``safetensors.torch.save_file`` (``torch.set_num_threads(1)``);
+* **lmzip** (where installed: ``pip install -e ".[peers]"``; else skipped with a line saying so): a script that
+  runs ``lmz.decompress(archive, out, workers=1)`` (its CRCs checked), the archive made by ``lmz.compress`` of
+  the whole file (its default level), which writes the file back byte for byte.
 
 Input: every floating-point tensor with >= 2 dimensions cast to bf16, as one safetensors file (as
-``bench_codec_peers.py``). Every run's output is checked: ours byte-identical to the input file, ZipNN's tensor
-by tensor (save_file orders its header its own way). ``--repeat`` runs alternate the commands; reported: each
-command's median and best wall time, the median over runs of ZipNN's time / ours (the number to read on a shared
-machine), and a bare ``python -c pass`` for the interpreter's own start. The CPU is named in the result.
+``bench_codec_peers.py``). Every run's output is checked: ours and lmzip's byte-identical to the input file,
+ZipNN's tensor by tensor (save_file orders its header its own way). ``--repeat`` runs alternate the commands;
+reported: each command's median and best wall time, the median over runs of ZipNN's time / ours and lmzip's time /
+ours (the numbers to read on a shared machine), and a bare ``python -c pass`` for the interpreter's own start.
+The CPU is named in the result.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from experiments.unweight.bench_codec_peers import (
+    PEERS_EXTRA,
     arguments,
     model_tensors,
     package_version,
@@ -60,6 +66,13 @@ with safe_open(sys.argv[1], "np") as f:
 save_file(out, sys.argv[2])
 """
 
+LMZIP_DECOMPRESS = """
+import sys
+import lmz
+lmz.decompress(sys.argv[1], sys.argv[2], workers=1, overwrite=True)
+"""
+
+
 def zipnn_file(tensors: dict[str, np.ndarray], path: Path) -> None:
     """A safetensors file of ZipNN-compressed tensors: one uint8 blob each, their shapes in the metadata."""
     import zipnn
@@ -84,7 +97,7 @@ def timed(cmd: list[str], env: dict[str, str]) -> float:
     return time.perf_counter() - start
 
 
-def measure_model(weights: str, repeat: int, workdir: Path, env: dict[str, str]) -> dict[str, Any]:
+def measure_model(weights: str, repeat: int, workdir: Path, env: dict[str, str], lmzip: bool = False) -> dict[str, Any]:
     from fast.codec.__main__ import encode_to_reference
     from reference.codec.container_write import compress_checkpoint
 
@@ -97,10 +110,17 @@ def measure_model(weights: str, repeat: int, workdir: Path, env: dict[str, str])
     for mode in ("unweight", "rans"):
         inputs[f"ours_{mode}"] = workdir / f"{weights}.{mode}.safetensors"
         compress_checkpoint(str(src), inputs[f"ours_{mode}"], mode=mode, encoder=encode_to_reference)
+    if lmzip:
+        import lmz
+
+        inputs["lmzip"] = workdir / f"{weights}.lmz"
+        lmz.compress(str(src), str(inputs["lmzip"]), workers=1)
     out = workdir / f"{weights}.out.safetensors"
     cmds = {name: [sys.executable, "-m", "fast.codec", "decompress", str(path), str(out)]
-            for name, path in inputs.items() if name != "zipnn"}
+            for name, path in inputs.items() if name.startswith("ours")}
     cmds["zipnn"] = [sys.executable, "-c", ZIPNN_DECOMPRESS, str(inputs["zipnn"]), str(out)]
+    if lmzip:
+        cmds["lmzip"] = [sys.executable, "-c", LMZIP_DECOMPRESS, str(inputs["lmzip"]), str(out)]
     cmds["python_start"] = [sys.executable, "-c", "pass"]
     runs: dict[str, list[float]] = {name: [] for name in cmds}
     for r in range(repeat + 1):  # run 0 warms the page cache and builds the C decoders: checked, not timed
@@ -108,7 +128,7 @@ def measure_model(weights: str, repeat: int, workdir: Path, env: dict[str, str])
         for name in names[r % len(names):] + names[:r % len(names)]:
             out.unlink(missing_ok=True)
             seconds = timed(cmds[name], env)
-            if name.startswith("ours") and out.read_bytes() != source:
+            if (name.startswith("ours") or name == "lmzip") and out.read_bytes() != source:
                 raise AssertionError(f"{name}: the decompressed file differs from the input")
             if name == "zipnn" and not same_tensors(out, tensors):
                 raise AssertionError("zipnn: the decompressed tensors differ from the input")
@@ -123,6 +143,9 @@ def measure_model(weights: str, repeat: int, workdir: Path, env: dict[str, str])
             row["commands"][name]["zipnn_over_ours_median"] = float(np.median(
                 [z / o for z, o in zip(runs["zipnn"], times, strict=True)]))
             row["commands"][name]["zipnn_over_ours_best"] = min(runs["zipnn"]) / min(times)
+            if "lmzip" in runs:
+                row["commands"][name]["lmzip_over_ours_median"] = float(np.median(
+                    [z / o for z, o in zip(runs["lmzip"], times, strict=True)]))
     return row
 
 
@@ -137,23 +160,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {
         "machine": machine(), "cpu": describe_cpu(), "commit": commit(), "cores": cores, "repeat": args.repeat,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "versions": {"zipnn": package_version("zipnn"), "safetensors": package_version("safetensors"),
-                     "torch": package_version("torch")},
+        "versions": {"zipnn": package_version("zipnn"), "lmzip": package_version("lmzip"),
+                     "safetensors": package_version("safetensors"), "torch": package_version("torch")},
         "what": "whole processes, one core, one thread: start, imports, read, decode, write (ours with fsync), exit",
         "models": []}
+    lmzip = importlib.util.find_spec("lmz") is not None
+    if not lmzip:
+        print(f"lmzip is not installed: skipped ({PEERS_EXTRA})")
     with tempfile.TemporaryDirectory(prefix="bench_codec_cli.") as tmp:
         for weights in args.weights:
-            row = measure_model(weights, args.repeat, Path(tmp), env)
+            row = measure_model(weights, args.repeat, Path(tmp), env, lmzip)
             result["models"].append(row)
             c = row["commands"]
             print(f"{weights}: {row['file_bytes'] / 1e6:.1f} MB of bf16 out; whole process, one core, median of "
                   f"{args.repeat} (bare python start {c['python_start']['median_s']:.2f} s)")
             z = c["zipnn"]
             print(f"  {'zipnn decompress + save_file':36s} {z['median_s']:.2f} s (best {z['best_s']:.2f})")
+            if "lmzip" in c:
+                print(f"  {'lmz.decompress':36s} {c['lmzip']['median_s']:.2f} s (best {c['lmzip']['best_s']:.2f})")
             for name in (n for n in c if n.startswith("ours")):
+                versus = f", {c[name]['lmzip_over_ours_median']:.2f}x lmzip's" if "lmzip" in c else ""
                 print(f"  {name:36s} {c[name]['median_s']:.2f} s (best {c[name]['best_s']:.2f}) = "
                       f"{c[name]['zipnn_over_ours_median']:.2f}x ZipNN's speed (best times "
-                      f"{c[name]['zipnn_over_ours_best']:.2f}x)")
+                      f"{c[name]['zipnn_over_ours_best']:.2f}x){versus}")
     return store(result, load_before, args.json)
 
 
