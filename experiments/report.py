@@ -309,7 +309,7 @@ def codec_peers_lines(results_dir: Path) -> list[str]:
         return []
     return ["", "Whole files, every coder (`experiments/unweight/bench_codec_peers.py`): each model's 2-D+ tensors "
             "as one bf16 safetensors file; ratio = that file / the compressed file; decode = one thread on one core, "
-            "compressed file (page cache) to buffers in memory, median of "
+            "each model in a process of its own, compressed file (page cache) to buffers in memory, median of "
             f"{r.get('repeat', '?')} runs (x ZipNN: the same runs' time ratio); every output byte-identical. "
             f"{r.get('cpu', '?')}; commit {r.get('commit', '?')}; {r.get('date', '?')}.", "",
             "| model | " + " | ".join(n if n.startswith("ours") else f"{n} {r['versions'][n]}" for n in names) + " |",
