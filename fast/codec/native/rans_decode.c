@@ -106,6 +106,28 @@ static inline __attribute__((always_inline)) void ctx_step(const Ctx *cx, int64_
     }
 }
 
+/* The wide lanes' contexts at the weight `first` (32 lanes a step): lane 0's r and c (CTX_COLUMN, CTX_ROWS) ... */
+static inline __attribute__((always_inline)) void ctx_lane0(const Ctx *cx, int64_t first, int64_t *r0, int64_t *c0) {
+    *r0 = first % cx->stride, *c0 = first / cx->stride % cx->period;
+}
+
+/* ... and every lane's, as 32-bit r and c (CTX_ANY: D and P < 2^31). */
+static inline __attribute__((always_inline)) void ctx_lanes32(const Ctx *cx, int64_t first, int32_t *r32,
+                                                              int32_t *c32) {
+    int64_t r64[32], c64[32];
+    ctx_start(cx, first, 32, r64, c64);
+    for (int l = 0; l < 32; l++)
+        r32[l] = (int32_t)r64[l], c32[l] = (int32_t)c64[l];
+}
+
+/* Whether each of the nb blocks' next step of the wide lanes reads inside the stream (at most 32 words a stage). */
+static inline __attribute__((always_inline)) int room_for_step(const uint64_t *pos, int nb, int two, uint64_t words) {
+    int room = 1;
+    for (int k = 0; k < nb; k++)
+        room &= pos[k] + 32 * (1 + two) <= words;
+    return room;
+}
+
 typedef struct {
     const uint8_t *raw, *escapes, *block_table;
     const uint16_t *stream;
@@ -340,11 +362,8 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
     const __m256i lane8 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     if (KIND == CTX_ROWS)
         dm1 = _mm256_set1_epi32((int)cx->stride - 1);
-    if (KIND == CTX_COLUMN || KIND == CTX_ROWS)
-        for (int k = 0; k < NB; k++) {
-            int64_t i = L[k].first + 32 * t0;
-            r0[k] = i % cx->stride, c0[k] = i / cx->stride % cx->period;
-        }
+    for (int k = 0; (KIND == CTX_COLUMN || KIND == CTX_ROWS) && k < NB; k++)
+        ctx_lane0(cx, L[k].first + 32 * t0, &r0[k], &c0[k]);
     if (KIND == CTX_ANY) {
         ir = _mm256_set1_epi32((int)(32 % cx->stride)), ic = _mm256_set1_epi32((int)(32 / cx->stride % cx->period));
         dd = _mm256_set1_epi32((int)cx->stride), pp = _mm256_set1_epi32((int)cx->period);
@@ -355,11 +374,8 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
         for (int g = 0; g < 4; g++)
             xs[k][g] = _mm256_loadu_si256((const __m256i *)(L[k].x + 8 * g));
         if (KIND == CTX_ANY) {
-            int64_t r64[32], c64[32];
             int32_t r32[32], c32[32];
-            ctx_start(cx, L[k].first + 32 * t0, 32, r64, c64);
-            for (int l = 0; l < 32; l++)
-                r32[l] = (int32_t)r64[l], c32[l] = (int32_t)c64[l];
+            ctx_lanes32(cx, L[k].first + 32 * t0, r32, c32);
             for (int g = 0; g < 4; g++) {
                 cr[k][g] = _mm256_loadu_si256((const __m256i *)(r32 + 8 * g));
                 cc[k][g] = _mm256_loadu_si256((const __m256i *)(c32 + 8 * g));
@@ -368,10 +384,7 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
     }
     int64_t t = t0;
     for (; t < steps; t++) {
-        int room = 1;
-        for (int k = 0; k < NB; k++)
-            room &= pos[k] + 32 * (1 + TWO) <= words; /* a step reads at most 32 words per stage */
-        if (!room)
+        if (!room_for_step(pos, NB, TWO, words))
             break;
         for (int k = 0; k < NB; k++) {
             __m256i e[4], slot[4];
@@ -712,11 +725,8 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
     int64_t r0[NB], c0[NB]; /* CTX_COLUMN, CTX_ROWS: lane 0's r and c */
     if (KIND == CTX_ROWS)
         dm1 = _mm512_set1_epi32((int)cx->stride - 1);
-    if (KIND == CTX_COLUMN || KIND == CTX_ROWS)
-        for (int k = 0; k < NB; k++) {
-            int64_t i = L[k].first + 32 * t0;
-            r0[k] = i % cx->stride, c0[k] = i / cx->stride % cx->period;
-        }
+    for (int k = 0; (KIND == CTX_COLUMN || KIND == CTX_ROWS) && k < NB; k++)
+        ctx_lane0(cx, L[k].first + 32 * t0, &r0[k], &c0[k]);
     if (KIND == CTX_ANY) {
         ir = _mm512_set1_epi32((int)(32 % cx->stride)), ic = _mm512_set1_epi32((int)(32 / cx->stride % cx->period));
         dd = _mm512_set1_epi32((int)cx->stride), pp = _mm512_set1_epi32((int)cx->period);
@@ -727,11 +737,8 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
         for (int g = 0; g < 2; g++)
             xs[k][g] = _mm512_loadu_si512((const void *)(L[k].x + 16 * g));
         if (KIND == CTX_ANY) {
-            int64_t r64[32], c64[32];
             int32_t r32[32], c32[32];
-            ctx_start(cx, L[k].first + 32 * t0, 32, r64, c64);
-            for (int l = 0; l < 32; l++)
-                r32[l] = (int32_t)r64[l], c32[l] = (int32_t)c64[l];
+            ctx_lanes32(cx, L[k].first + 32 * t0, r32, c32);
             for (int g = 0; g < 2; g++) {
                 cr[k][g] = _mm512_loadu_si512((const void *)(r32 + 16 * g));
                 cc[k][g] = _mm512_loadu_si512((const void *)(c32 + 16 * g));
@@ -740,10 +747,7 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
     }
     int64_t t = t0;
     for (; t < steps; t++) {
-        int room = 1;
-        for (int k = 0; k < NB; k++)
-            room &= pos[k] + 32 * (1 + TWO) <= words; /* a step reads at most 32 words per stage */
-        if (!room)
+        if (!room_for_step(pos, NB, TWO, words))
             break;
         for (int k = 0; k < NB; k++) {
             __m512i e[2], v[2];
