@@ -169,6 +169,12 @@ static inline __attribute__((always_inline)) uint32_t field(const uint8_t *a, in
     return (uint32_t)(v >> (off & 7)) & ((1u << w) - 1);
 }
 
+/* The value of the escape taken as number esc of a block whose escapes end before esc_end (FORMAT.md 9.4): the
+ * next escape field, or 0 past the block's or the array's escapes (damaged input, reported by the count after). */
+static inline __attribute__((always_inline)) uint32_t escape_value(const Rans *r, uint64_t esc, uint64_t esc_end) {
+    return esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc, 8 + r->m) : 0;
+}
+
 /* The CRC of piece b of n_blocks even pieces of an array of len bytes; its length in *bytes. */
 static uint32_t crc_piece(const uint8_t *a, int64_t len, int64_t b, int64_t n_blocks, int64_t *bytes) {
     int64_t lo = len * b / n_blocks, hi = len * (b + 1) / n_blocks;
@@ -532,8 +538,7 @@ __attribute__((target("avx2,bmi,bmi2"))) static int64_t join1_avx2(const Rans *r
             _mm256_storeu_si256((__m256i *)vs, v);
             for (int i = 0; i < 16; i++)
                 if (vs[i] == ESCAPE) {
-                    vs[i] = esc < esc_end && esc < (uint64_t)r->n_escapes
-                                ? (uint16_t)field(r->escapes, r->esc_len, (int64_t)esc, 8 + r->m) : 0;
+                    vs[i] = escape_value(r, esc, esc_end);
                     esc++;
                 }
             v = _mm256_loadu_si256((const __m256i *)vs);
@@ -562,8 +567,7 @@ __attribute__((target("avx2,bmi,bmi2,popcnt"))) static uint64_t escapes_avx2(con
                 _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(vals + j)), escape));
         for (int64_t k = j; m && k < j + 16 && k < len; k++, m >>= 2)
             if (vals[k] == ESCAPE) {
-                vals[k] = esc < esc_end && esc < (uint64_t)r->n_escapes
-                              ? (uint16_t)field(r->escapes, r->esc_len, (int64_t)esc, 8 + r->m) : 0;
+                vals[k] = escape_value(r, esc, esc_end);
                 esc++;
             }
     }
@@ -902,7 +906,7 @@ static const Lanes512Fn lanes512_fns[3][2][2][2][4] = {
 static inline __attribute__((always_inline)) int64_t join8(const Rans *r, uint16_t *o, uint16_t *vals,
                                                            const uint8_t *lows, int k, int64_t j, int64_t len,
                                                            int64_t start, uint64_t *esc_io, uint64_t esc_end) {
-    const int w = 8 - r->m - k, q = 7 - r->m - k, low = 7 - r->m, w_esc = 8 + r->m;
+    const int w = 8 - r->m - k, q = 7 - r->m - k, low = 7 - r->m;
     const uint64_t fmask = (1u << w) - 1, qmask = (1u << q) - 1;
     uint64_t esc = *esc_io;
     if ((start + j) % 8)
@@ -913,8 +917,7 @@ static inline __attribute__((always_inline)) int64_t join8(const Rans *r, uint16
         for (int i = 0; i < 8; i++) {
             uint32_t v = vals[j + i], raw = (uint32_t)(eight >> (w * i) & fmask);
             if (v == ESCAPE) {
-                v = esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc)
-                                                                   : 0;
+                v = escape_value(r, esc, esc_end);
                 esc++;
             }
             uint32_t u = k ? (uint32_t)lows[j + i] << q : 0;
@@ -934,8 +937,7 @@ static inline __attribute__((always_inline)) uint64_t block_start(const Rans *r,
 /* Whether blocks go through the AVX2 or AVX-512 lanes (32 lanes, p = 12, the AVX2 build: the 32-bit tables were
  * built; with a context, D and P < 2^31 and at most 16 tables); which: r->l512. */
 static inline __attribute__((always_inline)) int wide(const Rans *r) {
-    return use_wide && r->decw != NULL
-           && (!r->ctx.period || (r->n_tables <= 16 && r->ctx.stride < INT32_MAX && r->ctx.period < INT32_MAX));
+    return r->decw != NULL; /* unw_rans_decode builds the 32-bit tables exactly then (wide_tables) */
 }
 
 /* Block b's first-stage table (by block; 0 with a context, whose tables are looked up per weight). */
@@ -957,7 +959,7 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
                                                                int64_t done, uint64_t pos, uint32_t *escaped,
                                                                int64_t n_escaped) {
     Block *job = &r->blocks[b];
-    const int lanes = r->lanes, low = 7 - r->m, w_raw = 8 - r->m - r->k, w_esc = 8 + r->m;
+    const int lanes = r->lanes, low = 7 - r->m, w_raw = 8 - r->m - r->k;
     int64_t start = b * r->block_size, len = min64(r->block_size, r->n - start);
     job->crc_raw = crc_piece(r->raw, r->raw_len, b, r->n_blocks, &job->raw_bytes);
     job->crc_stream = crc_piece((const uint8_t *)r->stream, 2 * r->words, b, r->n_blocks, &job->stream_bytes);
@@ -1040,8 +1042,7 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     uint64_t esc = r->block_escapes[b], esc_end = r->block_escapes[b + 1];
     int64_t j = fused;
     for (int64_t i = 0; fused && i < n_escaped; i++, esc++) /* the AVX-512 lanes' escaped weights: their values */
-        o[escaped[i]] |= (uint16_t)((esc < esc_end && esc < (uint64_t)r->n_escapes
-                                     ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc) : 0) << low);
+        o[escaped[i]] |= (uint16_t)(escape_value(r, esc, esc_end) << low);
     if (r->k) { /* two stages: bf16 = sign | value << (7 - m) | low << q | q raw bits */
         const int q = 7 - r->m - r->k;
 #ifdef HAVE_LANES_AVX2
@@ -1061,8 +1062,7 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
                 for (int i = 0; i < 8; i++) {
                     uint32_t v = vals[j + i];
                     if (v == ESCAPE) {
-                        v = esc < esc_end && esc < (uint64_t)r->n_escapes
-                                ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc) : 0;
+                        v = escape_value(r, esc, esc_end);
                         esc++;
                     }
                     o[j + i] = (uint16_t)((uint32_t)(*s >> i & 1) << 15 | v << low | lows[j + i]);
@@ -1070,8 +1070,7 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
         for (; j < len; j++) { /* any m and k (and the last few weights of the case above) */
             uint32_t v = vals[j], raw = field(r->raw, r->raw_len, start + j, w_raw);
             if (v == ESCAPE) {
-                v = esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc)
-                                                                   : 0;
+                v = escape_value(r, esc, esc_end);
                 esc++;
             }
             o[j] = (uint16_t)((raw >> q) << 15 | v << low | (uint32_t)lows[j] << q | (raw & ((1u << q) - 1)));
@@ -1097,8 +1096,7 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
             for (int k = 0; k < 4; k++) {
                 uint32_t v = vals[j + k], raw = (four >> (6 * k)) & 63;
                 if (v == ESCAPE) {
-                    v = esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc,
-                                                                               w_esc) : 0;
+                    v = escape_value(r, esc, esc_end);
                     esc++;
                 }
                 o[j + k] = (uint16_t)((raw >> 5) << 15 | v << 5 | (raw & 31));
@@ -1109,7 +1107,7 @@ static inline __attribute__((always_inline)) void decode_block(const Rans *r, in
     for (; j < len; j++) { /* any m (and the last few weights of the specialised cases) */
         uint32_t v = vals[j], raw = field(r->raw, r->raw_len, start + j, w_raw);
         if (v == ESCAPE) {
-            v = esc < esc_end && esc < (uint64_t)r->n_escapes ? field(r->escapes, r->esc_len, (int64_t)esc, w_esc) : 0;
+            v = escape_value(r, esc, esc_end);
             esc++;
         }
         o[j] = (uint16_t)((raw >> low) << 15 | v << low | (raw & ((1u << low) - 1)));
