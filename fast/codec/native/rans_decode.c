@@ -47,7 +47,9 @@
  * 32-bit form, the portable C after the wide lanes reads them too (decode_lanes_w), and every buffer is kept
  * between calls (scratch.h). Same machine, the sum over a model's tensors of decode_rans_cpu (best of 3 each),
  * UNFIRE_CPU_ISA=avx2 (the AVX2 lanes) against the AVX-512 lanes, in one run: SmolLM2 2.05 -> 1.79 ns per weight,
- * Whisper tiny.en 1.69 -> 1.27, MiniLM 1.39 -> 1.12.
+ * Whisper tiny.en 1.69 -> 1.27, MiniLM 1.39 -> 1.12; the steps then taken phase by phase across the blocks (see
+ * lanes_avx512), the sum of decode_rans_cpu (best of 3) in one run: SmolLM2 1.99 -> 1.38 ns per weight, Whisper
+ * 1.36 -> 1.33, MiniLM 1.06 -> 1.09.
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -350,7 +352,8 @@ typedef struct {
  * overlap). A step of a block: the four groups of 8 lanes decode their first symbol (one gather from tabw; the
  * slot is kept, its value looked up after the lanes), then with two stages (TWO) their low bits (one gather from
  * tab2w at class * 4096 + slot: f - 1 | low bits << 12 | (slot - c) << 20), each sub-step's refills in lane
- * order; the step's 32 slots and low bits are stored at once. Steps from t0 while every block has steps left
+ * order; the step's 32 slots and low bits are stored at once. Both blocks' first stages come before either's
+ * second (their chains overlap; SmolLM2 on the Intel Xeon with UNFIRE_CPU_ISA=avx2: 315 -> 288 ms). Steps from t0 while every block has steps left
  * (steps) and a step cannot read past the stream's end; returns the step it stopped at. */
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) static inline __attribute__((always_inline)) int64_t
 lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW *L, int64_t t0, int64_t steps,
@@ -392,8 +395,9 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
     for (; t < steps; t++) {
         if (!room_for_step(pos, NB, TWO, words))
             break;
+        __m256i ee[NB][4];
         for (int k = 0; k < NB; k++) {
-            __m256i e[4], slot[4];
+            __m256i *e = ee[k], slot[4];
             for (int g = 0; g < 4; g++) { /* first symbols: the values' slots (with a context: and tables) */
                 slot[g] = _mm256_and_si256(xs[k][g], slot_mask);
                 if (KIND == CTX_COLUMN) /* lanes 8g ... 8g + 7: contexts c0 + 8g ... (base repeats past P) */
@@ -433,8 +437,9 @@ lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW
                 pos[k] += (uint64_t)__builtin_popcount((unsigned)m);
                 e[g] = base2;
             }
-            if (!TWO)
-                continue;
+        }
+        for (int k = 0; TWO && k < NB; k++) {
+            __m256i *e = ee[k];
             for (int g = 0; g < 4; g++) /* second symbols: the low bits */
                 e[g] = _mm256_i32gather_epi32((const int *)tab2w,
                                               _mm256_or_si256(e[g], _mm256_and_si256(xs[k][g], slot_mask)), 4);
@@ -651,8 +656,14 @@ __attribute__((target("avx2,bmi,bmi2"))) static int64_t join8_avx2(uint16_t *o, 
  * vectors of 16. A sub-step of 16 lanes: the new states as in SUBSTEP_AVX2, the lanes needing a word in a mask
  * register (one compare), and their words put in place by one expand of the next 16 words (vpexpandd: the
  * lanes that need one take consecutive words in lane order, FORMAT.md 9.4), no shuffle table. Each lane's value
- * is gathered in the step, beside its table entry (off the chain of states), or with at most 64 symbols looked up
- * in registers (SYM). Where every block starts on a raw byte (BF16) the step writes the 32 weights' bf16 at once:
+ * is gathered in the step, beside its table entry (off the chain of states), or with at most 256 symbols looked up
+ * in registers (SYM) from the symbol, after the second stage's gathers are on their way. A step goes phase by phase
+ * across its blocks (up to four side by side; a tensor's last two or three blocks as a pair): every block's
+ * first-stage gathers, then every block's first sub-steps, then block by block the second stage and the output.
+ * Each block's step is one chain (gather, multiply, compare, refill, twice), so a block's whole step written
+ * before the next block's left the core waiting on it; across the blocks the waits overlap (one core of the
+ * project's Intel Xeon, UNFIRE_CPU_ISA unset, every SmolLM2 tensor decoded in turn: 282 -> 203 ms, the median of
+ * 15; the pair alone ~5% of it; MiniLM and Whisper tiny.en, mostly one stage, 2-4%). Where every block starts on a raw byte (BF16) the step writes the 32 weights' bf16 at once:
  * with m + k = 7 the raw bits are the signs (what the encoder picks for two stages: the step's 4 raw bytes are a
  * mask), else each lane's w-bit raw field is cut from the step's 4w raw bytes by one byte permute (vpermb: the
  * field's two bytes) and a shift; an escape's weight is written without its value and its position kept, the value
@@ -681,6 +692,21 @@ typedef struct {
         xs = _mm512_mask_or_epi32(y_, need_, _mm512_slli_epi32(y_, 16), _mm512_maskz_expand_epi32(need_, w_));   \
         pos += (uint64_t)__builtin_popcount((unsigned)need_);                                                    \
     } while (0)
+
+/* The value of each lane's symbol s (< 64, SYM = 1; < 256, SYM = 4) from the value table in registers vt: a word
+ * permute reads the low 6 bits of each word of s, a choice by bits 6 and 7 among four of them. */
+TARGET512 static inline __attribute__((always_inline)) __m512i sym_value(__m512i s, const __m512i *vt, const int SYM) {
+    __m512i r = _mm512_permutex2var_epi16(vt[0], s, vt[1]);
+    if (SYM == 4) {
+        __mmask16 b6 = _mm512_test_epi32_mask(s, _mm512_set1_epi32(64));
+        __mmask16 b7 = _mm512_test_epi32_mask(s, _mm512_set1_epi32(128));
+        __m512i r1 = _mm512_permutex2var_epi16(vt[2], s, vt[3]);
+        __m512i r2 = _mm512_permutex2var_epi16(vt[4], s, vt[5]);
+        __m512i r3 = _mm512_permutex2var_epi16(vt[6], s, vt[7]);
+        r = _mm512_mask_blend_epi32(b7, _mm512_mask_blend_epi32(b6, r, r1), _mm512_mask_blend_epi32(b6, r2, r3));
+    }
+    return _mm512_and_si512(r, _mm512_set1_epi32(0xFFFF));
+}
 
 /* The AVX-512 lanes for NB blocks side by side, one stage or two (TWO), tables by block or by context (KIND, as
  * lanes_avx2), writing bf16 (BF16: low = 7 - m, w = 8 - m - k raw bits a weight) or values. Steps from t0 while
@@ -717,7 +743,7 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
     /* SYM (1: at most 64 symbols, 4: 256): the entries hold the symbol where the AVX2 lanes' hold the class; its
      * value (and with two stages, SYM = 1, its class << 4) is looked up in registers: a permute of words picks among
      * 64 (two 32-word tables), SYM of them and a choice by bits 6 and 7 of the symbol among 256 */
-    const __m512i word = _mm512_set1_epi32(0xFFFF), bit6 = _mm512_set1_epi32(64), bit7 = _mm512_set1_epi32(128);
+    const __m512i word = _mm512_set1_epi32(0xFFFF);
     __m512i vt[8], cls_lo = word, cls_hi = word;
     for (int h = 0; h < 8; h++)
         vt[h] = h < 2 * SYM ? _mm512_loadu_si512((const void *)(sym + 32 * h)) : word;
@@ -753,8 +779,10 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
     for (; t < steps; t++) {
         if (!room_for_step(pos, NB, TWO, words))
             break;
+        __m512i ee[NB][2], vv[NB][2];
+#pragma GCC unroll 4
         for (int k = 0; k < NB; k++) {
-            __m512i e[2], v[2];
+            __m512i *e = ee[k], *v = vv[k];
             for (int g = 0; g < 2; g++) { /* first symbols: the values (with a context: the lanes' tables) */
                 __m512i slot = _mm512_and_si512(xs[k][g], slot_mask);
                 if (KIND == CTX_COLUMN) /* lanes 16g ... 16g + 15: contexts c0 + 16g ... (base repeats past P) */
@@ -776,18 +804,7 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
                     cc[k][g] = _mm512_mask_sub_epi32(c_, _mm512_cmpgt_epi32_mask(c_, pm1), c_, pp);
                 }
                 e[g] = _mm512_i32gather_epi32(slot, (const void *)L[k].tabw, 4);
-                if (SYM) { /* the symbol's value (a word permute reads the low 6 bits of each word of e >> 12) */
-                    __m512i s_ = _mm512_srli_epi32(e[g], 12), r_ = _mm512_permutex2var_epi16(vt[0], s_, vt[1]);
-                    if (SYM == 4) {
-                        __mmask16 b6 = _mm512_test_epi32_mask(s_, bit6), b7 = _mm512_test_epi32_mask(s_, bit7);
-                        __m512i r1 = _mm512_permutex2var_epi16(vt[2], s_, vt[3]);
-                        __m512i r2 = _mm512_permutex2var_epi16(vt[4], s_, vt[5]);
-                        __m512i r3 = _mm512_permutex2var_epi16(vt[6], s_, vt[7]);
-                        r_ = _mm512_mask_blend_epi32(b7, _mm512_mask_blend_epi32(b6, r_, r1),
-                                                     _mm512_mask_blend_epi32(b6, r2, r3));
-                    }
-                    v[g] = _mm512_and_si512(r_, word);
-                } else
+                if (!SYM) /* (by symbol: looked up after the second stage's gathers, from the symbol kept in e) */
                     v[g] = _mm512_i32gather_epi32(slot, (const void *)L[k].valw, 4);
             }
             if (KIND == CTX_COLUMN) { /* the next step's contexts: 32 on (32 mod P < P: one subtraction) */
@@ -796,24 +813,38 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
             }
             if (KIND == CTX_ROWS && (r0[k] += 32) >= cx->stride) /* D >= 32: at most one row on */
                 r0[k] -= cx->stride, c0[k] = c0[k] + 1 == cx->period ? 0 : c0[k] + 1;
-            for (int g = 0; g < 2; g++) {
-                __m512i base2 = _mm512_and_si512(e[g], class_mask); /* class * 4096 */
-                if (SYM && TWO) /* class << 4 by symbol, from the table */
-                    base2 = _mm512_slli_epi32(_mm512_and_si512(
-                        _mm512_permutex2var_epi16(cls_lo, _mm512_srli_epi32(e[g], 12), cls_hi), word), 8);
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < NB; k++) {
+            __m512i *e = ee[k];
+            for (int g = 0; g < 2; g++) { /* e: the class * 4096, or by symbol the symbol */
+                __m512i next = SYM ? _mm512_srli_epi32(e[g], 12) : _mm512_and_si512(e[g], class_mask);
                 SUBSTEP_AVX512(e[g], xs[k][g], stream, pos[k]);
-                e[g] = base2;
+                e[g] = next;
             }
+        }
+#pragma GCC unroll 4
+        for (int k = 0; k < NB; k++) {
+            __m512i *e = ee[k], *v = vv[k];
             __m512i u[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
             if (TWO) {
-                for (int g = 0; g < 2; g++) /* second symbols: the low bits */
-                    e[g] = _mm512_i32gather_epi32(_mm512_or_si512(e[g], _mm512_and_si512(xs[k][g], slot_mask)),
+                for (int g = 0; g < 2; g++) { /* second symbols: the low bits */
+                    __m512i base2 = e[g]; /* class * 4096, or by symbol class << 4 from the symbol's words */
+                    if (SYM)
+                        base2 = _mm512_slli_epi32(
+                            _mm512_and_si512(_mm512_permutex2var_epi16(cls_lo, e[g], cls_hi), word), 8);
+                    if (SYM) /* the symbol's value (before e is the second stage's entry) */
+                        v[g] = sym_value(e[g], vt, SYM);
+                    e[g] = _mm512_i32gather_epi32(_mm512_or_si512(base2, _mm512_and_si512(xs[k][g], slot_mask)),
                                                   (const void *)tab2w, 4);
+                }
                 for (int g = 0; g < 2; g++) {
                     SUBSTEP_AVX512(e[g], xs[k][g], stream, pos[k]);
                     u[g] = _mm512_and_si512(_mm512_srli_epi32(e[g], 12), byte);
                 }
             }
+            for (int g = 0; SYM && !TWO && g < 2; g++)
+                v[g] = sym_value(e[g], vt, SYM);
             if (BF16) { /* sign | value << low | low bits, the escapes' values left out (kept: their positions) */
                 __mmask16 esc0 = _mm512_cmpeq_epi32_mask(v[0], escape), esc1 = _mm512_cmpeq_epi32_mask(v[1], escape);
                 uint32_t s = 0;
@@ -854,7 +885,7 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
     return t;
 }
 
-/* lanes_avx512 for one block or four (NB), one stage or two (TWO), writing bf16 or values (BF16), values by
+/* lanes_avx512 for one block, two or four (NB), one stage or two (TWO), writing bf16 or values (BF16), values by
  * symbol or gathered (SYM): one function per table kind (by block, column, rows, any) */
 #define LANES_AVX512(name, NB, TWO, BF16, SYM)                                                                  \
     LANES_AVX512_KIND(name, NB, TWO, BF16, SYM, CTX_NONE)                                                       \
@@ -869,6 +900,7 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
     }
 #define LANES_AVX512_NB(name, TWO, BF16, SYM)                                                                   \
     LANES_AVX512(name, 1, TWO, BF16, SYM)                                                                       \
+    LANES_AVX512(name##_pair, 2, TWO, BF16, SYM)                                                                \
     LANES_AVX512(name##_quad, 4, TWO, BF16, SYM)
 LANES_AVX512_NB(l512_one, 0, 0, 0)
 LANES_AVX512_NB(l512_two, 1, 0, 0)
@@ -886,10 +918,10 @@ LANES_AVX512_NB(l512_one_bf16_sym256, 0, 1, 4)
 
 typedef int64_t (*Lanes512Fn)(const uint32_t *, const uint16_t *, const uint16_t *, uint64_t, Lanes512 *, int64_t,
                               int64_t, const Ctx *, int, int);
-/* [values: gathered, by symbol (64), by symbol (256; one stage only)][BF16][two stages][one block, four][kind] */
+/* [values: gathered, by symbol (64), by symbol (256; one stage only)][BF16][two stages][one block, two, four][kind] */
 #define LANES512_ROW(name) {name, name##_column, name##_rows, name##_any}
-#define LANES512_NB(name) {LANES512_ROW(name), LANES512_ROW(name##_quad)}
-static const Lanes512Fn lanes512_fns[3][2][2][2][4] = {
+#define LANES512_NB(name) {LANES512_ROW(name), LANES512_ROW(name##_pair), LANES512_ROW(name##_quad)}
+static const Lanes512Fn lanes512_fns[3][2][2][3][4] = {
     {{LANES512_NB(l512_one), LANES512_NB(l512_two)}, {LANES512_NB(l512_one_bf16), LANES512_NB(l512_two_bf16)}},
     {{LANES512_NB(l512_one_sym), LANES512_NB(l512_two_sym)},
      {LANES512_NB(l512_one_bf16_sym), LANES512_NB(l512_two_bf16_sym)}},
@@ -1144,10 +1176,10 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
             continue;
         }
 #ifdef HAVE_LANES_AVX512
-        if (r->l512) { /* four blocks side by side (the tensor's last ones, fewer than four, each alone) */
+        if (r->l512) { /* four blocks side by side (the tensor's last ones, fewer than four: two, then one alone) */
             int nb = (int)min64(4, r->n_blocks - b);
-            if (nb == 4) {
-                const int g = 4;
+            for (; nb >= 2; b += nb >= 4 ? 4 : 2, nb -= nb >= 4 ? 4 : 2) {
+                const int g = nb >= 4 ? 4 : 2;
                 Lanes512 L[4];
                 int64_t steps = min64(r->block_size, r->n - (b + g - 1) * r->block_size) / 32;
                 for (int k = 0; k < g; k++) {
@@ -1157,14 +1189,13 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
                                   r->raw + s0 / 8 * (8 - r->m - r->k), r->bf16 ? escaped + k * most : escaped, 0, s0};
                     L[k] = l;
                 }
-                int64_t done = 32 * lanes512_fns[r->sym_level][r->bf16][r->k > 0][1][ctx_kind(r)](
+                int64_t done = 32 * lanes512_fns[r->sym_level][r->bf16][r->k > 0][g / 2][ctx_kind(r)](
                     r->dec2w, r->sym, r->stream, (uint64_t)r->words, L, 0, steps, &r->ctx, 7 - r->m, 8 - r->m - r->k);
                 for (int k = 0; k < g; k++)
                     decode_block(r, b + k, L[k].vals, L[k].lows, cls, cnt, L[k].x, done, L[k].pos, L[k].escaped,
                                  L[k].n_escaped);
-                continue;
             }
-            for (; nb > 0; b++, nb--) /* the tensor's last blocks, each alone */
+            if (nb == 1) /* the tensor's last block, alone */
                 decode_block(r, b, vals, lows, cls, cnt, x, 0, block_start(r, b, x), escaped, 0);
             continue;
         }
