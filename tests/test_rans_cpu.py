@@ -218,14 +218,14 @@ def test_numpy_fallback_gives_the_same_bits(monkeypatch: pytest.MonkeyPatch) -> 
     {"mantissa_bits": 4, "low_bits": 0, "context": "block"},
 ])
 @pytest.mark.parametrize("threads", [1, 3])
-@pytest.mark.parametrize("block_size", [4500, 4504, 6000, 7008])
+@pytest.mark.parametrize("block_size", [4500, 4504, 6000, 6004, 7008])
 def test_wide_lanes_take_two_stage_tensors(params: dict, threads: int, block_size: int) -> None:
     """At 32 lanes and p = 12 two-stage tensors (and one-stage ones) go through the AVX2 or the AVX-512 lanes where
     the CPU and UNFIRE_CPU_ISA allow them (AVX2: blocks two at a time, an odd block alone; AVX-512: four at a time,
-    the last two or three as a pair and one alone: 9 blocks of 4500, 7 of 6000, 6 of 7008; partial steps in
-    portable C), with the portable build's bits; the portable build and UNFIRE_CPU_ISA=scalar take none of them.
-    Blocks of 4504 weights start on a raw byte: with m + k = 7 the AVX-512 lanes write bf16 themselves (escapes
-    or-ed in after); blocks of 4500 do not, and they store values for the join."""
+    the last two or three as a pair and one alone: 9 blocks of 4500, 7 of 6000 or 6004, 6 of 7008; partial steps
+    in portable C), with the portable build's bits; the portable build and UNFIRE_CPU_ISA=scalar take none of
+    them. Blocks of 4504, 6000 and 7008 weights start on a raw byte: with m + k = 7 the AVX-512 lanes write bf16
+    themselves (escapes or-ed in after); blocks of 4500 and 6004 do not, and they store values for the join."""
     lib = decode_rans_c.library()
     params = dict(params)
     bits = WIDE.reshape(params.pop("shape", WIDE.shape))
