@@ -347,14 +347,14 @@ typedef struct {
     int64_t first; /* with a context: the index of the block's first weight in the tensor */
 } LanesW;
 
-/* The lanes for 32 lanes and p = 12 in AVX2 (FORMAT.md 9.4), on 32-bit entries, for NB blocks side by side (one
- * block's 32 lanes are 4 chains of gathers and multiplies, too few to keep the core busy: two blocks' steps
- * overlap). A step of a block: the four groups of 8 lanes decode their first symbol (one gather from tabw; the
- * slot is kept, its value looked up after the lanes), then with two stages (TWO) their low bits (one gather from
- * tab2w at class * 4096 + slot: f - 1 | low bits << 12 | (slot - c) << 20), each sub-step's refills in lane
- * order; the step's 32 slots and low bits are stored at once. Both blocks' first stages come before either's
- * second (their chains overlap; SmolLM2 on the Intel Xeon with UNFIRE_CPU_ISA=avx2: 315 -> 288 ms). Steps from t0 while every block has steps left
- * (steps) and a step cannot read past the stream's end; returns the step it stopped at. */
+/* The lanes for 32 lanes and p = 12 in AVX2 (FORMAT.md 9.4), on 32-bit entries, for NB blocks side by side (one block's
+ * 32 lanes are 4 chains of gathers and multiplies, too few to keep the core busy: two blocks' steps overlap). A step of
+ * a block: the four groups of 8 lanes decode their first symbol (one gather from tabw; the slot is kept, its value
+ * looked up after the lanes), then with two stages (TWO) their low bits (one gather from tab2w at class * 4096 + slot:
+ * f - 1 | low bits << 12 | (slot - c) << 20), each sub-step's refills in lane order; the step's 32 slots and low bits
+ * are stored at once. Both blocks' first stages come before either's second (their chains overlap; SmolLM2 on the Intel
+ * Xeon with UNFIRE_CPU_ISA=avx2: 315 -> 288 ms). Steps from t0 while every block has steps left (steps) and a step
+ * cannot read past the stream's end; returns the step it stopped at. */
 __attribute__((target("avx2,bmi,bmi2,popcnt"))) static inline __attribute__((always_inline)) int64_t
 lanes_avx2(const uint32_t *tab2w, const uint16_t *stream, uint64_t words, LanesW *L, int64_t t0, int64_t steps,
            const int NB, const int TWO, const Ctx *cx, const int KIND) {
@@ -652,23 +652,23 @@ __attribute__((target("avx2,bmi,bmi2"))) static int64_t join8_avx2(uint16_t *o, 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define HAVE_LANES_AVX512 1
 #define TARGET512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,bmi,bmi2,popcnt")))
-/* The AVX-512 lanes (32 lanes, p = 12, the same 32-bit tables as the AVX2 lanes): a block's 32 lanes are two
- * vectors of 16. A sub-step of 16 lanes: the new states as in SUBSTEP_AVX2, the lanes needing a word in a mask
- * register (one compare), and their words put in place by one expand of the next 16 words (vpexpandd: the
- * lanes that need one take consecutive words in lane order, FORMAT.md 9.4), no shuffle table. Each lane's value
- * is gathered in the step, beside its table entry (off the chain of states), or with at most 256 symbols looked up
- * in registers (SYM) from the symbol, after the second stage's gathers are on their way. A step goes phase by phase
- * across its blocks (up to four side by side; a tensor's last two or three blocks as a pair): every block's
- * first-stage gathers, then every block's first sub-steps, then block by block the second stage and the output.
- * Each block's step is one chain (gather, multiply, compare, refill, twice), so a block's whole step written
- * before the next block's left the core waiting on it; across the blocks the waits overlap (one core of the
- * project's Intel Xeon, UNFIRE_CPU_ISA unset, every SmolLM2 tensor decoded in turn: 282 -> 203 ms, the median of
- * 15; the pair alone ~5% of it; MiniLM and Whisper tiny.en, mostly one stage, 2-4%). Where every block starts on a raw byte (BF16) the step writes the 32 weights' bf16 at once:
- * with m + k = 7 the raw bits are the signs (what the encoder picks for two stages: the step's 4 raw bytes are a
- * mask), else each lane's w-bit raw field is cut from the step's 4w raw bytes by one byte permute (vpermb: the
- * field's two bytes) and a shift; an escape's weight is written without its value and its position kept, the value
- * or-ed in after the lanes (escapes in weight order). Otherwise the step stores the values (and low bits), joined
- * with the raw bits after the lanes as behind the AVX2 lanes. Same bits as every other path. */
+/* The AVX-512 lanes (32 lanes, p = 12, the same 32-bit tables as the AVX2 lanes): a block's 32 lanes are two vectors of
+ * 16. A sub-step of 16 lanes: the new states as in SUBSTEP_AVX2, the lanes needing a word in a mask register (one
+ * compare), and their words put in place by one expand of the next 16 words (vpexpandd: the lanes that need one take
+ * consecutive words in lane order, FORMAT.md 9.4), no shuffle table. Each lane's value is gathered in the step, beside
+ * its table entry (off the chain of states), or with at most 256 symbols looked up in registers (SYM) from the symbol,
+ * after the second stage's gathers are on their way. A step goes phase by phase across its blocks (up to four side by
+ * side; a tensor's last two or three blocks as a pair): every block's first-stage gathers, then every block's first
+ * sub-steps, then block by block the second stage and the output. Each block's step is one chain (gather, multiply,
+ * compare, refill, twice), so a block's whole step written before the next block's left the core waiting on it; across
+ * the blocks the waits overlap (one core of the project's Intel Xeon, UNFIRE_CPU_ISA unset, every SmolLM2 tensor
+ * decoded in turn: 282 -> 203 ms, the median of 15; the pair alone ~5% of it; MiniLM and Whisper tiny.en, mostly one
+ * stage, 2-4%). Where every block starts on a raw byte (BF16) the step writes the 32 weights' bf16 at once: with m + k
+ * = 7 the raw bits are the signs (what the encoder picks for two stages: the step's 4 raw bytes are a mask), else each
+ * lane's w-bit raw field is cut from the step's 4w raw bytes by one byte permute (vpermb: the field's two bytes) and a
+ * shift; an escape's weight is written without its value and its position kept, the value or-ed in after the lanes
+ * (escapes in weight order). Otherwise the step stores the values (and low bits), joined with the raw bits after the
+ * lanes as behind the AVX2 lanes. Same bits as every other path. */
 typedef struct {
     const uint32_t *tabw, *valw; /* the block's first-stage table and its slots' values (by context: all tables) */
     uint64_t pos;
@@ -804,7 +804,7 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
                     cc[k][g] = _mm512_mask_sub_epi32(c_, _mm512_cmpgt_epi32_mask(c_, pm1), c_, pp);
                 }
                 e[g] = _mm512_i32gather_epi32(slot, (const void *)L[k].tabw, 4);
-                if (!SYM) /* (by symbol: looked up after the second stage's gathers, from the symbol kept in e) */
+                if (!SYM) /* (by symbol: looked up later, from the symbol kept in e) */
                     v[g] = _mm512_i32gather_epi32(slot, (const void *)L[k].valw, 4);
             }
             if (KIND == CTX_COLUMN) { /* the next step's contexts: 32 on (32 mod P < P: one subtraction) */
