@@ -830,11 +830,11 @@ lanes_avx512(const uint32_t *tab2w, const uint16_t *sym, const uint16_t *stream,
             if (TWO) {
                 for (int g = 0; g < 2; g++) { /* second symbols: the low bits */
                     __m512i base2 = e[g]; /* class * 4096, or by symbol class << 4 from the symbol's words */
-                    if (SYM)
+                    if (SYM) { /* and the symbol's value (before e is the second stage's entry) */
                         base2 = _mm512_slli_epi32(
                             _mm512_and_si512(_mm512_permutex2var_epi16(cls_lo, e[g], cls_hi), word), 8);
-                    if (SYM) /* the symbol's value (before e is the second stage's entry) */
                         v[g] = sym_value(e[g], vt, SYM);
+                    }
                     e[g] = _mm512_i32gather_epi32(_mm512_or_si512(base2, _mm512_and_si512(xs[k][g], slot_mask)),
                                                   (const void *)tab2w, 4);
                 }
@@ -1177,9 +1177,9 @@ static inline __attribute__((always_inline)) void *work_body(void *arg) {
         }
 #ifdef HAVE_LANES_AVX512
         if (r->l512) { /* four blocks side by side (the tensor's last ones, fewer than four: two, then one alone) */
-            int nb = (int)min64(4, r->n_blocks - b);
-            for (; nb >= 2; b += nb >= 4 ? 4 : 2, nb -= nb >= 4 ? 4 : 2) {
-                const int g = nb >= 4 ? 4 : 2;
+            int nb = (int)min64(4, r->n_blocks - b), g = 0;
+            for (; nb >= 2; b += g, nb -= g) {
+                g = nb >= 4 ? 4 : 2;
                 Lanes512 L[4];
                 int64_t steps = min64(r->block_size, r->n - (b + g - 1) * r->block_size) / 32;
                 for (int k = 0; k < g; k++) {
