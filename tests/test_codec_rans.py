@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 from reference.bf16 import float32_to_bf16
 from reference.codec import RansTensor, decode_rans, decode_rans_many, encode, encode_rans, encode_rans_many
 from reference.codec.errors import CodecError
+from reference.codec.rans import tensor_block_size
 from reference.codec.rans.coder import quantize, slot_tables
-from reference.codec.rans.model import context_of, pack_fields, unpack_fields
+from reference.codec.rans.model import context_of, decode_charge, pack_fields, unpack_fields
 from tests.codec_strategies import bf16_tensors
 
 ALL_PATTERNS = np.arange(65536, dtype=np.uint16)
@@ -273,6 +274,39 @@ def test_two_stages_are_chosen_where_low_bits_are_not_noise() -> None:
     # within 0.05 bit per weight of the order-0 conditional entropy it codes: the lanes' states cost 0.017 (9.7),
     # the tables about 0.011 here, quantized frequencies and the header the rest
     assert 8 * u.nbytes / grid.size < ideal_two_stage_bits(grid, u) + 0.05
+
+
+@given(st.integers(0, 1 << 26), st.sampled_from([1, 8, 32, 64]), st.sampled_from([32, 1000, 65536]))
+def test_blocks_come_in_fours(n: int, lanes: int, largest: int) -> None:
+    """The encoder's block size (FORMAT.md 9.5): at most ``largest`` weights, whole lane steps, and the fewest
+    blocks whose count is a multiple of four: exactly that count wherever rounding each block up to whole steps
+    cannot empty the last one (n > F (F - 1) lanes for F blocks: every tensor of the packaged models)."""
+    size = tensor_block_size(n, lanes, largest)
+    blocks = -(-n // size)
+    assert 1 <= size <= largest and (size % lanes == 0 or size == largest)
+    fewest = 4 * -(-max(n, 1) // (4 * largest))  # the fewest blocks of <= largest weights, a multiple of four
+    assert blocks <= fewest
+    if largest % lanes == 0 and n > fewest * (fewest - 1) * lanes:
+        assert blocks == fewest, (n, lanes, largest, size, blocks)
+
+
+def test_the_encoder_weighs_decoding_time_against_size() -> None:
+    """decode_cost (bits a nanosecond of decoding is worth, FORMAT.md 9.5): 0 keeps the smallest form; a high one
+    keeps one stage with tables by block, the fastest to decode; bad values are refused by name."""
+    grid = coarse((256, 1024))
+    small, fast = encode_rans(grid, decode_cost=0), encode_rans(grid, decode_cost=100)
+    assert small.low_bits > 0 and fast.low_bits == 0 and fast.context_period == 0
+    assert small.nbytes < fast.nbytes and small.nbytes <= encode_rans(grid).nbytes
+    assert same_bits(decode_rans(fast), grid) and same_bits(decode_rans(small), grid)
+    for bad in (-0.1, float("nan"), float("inf"), "1"):
+        with pytest.raises(CodecError, match="decode_cost"):
+            encode_rans(grid, decode_cost=bad)
+    # the model: two stages charged per weight and per tensor, a context by its tables' bytes, rows more
+    assert decode_charge(1000, 0, "block", 1.0) == 0.0
+    assert decode_charge(1000, 5, "block", 1.0) > decode_charge(10, 5, "block", 1.0) > 0
+    assert 0 < decode_charge(1000, 0, "column", 1.0, 2, 60) < decode_charge(1000, 0, "column", 1.0, 16, 60) \
+        < decode_charge(1000, 0, "column", 1.0, 16, 600) < decode_charge(1000, 0, "row", 1.0, 16, 600)
+    assert decode_charge(1000, 5, "row", 0.0, 16, 600) == 0.0
 
 
 def test_a_given_mantissa_bits_means_one_stage() -> None:

@@ -101,6 +101,13 @@ def test_cli_mode_rans(checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureF
     assert np.array_equal(restored["all_patterns"][1], TENSORS["all_patterns"])
     assert main(["compress", str(checkpoint), str(out), "--mode", "rans", "--palette-size", "8"]) == 2
     assert "--palette-size" in capsys.readouterr().err  # a parameter of the other mode is refused, by name
+    assert main(["compress", str(checkpoint), str(out), "--decode-cost", "0"]) == 2
+    assert "--decode-cost" in capsys.readouterr().err  # (the unweight mode has no such choice)
+    assert main(["compress", str(checkpoint), str(out), "--mode", "rans", "--decode-cost", "-1"]) == 2
+    assert "decode_cost" in capsys.readouterr().err
+    assert main(["compress", str(checkpoint), str(out), "--mode", "rans", "--decode-cost", "0.5"]) == 0
+    assert main(["decompress", str(out), str(back)]) == 0
+    assert np.array_equal(read_all(back)[0]["all_patterns"][1], TENSORS["all_patterns"])
 
 
 @pytest.mark.slow

@@ -42,16 +42,28 @@ from reference.codec.container_write import (
     decompress_checkpoint,
 )
 from reference.codec.errors import CodecError
-from reference.codec.rans import BLOCK_SIZE, LANES, MANTISSA_BITS, PROB_BITS, TABLES, RansTensor
+from reference.codec.rans import (
+    BLOCK_SIZE,
+    DECODE_BITS_PER_NS,
+    LANES,
+    MANTISSA_BITS,
+    PROB_BITS,
+    TABLES,
+    RansTensor,
+)
 from reference.model.names import tensor_kind
 from reference.safe_write import Interrupted, remove_temporary_files, signals_raise
 
 MODE_PARAMS = {
     "unweight": {"palette-size": PALETTE_SIZE, "chunk-size": CHUNK_SIZE,
                  "chunks-per-group": CHUNKS_PER_GROUP, "max-code-length": MAX_CODE_LENGTH},
-    "rans": {"block-size": BLOCK_SIZE, "lanes": LANES, "prob-bits": PROB_BITS,
-             "mantissa-bits": MANTISSA_BITS, "max-tables": TABLES},
+    "rans": {"block-size": f"per tensor, at most {BLOCK_SIZE}, their count a multiple of 4",
+             "lanes": LANES, "prob-bits": PROB_BITS, "mantissa-bits": MANTISSA_BITS,
+             "max-tables": TABLES,
+             "decode-cost": f"{DECODE_BITS_PER_NS} bits a nanosecond of decoding is worth; 0: the "
+                            "smallest form"},
 }
+FLOAT_PARAMS = {"decode-cost"}
 
 
 def main(argv: list[str] | None = None, *, prog: str = "python -m reference.codec",
@@ -78,7 +90,8 @@ def main(argv: list[str] | None = None, *, prog: str = "python -m reference.code
         c.add_argument(f"--{flag}", type=int, default=None, help="unweight mode (default "
                                                                  f"{default})")
     for flag, default in MODE_PARAMS["rans"].items():
-        c.add_argument(f"--{flag}", type=int, default=None, help=f"rans mode (default {default})")
+        c.add_argument(f"--{flag}", type=float if flag in FLOAT_PARAMS else int, default=None,
+                       help=f"rans mode (default {default})")
     d = sub.add_parser("decompress", help="write a container back as a plain bf16 safetensors file")
     d.add_argument("container", help="the container file")
     d.add_argument("out", help="the safetensors file to write")

@@ -27,11 +27,13 @@ from reference.codec.rans.codec import (
     decode_rans_many,
     encode_rans,
     encode_rans_many,
+    tensor_block_size,
 )
 from reference.codec.rans.format import ARRAY_DTYPES, FORM, RansTensor, stored_arrays
+from reference.codec.rans.model import DECODE_BITS_PER_NS
 
 __all__ = [
-    "ARRAY_DTYPES", "BLOCK_SIZE", "ENCODE_BATCH", "FORM", "LANES", "MANTISSA_BITS", "PROB_BITS",
-    "TABLES", "RansTensor", "decode_rans", "decode_rans_many", "encode_rans", "encode_rans_many",
-    "stored_arrays",
+    "ARRAY_DTYPES", "BLOCK_SIZE", "DECODE_BITS_PER_NS", "ENCODE_BATCH", "FORM", "LANES",
+    "MANTISSA_BITS", "PROB_BITS", "TABLES", "RansTensor", "decode_rans", "decode_rans_many",
+    "encode_rans", "encode_rans_many", "stored_arrays", "tensor_block_size",
 ]

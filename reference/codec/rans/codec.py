@@ -28,9 +28,8 @@ from reference.codec.rans.format import (
     RansTensor,
 )
 from reference.codec.rans.model import (
-    CONTEXT_MIN_GAIN,
     CONTEXTS,
-    LOW_MIN_GAIN,
+    DECODE_BITS_PER_NS,
     TABLE_ENTRY_BITS,
     choose_alphabet,
     choose_classes,
@@ -38,6 +37,7 @@ from reference.codec.rans.model import (
     choose_context,
     class_tables,
     coded_bits,
+    decode_charge,
     join_low,
     join_weights,
     pack_fields,
@@ -57,29 +57,37 @@ ESCAPE_UNIT = 1 << 8
 def encode_rans(bits: np.ndarray, *, name: str = "", **params: Any) -> RansTensor:
     """Compress a bf16 tensor (uint16 bit patterns, any shape) into the rANS form.
 
-    Parameters (keywords): ``block_size`` (65536 weights), ``lanes`` (32), ``prob_bits`` (12),
+    Parameters (keywords): ``block_size`` (None: per tensor, ``tensor_block_size``: blocks of at
+    most 65536 weights, their count a multiple of four), ``lanes`` (32), ``prob_bits`` (12),
     ``mantissa_bits`` and ``low_bits`` (None: chosen per tensor, ``choose_coding``; a given
     ``mantissa_bits`` alone means ``low_bits=0``), ``max_tables`` (16); for the ablation:
     ``escapes``
     (True) and ``own_tables`` (False: blocks share clustered tables; True: one table per block);
     ``context`` (None: chosen per tensor by measured size; ``"block"``, ``"column"`` or ``"row"``:
-    what chooses each weight's first-stage table, FORMAT.md 9.2).
+    what chooses each weight's first-stage table, FORMAT.md 9.2); ``decode_cost`` (bits a
+    nanosecond of decoding is worth in the choice of the form, FORMAT.md 9.5: 0.1; 0 keeps the
+    smallest form whatever its decoding speed).
     """
     return encode_rans_many([bits], names=[name], **params)[0]
 
 
 def encode_rans_many(
     tensors: Sequence[np.ndarray], *, names: Sequence[str] | None = None,
-    block_size: int = BLOCK_SIZE,
+    block_size: int | None = None,
     lanes: int = LANES, prob_bits: int = PROB_BITS, mantissa_bits: int | None = None,
     low_bits: int | None = None, max_tables: int = TABLES, escapes: bool = True,
     own_tables: bool = False, context: str | None = None,
+    decode_cost: float = DECODE_BITS_PER_NS,
 ) -> list[RansTensor]:
     """Compress several tensors with the same parameters; the blocks of about ENCODE_BATCH weights
     at a time are encoded in one lockstep pass."""
     if mantissa_bits is not None and low_bits is None:
         low_bits = 0  # the one-stage form with the given m
-    _check_parameters(block_size, lanes, prob_bits, mantissa_bits, low_bits, max_tables)
+    _check_parameters(BLOCK_SIZE if block_size is None else block_size, lanes, prob_bits,
+                      mantissa_bits, low_bits, max_tables)
+    if not (isinstance(decode_cost, (int, float)) and 0 <= decode_cost < float("inf")):
+        raise CodecError(f"decode_cost must be a finite number >= 0 (bits per ns), got "
+                         f"{decode_cost!r}")
     if context is not None and context not in CONTEXTS:
         raise CodecError(f"context must be one of {CONTEXTS} or None, got {context!r}")
     if own_tables:
@@ -88,25 +96,39 @@ def encode_rans_many(
     tensors = [as_bf16(b, nm) for b, nm in zip(tensors, names, strict=True)]
     out, batch = [], []
     for i, bits in enumerate(tensors):
+        size = tensor_block_size(bits.size, lanes) if block_size is None else block_size
         # the best two candidates by estimate, confirmed by their models' exact sizes
         candidates = choose_coding(np.bincount(bits.reshape(-1), minlength=1 << 16), prob_bits,
-                                   escapes, mantissa_bits, low_bits)[:CONFIRM]
-        models = [_model(bits, names[i], block_size, prob_bits, m, k, max_tables, escapes,
-                         own_tables, context) for _, m, k in candidates]
+                                   escapes, mantissa_bits, low_bits, decode_cost)[:CONFIRM]
+        models = [_model(bits, names[i], size, prob_bits, m, k, max_tables, escapes,
+                         own_tables, context, decode_cost) for _, m, k in candidates]
         batch.append(min(  # two stages and tables by context charged what they cost in decoding
-            models, key=lambda md: md["bits"] + md["n"] * (LOW_MIN_GAIN * (md["k"] > 0)
-                                                           + CONTEXT_MIN_GAIN * (md["period"] > 0))
+            models, key=lambda md: md["bits"] + md["charge"]
         ))
         if i + 1 == len(tensors) or sum(m["n"] for m in batch) >= ENCODE_BATCH:
-            out += _encode_batch(batch, block_size, lanes, prob_bits)
+            out += _encode_batch(batch, lanes, prob_bits)
             batch = []
     return out
+
+
+def tensor_block_size(n: int, lanes: int = LANES, largest: int = BLOCK_SIZE) -> int:
+    """The block size the encoder gives a tensor of ``n`` weights (FORMAT.md 9.5): the fewest
+    blocks of at most ``largest`` weights whose count is a multiple of four, each a whole number of
+    the lanes' steps. Why: the CPU decoder runs four blocks side by side; SmolLM2's projections
+    (13.5 blocks of 65536 weights) left a block and a half to decode alone, at about twice the
+    time per weight."""
+    blocks = -(-max(n, 1) // largest)
+    blocks = -(-blocks // 4) * 4
+    per_block = -(-n // blocks)
+    steps = -(-per_block // lanes)
+    return min(largest, max(1, steps) * lanes)
 
 
 def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantissa_bits: int,
            low_bits: int,
            max_tables: int, escapes: bool, own_tables: bool,
-           context: str | None = None) -> dict[str, Any]:
+           context: str | None = None,
+           decode_cost: float = DECODE_BITS_PER_NS) -> dict[str, Any]:
     """Everything about one tensor but the rANS coding itself: symbols, alphabet, tables, escapes,
     second-stage symbols and tables, raw bits."""
     flat = bits.reshape(-1)
@@ -127,7 +149,7 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
     # the exponent of each symbol
     order_key = np.append(np.asarray(alphabet, np.float64) / (1 << mantissa_bits), 0.0)
     chosen = choose_context(symbols, tuple(bits.shape), escape + 1, block_size, order_key,
-                            prob_bits, max_tables, own_tables, context)
+                            prob_bits, max_tables, own_tables, context, decode_cost)
     freqs = chosen["freqs"]
     symbol_class, low_freqs = np.zeros(0, np.int64), np.zeros((0, 1), np.int64)
     if low_bits:
@@ -160,6 +182,10 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
         "block_table": chosen["block_table"],
         "stride": chosen["stride"],
         "period": chosen["period"],
+        "context": chosen["context"],
+        # what its decoding time is worth in bits: the context's charge and the second stage's
+        "charge": chosen["charge"] + decode_charge(len(flat), low_bits, "block", decode_cost),
+        "block_size": block_size,
         "context_table": chosen["context_table"],
         "symbol_class": symbol_class,
         "low_freqs": low_freqs,
@@ -172,18 +198,18 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
     }
 
 
-def _encode_batch(models: list[dict[str, Any]], block_size: int, lanes: int,
-                  prob_bits: int) -> list[RansTensor]:
-    """The rANS coding of several modelled tensors, in one lockstep pass for those with one stage
-    and one for
-    those with two, and their RansTensors (in the order of ``models``)."""
+def _encode_batch(models: list[dict[str, Any]], lanes: int, prob_bits: int) -> list[RansTensor]:
+    """The rANS coding of several modelled tensors, in one lockstep pass per block size for those
+    with one stage and one for those with two, and their RansTensors (in the order of
+    ``models``)."""
     out: list[RansTensor | None] = [None] * len(models)
-    for two in (False, True):
-        which = [i for i, m in enumerate(models) if (m["k"] > 0) == two]
-        if which:
-            coded = _encode_stage_batch([models[i] for i in which], block_size, lanes, prob_bits)
-            for i, t in zip(which, coded, strict=True):
-                out[i] = t
+    kinds = sorted({(m["block_size"], m["k"] > 0) for m in models})
+    for block_size, two in kinds:
+        which = [i for i, m in enumerate(models)
+                 if (m["block_size"], m["k"] > 0) == (block_size, two)]
+        coded = _encode_stage_batch([models[i] for i in which], block_size, lanes, prob_bits)
+        for i, t in zip(which, coded, strict=True):
+            out[i] = t
     return out  # type: ignore[return-value]
 
 

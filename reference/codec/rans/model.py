@@ -29,12 +29,40 @@ TABLE_ENTRY_BITS = 16  # a frequency is stored as a uint16
 CLUSTER_ROUNDS = 8
 CLASS_ROUNDS = 4
 MAX_CLASSES = 256  # second-stage tables: a class is stored in a uint8
-# two stages only where they save this many bits per weight: their decoding does a second lookup
-# per weight
-LOW_MIN_GAIN = 0.02
-# tables by context (a weight's column or row) only where they save this many bits per weight: their
-# decoding looks a table up per weight, among up to 16 (a cache's worth), not one per block
-CONTEXT_MIN_GAIN = 0.02
+# What decoding a form costs beyond one stage with tables by block, in nanoseconds, charged to it in
+# the encoder's choices at DECODE_BITS_PER_NS bits a nanosecond (FORMAT.md 9.5): a form is kept
+# only where it saves more bits than its decoding time is worth. Fitted to the one-thread decode
+# time of SmolLM2's tensors, each coded in 20 forms, on the project's Intel Xeon (AVX-512 lanes):
+# two stages cost a second rANS step and table lookup per weight, and their tables, built per
+# tensor; tables by context a lookup per weight among K tables, which grows with the tables' bytes
+# (4096 slots of 4 bytes each, twice that where the alphabet has more than 255 values: their values
+# are tables too) as fewer of them stay in the core's caches; rows more than columns (a step's lanes
+# span two rows: a blend).
+TWO_STAGE_NS_PER_WEIGHT = 0.25
+TWO_STAGE_NS_PER_TENSOR = 15_000.0
+CONTEXT_NS_PER_WEIGHT = 0.05
+CONTEXT_NS_PER_WEIGHT_PER_TABLE_BYTE = 0.2 / (256 * 1024)
+ROW_NS_PER_WEIGHT = 0.05
+# The exchange rate: at 0.1 bit a nanosecond a second stage (0.25 ns a weight) must save 0.025 bit
+# a weight, ~0.25% of a weight's coded size. On SmolLM2 it cost 0.03% of the size and saved 9% of
+# the decoding time against a flat 0.02 bit a weight for either (MiniLM 0.03% and 12%); 0 keeps
+# the smallest form whatever its speed.
+DECODE_BITS_PER_NS = 0.1
+
+
+def decode_charge(n: int, low_bits: int, context: str, bits_per_ns: float, tables: int = 0,
+                  alphabet_size: int = 0) -> float:
+    """The bits charged to a form of an n-weight tensor for its decoding time (FORMAT.md 9.5):
+    ``bits_per_ns`` times the modelled nanoseconds beyond one stage with tables by block, for
+    ``tables`` first-stage tables by ``context`` over an alphabet of ``alphabet_size`` values."""
+    ns = 0.0
+    if context != "block":
+        table_bytes = tables * 4096 * 4 * (2 if alphabet_size > 255 else 1)
+        ns += n * (CONTEXT_NS_PER_WEIGHT + CONTEXT_NS_PER_WEIGHT_PER_TABLE_BYTE * table_bytes
+                   + (ROW_NS_PER_WEIGHT if context == "row" else 0.0))
+    if low_bits:
+        ns += TWO_STAGE_NS_PER_WEIGHT * n + TWO_STAGE_NS_PER_TENSOR
+    return bits_per_ns * ns
 
 
 def split_weights(bits: np.ndarray, mantissa_bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -356,17 +384,16 @@ def estimate_bits(hist: np.ndarray, mantissa_bits: int, low_bits: int, prob_bits
 
 def choose_coding(hist: np.ndarray, prob_bits: int, escapes: bool = True,
                   mantissa_bits: int | None = None,
-                  low_bits: int | None = None) -> list[tuple[float, int, int]]:
+                  low_bits: int | None = None,
+                  bits_per_ns: float = DECODE_BITS_PER_NS) -> list[tuple[float, int, int]]:
     """The candidates (score, m, k) for a tensor whose bf16 patterns occur ``hist`` times, best
     first
     (FORMAT.md 9.5). Candidates: m = 0 ... 7 with k = 0 (one stage: m mantissa bits coded with the
     exponent, the rest raw), and m = 0 ... 6 with k = 7 - m (two stages: every mantissa bit coded,
-    the
-    last 7 - m with a table chosen by the first symbol). The score is ``estimate_bits``, plus
-    LOW_MIN_GAIN bit per weight for two stages (they cost a second table lookup per weight when
-    decoding). A given m or k restricts the candidates; ties go to the earlier candidate (k = 0,
-    small
-    m first)."""
+    the last 7 - m with a table chosen by the first symbol). The score is ``estimate_bits`` plus,
+    for two stages, what their decoding time is worth (``decode_charge`` at ``bits_per_ns``). A
+    given m or k restricts the candidates; ties go to the earlier candidate (k = 0, small m
+    first)."""
     n = int(np.asarray(hist).sum())
     ms = range(8) if mantissa_bits is None else [mantissa_bits]
     ks = [0, None] if low_bits is None else [low_bits]  # None: 7 - m
@@ -377,7 +404,7 @@ def choose_coding(hist: np.ndarray, prob_bits: int, escapes: bool = True,
             if m + k > 7 or (k_choice is None and k == 0):
                 continue
             bits = estimate_bits(hist, m, k, prob_bits, escapes)
-            out.append((bits + (LOW_MIN_GAIN * n if k else 0.0), m, k))
+            out.append((bits + decode_charge(n, k, "block", bits_per_ns), m, k))
     return sorted(out, key=lambda c: c[0])  # (stable: ties keep the order above)
 
 
@@ -406,17 +433,18 @@ MAX_CONTEXT_PERIOD = 1 << 14
 def choose_context(
     symbols: np.ndarray, shape: tuple[int, ...], n_symbols: int, block_size: int,
     order_key: np.ndarray, prob_bits: int, max_tables: int, own_tables: bool = False,
-    context: str | None = None,
+    context: str | None = None, bits_per_ns: float = DECODE_BITS_PER_NS,
 ) -> dict[str, object]:
     """The first-stage tables and what chooses among them, by measured size (FORMAT.md 9.5).
 
     Candidates: tables clustered over blocks (``block_table``), over the columns of the tensor
     (``context_table`` per column: D = 1, P = columns) and over its rows (D = columns, P = rows);
     each costs its coded size (quantized tables), 16 bits per table entry and 8 bits per entry of
-    its block or context table, and a context CONTEXT_MIN_GAIN bit per weight more (its decoding
-    looks a table up per weight). ``context`` forces one (``"block"``, ``"column"``, ``"row"``);
-    None takes the smallest (ties: the earlier). Returns freqs [K, S], block_table, stride D,
-    period P (0: by block), context_table and the size in bits (without the charge)."""
+    its block or context table, and a context what its decoding time is worth (``decode_charge`` at
+    ``bits_per_ns``: a table looked up per weight). ``context`` forces one (``"block"``,
+    ``"column"``, ``"row"``); None takes the smallest (ties: the earlier). Returns freqs [K, S],
+    block_table, stride D, period P (0: by block), the context's name, context_table and the size
+    in bits (without the charge)."""
     n = len(symbols)
     n_blocks = -(-n // block_size)
     choices = [context] if context is not None else list(CONTEXTS)
@@ -448,9 +476,10 @@ def choose_context(
         size = sum(coded_bits(counts[assign == j].sum(axis=0), freqs[j], prob_bits)
                    for j in range(len(freqs)))
         size += TABLE_ENTRY_BITS * freqs.size + 8 * n_groups
-        score = size + (CONTEXT_MIN_GAIN * n if p else 0.0)
+        score = size + decode_charge(n, 0, c, bits_per_ns, len(freqs), n_symbols - 1)
         if best is None or score < best["score"]:
             best = {"bits": size, "score": score, "freqs": freqs, "stride": d, "period": p,
+                    "context": c, "charge": score - size,
                     "block_table": assign if p == 0 else np.zeros(0, np.int64),
                     "context_table": assign if p else np.zeros(0, np.int64)}
     assert best is not None
