@@ -65,7 +65,7 @@ def encode_rans(bits: np.ndarray, *, name: str = "", **params: Any) -> RansTenso
     (True) and ``own_tables`` (False: blocks share clustered tables; True: one table per block);
     ``context`` (None: chosen per tensor by measured size; ``"block"``, ``"column"`` or ``"row"``:
     what chooses each weight's first-stage table, FORMAT.md 9.2); ``decode_cost`` (bits a
-    nanosecond of decoding is worth in the choice of the form, FORMAT.md 9.5: 0.1; 0 keeps the
+    nanosecond of decoding is worth in the choice of the form, FORMAT.md 9.5: 0.2; 0 keeps the
     smallest form whatever its decoding speed).
     """
     return encode_rans_many([bits], names=[name], **params)[0]
@@ -149,14 +149,15 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
     # the exponent of each symbol
     order_key = np.append(np.asarray(alphabet, np.float64) / (1 << mantissa_bits), 0.0)
     chosen = choose_context(symbols, tuple(bits.shape), escape + 1, block_size, order_key,
-                            prob_bits, max_tables, own_tables, context, decode_cost)
+                            prob_bits, max_tables, own_tables, context, decode_cost, low_bits)
     freqs = chosen["freqs"]
     symbol_class, low_freqs = np.zeros(0, np.int64), np.zeros((0, 1), np.int64)
     if low_bits:
         joint = np.bincount(symbols << low_bits | lows, minlength=(escape + 1) << low_bits)
         joint = joint.reshape(escape + 1, -1)
         unit = np.append(np.asarray(alphabet, np.int64) >> mantissa_bits, ESCAPE_UNIT)
-        symbol_class = choose_classes(joint, unit, low_bits)[0]
+        symbol_class = choose_classes(joint, unit, low_bits,
+                                      decode_charge(len(flat), decode_cost, low_tables=1))[0]
         low_freqs = class_tables(joint, symbol_class, prob_bits)
     escaped = symbols == escape
     # the coded size in bits (ideal rANS, without the lanes' states): stream, tables, raw bits,
@@ -183,8 +184,10 @@ def _model(bits: np.ndarray, name: str, block_size: int, prob_bits: int, mantiss
         "stride": chosen["stride"],
         "period": chosen["period"],
         "context": chosen["context"],
-        # what its decoding time is worth in bits: the context's charge and the second stage's
-        "charge": chosen["charge"] + decode_charge(len(flat), low_bits, "block", decode_cost),
+        # what its decoding time is worth in bits: the first stage's tables and context, the
+        # second stage (choose_context), and the second stage's tables
+        "charge": chosen["charge"] + decode_charge(len(flat), decode_cost,
+                                                   low_tables=len(low_freqs) if low_bits else 0),
         "block_size": block_size,
         "context_table": chosen["context_table"],
         "symbol_class": symbol_class,

@@ -29,37 +29,43 @@ TABLE_ENTRY_BITS = 16  # a frequency is stored as a uint16
 CLUSTER_ROUNDS = 8
 CLASS_ROUNDS = 4
 MAX_CLASSES = 256  # second-stage tables: a class is stored in a uint8
-# What decoding a form costs beyond one stage with tables by block, in nanoseconds, charged to it in
-# the encoder's choices at DECODE_BITS_PER_NS bits a nanosecond (FORMAT.md 9.5): a form is kept
-# only where it saves more bits than its decoding time is worth. Fitted to the one-thread decode
-# time of SmolLM2's tensors, each coded in 20 forms, on the project's Intel Xeon (AVX-512 lanes):
-# two stages cost a second rANS step and table lookup per weight, and their tables, built per
-# tensor; tables by context a lookup per weight among K tables, which grows with the tables' bytes
-# (4096 slots of 4 bytes each, twice that where the alphabet has more than 255 values: their values
-# are tables too) as fewer of them stay in the core's caches; rows more than columns (a step's lanes
-# span two rows: a blend).
-TWO_STAGE_NS_PER_WEIGHT = 0.25
+# What decoding a form costs, in nanoseconds, charged to it in the encoder's choices at
+# DECODE_BITS_PER_NS bits a nanosecond (FORMAT.md 9.5): a form, a context or a second-stage class is
+# kept only where it saves more bits than its decoding time is worth. Fitted to the one-thread
+# decode time of SmolLM2's tensors, each coded in 20 forms (and with 1 to 13 classes), on the
+# project's Intel Xeon (AVX-512 lanes). Most of it is the decoding tables' bytes (4096 slots of 4
+# bytes per table; a first-stage table twice that where the lanes cannot hold the values in
+# registers, more than 256 symbols, 64 with two stages): the more of them the lanes look up in,
+# the fewer stay in the core's caches. Besides: values not held in registers cost a lookup per
+# weight; two stages a second rANS step per weight and their tables' building per tensor; a
+# context a table chosen per weight, rows more than columns (a step's lanes span two rows: a
+# blend). Blocks decode four at a time: by block, at most four tables are in use.
+TABLE_BYTES = 4096 * 4
+TABLE_NS_PER_WEIGHT_PER_BYTE = 0.2 / (256 * 1024)
+VALUE_LOOKUP_NS_PER_WEIGHT = 0.1
+TWO_STAGE_NS_PER_WEIGHT = 0.08
 TWO_STAGE_NS_PER_TENSOR = 15_000.0
-CONTEXT_NS_PER_WEIGHT = 0.05
-CONTEXT_NS_PER_WEIGHT_PER_TABLE_BYTE = 0.2 / (256 * 1024)
-ROW_NS_PER_WEIGHT = 0.05
-# The exchange rate: at 0.1 bit a nanosecond a second stage (0.25 ns a weight) must save 0.025 bit
-# a weight, ~0.25% of a weight's coded size. On SmolLM2 it cost 0.03% of the size and saved 9% of
-# the decoding time against a flat 0.02 bit a weight for either (MiniLM 0.03% and 12%); 0 keeps
-# the smallest form whatever its speed.
-DECODE_BITS_PER_NS = 0.1
+CONTEXT_NS_PER_WEIGHT = {"block": 0.0, "column": 0.05, "row": 0.1}
+# The exchange rate: at 0.2 bit a nanosecond a second stage with 13 classes (~0.25 ns a weight)
+# must save 0.05 bit a weight, ~0.5% of a weight's coded size. Against the earlier flat 0.02 bit a
+# weight for a second stage or a context and blocks of 65536 (one core of the Intel Xeon, every
+# tensor decoded in turn, best of 11): SmolLM2 gave 0.13% of its size for 11% of its decoding time,
+# MiniLM 0.06% for 11%, Whisper tiny.en 0.04% for none; 0 keeps the smallest form whatever its
+# speed.
+DECODE_BITS_PER_NS = 0.2
 
 
-def decode_charge(n: int, low_bits: int, context: str, bits_per_ns: float, tables: int = 0,
-                  alphabet_size: int = 0) -> float:
+def decode_charge(n: int, bits_per_ns: float, *, context: str = "block", tables: int = 0,
+                  alphabet_size: int = 0, low_bits: int = 0, low_tables: int = 0) -> float:
     """The bits charged to a form of an n-weight tensor for its decoding time (FORMAT.md 9.5):
-    ``bits_per_ns`` times the modelled nanoseconds beyond one stage with tables by block, for
-    ``tables`` first-stage tables by ``context`` over an alphabet of ``alphabet_size`` values."""
-    ns = 0.0
-    if context != "block":
-        table_bytes = tables * 4096 * 4 * (2 if alphabet_size > 255 else 1)
-        ns += n * (CONTEXT_NS_PER_WEIGHT + CONTEXT_NS_PER_WEIGHT_PER_TABLE_BYTE * table_bytes
-                   + (ROW_NS_PER_WEIGHT if context == "row" else 0.0))
+    ``bits_per_ns`` times its modelled nanoseconds: ``tables`` first-stage tables chosen by
+    ``context`` over an alphabet of ``alphabet_size`` values, ``low_tables`` second-stage tables,
+    two stages if ``low_bits`` > 0."""
+    live = tables if context != "block" else min(tables, 4)
+    values_too = alphabet_size + 1 > (64 if low_bits else 256)  # (and the escape)
+    table_bytes = TABLE_BYTES * (live * (2 if values_too else 1) + low_tables)
+    ns = n * (TABLE_NS_PER_WEIGHT_PER_BYTE * table_bytes + CONTEXT_NS_PER_WEIGHT[context]
+              + (VALUE_LOOKUP_NS_PER_WEIGHT if values_too and tables else 0.0))
     if low_bits:
         ns += TWO_STAGE_NS_PER_WEIGHT * n + TWO_STAGE_NS_PER_TENSOR
     return bits_per_ns * ns
@@ -288,7 +294,8 @@ def ideal_bits(counts: np.ndarray) -> float:
     return float((c * np.log2(c.sum() / c)).sum()) if c.size else 0.0
 
 
-def choose_classes(joint: np.ndarray, unit: np.ndarray, low_bits: int) -> tuple[np.ndarray, float]:
+def choose_classes(joint: np.ndarray, unit: np.ndarray, low_bits: int,
+                   class_charge: float = 0.0) -> tuple[np.ndarray, float]:
     """(symbol_class [S], estimated bits): which second-stage table each first-stage symbol uses.
 
     ``joint`` [S, 2^k]: how often first-stage symbol s comes with low bits l. Symbols are grouped
@@ -302,6 +309,7 @@ def choose_classes(joint: np.ndarray, unit: np.ndarray, low_bits: int) -> tuple[
     bits), ideal code lengths throughout. A few rounds, since the pool changes with what leaves it.
     At most
     MAX_CLASSES classes; a symbol that never occurs goes to class 0. The estimate counts the tables.
+    ``class_charge``: bits more a class must save (what its table costs in decoding time).
     """
     units, unit_of = np.unique(unit, return_inverse=True)
     per_unit = np.zeros((len(units), joint.shape[1]), np.float64)
@@ -309,13 +317,14 @@ def choose_classes(joint: np.ndarray, unit: np.ndarray, low_bits: int) -> tuple[
     totals = per_unit.sum(axis=1)
     own_bits = np.array([ideal_bits(row) for row in per_unit])
     table_bits = TABLE_ENTRY_BITS * (1 << low_bits)
+    cost = table_bits + class_charge
     own = np.zeros(len(units), bool)
     for _ in range(CLASS_ROUNDS):
         pool = per_unit[~own].sum(axis=0)
         with np.errstate(divide="ignore", invalid="ignore"):  # inf where the pool lacks a symbol
             pool_cost = np.log2(pool.sum() / pool) if pool.sum() else np.full(len(pool), np.inf)
             in_pool = np.where(per_unit > 0, per_unit * pool_cost, 0).sum(axis=1)
-        gain = np.where(totals > 0, in_pool - own_bits - table_bits, -np.inf)
+        gain = np.where(totals > 0, in_pool - own_bits - cost, -np.inf)
         best = np.argsort(-gain, kind="stable")[: MAX_CLASSES - 1]
         new = np.zeros(len(units), bool)
         new[best[gain[best] > 0]] = True
@@ -345,14 +354,13 @@ def class_tables(joint: np.ndarray, symbol_class: np.ndarray, prob_bits: int) ->
 
 
 def estimate_bits(hist: np.ndarray, mantissa_bits: int, low_bits: int, prob_bits: int,
-                  escapes: bool = True) -> float:
+                  escapes: bool = True, bits_per_ns: float = 0.0) -> float:
     """An estimate of a tensor's coded size in bits with m = ``mantissa_bits`` and k =
-    ``low_bits``, from
-    ``hist`` (how often each of the 65536 bf16 patterns occurs): ideal code lengths with one
-    first-stage
-    table (an upper bound for the clustered tables), the alphabet, the escapes, the second-stage
-    tables
-    (``choose_classes``) and the raw bits. Infinite where the parameters cannot code the tensor."""
+    ``low_bits``, from ``hist`` (how often each of the 65536 bf16 patterns occurs): ideal code
+    lengths with one first-stage table (an upper bound for the clustered tables), the alphabet, the
+    escapes, the second-stage tables (``choose_classes``) and the raw bits; plus, at
+    ``bits_per_ns`` > 0, what decoding it is worth (``decode_charge``, tables by block). Infinite
+    where the parameters cannot code the tensor."""
     patterns = np.arange(1 << 16, dtype=np.int64)
     hist = np.asarray(hist, np.int64)
     n = int(hist.sum())
@@ -377,9 +385,14 @@ def estimate_bits(hist: np.ndarray, mantissa_bits: int, low_bits: int, prob_bits
         joint = np.bincount(symbols << low_bits | lows, hist,
                             minlength=(len(alphabet) + 1) << low_bits)
         unit = np.append(alphabet >> mantissa_bits, 1 << 8)
-        bits += choose_classes(joint.reshape(-1, 1 << low_bits), unit, low_bits)[1]
-        bits += 8 * (len(alphabet) + 1)  # symbol_class
-    return bits
+        symbol_class, class_bits = choose_classes(joint.reshape(-1, 1 << low_bits), unit, low_bits,
+                                                  decode_charge(n, bits_per_ns, low_tables=1))
+        bits += class_bits + 8 * (len(alphabet) + 1)  # (8: symbol_class)
+        low_tables = int(symbol_class.max()) + 1
+    else:
+        low_tables = 0
+    return bits + decode_charge(n, bits_per_ns, tables=1, alphabet_size=len(alphabet),
+                                low_bits=low_bits, low_tables=low_tables)
 
 
 def choose_coding(hist: np.ndarray, prob_bits: int, escapes: bool = True,
@@ -390,11 +403,9 @@ def choose_coding(hist: np.ndarray, prob_bits: int, escapes: bool = True,
     first
     (FORMAT.md 9.5). Candidates: m = 0 ... 7 with k = 0 (one stage: m mantissa bits coded with the
     exponent, the rest raw), and m = 0 ... 6 with k = 7 - m (two stages: every mantissa bit coded,
-    the last 7 - m with a table chosen by the first symbol). The score is ``estimate_bits`` plus,
-    for two stages, what their decoding time is worth (``decode_charge`` at ``bits_per_ns``). A
-    given m or k restricts the candidates; ties go to the earlier candidate (k = 0, small m
-    first)."""
-    n = int(np.asarray(hist).sum())
+    the last 7 - m with a table chosen by the first symbol). The score is ``estimate_bits`` with
+    what the form's decoding time is worth at ``bits_per_ns``. A given m or k restricts the
+    candidates; ties go to the earlier candidate (k = 0, small m first)."""
     ms = range(8) if mantissa_bits is None else [mantissa_bits]
     ks = [0, None] if low_bits is None else [low_bits]  # None: 7 - m
     out = []
@@ -403,8 +414,7 @@ def choose_coding(hist: np.ndarray, prob_bits: int, escapes: bool = True,
             k = 7 - m if k_choice is None else k_choice
             if m + k > 7 or (k_choice is None and k == 0):
                 continue
-            bits = estimate_bits(hist, m, k, prob_bits, escapes)
-            out.append((bits + decode_charge(n, k, "block", bits_per_ns), m, k))
+            out.append((estimate_bits(hist, m, k, prob_bits, escapes, bits_per_ns), m, k))
     return sorted(out, key=lambda c: c[0])  # (stable: ties keep the order above)
 
 
@@ -433,16 +443,17 @@ MAX_CONTEXT_PERIOD = 1 << 14
 def choose_context(
     symbols: np.ndarray, shape: tuple[int, ...], n_symbols: int, block_size: int,
     order_key: np.ndarray, prob_bits: int, max_tables: int, own_tables: bool = False,
-    context: str | None = None, bits_per_ns: float = DECODE_BITS_PER_NS,
+    context: str | None = None, bits_per_ns: float = DECODE_BITS_PER_NS, low_bits: int = 0,
 ) -> dict[str, object]:
     """The first-stage tables and what chooses among them, by measured size (FORMAT.md 9.5).
 
     Candidates: tables clustered over blocks (``block_table``), over the columns of the tensor
     (``context_table`` per column: D = 1, P = columns) and over its rows (D = columns, P = rows);
     each costs its coded size (quantized tables), 16 bits per table entry and 8 bits per entry of
-    its block or context table, and a context what its decoding time is worth (``decode_charge`` at
-    ``bits_per_ns``: a table looked up per weight). ``context`` forces one (``"block"``,
-    ``"column"``, ``"row"``); None takes the smallest (ties: the earlier). Returns freqs [K, S],
+    its block or context table, and what its decoding time is worth (``decode_charge`` at
+    ``bits_per_ns``, two stages if ``low_bits`` > 0: a context looks a table up per weight).
+    ``context`` forces one (``"block"``, ``"column"``, ``"row"``); None takes the smallest (ties:
+    the earlier). Returns freqs [K, S],
     block_table, stride D, period P (0: by block), the context's name, context_table and the size
     in bits (without the charge)."""
     n = len(symbols)
@@ -476,7 +487,8 @@ def choose_context(
         size = sum(coded_bits(counts[assign == j].sum(axis=0), freqs[j], prob_bits)
                    for j in range(len(freqs)))
         size += TABLE_ENTRY_BITS * freqs.size + 8 * n_groups
-        score = size + decode_charge(n, 0, c, bits_per_ns, len(freqs), n_symbols - 1)
+        score = size + decode_charge(n, bits_per_ns, context=c, tables=len(freqs),
+                                     alphabet_size=n_symbols - 1, low_bits=low_bits)
         if best is None or score < best["score"]:
             best = {"bits": size, "score": score, "freqs": freqs, "stride": d, "period": p,
                     "context": c, "charge": score - size,
