@@ -27,6 +27,7 @@ import torch
 from fast import build_c
 from fast.codec.decode_c import CRC_ORDER
 from fast.codec.decode_rans_c import CRC_ORDER as RANS_CRC_ORDER
+from fast.codec.decode_rans_c import SMALL_ARRAYS as RANS_SMALL_ARRAYS
 from fast.engine.elementwise_torch import apply_rope, rms_norm, signed
 from fast.kv import attention_c
 from reference.codec import encode, encode_rans
@@ -182,7 +183,8 @@ def test_rans_decoder_under_qemu(drivers: Path) -> None:
                               t.n_escapes, threads, t.low_bits, t.low_tables, t.context_stride, t.context_period),
                           a["raw"], a["alphabet"], a["tables"],
                           stream, a["block_words"], a["states"], a["block_table"], a["escapes"], a["block_escapes"],
-                          np.array([t.crc[c] for c in RANS_CRC_ORDER], np.uint32), a["symbol_class"],
+                          np.array([t.crc[c] for c in RANS_CRC_ORDER + RANS_SMALL_ARRAYS], np.uint32),
+                          a["symbol_class"],
                           a["low_freqs"], a["context_table"]])
             want.append((bits, damaged))
     out = run_driver("rans_check", cases, drivers)

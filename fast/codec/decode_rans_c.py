@@ -8,14 +8,14 @@ Conformance level: bit-exact against ``reference.codec.decode_rans`` (the lockst
 FORMAT.md 9.4): the same bits for every valid tensor, and CodecError (never wrong data) for every
 damaged one (``conformance/cases/cpu_decode_cases.py``, ``tests/test_rans_cpu.py``).
 
-Python runs the checks on the header (``RansTensor.check_header``), the CRC-32 of the small arrays (alphabet,
-tables, block index) and the zero padding of the last packed group of ``raw`` and ``escapes``; C those of
-``RansTensor.check_index`` (``unw_rans_check``: the same verdicts and messages, in microseconds) and the rest in
-the pass that decodes: the CRC-32 of raw, stream, escapes and the decoded data, and per block that it reads
-exactly its own words and escapes and that every lane ends in state 2^16.
+Python runs the checks on the header (``RansTensor.check_header``) and the zero padding of the last packed group
+of ``raw`` and ``escapes``; C, in the same call that decodes, first the CRC-32 of the small arrays (alphabet,
+tables, block index) and those of ``RansTensor.check_index`` (``unw_rans_check``: the same verdicts and messages,
+in microseconds), then the rest in the pass that decodes: the CRC-32 of raw, stream, escapes and the decoded
+data, and per block that it reads exactly its own words and escapes and that every lane ends in state 2^16.
 
 Both forms of FORMAT.md 9: one stage, and two stages (``low_bits`` > 0: the low mantissa bits coded with a table
-chosen by the value's symbol; ``symbol_class`` and ``low_freqs`` are CRC'd here with the other small arrays); the
+chosen by the value's symbol; ``symbol_class`` and ``low_freqs`` are CRC'd with the other small arrays); the
 first-stage tables by block or by context (``context_period`` > 0: a weight's table chosen by its column or row,
 ``context_table`` CRC'd here too).
 
@@ -56,7 +56,8 @@ _SIGNATURES = {  # name: (return type, argument types), as in native/rans_decode
 }
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
 SMALL_ARRAYS = ("alphabet", "tables", "block_words", "states", "block_table", "block_escapes", "symbol_class",
-                "low_freqs", "context_table")  # CRC'd in Python
+                "low_freqs", "context_table")  # CRC'd and checked (unw_rans_check) first, in unw_rans_decode
+BAD_INDEX = 5  # unw_rans_decode's code for a failed index check (INDEX_ERRORS[crc_io[4]])
 ERRORS = {  # unw_rans_decode's return codes
     1: "rANS stream is corrupt: block {0} does not end where it should (wrong number of words read, or a lane "
        "not back in its start state)",
@@ -133,25 +134,17 @@ def decode_rans_cpu(t: RansTensor, *, threads: int = 1, native: bool | None = No
         out[...] = bits.reshape(-1)
         return out.reshape(t.shape)
     t.check_header()
-    t.check_crcs(SMALL_ARRAYS)
     arrays = {k: np.ascontiguousarray(v) for k, v in t.arrays().items()}
     for key, a in arrays.items():
         if a.dtype.byteorder == ">":  # check_header accepts either byte order; C reads native order
             raise CodecError(f"{where}decode_rans_cpu takes native-order arrays, got {a.dtype} for {key}")
     a = arrays
     p = {k: v.ctypes.data for k, v in arrays.items()}  # each pointer once (~1 us each)
-    index = lib.unw_rans_check(  # RansTensor.check_index, in C
-        p["alphabet"], t.alphabet_size, t.mantissa_bits, p["tables"], t.n_tables, t.prob_bits, p["block_table"],
-        a["block_table"].size, p["context_table"], t.context_period, t.low_bits, t.low_tables, p["low_freqs"],
-        p["symbol_class"], a["symbol_class"].size, p["block_words"], p["block_escapes"], p["states"], t.n_blocks,
-        t.lanes, t.stream_words, t.n_escapes, t.n, t.block_size)
-    if index:
-        raise CodecError(where + INDEX_ERRORS[index].format(m=1 << t.prob_bits, words=t.stream_words,
-                                                            escapes=t.n_escapes))
     if not (_padding_is_zero(arrays["raw"], t.raw_bits, t.n)
             and _padding_is_zero(arrays["escapes"], t.escape_bits, t.n_escapes)):
         raise CodecError(f"{where}the padding of the raw bits or of the escapes must be 0")
-    io = np.array([t.crc[k] for k in CRC_ORDER] + [0, 0], np.uint32)
+    # the CRCs the C checks: the big arrays' and the data's, two outputs, the small arrays'
+    io = np.array([t.crc[k] for k in CRC_ORDER] + [0, 0] + [t.crc[k] for k in SMALL_ARRAYS], np.uint32)
     out = np.empty(t.n, np.uint16) if out is None else out.reshape(-1)
     threads = max(1, min(threads, t.n // MIN_WEIGHTS_PER_THREAD, 64))
     error = lib.unw_rans_decode(
@@ -160,8 +153,11 @@ def decode_rans_cpu(t: RansTensor, *, threads: int = 1, native: bool | None = No
         p["block_escapes"], t.n_escapes, t.n, t.block_size, t.lanes, t.prob_bits, t.mantissa_bits, t.low_bits,
         p["symbol_class"], p["low_freqs"], t.low_tables, p["context_table"], t.context_stride, t.context_period,
         threads, io.ctypes.data, out.ctypes.data)
+    if error == BAD_INDEX:  # RansTensor.check_index's verdict and message, from unw_rans_check
+        raise CodecError(where + INDEX_ERRORS[int(io[4])].format(m=1 << t.prob_bits, words=t.stream_words,
+                                                                 escapes=t.n_escapes))
     if error == 3:
-        key = CRC_ORDER[int(io[4])]
+        key = (*CRC_ORDER, *SMALL_ARRAYS)[int(io[4])]
         what = "decoded data" if key == "data" else f"array {key}"
         raise CodecError(f"{where}{what} fails its CRC-32 check: the data is corrupt")
     if error:

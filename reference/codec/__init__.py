@@ -27,7 +27,7 @@ Public API (bf16 tensors are uint16 arrays of bit patterns, see reference/bf16.p
 The rANS mode (our own, FORMAT.md section 9; smaller than every peer, decoded by interleaved lanes):
 
     encode_rans(bits, *, block_size=None, lanes=32, prob_bits=12, mantissa_bits=None, max_tables=16,
-                decode_cost=0.2)
+                decode_cost=0.25)
         -> RansTensor                  header fields + arrays raw, alphabet, tables, stream,
         block_words,
                                        states, block_table, escapes, block_escapes; .header(),

@@ -3,7 +3,8 @@
  * Per case, records in (check_io.h): int64 [alphabet size, tables, n, block size, lanes, prob bits, mantissa bits,
  * escapes, threads, low bits, low tables, context stride, context period], then raw (uint8), alphabet, tables
  * (uint16), stream (uint16), block_words, states (uint32), block_table (uint8), escapes (uint8), block_escapes
- * (uint32), the expected CRCs (uint32 [4]: raw, stream, escapes, data), symbol_class (uint8), low_freqs (uint16),
+ * (uint32), the expected CRCs (uint32 [13]: raw, stream, escapes, data, then the small arrays in decode_rans_c.py's
+ * SMALL_ARRAYS order), symbol_class (uint8), low_freqs (uint16),
  * context_table (uint8). Python has run the checks it runs before the C decoder (decode_rans_c.py).
  * Out, under each cap (ISA_SCALAR; ISA_NEON): int32 [the error code, crc_io[4], crc_io[5]], the decoded bf16
  * (uint16 [n]).
@@ -27,10 +28,11 @@ int main(int argc, char **argv) {
         const uint8_t *context_table = rec_need(&n);
         uint16_t *out = malloc(2 * (size_t)par[2] + 2);
         for (int isa = ISA_SCALAR; isa <= ISA_NEON; isa++) {
-            uint32_t io[6];
+            uint32_t io[15];
             int32_t result[3];
             memcpy(io, crc, 16);
             io[4] = io[5] = 0;
+            memcpy(io + 6, crc + 4, 36);
             unw_rans_isa(isa);
             result[0] = unw_rans_decode(raw, nraw, alphabet, (int)par[0], tables, (int)par[1], stream, words / 2,
                                         block_words, states, block_table, escapes, nesc, block_escapes, par[7],

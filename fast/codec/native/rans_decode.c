@@ -2,11 +2,11 @@
  *
  * fast/codec/decode_rans_c.py builds this file with the system C compiler on first use (as decode.c),
  * loads it with ctypes and calls unw_rans_isa once (UNFIRE_CPU_ISA's cap), unw_rans_decode (and, in the tests,
- * unw_rans_use). Python checks
- * first what is cheap and small (RansTensor.check_header: parameters, every array's dtype and length; check_index: alphabet, tables
- * summing to M, block_table < K, block_words and block_escapes rising from 0 to W and E, escapes per
- * block, states >= 2^16; the CRC-32 of those small arrays; the padding of the last packed group).
- * This file does the rest of FORMAT.md 9.6: the CRC-32 of raw, stream and escapes (computed by the
+ * unw_rans_use). Python checks first the header (RansTensor.check_header: parameters, every array's dtype and
+ * length) and the padding of the last packed group. This file does the rest of FORMAT.md 9.6: first what is cheap
+ * and small (the CRC-32 of the small arrays; unw_rans_check, RansTensor.check_index's checks: alphabet, tables
+ * summing to M, block_table < K, block_words and block_escapes rising from 0 to W and E, escapes per block,
+ * states >= 2^16), then the CRC-32 of raw, stream and escapes (computed by the
  * threads, a piece per block) and of the decoded data (per block, while it is in cache), and per
  * block that it reads exactly its own words and escapes and that every lane ends in state 2^16.
  * Every read is bounded by the array's real length whatever the index arrays say (a stream index is
@@ -64,7 +64,7 @@
 #define ESCAPE 0xFFFFu /* the value an escape symbol's entry holds (alphabet values are < 2^15) */
 #define STATE_LOW 65536u
 
-enum { OK, BAD_WORDS, BAD_ESCAPES, BAD_CRC, NO_MEMORY };
+enum { OK, BAD_WORDS, BAD_ESCAPES, BAD_CRC, NO_MEMORY, BAD_INDEX };
 
 static int lanes_taken; /* the lanes that ran since unw_rans_lanes_taken last asked: AVX2 1 one stage, 2 two;
                          * AVX-512 4 one stage, 8 two */
@@ -1383,9 +1383,11 @@ int unw_rans_check(const uint16_t *alphabet, int a, int mantissa_bits, const uin
     return 0;
 }
 
-/* Decode a checked rANS-form tensor (see the top of this file) into out (uint16 [n]). crc_io[0..3]: the
- * expected CRC-32 of raw, stream, escapes and the data. Returns OK or an error code, with crc_io[4] the
- * block (or, for BAD_CRC, which of the four) and crc_io[5] a detail. */
+/* Decode a rANS-form tensor whose header Python has checked (see the top of this file) into out (uint16 [n]).
+ * crc_io[0..3]: the expected CRC-32 of raw, stream, escapes and the data; crc_io[6..14] those of the small arrays
+ * (alphabet, tables, block_words, states, block_table, block_escapes, symbol_class, low_freqs, context_table).
+ * Returns OK or an error code, with crc_io[4] the block (for BAD_CRC which array: 0-3 as above, 4 + j the j-th
+ * small one; for BAD_INDEX which check, unw_rans_check's code) and crc_io[5] a detail. */
 int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabet, int alphabet_size,
                     const uint16_t *tables, int n_tables, const uint16_t *stream, int64_t words,
                     const uint32_t *block_words, const uint32_t *states, const uint8_t *block_table,
@@ -1397,6 +1399,28 @@ int unw_rans_decode(const uint8_t *raw, int64_t raw_len, const uint16_t *alphabe
     Rans r;
     crc_setup();
     builds_setup();
+    /* First the small arrays (their lengths follow from the header, which Python has checked against them): their
+     * CRC-32s, crc_io[6 ...] in decode_rans_c.py's SMALL_ARRAYS order, then unw_rans_check (one call from Python
+     * where there were three steps: ~9 us a tensor) */
+    int64_t nb = n > 0 ? (n + block_size - 1) / block_size : 0, a1 = (int64_t)alphabet_size + 1;
+    const void *small[9] = {alphabet, tables, block_words, states, block_table, block_escapes, symbol_class, low_freqs,
+                            context_table};
+    int64_t small_bytes[9] = {2 * (int64_t)alphabet_size, 2 * n_tables * a1, 4 * (nb + 1), 4 * nb * lanes,
+                              context_period ? 0 : nb, 4 * (nb + 1), low_bits ? a1 : 0,
+                              (int64_t)2 * low_tables << low_bits, context_period};
+    for (int j = 0; j < 9; j++)
+        if (~crc_update(~0u, (const uint8_t *)small[j], (size_t)small_bytes[j]) != crc_io[6 + j]) {
+            crc_io[4] = (uint32_t)(4 + j); /* (CRC_ORDER + SMALL_ARRAYS)[4 + j] */
+            return BAD_CRC;
+        }
+    int index = unw_rans_check(alphabet, alphabet_size, mantissa_bits, tables, n_tables, prob_bits, block_table,
+                               context_period ? 0 : nb, context_table, context_period, low_bits, low_tables,
+                               low_freqs, symbol_class, low_bits ? a1 : 0, block_words, block_escapes, states, nb,
+                               lanes, words, n_escapes, n, block_size);
+    if (index) {
+        crc_io[4] = (uint32_t)index;
+        return BAD_INDEX;
+    }
     memset(&r, 0, sizeof r);
     r.raw = raw, r.raw_len = raw_len, r.stream = stream, r.words = words, r.block_words = block_words;
     r.states = states, r.block_table = block_table, r.escapes = escapes, r.esc_len = esc_len;

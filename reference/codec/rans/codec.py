@@ -65,7 +65,7 @@ def encode_rans(bits: np.ndarray, *, name: str = "", **params: Any) -> RansTenso
     (True) and ``own_tables`` (False: blocks share clustered tables; True: one table per block);
     ``context`` (None: chosen per tensor by measured size; ``"block"``, ``"column"`` or ``"row"``:
     what chooses each weight's first-stage table, FORMAT.md 9.2); ``decode_cost`` (bits a
-    nanosecond of decoding is worth in the choice of the form, FORMAT.md 9.5: 0.2; 0 keeps the
+    nanosecond of decoding is worth in the choice of the form, FORMAT.md 9.5: 0.25; 0 keeps the
     smallest form whatever its decoding speed).
     """
     return encode_rans_many([bits], names=[name], **params)[0]

@@ -34,6 +34,7 @@ ARRAY_DTYPES = {"raw": np.uint8, "alphabet": np.uint16, "tables": np.uint16, "st
                 "escapes": np.uint8, "block_escapes": np.uint32, "symbol_class": np.uint8,
                 "low_freqs": np.uint16, "context_table": np.uint8}
 CRC_KEYS = (*ARRAY_DTYPES, "data")
+_DTYPES = {key: np.dtype(dtype) for key, dtype in ARRAY_DTYPES.items()}  # (built once)
 # The second stage (low mantissa bits coded by class) came later: a one-stage tensor written before
 # it has no low_bits / low_tables keys, no symbol_class / low_freqs arrays and no CRCs of them. It
 # is read as k = 0, C = 0.
@@ -268,9 +269,10 @@ class RansTensor(StoredForm):
             "context_table": (self.context_period,),
         }
         arrays = self.arrays()
-        for key, dtype in ARRAY_DTYPES.items():
+        for key, dtype in _DTYPES.items():
             array = arrays[key]
-            if array.dtype.newbyteorder("=") != np.dtype(dtype) or array.shape != expected[key]:
+            if array.shape != expected[key] or (array.dtype != dtype
+                                                and array.dtype.newbyteorder("=") != dtype):
                 raise CodecError(f"{where}array {key} is {array.dtype}{list(array.shape)}, "
                                  "expected "
                                  f"{np.dtype(dtype)}{list(expected[key])} (truncated or corrupt)")

@@ -46,13 +46,11 @@ VALUE_LOOKUP_NS_PER_WEIGHT = 0.1
 TWO_STAGE_NS_PER_WEIGHT = 0.08
 TWO_STAGE_NS_PER_TENSOR = 15_000.0
 CONTEXT_NS_PER_WEIGHT = {"block": 0.0, "column": 0.05, "row": 0.1}
-# The exchange rate: at 0.2 bit a nanosecond a second stage with 13 classes (~0.25 ns a weight)
-# must save 0.05 bit a weight, ~0.5% of a weight's coded size. Against the earlier flat 0.02 bit a
-# weight for a second stage or a context and blocks of 65536 (one core of the Intel Xeon, every
-# tensor decoded in turn, best of 11): SmolLM2 gave 0.13% of its size for 11% of its decoding time,
-# MiniLM 0.06% for 11%, Whisper tiny.en 0.04% for none; 0 keeps the smallest form whatever its
-# speed.
-DECODE_BITS_PER_NS = 0.2
+# The exchange rate: at 0.25 bit a nanosecond a second stage with 13 classes (~0.25 ns a weight)
+# must save ~0.06 bit a weight, ~0.6% of a weight's coded size. On SmolLM2, one core of the Intel
+# Xeon, against the smallest form (0): 0.2% of its size for 1.3x its decoding speed, the point where
+# it passes ZipNN's; every cost's trade is measured by experiments/unweight/codec_decode_cost.py.
+DECODE_BITS_PER_NS = 0.25
 
 
 def decode_charge(n: int, bits_per_ns: float, *, context: str = "block", tables: int = 0,
