@@ -51,8 +51,6 @@ _SIGNATURES = {  # name: (return type, argument types), as in native/rans_decode
     "unw_rans_use512": (_INT, [_INT]),
     "unw_rans_isa": (_INT, [_INT]),
     "unw_rans_lanes_taken": (_INT, []),
-    "unw_rans_check": (_INT, [_P, _INT, _INT, _P, _INT, _INT, _P, _I64, _P, _I64, _INT, _INT, _P, _P, _I64, _P, _P,
-                              _P, _I64, _INT, _I64, _I64, _I64, _I64]),
 }
 MIN_WEIGHTS_PER_THREAD = 1 << 18  # fewer, and starting a thread costs more than it saves
 SMALL_ARRAYS = ("alphabet", "tables", "block_words", "states", "block_table", "block_escapes", "symbol_class",

@@ -1322,13 +1322,14 @@ static void build_wide(uint32_t *decw, uint32_t *valw, const uint16_t *tables, c
 /* The checks of RansTensor.check_index (reference/codec/rans/format.py, FORMAT.md 9.6) on the small arrays, in C:
  * the same verdicts, microseconds instead of a few dozen NumPy calls per tensor. Returns 0, or which check failed
  * (decode_rans_c.py's INDEX_ERRORS, in check_index's order). The arrays have the lengths the header implies
- * (RansTensor.check_header ran first). */
-int unw_rans_check(const uint16_t *alphabet, int a, int mantissa_bits, const uint16_t *tables, int n_tables,
-                   int prob_bits, const uint8_t *block_table, int64_t n_block_table, const uint8_t *context_table,
-                   int64_t period, int low_bits, int low_tables, const uint16_t *low_freqs,
-                   const uint8_t *symbol_class, int64_t n_symbol_class, const uint32_t *block_words,
-                   const uint32_t *block_escapes, const uint32_t *states, int64_t n_blocks, int lanes, int64_t words,
-                   int64_t n_escapes, int64_t n, int64_t block_size) {
+ * (RansTensor.check_header ran first). unw_rans_decode runs it first. */
+static int unw_rans_check(const uint16_t *alphabet, int a, int mantissa_bits, const uint16_t *tables, int n_tables,
+                          int prob_bits, const uint8_t *block_table, int64_t n_block_table,
+                          const uint8_t *context_table, int64_t period, int low_bits, int low_tables,
+                          const uint16_t *low_freqs, const uint8_t *symbol_class, int64_t n_symbol_class,
+                          const uint32_t *block_words, const uint32_t *block_escapes, const uint32_t *states,
+                          int64_t n_blocks, int lanes, int64_t words, int64_t n_escapes, int64_t n,
+                          int64_t block_size) {
     uint64_t seen[512]; /* a bit per value < 2^15 */
     memset(seen, 0, sizeof seen);
     for (int s = 0; s < a; s++) {
