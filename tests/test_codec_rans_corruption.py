@@ -114,7 +114,12 @@ def test_other_sizes_in_the_header(which: str, key: str, value: int) -> None:
     base = BASES[which]
     header = base.header()
     header[key] = [value, 200] if key == "shape" else value
-    decodes_exactly_or_raises(header, base.arrays(), ORIGINALS[which])
+    original = ORIGINALS[which]
+    if key == "shape" and value * 200 == original.size:
+        # another shape of as many weights decodes to the same bits: the tensor's form cannot see it, the
+        # container's header CRC refuses it (FORMAT.md 6.1; tests/test_codec_header_tamper.py)
+        original = original.reshape(value, 200)
+    decodes_exactly_or_raises(header, base.arrays(), original)
 
 
 @pytest.mark.parametrize("which", BASES)
